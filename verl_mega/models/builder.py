@@ -1,0 +1,130 @@
+"""Build a megatron-core GPTModel (this rank's TP/PP part) from an HF config and its family spec."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .hf_config import HFModelConfig, rope_inv_freq
+from .spec import FamilySpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: the vocabulary rounded up to a multiple of `divisible_by * tp`."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_parallel_fit(cfg: HFModelConfig, tp: int, pp: int, ep: int = 1) -> None:
+    """Refuse a layout the model cannot be split into, naming the sizes that do not divide."""
+    if cfg.num_kv_heads % tp:
+        raise ValueError(
+            f"tensor parallel size {tp} must divide the number of query groups (num_key_value_heads="
+            f"{cfg.num_kv_heads}) so that each rank holds whole query groups"
+        )
+    if cfg.num_heads % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide num_attention_heads={cfg.num_heads}")
+    if cfg.ffn_hidden_size % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide intermediate_size={cfg.ffn_hidden_size}")
+    if cfg.num_layers % pp:
+        raise ValueError(f"pipeline parallel size {pp} must divide num_hidden_layers={cfg.num_layers}")
+    if ep > 1 and (not cfg.num_experts or cfg.num_experts % ep):
+        raise ValueError(f"expert parallel size {ep} must divide the number of experts ({cfg.num_experts or 0})")
+
+
+def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                       dtype: str = "fp32", **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    params_dtype = DTYPES[dtype]
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_heads,
+        num_query_groups=cfg.num_kv_heads,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=family.has_qkv_bias(cfg),
+        qk_layernorm=family.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        # The fused kernels below are CUDA (apex / TE) only.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+    )
+    if family.moe:
+        kwargs.update(
+            num_moe_experts=cfg.num_experts,
+            moe_router_topk=cfg.moe_top_k,
+            moe_ffn_hidden_size=cfg.ffn_hidden_size,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            # The all-to-all dispatcher creates CUDA streams; all-gather works on both.
+            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(family: FamilySpec, implementation: str = "auto"):
+    """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if implementation == "auto":
+        implementation = "te" if _transformer_engine_available() else "local"
+    num_experts = 1 if family.moe else None  # only its truthiness selects the MoE layer
+    if implementation == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, qk_layernorm=family.qk_norm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, qk_layernorm=family.qk_norm, normalization="RMSNorm"
+    )
+
+
+def _transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vocab: int,
+                    pre_process: bool = True, post_process: bool = True, implementation: str = "auto"):
+    """This rank's GPTModel; RoPE frequencies are HF's, so any supported scaling matches exactly."""
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(family, implementation),
+        vocab_size=padded_vocab,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=cfg.rotary_percent,
+        rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
+    )
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(model.rotary_pos_emb.inv_freq.device)
+    return model

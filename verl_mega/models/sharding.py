@@ -1,0 +1,114 @@
+"""Walk a family spec over one rank's part of the model: which megatron tensors, from which HF tensors.
+
+Shared by the converters (HF -> shards, shards -> HF), the HybridEngine and the exporter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from .hf_config import HFModelConfig
+from .spec import EXPERT, LAYER, FamilySpec, TensorRule
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One megatron tensor instance: its rule, global layer/expert, and names (global and rank-local)."""
+
+    rule: TensorRule
+    layer: int | None
+    expert: int | None
+    local_name: str  # layer/expert numbered within this PP stage / EP rank, as megatron's modules are
+    hf_names: tuple[str, ...]
+
+    @property
+    def is_tied_copy(self) -> bool:
+        """The last stage's copy of the tied embedding; exports skip it."""
+        return self.local_name == "output_layer.weight" and self.rule.mcore != self.local_name
+
+    @property
+    def global_name(self) -> str:
+        return _fill(self.rule.mcore, self.layer, self.expert)
+
+
+def _fill(template: str, layer: int | None, expert: int | None) -> str:
+    return template.replace(LAYER, str(layer)).replace(EXPERT, str(expert))
+
+
+def stage_layers(cfg: HFModelConfig, pp_rank: int, pp: int) -> range:
+    per_stage = cfg.num_layers // pp
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def rank_slots(cfg: HFModelConfig, family: FamilySpec, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0,
+               ep: int = 1) -> Iterator[TensorSlot]:
+    """Every megatron tensor a rank at (pp_rank, ep_rank) holds, in a stable order."""
+    layers = stage_layers(cfg, pp_rank, pp)
+    experts_per_rank = (cfg.num_experts or 1) // ep
+    experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    for rule in family.active_rules(cfg):
+        if not rule.per_layer:
+            if rule.mcore.startswith("embedding."):
+                if first:
+                    yield TensorSlot(rule, None, None, rule.mcore, rule.hf)
+                if last and pp > 1 and cfg.tie_word_embeddings:
+                    # The last stage keeps its own copy of the tied embedding as the output layer.
+                    yield TensorSlot(rule, None, None, "output_layer.weight", rule.hf)
+            elif last:
+                yield TensorSlot(rule, None, None, rule.mcore, rule.hf)
+            continue
+        for layer in layers:
+            for expert in (experts if rule.per_expert else [None]):
+                local_expert = None if expert is None else expert - experts.start
+                yield TensorSlot(
+                    rule, layer, expert, _fill(rule.mcore, layer - layers.start, local_expert),
+                    tuple(_fill(name, layer, expert) for name in rule.hf),
+                )
+
+
+def tp_part(tensor: torch.Tensor, dim: int | None, part: int, parts: int) -> torch.Tensor:
+    if dim is None or parts == 1:
+        return tensor
+    return tensor.chunk(parts, dim=dim)[part]
+
+
+def merge_hf_to_mcore(slot: TensorSlot, cfg: HFModelConfig, reader, tp_rank: int, tp: int,
+                      padded_vocab: int) -> torch.Tensor:
+    """This TP rank's shard of a megatron tensor, reading only its slices of the HF sources.
+
+    `reader` is a `SafetensorsReader` (or anything with its `read` / `read_part`); fused HF tensors are
+    read whole, unfused, then sliced.
+    """
+    rule = slot.rule
+    if rule.fusion is not None:
+        sources = [tp_part(t, rule.tp_dim, tp_rank, tp) for t in rule.fusion.unfuse(reader.read(slot.hf_names[0]), cfg)]
+    elif rule.tp_dim is None:
+        sources = [reader.read(name) for name in slot.hf_names]
+    else:
+        padded_rows = padded_vocab if rule.vocab else None
+        sources = [reader.read_part(name, rule.tp_dim, tp_rank, tp, padded_rows) for name in slot.hf_names]
+    return rule.layout.merge(sources, cfg)
+
+
+def split_mcore_to_hf(slot: TensorSlot, cfg: HFModelConfig, shards: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """HF tensors from consecutive TP shards of one megatron tensor (all of them: full HF tensors).
+
+    With a subset of consecutive shards the result is the matching TP slice of each HF tensor (the
+    HybridEngine's rollout layout). Vocabulary padding is kept; `strip_vocab_padding` removes it.
+    """
+    rule = slot.rule
+    if rule.tp_dim is None:
+        parts = rule.layout.split(shards[0], cfg)
+    else:
+        per_shard = [rule.layout.split(shard, cfg) for shard in shards]
+        parts = [torch.cat([pieces[i] for pieces in per_shard], dim=rule.tp_dim) for i in range(len(per_shard[0]))]
+    if rule.fusion is not None:
+        return [(slot.hf_names[0], rule.fusion.fuse(parts))]
+    return list(zip(slot.hf_names, parts))
+
+
+def strip_vocab_padding(rule: TensorRule, tensor: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return tensor[:vocab_size] if rule.vocab else tensor

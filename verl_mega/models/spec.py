@@ -1,0 +1,244 @@
+"""Model-family knowledge as data: how HF tensors map to megatron-core tensors and how TP splits them.
+
+A `TensorRule` ties one megatron tensor to the HF tensors it is made of. Every rule obeys one law that
+the converters, the HybridEngine and the exporter all rely on:
+
+    TP shard r of the megatron tensor == merge(TP shard r of each HF source along `tp_dim`)
+
+(q/k/v interleave per query group and gate|up concatenation both commute with slicing whole query groups
+or halves). So a rank reads only its slices of the HF tensors, and a group of consecutive TP shards
+splits back into the matching slices of the HF tensors.
+
+Megatron names here are the canonical ones megatron's dist-checkpoint and the transformer-engine layer
+spec use; `to_local_spec_name` gives the names of the local (non-TE) layer spec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .hf_config import HFModelConfig
+
+LAYER = "{layer}"
+EXPERT = "{expert}"
+
+# transformer-engine fuses the pre-attention and (dense) pre-MLP norms into the following linear layer.
+_TE_TO_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def to_local_spec_name(name: str) -> str:
+    for te_suffix, local_suffix in _TE_TO_LOCAL.items():
+        if name.endswith(te_suffix) and ".experts." not in name:
+            return name[: -len(te_suffix)] + local_suffix
+    return name
+
+
+def to_canonical_name(name: str) -> str:
+    for te_suffix, local_suffix in _TE_TO_LOCAL.items():
+        if name.endswith("." + local_suffix):
+            return name[: -len(local_suffix)] + te_suffix
+    return name
+
+
+# --- layouts: HF tensors <-> one megatron tensor, valid on full tensors and on TP slices alike ---------
+
+
+def _qkv_merge(sources: Sequence[torch.Tensor], cfg: HFModelConfig) -> torch.Tensor:
+    q, k, v = sources
+    groups = k.shape[0] // cfg.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(groups, -1, *rest)
+    k = k.reshape(groups, cfg.head_dim, *rest)
+    v = v.reshape(groups, cfg.head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _qkv_split(merged: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
+    q_rows = cfg.heads_per_group * cfg.head_dim
+    group_rows = q_rows + 2 * cfg.head_dim
+    rest = merged.shape[1:]
+    grouped = merged.reshape(-1, group_rows, *rest)
+    q, k, v = grouped.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)
+    return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+def _concat_merge(sources: Sequence[torch.Tensor], cfg: HFModelConfig) -> torch.Tensor:
+    return torch.cat(list(sources), dim=0)
+
+
+def _halves_split(merged: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
+    return list(merged.chunk(2, dim=0))
+
+
+def _same_merge(sources: Sequence[torch.Tensor], cfg: HFModelConfig) -> torch.Tensor:
+    return sources[0]
+
+
+def _same_split(merged: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
+    return [merged]
+
+
+def _unfuse_qkv(fused: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
+    kv_rows = cfg.num_kv_heads * cfg.head_dim
+    return list(fused.split([cfg.num_heads * cfg.head_dim, kv_rows, kv_rows], dim=0))
+
+
+def _unfuse_halves(fused: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
+    return list(fused.chunk(2, dim=0))
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    merge: Callable[[Sequence[torch.Tensor], HFModelConfig], torch.Tensor]
+    split: Callable[[torch.Tensor, HFModelConfig], list[torch.Tensor]]
+
+
+SAME = Layout("same", _same_merge, _same_split)
+QKV = Layout("qkv", _qkv_merge, _qkv_split)
+GATE_UP = Layout("gate_up", _concat_merge, _halves_split)
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """An HF tensor that stores several logical sources fused (Phi-3's qkv_proj, gate_up_proj)."""
+
+    unfuse: Callable[[torch.Tensor, HFModelConfig], list[torch.Tensor]]
+
+    def fuse(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(parts), dim=0)
+
+
+FUSED_QKV = Fusion(_unfuse_qkv)
+FUSED_HALVES = Fusion(_unfuse_halves)
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One megatron tensor and the HF tensors it is made of.
+
+    `hf` lists the logical sources in merge order; with `fusion`, `hf` has one name that holds them all.
+    `tp_dim`: the dim each source is split along for TP (None: replicated). `vocab`: padded rows.
+    `when`: a config condition ("qkv_bias", "untied") the tensor exists under.
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    layout: Layout = SAME
+    tp_dim: int | None = None
+    vocab: bool = False
+    fusion: Fusion | None = None
+    when: str | None = None
+
+    @property
+    def per_layer(self) -> bool:
+        return LAYER in self.mcore
+
+    @property
+    def per_expert(self) -> bool:
+        return EXPERT in self.mcore
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    model_types: tuple[str, ...]
+    hf_architecture: str
+    rules: tuple[TensorRule, ...]
+    qkv_bias: bool = False  # always (Qwen2); otherwise from config `attention_bias`
+    qk_norm: bool = False
+    moe: bool = False
+
+    def has_qkv_bias(self, cfg: HFModelConfig) -> bool:
+        return self.qkv_bias or cfg.attention_bias
+
+    def active_rules(self, cfg: HFModelConfig) -> list[TensorRule]:
+        conditions = {"qkv_bias": self.has_qkv_bias(cfg), "untied": not cfg.tie_word_embeddings}
+        return [r for r in self.rules if r.when is None or conditions[r.when]]
+
+
+# --- rules shared by the families -------------------------------------------------------------------
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+
+
+def _embedding_rules() -> tuple[TensorRule, ...]:
+    return (
+        TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0, vocab=True),
+        TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+        TensorRule("output_layer.weight", ("lm_head.weight",), tp_dim=0, vocab=True, when="untied"),
+    )
+
+
+def _attention_rules(fused_qkv: bool = False, qk_norm: bool = False) -> tuple[TensorRule, ...]:
+    attn = _H + "self_attn."
+    if fused_qkv:
+        qkv = (TensorRule(_L + "self_attention.linear_qkv.weight", (attn + "qkv_proj.weight",), QKV, tp_dim=0,
+                          fusion=FUSED_QKV),)
+    else:
+        qkv = tuple(
+            TensorRule(_L + f"self_attention.linear_qkv.{kind}", tuple(f"{attn}{p}_proj.{kind}" for p in "qkv"), QKV,
+                       tp_dim=0, when="qkv_bias" if kind == "bias" else None)
+            for kind in ("weight", "bias")
+        )
+    norms = (
+        TensorRule(_L + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",)),
+        TensorRule(_L + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",)),
+    ) if qk_norm else ()
+    return (
+        TensorRule(_L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",)),
+        *qkv,
+        *norms,
+        TensorRule(_L + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), tp_dim=1),
+    )
+
+
+def _dense_mlp_rules(fused_gate_up: bool = False) -> tuple[TensorRule, ...]:
+    mlp = _H + "mlp."
+    fc1_sources = (mlp + "gate_up_proj.weight",) if fused_gate_up else (mlp + "gate_proj.weight", mlp + "up_proj.weight")
+    return (
+        TensorRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",)),
+        TensorRule(_L + "mlp.linear_fc1.weight", fc1_sources, GATE_UP, tp_dim=0,
+                   fusion=FUSED_HALVES if fused_gate_up else None),
+        TensorRule(_L + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), tp_dim=1),
+    )
+
+
+def _mixtral_moe_rules() -> tuple[TensorRule, ...]:
+    moe = _H + "block_sparse_moe."
+    expert = _L + "mlp.experts.local_experts.{expert}."
+    hf_expert = moe + "experts.{expert}."
+    return (
+        TensorRule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",)),
+        TensorRule(_L + "mlp.router.weight", (moe + "gate.weight",)),
+        TensorRule(expert + "linear_fc1.weight", (hf_expert + "w1.weight", hf_expert + "w3.weight"), GATE_UP, tp_dim=0),
+        TensorRule(expert + "linear_fc2.weight", (hf_expert + "w2.weight",), tp_dim=1),
+    )
+
+
+def dense_family(name: str, model_types: tuple[str, ...], hf_architecture: str, *, qkv_bias: bool = False,
+                 qk_norm: bool = False, fused: bool = False) -> FamilySpec:
+    return FamilySpec(
+        name=name,
+        model_types=model_types,
+        hf_architecture=hf_architecture,
+        rules=_embedding_rules() + _attention_rules(fused_qkv=fused, qk_norm=qk_norm) + _dense_mlp_rules(fused),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+    )
+
+
+def moe_family(name: str, model_types: tuple[str, ...], hf_architecture: str) -> FamilySpec:
+    return FamilySpec(
+        name=name,
+        model_types=model_types,
+        hf_architecture=hf_architecture,
+        rules=_embedding_rules() + _attention_rules() + _mixtral_moe_rules(),
+        moe=True,
+    )

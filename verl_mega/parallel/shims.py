@@ -1,0 +1,135 @@
+"""The few places where megatron-core 0.16 assumes CUDA or transformer-engine, made to run without them.
+
+`apply_shims()` changes nothing on a GPU node with transformer-engine, so such runs execute unmodified
+megatron-core. On CPU each patch below stands in for one CUDA assumption; the measured facts behind them are
+in shared/notes/megatron-core-on-cpu.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+
+
+class _CudaDeviceToCpu(TorchFunctionMode):
+    """Rewrites literal `device="cuda"` arguments (schedules, grad-norm, optimizer set-up) to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.cuda,):
+            return args[0]
+        if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _DropCpuRngWarning(logging.Filter):
+    # On CPU the "CUDA" RNG is the CPU RNG, so megatron's fork() always sees the CPU state move.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def apply_shims() -> None:
+    """Idempotent: patch what is missing in this process (transformer-engine, CUDA), nothing else."""
+    global _applied
+    if _applied:
+        return
+    _applied = True
+    _fix_moe_router_without_transformer_engine()
+    if not torch.cuda.is_available():
+        _apply_cpu_shims()
+
+
+def _fix_moe_router_without_transformer_engine() -> None:
+    # moe_utils leaves `te_general_gemm` undefined (not None) when transformer-engine is absent.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _apply_cpu_shims() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # Used as a `device=` argument for rotary tables, pipeline receive buffers and TP buffers.
+    torch.cuda.current_device = lambda: "cpu"
+    # Called after pipeline shape exchange and around checkpoint saving.
+    torch.cuda.synchronize = lambda device=None: None
+    # The model-parallel RNG tracker forks "CUDA" RNG states even with dropout 0: back them with the CPU RNG.
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.manual_seed = torch.manual_seed
+    mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state().clone() if clone else torch.get_rng_state()
+    )
+    mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    logging.getLogger(mp_random.__name__).addFilter(_DropCpuRngWarning())
+    # clip_grad_by_total_norm_fp32 asserts `grad.type() == 'torch.cuda.FloatTensor'`.
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+    _patch_optimizer_cuda_type_checks()
+    # Literal "cuda" devices elsewhere: a function mode for the life of the process.
+    _CudaDeviceToCpu().__enter__()
+
+
+def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [
+        (p.decoupled_grad if use_decoupled_grad else p.grad).detach()
+        for p in parameters
+        if (p.decoupled_grad if use_decoupled_grad else p.grad) is not None
+    ]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _patch_optimizer_cuda_type_checks() -> None:
+    """The fp16/bf16 and distributed optimizers accept params only if `p.type()` names a torch.cuda tensor."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    for module, cls_name in ((optimizer, "Float16OptimizerWithFloat16Params"),
+                             (distrib_optimizer, "DistributedOptimizer")):
+        cls = getattr(module, cls_name, None)
+        if cls is None:
+            continue
+        original_init = cls.__init__
+
+        @functools.wraps(original_init)
+        def init_with_cuda_type_names(self, *args, __original=original_init, **kwargs):
+            with _cuda_type_names():
+                __original(self, *args, **kwargs)
+
+        cls.__init__ = init_with_cuda_type_names
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    original_type = torch.Tensor.type
+
+    def cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is not None:
+            return original_type(self, dtype, non_blocking, **kwargs)
+        return original_type(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_named_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original_type

@@ -1,0 +1,119 @@
+"""One entry point for torch.distributed and megatron's parallel_state.
+
+Device and backend come from the environment: CUDA + NCCL where there is a GPU, CPU + gloo otherwise.
+Every role, converter and test sets up its process groups through `init_parallel`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .shims import apply_shims
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes and this process's coordinates in megatron's (TP, PP, DP[, EP]) grid."""
+
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_layout(world_size: int, tp: int, pp: int, ep: int = 1) -> int:
+    """Return DP for a world of `world_size` processes, or raise naming what does not divide."""
+    for name, size in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; launch a multiple of {tp * pp} processes"
+        )
+    dp = world_size // (tp * pp)
+    if dp % ep != 0:
+        raise ValueError(f"ep={ep} must divide the data-parallel size {dp} (world {world_size} / tp*pp {tp * pp})")
+    return dp
+
+
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeout_minutes: int = 30) -> ParallelLayout:
+    """Initialise torch.distributed from the torchrun/Slurm environment and megatron's parallel groups."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(
+            backend(), rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=timeout_minutes)
+        )
+    apply_shims()
+    world_size = dist.get_world_size()
+    check_layout(world_size, tp, pp, ep)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_layout()
+
+
+def current_layout() -> ParallelLayout:
+    from megatron.core import parallel_state as ps
+
+    return ParallelLayout(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
