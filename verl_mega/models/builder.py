@@ -59,6 +59,7 @@ def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, p
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,

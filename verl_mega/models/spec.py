@@ -10,7 +10,7 @@ or halves). So a rank reads only its slices of the HF tensors, and a group of co
 splits back into the matching slices of the HF tensors.
 
 Megatron names here are the canonical ones megatron's dist-checkpoint and the transformer-engine layer
-spec use; `to_local_spec_name` gives the names of the local (non-TE) layer spec.
+spec use; `to_canonical_name` maps the local (non-TE) layer spec's names onto them.
 """
 from __future__ import annotations
 
@@ -24,23 +24,18 @@ from .hf_config import HFModelConfig
 LAYER = "{layer}"
 EXPERT = "{expert}"
 
-# transformer-engine fuses the pre-attention and (dense) pre-MLP norms into the following linear layer.
-_TE_TO_LOCAL = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+# transformer-engine fuses the pre-attention and (dense) pre-MLP norms into the following linear layer;
+# the local spec keeps them as modules of their own. MoE layers keep `pre_mlp_layernorm` in both.
+_LOCAL_TO_TE = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 
 
-def to_local_spec_name(name: str) -> str:
-    for te_suffix, local_suffix in _TE_TO_LOCAL.items():
-        if name.endswith(te_suffix) and ".experts." not in name:
-            return name[: -len(te_suffix)] + local_suffix
-    return name
-
-
-def to_canonical_name(name: str) -> str:
-    for te_suffix, local_suffix in _TE_TO_LOCAL.items():
-        if name.endswith("." + local_suffix):
+def to_canonical_name(name: str, moe: bool) -> str:
+    """The dist-checkpoint / transformer-engine name of a parameter named by the local layer spec."""
+    for local_suffix, te_suffix in _LOCAL_TO_TE.items():
+        if name.endswith("." + local_suffix) and not (moe and local_suffix.startswith("pre_mlp")):
             return name[: -len(local_suffix)] + te_suffix
     return name
 

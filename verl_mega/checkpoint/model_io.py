@@ -1,0 +1,56 @@
+"""Load converted checkpoints into this rank's megatron-core model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from verl_mega.models import HFModelConfig, family_for
+from verl_mega.models.builder import build_gpt_model, transformer_config
+from verl_mega.models.spec import to_canonical_name
+from verl_mega.parallel.state import current_layout
+
+from . import megatron_legacy
+from .manifest import Manifest
+
+
+def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "auto", **config_overrides):
+    """This rank's GPTModel with the checkpoint's weights, at the running job's (TP, PP, EP) layout."""
+    manifest = Manifest.read(ckpt_dir)
+    cfg = HFModelConfig.from_dict(manifest.hf_config)
+    family = family_for(cfg)
+    layout = current_layout()
+    config = transformer_config(cfg, family, tp=layout.tp, pp=layout.pp, ep=layout.ep, dtype=manifest.dtype,
+                                **config_overrides)
+    model = build_gpt_model(cfg, family, config, padded_vocab=manifest.padded_vocab_size,
+                            pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
+                            implementation=implementation)
+    if manifest.format == "torch_dist":
+        from verl_mega.converters.torch_dist import load_torch_dist
+
+        load_torch_dist(model, ckpt_dir)
+    else:
+        load_legacy_shard(model, ckpt_dir, manifest)
+    return model, manifest, cfg, family
+
+
+def load_legacy_shard(model, ckpt_dir: str | Path, manifest: Manifest) -> None:
+    layout = current_layout()
+    if (manifest.tp, manifest.pp, manifest.ep) != (layout.tp, layout.pp, layout.ep):
+        raise ValueError(
+            f"checkpoint {ckpt_dir} was written for tp={manifest.tp}, pp={manifest.pp}, ep={manifest.ep} but this job "
+            f"runs tp={layout.tp}, pp={layout.pp}, ep={layout.ep}: convert again at this layout, or use "
+            "--format torch_dist, which loads at any layout"
+        )
+    shard = megatron_legacy.read_shard(ckpt_dir, manifest.iteration, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
+                                       pp=layout.pp, ep_rank=layout.ep_rank, ep=layout.ep)
+    # Files carry canonical (transformer-engine) names; the model may be built with the local spec.
+    moe = family_for(manifest.hf_config).moe
+    wanted = {name: to_canonical_name(name, moe) for name in model.state_dict() if not name.endswith("_extra_state")}
+    missing = sorted(canonical for canonical in wanted.values() if canonical not in shard)
+    unexpected = sorted(set(shard) - set(wanted.values()))
+    if missing or unexpected:
+        raise ValueError(
+            f"shard (tp_rank {layout.tp_rank}, pp_rank {layout.pp_rank}) of {ckpt_dir} does not match the model: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    incompatible = model.load_state_dict({name: shard[canonical] for name, canonical in wanted.items()}, strict=False)
+    assert not incompatible.unexpected_keys, incompatible.unexpected_keys
