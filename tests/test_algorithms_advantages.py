@@ -66,7 +66,8 @@ def test_reinforce_plus_plus_discounts_then_whitens():
 
 def test_reinforce_plus_plus_return_is_cut_at_a_masked_out_token():
     # gamma 1, token 1 masked (an observation): G_2 = 1, G_1 = 0 + 1 then cut, so G_0 = 0
-    _, returns = get_adv_estimator("reinforce_plus_plus")(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[1.0, 0.0, 1.0]]))
+    rewards, mask = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[1.0, 0.0, 1.0]])
+    _, returns = get_adv_estimator("reinforce_plus_plus")(rewards, mask)
     torch.testing.assert_close(returns, torch.tensor([[0.0, 0.0, 1.0]]))
 
 

@@ -29,7 +29,8 @@ def check_rank(rank, store_path):
         values, mask = shards()
         all_values, all_mask = values.reshape(-1, 4), mask.reshape(-1, 4)
 
-        torch.testing.assert_close(masked_mean(values[rank], mask[rank], group=group), masked_mean(all_values, all_mask))
+        global_mean = masked_mean(all_values, all_mask)
+        torch.testing.assert_close(masked_mean(values[rank], mask[rank], group=group), global_mean)
         whitened = masked_whiten(values[rank], mask[rank], group=group)
         torch.testing.assert_close(whitened, masked_whiten(all_values, all_mask).reshape(WORLD_SIZE, 3, 4)[rank])
 

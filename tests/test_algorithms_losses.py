@@ -63,9 +63,10 @@ def test_dual_clip_caps_negative_advantage_loss_and_its_gradient():
 
 def test_policy_loss_ignores_masked_tokens_and_honours_agg_mode():
     # Token 2 is masked (its ratio would make the loss huge). Unmasked: -1 * 1 and -1 * 1 -> -1 each.
-    _, (token_mean, *_) = policy_loss([1.0, 1.0, 50.0], [1.0, 1.0, -7.0], mask=[1.0, 1.0, 0.0])
+    ratios, advantages, mask = [1.0, 1.0, 50.0], [1.0, 1.0, -7.0], [1.0, 1.0, 0.0]
+    _, (token_mean, *_) = policy_loss(ratios, advantages, mask)
     assert token_mean.item() == pytest.approx(-1.0)
-    _, (token_sum, *_) = policy_loss([1.0, 1.0, 50.0], [1.0, 1.0, -7.0], mask=[1.0, 1.0, 0.0], loss_agg_mode="seq-mean-token-sum")
+    _, (token_sum, *_) = policy_loss(ratios, advantages, mask, loss_agg_mode="seq-mean-token-sum")
     assert token_sum.item() == pytest.approx(-2.0)
 
 
@@ -95,7 +96,8 @@ def test_value_loss_clips_around_old_values():
 
 def test_value_loss_shape_mismatch_names_argument():
     with pytest.raises(ValueError, match="returns"):
-        compute_value_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 2), torch.ones(1, 3), cliprange_value=0.5)
+        zeros = torch.zeros(1, 3)
+        compute_value_loss(zeros, zeros, torch.zeros(1, 2), torch.ones(1, 3), cliprange_value=0.5)
 
 
 def test_entropy_from_logits_and_aggregation():

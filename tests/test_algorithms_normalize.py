@@ -36,7 +36,8 @@ def test_normalize_uses_running_stats():
 
 
 def test_fresh_normaliser_is_identity():
-    torch.testing.assert_close(RunningMeanStd(epsilon=0.0).normalize(torch.tensor([3.0, -1.0])), torch.tensor([3.0, -1.0]))
+    values = torch.tensor([3.0, -1.0])
+    torch.testing.assert_close(RunningMeanStd(epsilon=0.0).normalize(values), values)
 
 
 def test_state_dict_round_trip_continues_identically():

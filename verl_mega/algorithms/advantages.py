@@ -21,7 +21,9 @@ get_adv_estimator = ADV_ESTIMATORS.get
 
 
 @register_adv_est("gae")
-def compute_gae_advantage_return(token_level_rewards, values, response_mask, *, gamma=1.0, lam=1.0, whiten=True, group=None):
+def compute_gae_advantage_return(
+    token_level_rewards, values, response_mask, *, gamma=1.0, lam=1.0, whiten=True, group=None
+):
     """Generalised advantage estimation (Schulman et al. 2016); returns = advantages + values, before whitening."""
     check_same_shape("token_level_rewards", token_level_rewards, values=values, response_mask=response_mask)
     # Imported here so the pure-math estimators stay importable where the ops kernels are not built.
@@ -56,17 +58,18 @@ def _prompt_groups(index, batch_size, device):
         return torch.unique(index, return_inverse=True)[1].to(device)
     group_of_uid = {}
     ids = [group_of_uid.setdefault(uid, len(group_of_uid)) for uid in index]
-    return torch.tensor(ids, device=device)
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def _group_stats(scores, index):
     """Per sequence: (size, mean, unbiased std) of its prompt group's scores."""
     group_ids = _prompt_groups(index, scores.shape[0], scores.device)
     num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
-    sizes = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, group_ids, torch.ones_like(scores))
-    sums = torch.zeros_like(sizes).index_add_(0, group_ids, scores)
+    zeros = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
+    sizes = zeros.index_add(0, group_ids, torch.ones_like(scores))
+    sums = zeros.index_add(0, group_ids, scores)
     means = sums / sizes
-    squared_errors = torch.zeros_like(sizes).index_add_(0, group_ids, (scores - means[group_ids]) ** 2)
+    squared_errors = zeros.index_add(0, group_ids, (scores - means[group_ids]) ** 2)
     stds = (squared_errors / (sizes - 1).clamp_min(1)).sqrt()
     return sizes[group_ids], means[group_ids], stds[group_ids]
 
@@ -75,7 +78,9 @@ def _check_outcome_inputs(scores, response_mask):
     if response_mask.dim() != 2:
         raise ValueError(f"response_mask must be (batch, response_length), got shape {tuple(response_mask.shape)}")
     if scores.shape != response_mask.shape[:1]:
-        raise ValueError(f"scores has shape {tuple(scores.shape)}, expected ({response_mask.shape[0]},): one per sequence")
+        raise ValueError(
+            f"scores has shape {tuple(scores.shape)}, expected ({response_mask.shape[0]},): one per sequence"
+        )
 
 
 def _broadcast_to_tokens(seq_values, response_mask):

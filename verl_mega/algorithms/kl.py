@@ -45,7 +45,9 @@ def compute_kl(log_prob, ref_log_prob, estimator="k1"):
     return get_kl_estimator(estimator)(log_prob, ref_log_prob)
 
 
-def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, *, kl_coef, estimator="k1", group=None):
+def apply_kl_penalty(
+    token_level_scores, old_log_prob, ref_log_prob, response_mask, *, kl_coef, estimator="k1", group=None
+):
     """KL in reward: token_level_rewards = token_level_scores - kl_coef * KL.
 
     Returns (token_level_rewards, current_kl), current_kl being the batch mean of each sequence's mean KL

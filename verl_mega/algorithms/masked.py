@@ -20,7 +20,8 @@ def check_same_shape(reference_name: str, reference, **tensors) -> None:
     for name, tensor in tensors.items():
         if tensor.shape != reference.shape:
             raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)}, expected {tuple(reference.shape)} (the shape of {reference_name})"
+                f"{name} has shape {tuple(tensor.shape)}, expected {tuple(reference.shape)}"
+                f" (the shape of {reference_name})"
             )
 
 
