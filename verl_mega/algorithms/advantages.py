@@ -1,0 +1,128 @@
+"""Advantage estimators, registered by name (as verl's core_algos).
+
+Two call shapes, by what an estimator needs:
+- token-level: (token_level_rewards, response_mask, ...) for "reinforce_plus_plus", plus values for "gae";
+- outcome: (scores, response_mask, index, ...) where scores holds one number per sequence and index one
+  prompt uid per sequence; all responses to a prompt must be in the same call (no cross-rank grouping).
+Every estimator returns (advantages, returns), both (batch, response_length) and zero off the mask.
+`group`, where accepted, whitens with the statistics of the whole data-parallel batch.
+"""
+
+import functools
+
+import torch
+
+from verl_mega.algorithms.masked import check_same_shape, masked_whiten
+from verl_mega.algorithms.registry import Registry
+
+ADV_ESTIMATORS = Registry("advantage estimator")
+register_adv_est = ADV_ESTIMATORS.register
+get_adv_estimator = ADV_ESTIMATORS.get
+
+
+@register_adv_est("gae")
+def compute_gae_advantage_return(
+    token_level_rewards, values, response_mask, *, gamma=1.0, lam=1.0, whiten=True, group=None
+):
+    """Generalised advantage estimation (Schulman et al. 2016); returns = advantages + values, before whitening."""
+    check_same_shape("token_level_rewards", token_level_rewards, values=values, response_mask=response_mask)
+    # Imported here so the pure-math estimators stay importable where the ops kernels are not built.
+    from verl_mega.ops import gae
+
+    advantages, returns = gae(token_level_rewards, values, response_mask, gamma, lam)
+    if whiten:
+        advantages = masked_whiten(advantages, response_mask, group=group)
+    return advantages * response_mask, returns
+
+
+@register_adv_est("reinforce_plus_plus")
+def compute_reinforce_plus_plus_advantage_return(token_level_rewards, response_mask, *, gamma=1.0, group=None):
+    """REINFORCE++ (Hu 2025): discounted return-to-go of the token rewards, whitened over the batch."""
+    check_same_shape("token_level_rewards", token_level_rewards, response_mask=response_mask)
+    returns = torch.zeros_like(token_level_rewards)
+    running_return = torch.zeros_like(token_level_rewards[:, 0])
+    for t in reversed(range(token_level_rewards.shape[1])):
+        running_return = token_level_rewards[:, t] + gamma * running_return
+        returns[:, t] = running_return
+        # A masked-out token (e.g. a tool observation) cuts the return, as in verl.
+        running_return = running_return * response_mask[:, t]
+    advantages = masked_whiten(returns, response_mask, group=group) * response_mask
+    return advantages, returns * response_mask
+
+
+def _prompt_groups(index, batch_size, device):
+    """Map prompt uids (a sequence of hashables or a 1-D tensor) to group ids 0..G-1."""
+    if len(index) != batch_size:
+        raise ValueError(f"index has {len(index)} entries, expected one per sequence ({batch_size})")
+    if isinstance(index, torch.Tensor):
+        return torch.unique(index, return_inverse=True)[1].to(device)
+    group_of_uid = {}
+    ids = [group_of_uid.setdefault(uid, len(group_of_uid)) for uid in index]
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _group_stats(scores, index):
+    """Per sequence: (size, mean, unbiased std) of its prompt group's scores."""
+    group_ids = _prompt_groups(index, scores.shape[0], scores.device)
+    num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    zeros = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
+    sizes = zeros.index_add(0, group_ids, torch.ones_like(scores))
+    sums = zeros.index_add(0, group_ids, scores)
+    means = sums / sizes
+    squared_errors = zeros.index_add(0, group_ids, (scores - means[group_ids]) ** 2)
+    stds = (squared_errors / (sizes - 1).clamp_min(1)).sqrt()
+    return sizes[group_ids], means[group_ids], stds[group_ids]
+
+
+def _check_outcome_inputs(scores, response_mask):
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask must be (batch, response_length), got shape {tuple(response_mask.shape)}")
+    if scores.shape != response_mask.shape[:1]:
+        raise ValueError(
+            f"scores has shape {tuple(scores.shape)}, expected ({response_mask.shape[0]},): one per sequence"
+        )
+
+
+def _broadcast_to_tokens(seq_values, response_mask):
+    return seq_values.unsqueeze(-1) * response_mask
+
+
+@register_adv_est("grpo")
+def compute_grpo_outcome_advantage(scores, response_mask, index, *, epsilon=1e-6, norm_by_std=True):
+    """GRPO (Shao et al. 2024): (score - group mean) / (group std + epsilon).
+
+    A prompt with a single response gets mean 0 and std 1, as in verl. norm_by_std=False is Dr. GRPO.
+    """
+    _check_outcome_inputs(scores, response_mask)
+    sizes, means, stds = _group_stats(scores, index)
+    singleton = sizes == 1
+    advantages = scores - torch.where(singleton, 0.0, means)
+    if norm_by_std:
+        advantages = advantages / (torch.where(singleton, 1.0, stds) + epsilon)
+    advantages = _broadcast_to_tokens(advantages, response_mask)
+    return advantages, advantages
+
+
+# Dr. GRPO (Liu et al. 2025): the std division biases updates towards too-easy and too-hard prompts.
+register_adv_est("dr_grpo")(functools.partial(compute_grpo_outcome_advantage, norm_by_std=False))
+
+
+@register_adv_est("rloo")
+def compute_rloo_outcome_advantage(scores, response_mask, index):
+    """RLOO (Ahmadian et al. 2024): score minus the mean score of the other responses to the same prompt."""
+    _check_outcome_inputs(scores, response_mask)
+    sizes, means, _ = _group_stats(scores, index)
+    # score - (sum - score) / (n - 1) == (score - mean) * n / (n - 1); a lone response keeps its score.
+    leave_one_out = (scores - means) * sizes / (sizes - 1).clamp_min(1)
+    advantages = _broadcast_to_tokens(torch.where(sizes == 1, scores, leave_one_out), response_mask)
+    return advantages, advantages
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_outcome_advantage(scores, response_mask, index, *, group=None):
+    """REINFORCE++-baseline: subtract the prompt group's mean score, then whiten over the batch's tokens."""
+    _check_outcome_inputs(scores, response_mask)
+    sizes, means, _ = _group_stats(scores, index)
+    centred = _broadcast_to_tokens(scores - torch.where(sizes == 1, 0.0, means), response_mask)
+    advantages = masked_whiten(centred, response_mask, group=group) * response_mask
+    return advantages, advantages
