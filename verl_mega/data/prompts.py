@@ -56,11 +56,7 @@ class PromptDataset(Dataset):
 
     def _encode(self, prompt: str | list[dict], index: int) -> list[int]:
         if self.tokenizer.chat_template:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            # The template already renders BOS and any other special tokens; letting the tokenizer add
-            # its own on top would double them.
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return encode_chat(self.tokenizer, as_messages(prompt), add_generation_prompt=True)
         if not isinstance(prompt, str):
             raise ValueError(
                 f"row {index}: prompt is a list of chat messages but the tokenizer has no chat_template "
@@ -82,6 +78,18 @@ class PromptDataset(Dataset):
 
     def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         return collate_prompts(items, self.tokenizer.pad_token_id)
+
+
+def as_messages(prompt: str | list[dict]) -> list[dict]:
+    """A plain string prompt becomes a single user turn."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    # The template already renders BOS and any other special tokens; letting the tokenizer add its own
+    # on top would double them (the Qwen2/Llama-Instruct pitfall).
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _check_prompt_column(rows: list[dict], prompt_key: str, path) -> None:
