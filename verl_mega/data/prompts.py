@@ -1,0 +1,120 @@
+"""Prompt dataset in verl's row format, tokenized for generation, and its left-padding collate.
+
+A row holds a prompt (a string, or a list of {"role", "content"} chat messages) plus any other
+columns such as "data_source", "reward_model" ({"ground_truth": ...}) and "extra_info"; those are
+carried through untouched so the reward role can see them next to the generated responses.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from verl_mega.data.tables import read_rows
+
+TRUNCATION_SIDES = ("left", "right", "error")
+
+
+class PromptDataset(Dataset):
+    def __init__(
+        self,
+        paths: str | os.PathLike | Sequence[str | os.PathLike],
+        tokenizer,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        truncation: str = "error",
+    ):
+        if truncation not in TRUNCATION_SIDES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_SIDES}, got {truncation!r}")
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; prompts cannot be left-padded into a batch")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.prompt_key = prompt_key
+        self.truncation = truncation
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        self.rows = []
+        for path in paths:
+            rows = read_rows(path)
+            _check_prompt_column(rows, prompt_key, path)
+            self.rows.extend(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        row = self.rows[index]
+        prompt = row[self.prompt_key]
+        input_ids = self._truncate(self._encode(prompt, index), index)
+        metadata = {key: value for key, value in row.items() if key != self.prompt_key}
+        return {"input_ids": input_ids, "raw_prompt": prompt, **metadata}
+
+    def _encode(self, prompt: str | list[dict], index: int) -> list[int]:
+        if self.tokenizer.chat_template:
+            return encode_chat(self.tokenizer, as_messages(prompt), add_generation_prompt=True)
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"row {index}: prompt is a list of chat messages but the tokenizer has no chat_template "
+                "to render it"
+            )
+        return self.tokenizer(prompt)["input_ids"]
+
+    def _truncate(self, input_ids: list[int], index: int) -> list[int]:
+        if len(input_ids) <= self.max_prompt_length:
+            return input_ids
+        if self.truncation == "left":
+            return input_ids[-self.max_prompt_length :]
+        if self.truncation == "right":
+            return input_ids[: self.max_prompt_length]
+        raise ValueError(
+            f"row {index}: prompt is {len(input_ids)} tokens, longer than max_prompt_length="
+            f"{self.max_prompt_length} (set truncation to 'left' or 'right' to cut it)"
+        )
+
+    def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        return collate_prompts(items, self.tokenizer.pad_token_id)
+
+
+def as_messages(prompt: str | list[dict]) -> list[dict]:
+    """A plain string prompt becomes a single user turn."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    # The template already renders BOS and any other special tokens; letting the tokenizer add its own
+    # on top would double them (the Qwen2/Llama-Instruct pitfall).
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _check_prompt_column(rows: list[dict], prompt_key: str, path) -> None:
+    for index, row in enumerate(rows):
+        if prompt_key not in row:
+            raise ValueError(
+                f"prompt column {prompt_key!r} not found in {os.fspath(path)} (row {index}); "
+                f"columns present: {sorted(row)}"
+            )
+
+
+def collate_prompts(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """Left-pads to the batch's longest prompt, so every prompt ends at the same position and
+    generated tokens are appended right after it. Every other field becomes a list over the batch."""
+    max_length = max(len(item["input_ids"]) for item in items)
+    input_ids = torch.full((len(items), max_length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(items), max_length), dtype=torch.long)
+    for row, item in enumerate(items):
+        length = len(item["input_ids"])
+        input_ids[row, max_length - length :] = torch.tensor(item["input_ids"], dtype=torch.long)
+        attention_mask[row, max_length - length :] = 1
+    # Positions count real tokens only, so a left-padded prompt starts at position 0.
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    metadata_keys = dict.fromkeys(key for item in items for key in item if key != "input_ids")
+    for key in metadata_keys:
+        batch[key] = [item.get(key) for item in items]
+    return batch

@@ -1,0 +1,64 @@
+"""A seeded, resumable batch sampler over dataset indices.
+
+Each epoch's order depends only on (seed, epoch), so the sampler's whole position is three numbers
+and a restored run sees exactly the batches an uninterrupted run would have seen. Use it as a
+DataLoader `batch_sampler` with num_workers=0: worker prefetching draws batches ahead of the
+training step, and a checkpointed position would then skip the prefetched batches.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+class ResumableBatchSampler:
+    def __init__(self, num_samples: int, batch_size: int, seed: int = 0, drop_last: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if num_samples < (batch_size if drop_last else 1):
+            raise ValueError(
+                f"{num_samples} samples cannot fill one batch of {batch_size}"
+                + (" with drop_last=True" if drop_last else "")
+            )
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        # Batches of the current epoch already handed out.
+        self.batch_index = 0
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return -(-self.num_samples // self.batch_size)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yields the rest of the current epoch, then moves on to the next epoch."""
+        if self.batch_index >= len(self):
+            self._start_next_epoch()
+        order = self.epoch_order(self.epoch)
+        while self.batch_index < len(self):
+            start = self.batch_index * self.batch_size
+            # Counted before yielding, so a state saved while the caller holds this batch resumes after it.
+            self.batch_index += 1
+            yield order[start : start + self.batch_size]
+        self._start_next_epoch()
+
+    def _start_next_epoch(self) -> None:
+        self.epoch += 1
+        self.batch_index = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # The saved seed wins: the checkpointed run's order is the one to continue.
+        self.epoch = int(state["epoch"])
+        self.batch_index = int(state["batch_index"])
+        self.seed = int(state["seed"])

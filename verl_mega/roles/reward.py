@@ -1,0 +1,167 @@
+"""The reward role: rule-based scores for verifiable tasks, or a learned reward model.
+
+Rule reward functions share verl's `compute_score` signature,
+`fn(data_source, solution_str, ground_truth, extra_info) -> float`, so verl reward files can be
+used unchanged through a "module:function" path. Sequence scores become token-level rewards at the
+last valid response token, where PPO/GRPO advantage estimation expects the outcome reward.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from verl_mega.data.prompts import as_messages, encode_chat
+
+RewardFn = Callable[[Any, str, Any, Any], float]
+
+# Near-misses on arithmetic earn at most this much, so an exact answer is always clearly better
+# than any almost-right one.
+ADD_PARTIAL_CREDIT = 0.5
+
+
+def _positional_match_fraction(answer: str, target: str, align_right: bool) -> float:
+    """Matching characters over the longer string's length, so extra characters cost credit too."""
+    longest = max(len(answer), len(target))
+    if longest == 0:
+        return 1.0
+    if align_right:
+        answer, target = answer[::-1], target[::-1]
+    return sum(a == b for a, b in zip(answer, target)) / longest
+
+
+def exact_match_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
+    return float(solution_str.strip() == str(ground_truth).strip())
+
+
+def copy_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
+    """Fraction of positions that repeat the digit string correctly."""
+    return _positional_match_fraction(solution_str.strip(), str(ground_truth).strip(), align_right=False)
+
+
+def add_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
+    """1 for the exact sum; otherwise partial credit for digits right in their place value."""
+    answer, target = solution_str.strip(), str(ground_truth).strip()
+    if answer == target:
+        return 1.0
+    # Aligned from the right: units with units, tens with tens.
+    return ADD_PARTIAL_CREDIT * _positional_match_fraction(answer, target, align_right=True)
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "exact_match": exact_match_score,
+    "copy": copy_score,
+    "add": add_score,
+}
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """A registered name, or "package.module:function" for a function defined elsewhere."""
+    if ":" in name:
+        module_name, _, function_name = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"cannot import module {module_name!r} for reward function {name!r}: {error}") from error
+        function = getattr(module, function_name, None)
+        if not callable(function):
+            raise ValueError(f"module {module_name!r} has no function {function_name!r} (reward function {name!r})")
+        return function
+    if name not in REWARD_FUNCTIONS:
+        raise ValueError(
+            f"unknown reward function {name!r}; registered: {', '.join(sorted(REWARD_FUNCTIONS))} "
+            "(or give 'module:function')"
+        )
+    return REWARD_FUNCTIONS[name]
+
+
+def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] scores -> [B, T] rewards, each score at its row's last valid response token, zero elsewhere."""
+    valid = response_mask.bool()
+    empty_rows = (~valid.any(dim=-1)).nonzero().flatten().tolist()
+    if empty_rows:
+        raise ValueError(f"response rows {empty_rows} have no valid tokens to carry their reward")
+    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    last_valid = torch.where(valid, positions, -1).max(dim=-1).values
+    token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    token_rewards[torch.arange(len(scores), device=response_mask.device), last_valid] = scores.to(token_rewards)
+    return token_rewards
+
+
+class RewardOutput(NamedTuple):
+    scores: torch.Tensor  # [B]
+    token_level_rewards: torch.Tensor  # [B, T]
+
+
+class RuleReward:
+    def __init__(self, tokenizer, reward_fn: str | RewardFn = "exact_match"):
+        self.tokenizer = tokenizer
+        self.reward_fn = get_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
+
+    def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+        valid_ids = [row[mask.bool()].tolist() for row, mask in zip(responses, response_mask)]
+        return self.tokenizer.batch_decode(valid_ids, skip_special_tokens=True)
+
+    def __call__(
+        self,
+        responses: torch.Tensor,
+        response_mask: torch.Tensor,
+        ground_truths: Sequence[Any],
+        data_sources: Sequence[Any] | None = None,
+        extra_infos: Sequence[Any] | None = None,
+    ) -> RewardOutput:
+        batch_size = len(responses)
+        data_sources = data_sources if data_sources is not None else [None] * batch_size
+        extra_infos = extra_infos if extra_infos is not None else [None] * batch_size
+        texts = self.decode(responses, response_mask)
+        scores = torch.tensor(
+            [
+                float(self.reward_fn(source, text, truth, info))
+                for source, text, truth, info in zip(data_sources, texts, ground_truths, extra_infos, strict=True)
+            ],
+            dtype=torch.float32,
+        )
+        return RewardOutput(scores, scores_to_token_rewards(scores, response_mask.cpu()))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class HFRewardModel:
+    """A sequence-classification reward model with a single label; its logit is the score."""
+
+    def __init__(self, model_dir: str, device: str | torch.device | None = None):
+        self.device = torch.device(device) if device is not None else default_device()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError(f"the reward model tokenizer in {model_dir} has no pad token to batch with")
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(self.device).eval()
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"reward model in {model_dir} has {self.model.config.num_labels} labels; expected 1")
+        # The model reads its score at the rightmost non-pad token, so it must know the pad id.
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+
+    def _encode(self, prompt: str | list[dict], response: str) -> list[int]:
+        if self.tokenizer.chat_template:
+            conversation = as_messages(prompt) + [{"role": "assistant", "content": response}]
+            return encode_chat(self.tokenizer, conversation, add_generation_prompt=False)
+        if not isinstance(prompt, str):
+            raise ValueError("prompt is a list of chat messages but the reward model tokenizer has no chat_template")
+        return self.tokenizer(prompt + response)["input_ids"]
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[str | list[dict]], responses: Sequence[str]) -> torch.Tensor:
+        """[B] float32 scores on the CPU, from prompt and response texts (the policy's tokens are not
+        reused: the reward model may have a different vocabulary and chat template)."""
+        encoded = [self._encode(prompt, response) for prompt, response in zip(prompts, responses, strict=True)]
+        # Right padding keeps each sequence's positions as they are unpadded; the model's forward
+        # does not derive position ids from the attention mask.
+        batch = self.tokenizer.pad({"input_ids": encoded}, padding=True, padding_side="right", return_tensors="pt")
+        logits = self.model(
+            input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device)
+        ).logits
+        return logits[:, 0].float().cpu()
