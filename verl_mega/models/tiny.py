@@ -1,0 +1,47 @@
+"""Tiny random HF models of each supported family, built locally (tests, demo, benchmarks).
+
+`AutoConfig.for_model` -> random weights -> `save_pretrained`; nothing comes from a model hub.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_SIZES: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+FAMILY_EXTRAS: dict[str, dict[str, Any]] = {
+    "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": dict(tie_word_embeddings=True),
+    "qwen3": dict(head_dim=32),
+    "mistral": dict(sliding_window=None),
+    "phi3": dict(),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def make_tiny_hf_model(out_dir: str | Path, model_type: str, *, vocab_size: int = 300, seed: int = 0,
+                       tokenizer: bool = True, **overrides) -> Path:
+    """Save a random tiny `model_type` model (and the tiny character tokenizer) into `out_dir`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verl_mega.data.tiny_tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    special = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    kwargs = {**TINY_SIZES, **FAMILY_EXTRAS[model_type], **special, "vocab_size": max(vocab_size, len(tok)), **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random, not init-scaled, so that every mapping error shows up in the logits
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    if tokenizer:
+        tok.save_pretrained(out)
+    return out
