@@ -35,7 +35,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
         elif fmt == "torch_dist":
             from .torch_dist import write_torch_dist
 
-            write_torch_dist(tmp, reader, cfg, family, manifest)
+            write_torch_dist(tmp, hf_dir, manifest)
         else:
             raise ValueError(f"--format must be megatron_legacy or torch_dist, got '{fmt}'")
         copy_hf_assets(hf_dir, tmp / HF_ASSETS_DIR)

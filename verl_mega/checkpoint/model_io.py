@@ -42,15 +42,15 @@ def load_legacy_shard(model, ckpt_dir: str | Path, manifest: Manifest) -> None:
         )
     shard = megatron_legacy.read_shard(ckpt_dir, manifest.iteration, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
                                        pp=layout.pp, ep_rank=layout.ep_rank, ep=layout.ep)
-    # Files carry canonical (transformer-engine) names; the model may be built with the local spec.
-    moe = family_for(manifest.hf_config).moe
+    where = f"shard (tp_rank {layout.tp_rank}, pp_rank {layout.pp_rank}, ep_rank {layout.ep_rank}) of {ckpt_dir}"
+    load_canonical_state_dict(model, shard, family_for(manifest.hf_config).moe, where)
+
+
+def load_canonical_state_dict(model, state_dict: dict, moe: bool, where: str) -> None:
+    """Load tensors named canonically (transformer-engine names) into a model built with either spec."""
     wanted = {name: to_canonical_name(name, moe) for name in model.state_dict() if not name.endswith("_extra_state")}
-    missing = sorted(canonical for canonical in wanted.values() if canonical not in shard)
-    unexpected = sorted(set(shard) - set(wanted.values()))
+    missing = sorted(canonical for canonical in wanted.values() if canonical not in state_dict)
+    unexpected = sorted(set(state_dict) - set(wanted.values()))
     if missing or unexpected:
-        raise ValueError(
-            f"shard (tp_rank {layout.tp_rank}, pp_rank {layout.pp_rank}) of {ckpt_dir} does not match the model: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    incompatible = model.load_state_dict({name: shard[canonical] for name, canonical in wanted.items()}, strict=False)
-    assert not incompatible.unexpected_keys, incompatible.unexpected_keys
+        raise ValueError(f"{where} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict({name: state_dict[canonical] for name, canonical in wanted.items()}, strict=False)

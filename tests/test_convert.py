@@ -1,0 +1,213 @@
+"""HF <-> Megatron converters: bit-exact round trips, logit parity with transformers, refusals."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.cli import main as cli
+from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
+from verl_mega.converters.verify import verify_checkpoints
+from verl_mega.models import HFModelConfig
+
+from .conftest import FAMILIES
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+def hf_tensors(hf_dir) -> dict:
+    reader = SafetensorsReader(hf_dir)
+    return {name: reader.read(name) for name in reader.names()}
+
+
+def assert_same_tensors(expected_dir, actual_dir):
+    expected, actual = hf_tensors(expected_dir), hf_tensors(actual_dir)
+    assert sorted(expected) == sorted(actual)
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        assert torch.equal(actual[name], tensor), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_round_trip_is_bit_exact(tiny_models, tmp_path, family, tp, pp):
+    convert_hf_to_mcore(tiny_models[family], tmp_path / "ckpt", tp=tp, pp=pp)
+    convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert_same_tensors(tiny_models[family], tmp_path / "hf")
+
+
+def test_round_trip_from_sharded_checkpoint_with_index(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    convert_hf_to_mcore(tmp_path / "sharded", tmp_path / "ckpt", tp=2, pp=2)
+    convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "hf", max_shard_bytes=200_000)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert_same_tensors(tiny_models["llama"], tmp_path / "hf")
+
+
+def test_export_is_loadable_by_transformers_with_tokenizer_and_tie_flag(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    convert_hf_to_mcore(tiny_models["qwen2"], tmp_path / "ckpt", tp=2, pp=2, dtype="bf16")
+    convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.tie_word_embeddings is True
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").decode([5, 6]) != ""
+
+
+def test_transformers_4x_config_keys_are_read_like_5x(tiny_models, tmp_path):
+    raw = json.loads((tiny_models["llama"] / "config.json").read_text())
+    legacy = dict(raw)
+    rope = legacy.pop("rope_parameters")
+    legacy["rope_theta"] = rope.pop("rope_theta")
+    legacy["rope_scaling"] = rope
+    new, old = HFModelConfig.from_dict(raw), HFModelConfig.from_dict(legacy)
+    assert (old.rope_theta, old.rope_scaling) == (new.rope_theta, new.rope_scaling)
+    assert new.rope_scaling["rope_type"] == "llama3"
+
+
+def _legacy_config_copy(src: Path, dst: Path) -> Path:
+    """A copy of a 5.x-written model whose config.json carries the 4.x rope keys."""
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope.pop("rope_theta")
+    raw["rope_scaling"] = rope
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_logit_parity_with_transformers(tiny_models, tmp_path, tp, pp):
+    sources = dict(tiny_models)
+    sources["llama-4.x-config"] = _legacy_config_copy(tiny_models["llama"], tmp_path / "llama4x")
+    pairs = []
+    for name, hf_dir in sources.items():
+        convert_hf_to_mcore(hf_dir, tmp_path / name, tp=tp, pp=pp)
+        pairs.append((hf_dir, tmp_path / name))
+    diffs = verify_checkpoints(pairs)
+    for (name, _), diff in zip(sources.items(), diffs):
+        assert diff <= 1e-4, f"{name} at tp={tp} pp={pp}: max |Δ logit| {diff}"
+
+
+@pytest.mark.slow
+def test_torch_dist_round_trip_and_loads_at_another_layout(tiny_models, tmp_path):
+    pairs = []
+    for family in ("llama", "qwen2", "mixtral"):
+        ckpt = tmp_path / f"{family}-dist"
+        manifest = convert_hf_to_mcore(tiny_models[family], ckpt, tp=2, pp=1, fmt="torch_dist")
+        assert manifest.format == "torch_dist" and (ckpt / "iter_0000000" / "metadata.json").is_file()
+        convert_mcore_to_hf(ckpt, tmp_path / f"{family}-hf")
+        assert_same_tensors(tiny_models[family], tmp_path / f"{family}-hf")
+        pairs.append((tiny_models[family], ckpt))
+    # Saved at TP2 x PP1, loaded at TP1 x PP2.
+    assert max(verify_checkpoints(pairs, tp=1, pp=2)) <= 1e-4
+
+
+# --- refusals: a clear message, and nothing left behind ---------------------------------------------
+
+
+def _refused(capsys, argv, out: Path, *expected: str):
+    assert cli(argv) == 2
+    message = capsys.readouterr().err
+    for text in expected:
+        assert text in message, message
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp")]
+
+
+def _hf_with_config(tmp_path, config: dict) -> Path:
+    folder = tmp_path / config["model_type"]
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "bert", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 99},
+    {"model_type": "t5", "d_model": 64, "num_layers": 2, "vocab_size": 99},
+    {"model_type": "llava", "text_config": {"model_type": "llama"}, "vision_config": {}},
+])
+def test_unsupported_model_types_are_refused_up_front(tmp_path, capsys, config):
+    hf = _hf_with_config(tmp_path, config)
+    out = tmp_path / "out"
+    _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)], out,
+             f"model_type '{config['model_type']}' is not supported", "llama", "mixtral")
+
+
+def test_tp_not_dividing_query_groups_is_refused(tiny_models, tmp_path, capsys):
+    out = tmp_path / "out"
+    _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(tiny_models["llama"]), "--out", str(out), "--tp", "4"],
+             out, "tensor parallel size 4 must divide the number of query groups", "num_key_value_heads=2")
+
+
+def test_pp_not_dividing_layers_is_refused(tiny_models, tmp_path, capsys):
+    out = tmp_path / "out"
+    _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(tiny_models["llama"]), "--out", str(out), "--pp", "3"],
+             out, "pipeline parallel size 3 must divide num_hidden_layers=4")
+
+
+def test_missing_shard_file_is_refused(tiny_models, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    out = tmp_path / "out"
+    _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out", str(out)], out,
+             f"shard {shard} named in model.safetensors.index.json is missing")
+
+
+def test_truncated_safetensors_is_refused(tiny_models, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_models["llama"], hf)
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    out = tmp_path / "out"
+    _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)], out, f"{weights} is truncated")
+
+
+def test_existing_output_needs_overwrite(tiny_models, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    assert cli(["convert", "hf-to-mcore", "--hf", str(tiny_models["llama"]), "--out", str(out)]) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "precious"
+    assert cli(["convert", "hf-to-mcore", "--hf", str(tiny_models["llama"]), "--out", str(out), "--overwrite"]) == 0
+    assert not (out / "keep.txt").exists()
+
+
+def test_missing_megatron_shard_on_export_is_refused(tiny_models, tmp_path, capsys):
+    convert_hf_to_mcore(tiny_models["llama"], tmp_path / "ckpt", tp=2, pp=2)
+    victim = tmp_path / "ckpt" / "iter_0000000" / "mp_rank_01_001" / "model_optim_rng.pt"
+    victim.unlink()
+    out = tmp_path / "hf"
+    _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(out)], out,
+             f"shard file {victim} is missing")
+
+
+@pytest.mark.slow
+def test_layout_mismatch_on_load_is_refused(tiny_models, tmp_path):
+    import subprocess
+    import sys
+
+    convert_hf_to_mcore(tiny_models["llama"], tmp_path / "ckpt", tp=2, pp=1)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "0", "-m",
+         "verl_mega.converters.verify", "--pair", str(tiny_models["llama"]), str(tmp_path / "ckpt"), "--tp", "1",
+         "--pp", "1"],
+        capture_output=True, text=True,
+    )
+    assert run.returncode != 0
+    assert "was written for tp=2, pp=1, ep=1 but this job runs tp=1, pp=1, ep=1" in run.stderr
