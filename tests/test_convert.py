@@ -202,9 +202,11 @@ def test_layout_mismatch_on_load_is_refused(tiny_models, tmp_path):
     import subprocess
     import sys
 
+    from verl_mega.parallel.launch import free_port
+
     convert_hf_to_mcore(tiny_models["llama"], tmp_path / "ckpt", tp=2, pp=1)
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "0", "-m",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()), "-m",
          "verl_mega.converters.verify", "--pair", str(tiny_models["llama"]), str(tmp_path / "ckpt"), "--tp", "1",
          "--pp", "1"],
         capture_output=True, text=True,
