@@ -26,6 +26,9 @@ class Registry:
         except KeyError:
             raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}") from None
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

@@ -2,90 +2,136 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the tensor's data in the file
+
+
 class SafetensorsReader:
-    """Lazy access to an HF checkpoint folder (single file or sharded with an index)."""
+    """Lazy access to an HF checkpoint folder (single file or sharded with an index).
+
+    Reads with positioned reads into fresh tensors rather than memory-mapping, so only the bytes asked
+    for are read and a converter's memory is what it holds, not the file pages it touched.
+    """
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
         index = self.dir / INDEX_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif (self.dir / SINGLE_NAME).is_file():
-            weight_map = {name: SINGLE_NAME for name in _header(self.dir / SINGLE_NAME)}
+            files = [SINGLE_NAME]
         else:
             raise FileNotFoundError(f"{self.dir} holds neither {SINGLE_NAME} nor {INDEX_NAME}")
-        for file in sorted(set(weight_map.values())):
+        self._entries: dict[str, _Entry] = {}
+        self._fds: dict[Path, int] = {}
+        for file in files:
             path = self.dir / file
             if not path.is_file():
                 raise FileNotFoundError(f"shard {path} named in {INDEX_NAME} is missing")
-            _check_complete(path)
-        self._file_of = weight_map
-        self._handles = {}
+            self._entries.update(_read_entries(path))
 
     def names(self) -> list[str]:
-        return list(self._file_of)
+        return list(self._entries)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._entries
 
-    def _slice(self, name: str):
-        file = self._file_of.get(name)
-        if file is None:
+    def _entry(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None:
             raise KeyError(f"tensor '{name}' is not in the checkpoint at {self.dir}")
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.dir / file, framework="pt")
-        return self._handles[file].get_slice(name)
+        return entry
 
     def shape(self, name: str) -> list[int]:
-        return list(self._slice(name).get_shape())
+        return list(self._entry(name).shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entry(name).dtype
 
     def read(self, name: str) -> torch.Tensor:
-        return self._slice(name)[:]
+        entry = self._entry(name)
+        return self.read_rows(name, 0, entry.shape[0] if entry.shape else 1)
+
+    def read_rows(self, name: str, start: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, start + count) of dim 0, read straight into `out` when given; rows past the end
+        of the tensor are zeros (megatron's padded vocabulary)."""
+        entry = self._entry(name)
+        shape = (count, *entry.shape[1:]) if entry.shape else ()
+        if out is None:
+            out = torch.empty(shape, dtype=entry.dtype)
+        present = max(0, min(count, (entry.shape[0] if entry.shape else 1) - start))
+        if present < count:
+            out[present:] = 0
+        if present:
+            row_bytes = out[0].numel() * out.element_size() if entry.shape else out.element_size()
+            self._pread_into(entry, entry.offset + start * row_bytes, _bytes_of(out[:present] if entry.shape else out))
+        return out
 
     def read_part(self, name: str, dim: int, part: int, parts: int, padded_rows: int | None = None) -> torch.Tensor:
-        """Part `part` of `parts` equal parts along `dim`, reading only those bytes.
+        """Part `part` of `parts` equal parts along `dim` (0 or 1), reading only those bytes.
 
         With `padded_rows`, dim 0 is first zero-padded to that length (megatron's padded vocabulary).
         """
-        view = self._slice(name)
-        shape = list(view.get_shape())
-        total = padded_rows if padded_rows is not None else shape[dim]
+        entry = self._entry(name)
+        total = padded_rows if padded_rows is not None else entry.shape[dim]
         if total % parts:
             raise ValueError(f"'{name}' dim {dim} of size {total} does not split into {parts} equal parts")
         length = total // parts
-        start = part * length
-        present = max(0, min(start + length, shape[dim]) - start)
+        if dim == 0:
+            return self.read_rows(name, part * length, length)
+        if dim != 1 or len(entry.shape) != 2:
+            raise ValueError(f"'{name}': only dims 0 and 1 of a matrix can be read in parts")
+        rows, columns = entry.shape
+        out = torch.empty((rows, length), dtype=entry.dtype)
+        element = out.element_size()
+        # One positioned read per row segment, each straight into its row of `out`.
+        first = entry.offset + part * length * element
+        for row in range(rows):
+            self._pread_into(entry, first + row * columns * element, _bytes_of(out[row]))
+        return out
 
-        def rows(count: int):
-            index = [slice(None)] * len(shape)
-            index[dim] = slice(start, start + count)
-            return view[tuple(index)]
+    def _pread_into(self, entry: _Entry, offset: int, buffer) -> None:
+        fd = self._fds.get(entry.path)
+        if fd is None:
+            fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
+        if os.preadv(fd, [buffer], offset) != buffer.nbytes:
+            raise ValueError(f"{entry.path} ended early while reading a tensor: the file is truncated")
 
-        if present == length:
-            return rows(length)
-        padded = torch.zeros([length if d == dim else s for d, s in enumerate(shape)], dtype=_dtype(view))
-        if present:
-            padded.narrow(dim, 0, present).copy_(rows(present))
-        return padded
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
-
-def _dtype(view) -> torch.dtype:
-    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-    return names[view.get_dtype()]
+    def __del__(self):
+        self.close()
 
 
-def _header(path: Path) -> dict:
+def _bytes_of(tensor: torch.Tensor):
+    return tensor.view(-1).view(torch.uint8).numpy()
+
+
+def _read_entries(path: Path) -> dict[str, _Entry]:
+    """Parse a safetensors header, checking that the file holds all the bytes it describes."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -96,17 +142,18 @@ def _header(path: Path) -> dict:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{path} has a corrupt safetensors header") from None
     header.pop("__metadata__", None)
-    return header
-
-
-def _check_complete(path: Path) -> None:
-    header = _header(path)
-    (length,) = struct.unpack("<Q", path.open("rb").read(8))
-    data_end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if path.stat().st_size < 8 + length + data_end:
+    data_start = 8 + length
+    data_end = max((meta["data_offsets"][1] for meta in header.values()), default=0)
+    if path.stat().st_size < data_start + data_end:
         raise ValueError(
-            f"{path} is truncated: its header describes {8 + length + data_end} bytes, the file has {path.stat().st_size}"
+            f"{path} is truncated: its header describes {data_start + data_end} bytes, the file has {path.stat().st_size}"
         )
+    entries = {}
+    for name, meta in header.items():
+        if meta["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor '{name}' has unsupported dtype {meta['dtype']}")
+        entries[name] = _Entry(path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), data_start + meta["data_offsets"][0])
+    return entries
 
 
 class SafetensorsWriter:

@@ -79,18 +79,23 @@ def merge_hf_to_mcore(slot: TensorSlot, cfg: HFModelConfig, reader, tp_rank: int
                       padded_vocab: int) -> torch.Tensor:
     """This TP rank's shard of a megatron tensor, reading only its slices of the HF sources.
 
-    `reader` is a `SafetensorsReader` (or anything with its `read` / `read_part`); fused HF tensors are
-    read whole, unfused, then sliced.
+    `reader` is a `SafetensorsReader`. Row-split sources are read straight into their blocks of the
+    merged tensor (no intermediate copies); fused HF tensors are read whole, unfused, then sliced.
     """
     rule = slot.rule
     if rule.fusion is not None:
         sources = [tp_part(t, rule.tp_dim, tp_rank, tp) for t in rule.fusion.unfuse(reader.read(slot.hf_names[0]), cfg)]
-    elif rule.tp_dim is None:
-        sources = [reader.read(name) for name in slot.hf_names]
-    else:
-        padded_rows = padded_vocab if rule.vocab else None
-        sources = [reader.read_part(name, rule.tp_dim, tp_rank, tp, padded_rows) for name in slot.hf_names]
-    return rule.layout.merge(sources, cfg)
+        return rule.layout.merge(sources, cfg)
+    if rule.tp_dim is None:
+        return rule.layout.merge([reader.read(name) for name in slot.hf_names], cfg)
+    if rule.tp_dim == 1:
+        return rule.layout.merge([reader.read_part(name, 1, tp_rank, tp) for name in slot.hf_names], cfg)
+    part_rows = [(padded_vocab if rule.vocab else reader.shape(name)[0]) // tp for name in slot.hf_names]
+    merged = torch.empty((sum(part_rows), *reader.shape(slot.hf_names[0])[1:]), dtype=reader.dtype(slot.hf_names[0]))
+    for b in rule.layout.blocks(part_rows, cfg):
+        start = tp_rank * part_rows[b.source] + b.source_row
+        reader.read_rows(slot.hf_names[b.source], start, b.rows, out=merged[b.merged_row:b.merged_row + b.rows])
+    return merged
 
 
 def split_mcore_to_hf(slot: TensorSlot, cfg: HFModelConfig, shards: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

@@ -41,41 +41,79 @@ def to_canonical_name(name: str, moe: bool) -> str:
 
 
 # --- layouts: HF tensors <-> one megatron tensor, valid on full tensors and on TP slices alike ---------
+# A layout is a list of row blocks: which rows of which source land where in the merged tensor. Merging,
+# splitting and the converter's read-in-place all follow the same blocks.
 
 
-def _qkv_merge(sources: Sequence[torch.Tensor], cfg: HFModelConfig) -> torch.Tensor:
-    q, k, v = sources
-    groups = k.shape[0] // cfg.head_dim
-    rest = q.shape[1:]
-    q = q.reshape(groups, -1, *rest)
-    k = k.reshape(groups, cfg.head_dim, *rest)
-    v = v.reshape(groups, cfg.head_dim, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+@dataclass(frozen=True)
+class Block:
+    source: int
+    source_row: int
+    merged_row: int
+    rows: int
 
 
-def _qkv_split(merged: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
-    q_rows = cfg.heads_per_group * cfg.head_dim
-    group_rows = q_rows + 2 * cfg.head_dim
-    rest = merged.shape[1:]
-    grouped = merged.reshape(-1, group_rows, *rest)
-    q, k, v = grouped.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)
-    return [t.reshape(-1, *rest) for t in (q, k, v)]
+def _same_blocks(source_rows: Sequence[int], cfg: HFModelConfig) -> list[Block]:
+    return [Block(0, 0, 0, source_rows[0])]
 
 
-def _concat_merge(sources: Sequence[torch.Tensor], cfg: HFModelConfig) -> torch.Tensor:
-    return torch.cat(list(sources), dim=0)
+def _same_source_rows(merged_rows: int, cfg: HFModelConfig) -> list[int]:
+    return [merged_rows]
 
 
-def _halves_split(merged: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
-    return list(merged.chunk(2, dim=0))
+def _concat_blocks(source_rows: Sequence[int], cfg: HFModelConfig) -> list[Block]:
+    offsets = [sum(source_rows[:i]) for i in range(len(source_rows))]
+    return [Block(i, 0, offset, rows) for i, (offset, rows) in enumerate(zip(offsets, source_rows))]
 
 
-def _same_merge(sources: Sequence[torch.Tensor], cfg: HFModelConfig) -> torch.Tensor:
-    return sources[0]
+def _halves_source_rows(merged_rows: int, cfg: HFModelConfig) -> list[int]:
+    return [merged_rows // 2, merged_rows // 2]
 
 
-def _same_split(merged: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
-    return [merged]
+def _qkv_blocks(source_rows: Sequence[int], cfg: HFModelConfig) -> list[Block]:
+    """q/k/v interleaved per query group: [q heads of group 0, k0, v0, q heads of group 1, ...]."""
+    head_dim, q_rows = cfg.head_dim, cfg.heads_per_group * cfg.head_dim
+    group_rows = q_rows + 2 * head_dim
+    blocks = []
+    for group in range(source_rows[1] // head_dim):
+        base = group * group_rows
+        blocks += [Block(0, group * q_rows, base, q_rows), Block(1, group * head_dim, base + q_rows, head_dim),
+                   Block(2, group * head_dim, base + q_rows + head_dim, head_dim)]
+    return blocks
+
+
+def _qkv_source_rows(merged_rows: int, cfg: HFModelConfig) -> list[int]:
+    groups = merged_rows // ((cfg.heads_per_group + 2) * cfg.head_dim)
+    return [groups * cfg.heads_per_group * cfg.head_dim, groups * cfg.head_dim, groups * cfg.head_dim]
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    blocks: Callable[[Sequence[int], HFModelConfig], list[Block]]
+    source_rows: Callable[[int, HFModelConfig], list[int]]
+
+    def merge(self, sources: Sequence[torch.Tensor], cfg: HFModelConfig) -> torch.Tensor:
+        if len(sources) == 1:
+            return sources[0]
+        merged = sources[0].new_empty((sum(t.shape[0] for t in sources), *sources[0].shape[1:]))
+        for b in self.blocks([t.shape[0] for t in sources], cfg):
+            merged[b.merged_row:b.merged_row + b.rows] = sources[b.source][b.source_row:b.source_row + b.rows]
+        return merged
+
+    def split(self, merged: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
+        rows = self.source_rows(merged.shape[0], cfg)
+        if len(rows) == 1:
+            return [merged]
+        sources = [merged.new_empty((n, *merged.shape[1:])) for n in rows]
+        for b in self.blocks(rows, cfg):
+            sources[b.source][b.source_row:b.source_row + b.rows] = merged[b.merged_row:b.merged_row + b.rows]
+        return sources
+
+
+SAME = Layout("same", _same_blocks, _same_source_rows)
+QKV = Layout("qkv", _qkv_blocks, _qkv_source_rows)
+GATE_UP = Layout("gate_up", _concat_blocks, _halves_source_rows)
 
 
 def _unfuse_qkv(fused: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
@@ -85,18 +123,6 @@ def _unfuse_qkv(fused: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
 
 def _unfuse_halves(fused: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
     return list(fused.chunk(2, dim=0))
-
-
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    merge: Callable[[Sequence[torch.Tensor], HFModelConfig], torch.Tensor]
-    split: Callable[[torch.Tensor, HFModelConfig], list[torch.Tensor]]
-
-
-SAME = Layout("same", _same_merge, _same_split)
-QKV = Layout("qkv", _qkv_merge, _qkv_split)
-GATE_UP = Layout("gate_up", _concat_merge, _halves_split)
 
 
 @dataclass(frozen=True)
