@@ -156,7 +156,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         config = OmegaConf.to_object(merged)
     except (ConfigKeyError, ValidationError) as err:
         key = getattr(err, "full_key", None) or ""
-        raise ConfigError(f"config key '{key}': {err.msg if hasattr(err, 'msg') else err}") from None
+        raise ConfigError(f"config key '{key}': {str(err).splitlines()[0]}") from None
     except Exception as err:  # omegaconf's MissingMandatoryValue and friends
         key = getattr(err, "full_key", "")
         raise ConfigError(f"config key '{key}' is required: set it in the YAML file or as {key}=...") from None
