@@ -129,7 +129,9 @@ def _cuda_type_names():
     def cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is not None:
             return original_type(self, dtype, non_blocking, **kwargs)
-        return original_type(self).replace("torch.", "torch.cuda.", 1)
+        name = original_type(self)
+        # The device function mode re-dispatches Tensor.type through this patch once more: rename only once.
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
 
     torch.Tensor.type = cuda_named_type
     try:
