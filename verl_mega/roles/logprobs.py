@@ -52,12 +52,14 @@ def _megatron_token_logprobs(logits, labels, tp_group, return_entropy):
 def _vocab_parallel_entropy(logits, tp_group):
     """H = log Z - sum(p * z), with the max, Z and sum(p * z) reduced over the TP slices."""
     import torch.distributed as dist
-    from torch.distributed.nn.functional import all_reduce
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     shift = logits.detach().amax(dim=-1, keepdim=True)
     dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp_group)
     shifted = logits - shift
     exp = shifted.exp()
-    partition = all_reduce(exp.sum(dim=-1), group=tp_group)
-    weighted = all_reduce((exp * shifted).sum(dim=-1), group=tp_group)
+    # Every TP rank computes the same loss from these sums, so their backward is the identity (megatron's
+    # reduce region), not the all-reduce that torch.distributed.nn would sum tp copies of the gradient with.
+    partition = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1))
     return partition.log() - weighted / partition
