@@ -4,6 +4,7 @@ One fixed batch (left-padded prompts, right-padded responses), fp32, dropout off
 HF's log-probs, and the same PPO metrics, grad norm and updated weights as (1,1,1); the critic starts at
 zero values and lowers its loss. Three torchrun launches: 1, 2 (three layouts in turn) and 8 processes.
 """
+import os
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def results(tmp_path_factory):
     out = root / "out"
     out.mkdir()
     tests_dir = str(Path(__file__).parent)
-    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *__import__("os").environ.get("PYTHONPATH", "").split(":")]))}
+    # roles_worker lives next to this file; the rest of PYTHONPATH keeps this checkout's verl_mega first.
+    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
     for nproc, layouts in LAUNCHES.items():
         run_torchrun(nproc, "roles_worker", [str(root / "ckpt"), str(hf_dir), str(out), *layouts], env=env)
     merged = {}

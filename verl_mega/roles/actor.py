@@ -13,7 +13,7 @@ from verl_mega.algorithms import agg_loss, compute_kl, get_policy_loss_fn
 
 from .batching import Batch, response_window
 from .logprobs import vocab_parallel_logprobs
-from .megatron_engine import MicroBatchShare, compute_per_token, forward_backward
+from .megatron_engine import MicroBatchShare, compute_per_token
 from .optim import OptimConfig, TrainingEngine
 
 

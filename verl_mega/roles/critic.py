@@ -13,7 +13,7 @@ from verl_mega.algorithms import compute_value_loss, masked_mean
 
 from .actor import load_policy
 from .batching import Batch, response_window
-from .megatron_engine import MicroBatchShare, compute_per_token, forward_backward
+from .megatron_engine import MicroBatchShare, compute_per_token
 from .optim import OptimConfig, TrainingEngine
 
 
