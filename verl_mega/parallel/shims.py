@@ -66,6 +66,7 @@ def _fix_moe_router_without_transformer_engine() -> None:
 
 def _apply_cpu_shims() -> None:
     from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.tensor_parallel import random as mp_random
 
     # Used as a `device=` argument for rotary tables, pipeline receive buffers and TP buffers.
@@ -81,7 +82,9 @@ def _apply_cpu_shims() -> None:
     mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     logging.getLogger(mp_random.__name__).addFilter(_DropCpuRngWarning())
     # clip_grad_by_total_norm_fp32 asserts `grad.type() == 'torch.cuda.FloatTensor'`.
+    # optimizer.py imported the function by name, so its reference is replaced too.
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
     _patch_optimizer_cuda_type_checks()
     # Literal "cuda" devices elsewhere: a function mode for the life of the process.
     _CudaDeviceToCpu().__enter__()
@@ -126,7 +129,9 @@ def _cuda_type_names():
     def cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is not None:
             return original_type(self, dtype, non_blocking, **kwargs)
-        return original_type(self).replace("torch.", "torch.cuda.", 1)
+        name = original_type(self)
+        # The device function mode re-dispatches Tensor.type through this patch once more: rename only once.
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
 
     torch.Tensor.type = cuda_named_type
     try:

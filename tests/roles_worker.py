@@ -1,0 +1,135 @@
+"""torchrun worker for the role tests: at each (TP, PP) layout given, score and train the actor, reference and
+critic on one fixed batch and save what the test compares (metrics, log-probs, full HF-named weights).
+
+Run by tests/test_layout_invariance.py as `roles_worker CKPT_ROOT HF_DIR OUT_DIR TP,PP [TP,PP ...]`, with
+CKPT_ROOT/tp{TP}pp{PP} converted beforehand.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+BATCH, PROMPT, RESPONSE = 8, 6, 5
+PROMPT_LENGTHS = [6, 3, 4, 1, 5, 2, 6, 4]
+RESPONSE_LENGTHS = [5, 2, 1, 5, 3, 4, 5, 1]
+MICRO_BATCH, MINI_BATCH = 2, 4
+
+
+def fixed_batch(vocab_size: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompts and right-padded responses of different lengths; same on every rank."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab_size, (BATCH, PROMPT), generator=generator)
+    responses = torch.randint(3, vocab_size, (BATCH, RESPONSE), generator=generator)
+    prompt_mask = torch.arange(PROMPT)[None] >= PROMPT - torch.tensor(PROMPT_LENGTHS)[:, None]
+    response_mask = torch.arange(RESPONSE)[None] < torch.tensor(RESPONSE_LENGTHS)[:, None]
+    prompts = prompts.masked_fill(~prompt_mask, pad_id)
+    responses = responses.masked_fill(~response_mask, pad_id)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    return {
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp_min(0),
+        "responses": responses,
+        "response_mask": response_mask.float(),
+    }
+
+
+def hf_response_logprobs(hf_dir: Path, batch) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits
+    logits = logits[:, -RESPONSE - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch["responses"][..., None])[..., 0]
+
+
+def gather_hf_weights(module, cfg, family) -> dict[str, torch.Tensor] | None:
+    """This PP stage's weights as full HF tensors (on TP rank 0; None elsewhere)."""
+    from megatron.core import parallel_state as ps
+
+    from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
+    from verl_mega.models.spec import to_canonical_name
+    from verl_mega.parallel.state import current_layout
+
+    layout = current_layout()
+    local = {to_canonical_name(name, family.moe): tensor for name, tensor in module.state_dict().items()
+             if not name.endswith("_extra_state")}
+    weights = {}
+    for slot in rank_slots(cfg, family, layout.pp_rank, layout.pp):
+        if slot.is_tied_copy:
+            continue
+        shard = local[slot.local_name].detach().float().contiguous()
+        shards = [torch.empty_like(shard) for _ in range(layout.tp)]
+        dist.all_gather(shards, shard, group=ps.get_tensor_model_parallel_group())
+        for name, tensor in split_mcore_to_hf(slot, cfg, shards):
+            weights[name] = strip_vocab_padding(slot.rule, tensor, cfg.vocab_size).clone()
+    return weights if layout.tp_rank == 0 else None
+
+
+def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, tp: int, pp: int) -> None:
+    from verl_mega.models import HFModelConfig, family_for
+    from verl_mega.checkpoint.manifest import Manifest
+    from verl_mega.parallel.state import current_layout, init_parallel
+    from verl_mega.roles.actor import Actor, PolicyLossConfig
+    from verl_mega.roles.critic import Critic, ValueLossConfig
+    from verl_mega.roles.optim import OptimConfig
+    from verl_mega.roles.reference import make_reference
+
+    layout = init_parallel(tp, pp)
+    ckpt = ckpt_root / f"tp{tp}pp{pp}"
+    manifest = Manifest.read(ckpt)
+    cfg = HFModelConfig.from_dict(manifest.hf_config)
+    family = family_for(cfg)
+    batch = fixed_batch(cfg.vocab_size, pad_id=0)
+    hf_logprobs = hf_response_logprobs(hf_dir, batch)
+    noise = torch.Generator().manual_seed(1)
+    batch["old_log_probs"] = hf_logprobs + 0.3 * torch.randn(hf_logprobs.shape, generator=noise)
+    batch["advantages"] = torch.randn(hf_logprobs.shape, generator=noise)
+    batch["returns"] = torch.randn(hf_logprobs.shape, generator=noise)
+    batch["values"] = torch.zeros_like(hf_logprobs)
+
+    # Adam's first steps move weights by about lr whatever the gradient, which would hide gradient errors
+    # from the weight comparison; large eps makes the update follow the gradient's size.
+    optim = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2,
+                        use_distributed_optimizer=layout.dp > 1, total_training_steps=4)
+    reference = make_reference(ckpt, use_kl=True)
+    batch["ref_log_prob"] = reference.compute_ref_log_prob(batch, MICRO_BATCH)
+    actor = Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1))
+    scored = actor.compute_log_prob(batch, MICRO_BATCH, return_entropy=True)
+    actor_metrics = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH,
+                                        micro_batch_size=MICRO_BATCH)
+    weights = gather_hf_weights(actor.model.module, cfg, family)
+
+    critic = Critic(ckpt, optim, ValueLossConfig(cliprange_value=0.5))
+    initial_values = critic.compute_values(batch, MICRO_BATCH)
+    critic_metrics = [critic.update_critic(batch, ppo_epochs=1, mini_batch_size=BATCH, micro_batch_size=MICRO_BATCH)
+                      for _ in range(3)]
+
+    layout = current_layout()
+    result = {
+        "hf_log_probs": hf_logprobs, "ref_log_prob": batch["ref_log_prob"], "log_probs": scored["log_probs"],
+        "entropy": scored["entropy"], "response_mask": batch["response_mask"], "actor_metrics": actor_metrics,
+        "initial_values": initial_values, "critic_metrics": critic_metrics, "weights": weights,
+    }
+    if layout.tp_rank == 0 and layout.dp_rank == 0:
+        torch.save(result, out_dir / f"tp{tp}pp{pp}dp{layout.dp}_stage{layout.pp_rank}.pt")
+    dist.barrier()
+
+
+def main(argv: list[str]) -> None:
+    ckpt_root, hf_dir, out_dir, *layouts = argv
+    for layout in layouts:
+        tp, pp = (int(size) for size in layout.split(","))
+        run_layout(Path(ckpt_root), Path(hf_dir), Path(out_dir), tp, pp)
+    from verl_mega.parallel.state import destroy_parallel
+
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

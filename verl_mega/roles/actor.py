@@ -1,0 +1,108 @@
+"""The actor: a megatron-core policy that scores response tokens and takes PPO steps on them.
+
+Batches follow `roles.batching` (every rank passes the same global batch; results cover the whole batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from verl_mega.algorithms import agg_loss, compute_kl, get_policy_loss_fn
+
+from .batching import Batch, response_window
+from .logprobs import vocab_parallel_logprobs
+from .megatron_engine import MicroBatchShare, compute_per_token
+from .optim import OptimConfig, TrainingEngine
+
+
+@dataclass
+class PolicyLossConfig:
+    policy_loss: str = "vanilla"  # a name registered in algorithms.POLICY_LOSSES
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # a name registered in algorithms.KL_ESTIMATORS
+    extra: dict = field(default_factory=dict)  # further keyword arguments of the policy loss
+
+
+def load_policy(ckpt_dir: str | Path, **config_overrides):
+    """This rank's GPTModel from a converted checkpoint, and the true (unpadded) vocabulary size."""
+    from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+
+    model, _, cfg, _ = build_model_from_checkpoint(ckpt_dir, **config_overrides)
+    return model, cfg.vocab_size
+
+
+def response_logprobs(logits: torch.Tensor, micro_batch: Batch, vocab_size: int, return_entropy: bool):
+    """Log-probs (and entropy) of `responses` from a last stage's [b, L, V/tp] logits."""
+    responses = micro_batch["responses"].to(logits.device)
+    return vocab_parallel_logprobs(response_window(logits, responses.shape[1]), responses,
+                                   vocab_size=vocab_size, return_entropy=return_entropy)
+
+
+def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_size: int,
+                              return_entropy: bool = False) -> dict[str, torch.Tensor]:
+    """Forward-only {'log_probs'[, 'entropy']} [B, R] of the responses, on every rank (actor and reference)."""
+    names = ("log_probs", "entropy") if return_entropy else ("log_probs",)
+
+    def per_token(logits, micro_batch):
+        outputs = response_logprobs(logits, micro_batch, vocab_size, return_entropy)
+        return dict(zip(names, outputs if return_entropy else (outputs,)))
+
+    model.eval()
+    return compute_per_token(model, batch, micro_batch_size, names, per_token)
+
+
+class Actor:
+    def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None,
+                 **config_overrides):
+        module, self.vocab_size = load_policy(ckpt_dir, **config_overrides)
+        self.engine = TrainingEngine(module, optim)
+        self.loss = loss or PolicyLossConfig()
+        self._policy_loss = get_policy_loss_fn(self.loss.policy_loss)
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    def compute_log_prob(self, batch: Batch, micro_batch_size: int, return_entropy: bool = False):
+        """{'log_probs'[, 'entropy']} of the response tokens, [B, R] float32 on every rank."""
+        return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy)
+
+    def update_policy(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
+        """PPO steps (see `TrainingEngine.train_epochs`); metrics averaged over the optimizer steps."""
+        if self.loss.use_kl_loss and "ref_log_prob" not in batch:
+            raise ValueError("use_kl_loss is set but the batch has no 'ref_log_prob'")
+        names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy"]
+        if self.loss.use_kl_loss:
+            names.append("kl_loss")
+        return self.engine.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
+                                        self.loss.loss_agg_mode, names, self._micro_batch_loss)
+
+    def _micro_batch_loss(self, logits, micro_batch: Batch, share: MicroBatchShare):
+        cfg = self.loss
+        on = lambda key: micro_batch[key].to(logits.device)  # noqa: E731
+        mask = on("response_mask")
+        log_prob, entropy = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=True)
+        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = self._policy_loss(
+            on("old_log_probs"), log_prob, on("advantages"), mask, loss_agg_mode=cfg.loss_agg_mode,
+            clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c, **cfg.extra,
+        )
+        entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+        loss = pg_loss - cfg.entropy_coeff * entropy_loss
+        metrics = {"pg_loss": pg_loss * share.loss, "entropy": entropy_loss * share.loss,
+                   "pg_clipfrac": pg_clipfrac * share.tokens, "pg_clipfrac_lower": pg_clipfrac_lower * share.tokens,
+                   "ppo_kl": ppo_kl * share.tokens}
+        if cfg.use_kl_loss:
+            kl_loss = agg_loss(compute_kl(log_prob, on("ref_log_prob"), cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss * share.loss
+        return loss * share.loss, metrics

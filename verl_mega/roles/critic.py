@@ -1,0 +1,92 @@
+"""The critic: the policy's backbone with a scalar value head, trained with the clipped value loss.
+
+Batches follow `roles.batching` (every rank passes the same global batch; results cover the whole batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verl_mega.algorithms import compute_value_loss, masked_mean
+
+from .actor import load_policy
+from .batching import Batch, response_window
+from .megatron_engine import MicroBatchShare, compute_per_token
+from .optim import OptimConfig, TrainingEngine
+
+
+class ValueHead(torch.nn.Module):
+    """Takes the LM head's place in GPTModel: [s, b, h] -> ([s, b, 1], None), as the output layer returns.
+
+    Replicated, not split, over tensor parallelism (one output cannot be split): every TP rank sees the same
+    final hidden states, so the copies get equal gradients and stay equal. Zero-initialised, so the first
+    values are 0 and the backbone starts exactly as the policy.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.value = torch.nn.Linear(hidden_size, 1, dtype=dtype, device=device)
+        torch.nn.init.zeros_(self.value.weight)
+        torch.nn.init.zeros_(self.value.bias)
+
+    def forward(self, hidden_states, weight=None, **_):
+        return self.value(hidden_states), None
+
+
+def attach_value_head(model) -> None:
+    """Replace the LM head by a value head, untying it from the input embedding on every stage."""
+    # Untied everywhere, or the first stage would wait in finalize_model_grads for the embedding-grad
+    # all-reduce with a last stage that no longer has an embedding copy.
+    model.share_embeddings_and_output_weights = False
+    if model.post_process:
+        model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype,
+                                       next(model.parameters()).device)
+
+
+@dataclass
+class ValueLossConfig:
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+class Critic:
+    def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: ValueLossConfig | None = None,
+                 **config_overrides):
+        module, _ = load_policy(ckpt_dir, **config_overrides)
+        attach_value_head(module)
+        self.engine = TrainingEngine(module, optim)
+        self.loss = loss or ValueLossConfig()
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    def compute_values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        """[B, R] float32 values of the states before each response token, on every rank."""
+        self.model.eval()
+        return compute_per_token(self.model, batch, micro_batch_size, ("values",),
+                                 lambda output, micro_batch: {"values": _response_values(output, micro_batch)})["values"]
+
+    def update_critic(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
+        """Clipped value-loss steps over global mini-batches (as `Actor.update_policy`); needs 'values' (the
+        predictions at rollout time) and 'returns'. Returns metrics averaged over steps."""
+        return self.engine.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
+                                        self.loss.loss_agg_mode, ["vf_loss", "vf_clipfrac", "vpred_mean"],
+                                        self._micro_batch_loss)
+
+    def _micro_batch_loss(self, output, micro_batch: Batch, share: MicroBatchShare):
+        on = lambda key: micro_batch[key].to(output.device)  # noqa: E731
+        mask = on("response_mask")
+        vpreds = _response_values(output, micro_batch)
+        vf_loss, vf_clipfrac = compute_value_loss(vpreds, on("values"), on("returns"), mask,
+                                                  cliprange_value=self.loss.cliprange_value,
+                                                  loss_agg_mode=self.loss.loss_agg_mode)
+        metrics = {"vf_loss": vf_loss * share.loss, "vf_clipfrac": vf_clipfrac * share.tokens,
+                   "vpred_mean": masked_mean(vpreds.detach(), mask) * share.tokens}
+        return vf_loss * share.loss, metrics
+
+
+def _response_values(output: torch.Tensor, micro_batch: Batch) -> torch.Tensor:
+    return response_window(output, micro_batch["responses"].shape[1])[..., 0].float()

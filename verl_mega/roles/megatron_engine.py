@@ -1,0 +1,132 @@
+"""Micro-batched forward and forward+backward passes through megatron's pipeline schedules, for every role.
+
+The actor, critic and reference differ only in what they compute from the last stage's output; this module
+owns the rest: slicing the global batch over data parallelism, splitting micro-batches, the attention mask,
+the pipeline schedule, and bringing results from the last pipeline stage (and every DP rank) to all ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from verl_mega.parallel.pipeline import forward_only_outputs
+from verl_mega.parallel.state import current_layout, device
+
+from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, agg_units, split_rows
+
+
+def stage_forward(stage_model, micro_batch: Batch) -> torch.Tensor:
+    """This pipeline stage's forward; the last stage returns [b, L, V/tp] logits (or the role's head output)."""
+    here = device()
+    return stage_model(
+        micro_batch["input_ids"].to(here),
+        micro_batch["position_ids"].to(here),
+        causal_padding_mask(micro_batch["attention_mask"].to(here)),
+    )
+
+
+def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: Sequence[str],
+                      per_token: Callable[[torch.Tensor, Batch], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Forward-only: `per_token(last_stage_output, micro_batch)` gives float32 [b, R] tensors named
+    `output_names`; returns them for the whole global batch on every rank."""
+    from megatron.core import parallel_state as ps
+
+    layout = current_layout()
+    local = dp_slice(batch, layout.dp_rank, layout.dp)
+    micro_batches = list(split_rows(local, micro_batch_size, "micro_batch_size"))
+    outputs = forward_only_outputs(model, micro_batches, stage_forward, per_token)
+    shape = tuple(local["responses"].shape)
+    results = {}
+    for name in output_names:
+        if outputs is not None:
+            tensor = torch.cat([output[name].float() for output in outputs]).to(device()).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=torch.float32, device=device())
+        if layout.pp > 1:
+            dist.broadcast(tensor, ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        results[name] = _gather_over_dp(tensor, layout.dp)
+    return results
+
+
+def _gather_over_dp(tensor: torch.Tensor, dp: int) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if dp == 1:
+        return tensor
+    pieces = [torch.empty_like(tensor) for _ in range(dp)]
+    dist.all_gather(pieces, tensor, group=ps.get_data_parallel_group())
+    return torch.cat(pieces)
+
+
+@dataclass(frozen=True)
+class MicroBatchShare:
+    """This micro-batch's fraction of the mini-batch (all DP ranks): of its loss-aggregation units, which
+    weights its aggregated loss, and of its response tokens, which weights token-mean metrics."""
+
+    loss: torch.Tensor
+    tokens: torch.Tensor
+
+
+LossFn = Callable[[torch.Tensor, Batch, MicroBatchShare], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_mode: str, metric_names: Sequence[str],
+                     loss_fn: LossFn) -> dict[str, float]:
+    """Accumulate the gradient of one global mini-batch's loss into `model`'s grad buffers.
+
+    `mini_batch` is the global mini-batch; each DP rank takes its slice. `loss_fn(output, micro_batch, share)`
+    returns the micro-batch's contribution to the mini-batch loss (its aggregated loss times `share.loss`) and
+    metrics already weighted by a share; contributions add up to the mini-batch values over micro-batches
+    and DP ranks, so the loss, its gradient and the metrics do not depend on the layout or micro-batch size.
+    Returns the summed metrics on every rank.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    layout = current_layout()
+    local = dp_slice(mini_batch, layout.dp_rank, layout.dp)
+    micro_batches = list(split_rows(local, micro_batch_size, "micro_batch_size"))
+    dp_group = ps.get_data_parallel_group()
+    total_units = global_agg_units(local["response_mask"], loss_agg_mode, dp_group)
+    total_tokens = global_agg_units(local["response_mask"], "token-mean", dp_group)
+    # Megatron divides each micro-batch loss by their number and DDP averages gradients over DP; both undone
+    # here because the shares already sum to one over the global mini-batch.
+    undo_averaging = len(micro_batches) * layout.dp
+
+    def forward_step(data_iterator, stage_model):
+        micro_batch = next(data_iterator)
+        output = stage_forward(stage_model, micro_batch)
+
+        def loss_func(output_tensor):
+            response_mask = micro_batch["response_mask"].to(output_tensor.device)
+            share = MicroBatchShare(
+                loss=agg_units(response_mask, loss_agg_mode) / total_units.clamp_min(1),
+                tokens=agg_units(response_mask, "token-mean") / total_tokens.clamp_min(1),
+            )
+            loss, metrics = loss_fn(output_tensor, micro_batch, share)
+            return loss * undo_averaging, {name: value.detach().float() for name, value in metrics.items()}
+
+        return output, loss_func
+
+    first = micro_batches[0]["input_ids"]
+    per_micro_batch = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=first.shape[1],
+        micro_batch_size=first.shape[0],
+        forward_only=False,
+    )
+    sums = torch.zeros(len(metric_names), dtype=torch.float64, device=device())
+    if ps.is_pipeline_last_stage():
+        for metrics in per_micro_batch:
+            sums += torch.stack([metrics[name].double() for name in metric_names])
+    dist.all_reduce(sums, group=dp_group)
+    if layout.pp > 1:
+        dist.broadcast(sums, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return dict(zip(metric_names, sums.tolist()))

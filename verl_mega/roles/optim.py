@@ -1,0 +1,101 @@
+"""Training state of a role's model: megatron DDP, megatron's optimizer and its learning-rate schedule."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .batching import Batch, batch_size, split_rows
+from .megatron_engine import LossFn, forward_backward
+
+
+@dataclass
+class OptimConfig:
+    """Adam settings and the LR schedule (constant, linear or cosine decay after a linear warmup)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # <= 0: no clipping (the norm is still reported)
+    use_distributed_optimizer: bool = False
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int | None = None  # None: the schedule's total = total_training_steps
+    lr_decay_style: str = "constant"
+    total_training_steps: int = 1
+
+
+class TrainingEngine:
+    """Wraps a GPTModel for training; `model` is the DDP wrapper the pipeline schedules run.
+
+    Gradients accumulate over a mini-batch's micro-batches in DDP's buffers; `step()` reduces, clips and
+    applies them, then clears the buffers for the next mini-batch.
+    """
+
+    def __init__(self, module, optim: OptimConfig):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        if optim.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr_decay_style must be constant, linear or cosine, got '{optim.lr_decay_style}'")
+        config = module.config
+        self.model = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
+            ),
+            module=module,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                # Megatron reports the grad norm only while clipping; an infinite bound clips nothing.
+                clip_grad=optim.clip_grad if optim.clip_grad > 0 else math.inf,
+                use_distributed_optimizer=optim.use_distributed_optimizer,
+                bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+            ),
+            [self.model],
+        )
+        # What megatron's training loop installs: the schedules call these after the last backward.
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        decay_steps = optim.lr_decay_steps or max(optim.total_training_steps, optim.lr_warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr,
+            min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps, lr_decay_steps=decay_steps,
+            lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=decay_steps, wd_incr_style="constant",
+        )
+
+    def train_epochs(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
+                     loss_agg_mode: str, metric_names: list[str], loss_fn: LossFn) -> dict[str, float]:
+        """Epochs over global mini-batches of `mini_batch_size` rows (in order, unshuffled), one optimizer step
+        each, `micro_batch_size` rows per forward on each DP rank. Returns metrics averaged over the steps."""
+        if batch_size(batch) % mini_batch_size:
+            raise ValueError(f"mini_batch_size={mini_batch_size} must divide the batch of {batch_size(batch)} rows")
+        self.model.train()
+        steps = []
+        for _ in range(ppo_epochs):
+            for mini_batch in split_rows(batch, mini_batch_size, "mini_batch_size"):
+                metrics = forward_backward(self.model, mini_batch, micro_batch_size, loss_agg_mode, metric_names,
+                                           loss_fn)
+                metrics.update(self.step())
+                steps.append(metrics)
+        return {name: sum(step[name] for step in steps) / len(steps) for name in steps[0]}
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> dict[str, float]:
+        """Apply the accumulated gradients: {'grad_norm', 'lr', 'update_successful'}."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.zero_grad()
+        if update_successful:
+            self.scheduler.step(increment=1)
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr,
+                "update_successful": float(update_successful)}

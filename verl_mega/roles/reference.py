@@ -1,0 +1,27 @@
+"""The reference policy: a frozen copy of the initial actor that scores responses for the KL term."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .actor import compute_response_logprobs, load_policy
+from .batching import Batch
+
+
+class Reference:
+    """No DDP and no optimizer: the pipeline schedules run the bare GPTModel forward-only."""
+
+    def __init__(self, ckpt_dir: str | Path, **config_overrides):
+        self.model, self.vocab_size = load_policy(ckpt_dir, **config_overrides)
+        self.model.requires_grad_(False)
+        self.model.eval()
+
+    def compute_ref_log_prob(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        """[B, R] float32 log-probs of the responses under the reference policy, on every rank."""
+        return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size)["log_probs"]
+
+
+def make_reference(ckpt_dir: str | Path, *, use_kl: bool, **config_overrides) -> Reference | None:
+    """The reference when a KL term (in the reward or in the loss) needs it; None saves its memory otherwise."""
+    return Reference(ckpt_dir, **config_overrides) if use_kl else None
