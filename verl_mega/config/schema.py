@@ -9,6 +9,10 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from verl_mega.roles.actor import PolicyLossConfig
+from verl_mega.roles.critic import ValueLossConfig
+from verl_mega.roles.optim import OptimConfig
+
 
 @dataclass
 class ModelConfig:
@@ -24,7 +28,6 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     rollout_tp: int = 1
-    use_distributed_optimizer: bool = False
 
 
 @dataclass
@@ -49,38 +52,22 @@ class RolloutConfig:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-
-
-@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     ppo_epochs: int = 1
     mini_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 2  # sequences per forward/backward on one rank
-    policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    entropy_coeff: float = 0.0
-    loss_agg_mode: str = "token-mean"
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k3"
 
 
 @dataclass
 class CriticConfig:
+    enable: bool = True  # needed by GAE; outcome estimators (grpo, rloo, ...) run without a critic
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig)
     ppo_epochs: int = 1
     mini_batch_size: int = 8
     micro_batch_size: int = 2
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
 
 
 @dataclass
@@ -210,10 +197,12 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
     need(config.model.dtype in ("fp32", "bf16"), f"model.dtype must be fp32 or bf16, not '{config.model.dtype}'")
     need(config.algorithm.adv_estimator in ADV_ESTIMATORS,
          f"algorithm.adv_estimator '{config.algorithm.adv_estimator}' is unknown; known: {', '.join(ADV_ESTIMATORS.names())}")
-    need(a.policy_loss in POLICY_LOSSES, f"actor.policy_loss '{a.policy_loss}' is unknown; known: {', '.join(POLICY_LOSSES.names())}")
-    for key, value in (("actor.loss_agg_mode", a.loss_agg_mode), ("critic.loss_agg_mode", c.loss_agg_mode)):
+    need(a.loss.policy_loss in POLICY_LOSSES,
+         f"actor.loss.policy_loss '{a.loss.policy_loss}' is unknown; known: {', '.join(POLICY_LOSSES.names())}")
+    for key, value in (("actor.loss.loss_agg_mode", a.loss.loss_agg_mode),
+                       ("critic.loss.loss_agg_mode", c.loss.loss_agg_mode)):
         need(value in LOSS_AGG_MODES, f"{key} '{value}' is unknown; known: {', '.join(LOSS_AGG_MODES.names())}")
-    for key, value in (("algorithm.kl_penalty", config.algorithm.kl_penalty), ("actor.kl_loss_type", a.kl_loss_type)):
+    for key, value in (("algorithm.kl_penalty", config.algorithm.kl_penalty), ("actor.loss.kl_loss_type", a.loss.kl_loss_type)):
         need(value in KL_ESTIMATORS, f"{key} '{value}' is unknown; known: {', '.join(KL_ESTIMATORS.names())}")
     need(config.algorithm.kl_ctrl.type in ("fixed", "adaptive"),
          f"algorithm.kl_ctrl.type must be fixed or adaptive, not '{config.algorithm.kl_ctrl.type}'")
