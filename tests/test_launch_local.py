@@ -1,24 +1,16 @@
 """`verl-mega launch local` runs a module under torchrun on this machine."""
 import json
-import os
-from pathlib import Path
 
 import pytest
 
+import launch_payloads
 from launch import local
-
-TESTS = Path(__file__).parent
-
-
-def payload_pythonpath() -> str:
-    """The ranks import the test payloads (tests/launch_payloads) besides the project itself."""
-    return os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
 
 
 @pytest.mark.slow
 def test_local_launch_runs_every_rank(tmp_path):
     status = local.main(["--nproc", "2", "--module", "launch_payloads.allreduce", "--env",
-                         f"PYTHONPATH={payload_pythonpath()}", "--env", "LAUNCH_TEST_MARKER=local",
+                         f"PYTHONPATH={launch_payloads.pythonpath()}", "--env", "LAUNCH_TEST_MARKER=local",
                          "--", "--out", str(tmp_path)])
     assert status == 0
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -18,8 +18,9 @@
 
 # Requeue protocol: the warning signal (USR1, {{signal_seconds}} s before the time limit) reaches the batch
 # shell only; the trap below forwards it to srun, srun to each node's torchrun, torchrun to every rank.
-# The trainer then saves a checkpoint, runs `scontrol requeue $SLURM_JOB_ID` itself and exits; the job
-# starts again from the top of this script and resumes from that checkpoint (SLURM_RESTART_COUNT > 0).
+# The trainer then saves a checkpoint and, once every rank has saved (requeueing ends the job at once),
+# runs `scontrol requeue $SLURM_JOB_ID` itself. Slurm holds the requeued job for about two minutes, then
+# starts this script again from the top; the trainer resumes from that checkpoint (SLURM_RESTART_COUNT > 0).
 
 set -euo pipefail
 
