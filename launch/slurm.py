@@ -23,6 +23,8 @@ from .payload import Payload, add_payload_arguments, parse_env, payload_from_arg
 TEMPLATE = Path(__file__).parent / "templates" / "sbatch.sh"
 SCRIPT_NAME = "sbatch.sh"
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+# sbatch reads #SBATCH lines itself, not through a shell, so their values cannot be quoted.
+_UNQUOTABLE = re.compile(r"[\s'\"\\]")
 # Slurm keeps the warning offset in 16 bits.
 _MAX_SIGNAL_SECONDS = 65535
 
@@ -56,6 +58,12 @@ class SlurmOptions:
             raise ValueError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
         if not 1 <= self.signal_seconds <= _MAX_SIGNAL_SECONDS:
             raise ValueError(f"--signal-seconds must be within 1..{_MAX_SIGNAL_SECONDS}, got {self.signal_seconds}")
+        directives = {"--job-name": self.job_name, "--partition": self.partition, "--time": self.time,
+                      "--account": self.account, "--qos": self.qos, "--run-dir": str(self.run_dir)}
+        for flag, value in directives.items():
+            if value is not None and _UNQUOTABLE.search(value):
+                raise ValueError(f"{flag} {value!r} must not contain spaces, quotes or backslashes "
+                                 "(it goes on an #SBATCH line)")
         if self.container_mounts and not self.container_image:
             raise ValueError("--mounts needs --container-image (mounts are passed to pyxis with the image)")
 
@@ -76,16 +84,16 @@ def render_sbatch(options: SlurmOptions) -> str:
     """The sbatch script for `options`; a template line with a placeholder whose value is None is dropped."""
     quote = shlex.quote
     values = {
-        "job_name": quote(options.job_name),
+        "job_name": options.job_name,
         "nodes": str(options.nodes),
         "cpus_per_task": _maybe(options.cpus_per_task),
         # CPU-only partitions reject any GPU request, so no line at all rather than =0.
         "gpus_per_node": _maybe(options.gpus_per_node or None),
-        "partition": _maybe(options.partition, quote),
-        "time": _maybe(options.time, quote),
-        "account": _maybe(options.account, quote),
-        "qos": _maybe(options.qos, quote),
-        "output": quote(str(options.run_dir / "slurm-%j.out")),
+        "partition": options.partition,
+        "time": options.time,
+        "account": options.account,
+        "qos": options.qos,
+        "output": str(options.run_dir / "slurm-%j.out"),
         "signal_seconds": str(options.signal_seconds),
         "dependency": "singleton" if options.singleton else None,
         "env_exports": "\n".join(f"export {name}={quote(value)}" for name, value in options.env.items()) or None,

@@ -75,6 +75,7 @@ SOME_MODULE = ["--module", "verl_mega.converters.verify"]
     ([*CPU_NODE, "--env", "NO_EQUALS", *SOME_MODULE], "--env 'NO_EQUALS' must look like NAME=VALUE"),
     ([*CPU_NODE, "--mounts", "/a:/a", *SOME_MODULE], "--mounts needs --container-image"),
     ([*CPU_NODE, "--module", "not a module"], "is not a python module name"),
+    ([*CPU_NODE, "--partition", "gpu large", *SOME_MODULE], "--partition 'gpu large' must not contain spaces"),
     (CPU_NODE, "CONFIG is required to launch the trainer"),
     ([*CPU_NODE, "missing.yaml"], "config file missing.yaml not found"),
 ])
