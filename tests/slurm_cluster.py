@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 NODES = ("node1", "node2")
-DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel", "squeue")
+SLURM_TOOLS = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel", "squeue")
 SETUP_HINT = "run .ci/slurm-setup.sh (as root, needs apt-get)"
 FINISHED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 
@@ -78,7 +78,7 @@ def _free_port() -> int:
 
 
 def _skip_reason() -> str | None:
-    missing = [tool for tool in DAEMONS if shutil.which(tool) is None]
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
     if missing:
         return f"Slurm not installed (missing {', '.join(missing)}); {SETUP_HINT}"
     if os.geteuid() != 0:
@@ -147,18 +147,20 @@ def _wait_idle(cluster: SlurmCluster, daemons: list[subprocess.Popen], timeout: 
 
 
 def _stop(cluster: SlurmCluster, daemons: list[subprocess.Popen]) -> None:
+    controller_up = bool(daemons) and daemons[0].poll() is None
     try:
-        # scontrol shutdown leaves running jobs (their slurmstepd are not our children): cancel them first.
-        cluster.run("scancel", "--full", "--partition=debug", check=False)
-        deadline = time.monotonic() + 15
-        while cluster.run("squeue", "--noheader", check=False).strip() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        cluster.run("scontrol", "shutdown", check=False)
+        if controller_up:
+            # scontrol shutdown leaves running jobs (their slurmstepd are not our children): cancel them first.
+            cluster.run("scancel", "--full", "--partition=debug", check=False)
+            deadline = time.monotonic() + 15
+            while cluster.run("squeue", "--noheader", check=False).strip() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            cluster.run("scontrol", "shutdown", check=False)
     except subprocess.TimeoutExpired:
-        pass  # slurmctld is not answering; the daemons are killed below all the same
+        pass  # slurmctld is not answering; the daemons are stopped below all the same
     for daemon in daemons:
         try:
-            daemon.wait(timeout=10)
+            daemon.wait(timeout=10 if controller_up else 0.1)
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait()
