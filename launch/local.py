@@ -1,0 +1,43 @@
+"""`verl-mega launch local`: run the payload under torchrun on this machine (no scheduler)."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from verl_mega.parallel.launch import run_torchrun
+
+from .payload import add_payload_arguments, parse_env, payload_from_args, split_passthrough
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="verl-mega launch local",
+        description="Run the payload under torchrun on this machine. Arguments after -- go to --module verbatim.",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    add_payload_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(own)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    try:
+        payload = payload_from_args(args, passthrough)
+        env = parse_env(args.env)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        run_torchrun(args.nproc, payload.module, list(payload.args), env=env)
+    except subprocess.CalledProcessError as error:
+        print(f"error: {payload.module} failed under torchrun (exit {error.returncode})", file=sys.stderr)
+        return error.returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`verl-mega launch slurm` against a real two-node Slurm cluster on localhost (tests/slurm_cluster.py)."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import launch_payloads
+from launch import slurm
+from slurm_cluster import FINISHED_STATES, slurm_cluster  # noqa: F401  (the session fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def launch(monkeypatch, capsys, cluster, run_dir: Path, *argv: str) -> str:
+    """Submit through the real CLI entry point and return the job id it printed."""
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    assert slurm.main(["--partition", "debug", "--time", "5", "--run-dir", str(run_dir),
+                       "--env", f"PYTHONPATH={launch_payloads.pythonpath()}", *argv]) == 0
+    return capsys.readouterr().out.strip()
+
+
+def finished(cluster, job_id: str, run_dir: Path, timeout: float) -> dict[str, str]:
+    fields = cluster.wait_for_job(job_id, timeout=timeout)
+    log = "".join(path.read_text() for path in run_dir.glob("slurm-*.out"))
+    assert fields["JobState"] == "COMPLETED", f"job {job_id}: {fields['JobState']}\n{log}\n{cluster.log_tail()}"
+    return fields
+
+
+def wait_for_file(path: Path, cluster, job_id: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        state = cluster.job_fields(job_id)["JobState"]
+        assert state not in FINISHED_STATES, f"job {job_id} is {state} before {path.name}"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.5)
+
+
+def test_two_nodes_two_ranks_each(monkeypatch, capsys, tmp_path, slurm_cluster):  # noqa: F811
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = launch(monkeypatch, capsys, slurm_cluster, tmp_path / "run",
+                    "--nodes", "2", "--gpus-per-node", "0", "--procs-per-node", "2",
+                    "--env", "LAUNCH_TEST_MARKER=slurm", "--module", "launch_payloads.allreduce",
+                    "--", "--out", str(out))
+    finished(slurm_cluster, job_id, tmp_path / "run", timeout=90)
+    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    assert {result["world_size"] for result in results} == {4}
+    assert {result["sum"] for result in results} == {1.0 + 2.0 + 3.0 + 4.0}
+    assert {result["env_marker"] for result in results} == {"slurm"}
+    per_node = {}
+    for result in results:
+        per_node.setdefault(result["node"], []).append(result["local_rank"])
+    assert {node: sorted(ranks) for node, ranks in per_node.items()} == {"node1": [0, 1], "node2": [0, 1]}
+
+
+def test_warning_signal_saves_requeues_and_resumes(monkeypatch, capsys, tmp_path, slurm_cluster):  # noqa: F811
+    out = tmp_path / "out"
+    out.mkdir()
+    run_dir = tmp_path / "run"
+    job_id = launch(monkeypatch, capsys, slurm_cluster, run_dir,
+                    "--nodes", "2", "--gpus-per-node", "0", "--signal-seconds", "30",
+                    "--module", "launch_payloads.wait_for_warning", "--", "--out", str(out))
+    for rank in range(2):
+        wait_for_file(out / f"ready-rank{rank}", slurm_cluster, job_id, timeout=60)
+    # What --signal=B:USR1@30 does 30 s before the time limit, without waiting for it.
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    wait_for_file(out / "requeued", slurm_cluster, job_id, timeout=60)
+    requeued = slurm_cluster.wait_for_job(job_id, ("PENDING", *FINISHED_STATES), timeout=60)
+    assert (requeued["JobState"], requeued["Restarts"]) == ("PENDING", "1")
+    # Slurm holds a requeued job for 120 s (Reason=BeginTime); the test does not wait that out.
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    fields = finished(slurm_cluster, job_id, run_dir, timeout=90)
+    assert fields["Restarts"] == "1"
+    assert [(out / f"saved-rank{rank}").read_text() for rank in range(2)] == ["SIGUSR1", "SIGUSR1"]
+    assert [(out / f"second-run-rank{rank}").read_text() for rank in range(2)] == ["1", "1"]
