@@ -4,7 +4,7 @@ import json
 import pytest
 
 import launch_payloads
-from launch import local
+from verl_mega.launch import local
 
 
 @pytest.mark.slow

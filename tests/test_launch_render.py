@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import slurm
-from launch.payload import TRAINER_MODULE
+from verl_mega.launch import slurm
+from verl_mega.launch.payload import TRAINER_MODULE
 
 
 @pytest.fixture

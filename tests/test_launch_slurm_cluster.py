@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import launch_payloads
-from launch import slurm
+from verl_mega.launch import slurm
 from slurm_cluster import FINISHED_STATES, slurm_cluster  # noqa: F401  (the session fixture)
 
 pytestmark = pytest.mark.slow

@@ -64,15 +64,36 @@ def _run_convert(args) -> int:
     return 0
 
 
+# Subcommands whose module parses its own arguments: "words" -> "module:function".
+DELEGATED = {
+    ("launch", "slurm"): "verl_mega.launch.slurm:main",
+    ("launch", "local"): "verl_mega.launch.local:main",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verl-mega", description=__doc__)
+    parser = argparse.ArgumentParser(prog="verl-mega", description=__doc__, epilog="also: " + ", ".join(
+        " ".join(words) for words in DELEGATED))
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_convert(subparsers)
     return parser
 
 
+def _delegate(argv: list[str]):
+    import importlib
+
+    for words, target in DELEGATED.items():
+        if tuple(argv[: len(words)]) == words:
+            module, function = target.split(":")
+            return lambda: getattr(importlib.import_module(module), function)(argv[len(words):])
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    delegated = _delegate(argv)
+    if delegated is not None:
+        return delegated() or 0
     args = build_parser().parse_args(argv)
     try:
         return {"convert": _run_convert}[args.command](args)

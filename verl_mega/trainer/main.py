@@ -1,0 +1,68 @@
+"""`verl-mega train --config FILE.yaml [key.sub=value ...]`, run under torchrun (or Slurm's srun + torchrun).
+
+The config is validated before any process group starts; the resolved config is saved in the run folder.
+A plain process (no torchrun) trains as a world of one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="verl-mega train")
+    parser.add_argument("--config", help="YAML file (examples/ holds some)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20")
+    args = parser.parse_args(argv)
+
+    from verl_mega.config import ConfigError, load_config, validate
+
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        config = load_config(args.config, args.overrides)
+        validate(config, world_size)
+    except ConfigError as err:
+        print(f"verl-mega train: {err}", file=sys.stderr)
+        return 2
+    train(config)
+    return 0
+
+
+def train(config) -> None:
+    from verl_mega.config import save_config
+    from verl_mega.parallel.state import destroy_parallel, init_parallel
+
+    from .ppo import PPOTrainer
+
+    p = config.parallel
+    layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed)
+    run_dir = Path(config.trainer.run_dir)
+    if layout.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, run_dir / "config.yaml")
+    actor_ckpt = prepare_checkpoint(config, layout, run_dir)
+    critic_ckpt = Path(config.model.critic_ckpt) if config.model.critic_ckpt else None
+    PPOTrainer(config, layout, actor_ckpt, critic_ckpt).fit()
+    destroy_parallel()
+
+
+def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
+    """The actor's converted checkpoint: given, or converted from the HF model once by rank 0."""
+    if config.model.actor_ckpt:
+        return Path(config.model.actor_ckpt)
+    ckpt = run_dir / "initial_actor"
+    if layout.rank == 0 and not ckpt.exists():
+        from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+
+        p = config.parallel
+        convert_hf_to_mcore(config.model.hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype)
+    dist.barrier()
+    return ckpt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Per-step metrics: one compact console line, a JSONL file in the run folder, TensorBoard, wandb if set."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+CONSOLE_KEYS = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
+                "actor/entropy", "actor/grad_norm", "perf/step_seconds")
+
+
+class StageTimer:
+    """Wall time of the named stages of one step (`with timer("rollout"): ...`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+def peak_memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class MetricsLogger:
+    """Only rank 0 writes; `log(step, metrics)` appends one JSON line and prints one compact line."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool, tensorboard: bool = True, wandb_project: str = "",
+                 config: dict | None = None):
+        self.enabled = enabled
+        self._writer = self._wandb = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        self.jsonl = run_dir / "metrics.jsonl"
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(str(run_dir / "tensorboard"))
+        if wandb_project:
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, dir=str(run_dir), config=config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+        shown = " ".join(f"{key.split('/')[-1]}={record[key]:.4g}" for key in CONSOLE_KEYS if key in record)
+        print(f"step {step}: {shown}", flush=True)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return float(value) if isinstance(value, (int, float)) else value

@@ -1,0 +1,229 @@
+"""The PPO loop. Every rank runs the same loop on the same global batch; the roles take their own
+data-parallel slices, so the loop below reads like the dataflow it runs:
+
+    sample prompts -> HybridEngine transition -> generate -> old/ref log-probs, values -> rewards
+    -> advantages -> critic and actor updates -> metrics
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from verl_mega.algorithms import (
+    RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
+)
+from verl_mega.config import TrainConfig
+from verl_mega.parallel.state import ParallelLayout
+
+from .metrics import MetricsLogger, StageTimer, peak_memory_bytes
+from .rollout_batch import build_rollout_batch
+
+TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
+
+
+class PPOTrainer:
+    def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, critic_ckpt: Path | None):
+        from transformers import AutoTokenizer
+
+        from verl_mega.data.prompts import PromptDataset
+        from verl_mega.data.sampler import ResumableBatchSampler
+        from verl_mega.models import load_hf_model_config
+        from verl_mega.roles.actor import Actor
+        from verl_mega.roles.critic import Critic
+        from verl_mega.roles.reference import make_reference
+        from verl_mega.roles.reward import RuleReward
+        from verl_mega.rollout.factory import make_rollout_engine
+        from verl_mega.rollout.hybrid_engine import HybridEngine
+
+        self.config, self.layout = config, layout
+        self.run_dir = Path(config.trainer.run_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
+        self.dataset = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
+                                     config.data.prompt_key, config.data.truncation)
+        self.sampler = ResumableBatchSampler(len(self.dataset), config.data.batch_size, seed=config.data.seed)
+        self._batches = iter(self.sampler)
+
+        total_steps = config.trainer.total_steps
+        config.actor.optim.total_training_steps = total_steps
+        self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss)
+        needs_ref = config.actor.loss.use_kl_loss or config.algorithm.use_kl_in_reward
+        self.reference = make_reference(actor_ckpt, use_kl=needs_ref)
+        self.critic = None
+        if self.uses_critic:
+            config.critic.optim.total_training_steps = total_steps
+            self.critic = Critic(critic_ckpt or actor_ckpt, config.critic.optim, config.critic.loss)
+        self.reward = RuleReward(self.tokenizer, config.reward.function)
+
+        self.hf_config, family = load_hf_model_config(config.model.hf_path)
+        self.hybrid = HybridEngine(self.actor.model, self.hf_config, family, config.parallel.rollout_tp)
+        self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
+                                           rollout_tp=config.parallel.rollout_tp)
+
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.reward_normalizer = RunningMeanStd()
+        self.step = 0
+        self.logger = MetricsLogger(self.run_dir, enabled=layout.rank == 0, tensorboard=config.trainer.tensorboard,
+                                    wandb_project=config.trainer.wandb_project)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.config.algorithm.adv_estimator == "gae" and self.config.critic.enable
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        progress = _progress(self.config.trainer.total_steps, self.step, self.layout.rank == 0 and
+                             self.config.trainer.progress_bar)
+        while self.step < self.config.trainer.total_steps:
+            metrics = self.train_step()
+            self.step += 1
+            self.logger.log(self.step, metrics)
+            progress.update(1)
+        progress.close()
+        self.logger.close()
+
+    def train_step(self) -> dict[str, float]:
+        cfg, timer = self.config, StageTimer()
+        start = time.perf_counter()
+        prompts = self.next_prompts()
+
+        with timer("transition"):
+            self.rollout.wake_up(["weights"])
+            self.rollout.load_weights(self.hybrid.stream())
+            self.rollout.wake_up(["kv_cache"])
+        with timer("rollout"):
+            responses = self.generate(prompts["input_ids"])
+            self.rollout.sleep()
+        repeat = cfg.rollout.n
+        prompt_ids = [ids for ids in prompts["input_ids"] for _ in range(repeat)]
+        batch = build_rollout_batch(prompt_ids, responses, cfg.data.max_response_length, self.tokenizer.pad_token_id)
+        uids = [index for index in prompts["index"] for _ in range(repeat)]
+
+        micro = cfg.actor.micro_batch_size
+        with timer("old_log_prob"):
+            batch["old_log_probs"] = self.actor.compute_log_prob(batch, micro)["log_probs"].cpu()
+        if self.reference is not None:
+            with timer("ref_log_prob"):
+                batch["ref_log_prob"] = self.reference.compute_ref_log_prob(batch, micro).cpu()
+        if self.critic is not None:
+            with timer("values"):
+                batch["values"] = self.critic.compute_values(batch, cfg.critic.micro_batch_size).cpu()
+
+        with timer("reward"):
+            metadata = {key: [value for value in prompts[key] for _ in range(repeat)] for key in ("reward_model", "data_source")}
+            truths = [(info or {}).get("ground_truth") for info in metadata["reward_model"]]
+            scores, token_scores = self.reward(batch["responses"], batch["response_mask"], truths,
+                                               metadata["data_source"])
+        metrics = self.compute_advantages(batch, scores, token_scores, uids)
+
+        if self.critic is not None:
+            with timer("update_critic"):
+                critic_metrics = self.critic.update_critic(batch, cfg.critic.ppo_epochs, cfg.critic.mini_batch_size,
+                                                           cfg.critic.micro_batch_size)
+            metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+        with timer("update_actor"):
+            actor_metrics = self.actor.update_policy(batch, cfg.actor.ppo_epochs, cfg.actor.mini_batch_size, micro)
+        metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
+
+        return self._step_metrics(metrics, batch, scores, timer, time.perf_counter() - start)
+
+    # --- stages ---------------------------------------------------------------------------------------
+
+    def next_prompts(self) -> dict:
+        indices = next(self._batches, None)
+        if indices is None:  # the sampler moved on to the next epoch
+            self._batches = iter(self.sampler)
+            indices = next(self._batches)
+        items = [self.dataset[i] for i in indices]
+        return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
+                "reward_model": [item.get("reward_model") for item in items],
+                "data_source": [item.get("data_source") for item in items]}
+
+    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Each rollout replica generates its share of the prompts; every rank gets all responses."""
+        from verl_mega.rollout.engine import SamplingParams
+
+        cfg, layout = self.config, self.layout
+        replicas, replica, leader = rollout_replicas(layout, cfg.parallel.rollout_tp)
+        share = len(prompts) // replicas
+        mine = prompts[replica * share:(replica + 1) * share]
+        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                max_new_tokens=cfg.data.max_response_length, n=cfg.rollout.n,
+                                seed=cfg.rollout.seed + self.step * replicas + replica)
+        responses = [r.token_ids for r in self.rollout.generate(mine, params)] if mine else []
+        gathered: list = [None] * layout.world_size
+        dist.all_gather_object(gathered, (replica, leader, responses))
+        by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
+        return [tokens for rep in range(replicas) for tokens in by_replica[rep]]
+
+    def compute_advantages(self, batch: dict, scores: torch.Tensor, token_scores: torch.Tensor,
+                           uids: list[int]) -> dict[str, float]:
+        cfg = self.config.algorithm
+        mask = batch["response_mask"].float()
+        metrics = {}
+        if cfg.normalize_rewards:
+            self.reward_normalizer.update(scores)
+            token_scores = self.reward_normalizer.normalize(token_scores, shift_mean=False) * mask
+        token_rewards = token_scores
+        if "ref_log_prob" in batch:
+            kl = masked_mean(compute_kl(batch["old_log_probs"], batch["ref_log_prob"], cfg.kl_penalty), mask)
+            metrics["actor/kl"] = kl.item()
+        if cfg.use_kl_in_reward:
+            token_rewards, current_kl = apply_kl_penalty(token_scores, batch["old_log_probs"], batch["ref_log_prob"],
+                                                         mask, kl_coef=self.kl_ctrl.value, estimator=cfg.kl_penalty)
+            self.kl_ctrl.update(current_kl.item(), n_steps=len(uids))
+            metrics["actor/kl_coef"] = self.kl_ctrl.value
+        estimator = get_adv_estimator(cfg.adv_estimator)
+        if cfg.adv_estimator == "gae":
+            advantages, returns = estimator(token_rewards, batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
+        elif cfg.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
+            advantages, returns = estimator(token_rewards, mask, gamma=cfg.gamma)
+        else:
+            outcome = token_rewards.sum(dim=-1)
+            kwargs = {"norm_by_std": cfg.norm_adv_by_std_in_grpo} if cfg.adv_estimator == "grpo" else {}
+            advantages, returns = estimator(outcome, mask, uids, **kwargs)
+        batch["advantages"], batch["returns"] = advantages.float(), returns.float()
+        return metrics
+
+    def _step_metrics(self, metrics: dict, batch: dict, scores: torch.Tensor, timer: StageTimer,
+                      seconds: float) -> dict[str, float]:
+        lengths = batch["response_mask"].sum(dim=-1).float()
+        tokens = batch["attention_mask"].sum().item()
+        metrics.update({
+            "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+            "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+            "perf/step_seconds": seconds, "perf/tokens_per_second": tokens / seconds,
+            "perf/peak_memory_gib": peak_memory_bytes() / 1024**3,
+            **{f"timing/{stage}": value for stage, value in timer.seconds.items()},
+        })
+        return metrics
+
+
+def rollout_replicas(layout: ParallelLayout, rollout_tp: int) -> tuple[int, int, bool]:
+    """(number of rollout replicas, this rank's replica, whether it leads the replica's TP group).
+
+    A rollout TP group joins the ranks holding the same slice index of consecutive micro-DP groups."""
+    micro_dp = layout.tp // rollout_tp
+    replicas = layout.world_size // rollout_tp
+    replica = (layout.rank // layout.tp) * micro_dp + layout.tp_rank % micro_dp
+    return replicas, replica, layout.tp_rank // micro_dp == 0
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="ppo", unit="step", leave=False)
