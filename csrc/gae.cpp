@@ -6,6 +6,7 @@
 
 #include "cpu_helpers.h"
 #include "cpu_kernels.h"
+#include "tensor_checks.h"
 
 namespace verl_mega {
 namespace {
@@ -47,10 +48,7 @@ void gae_kernel(const at::Tensor& rewards, const at::Tensor& values, const at::T
 
 std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask,
                                        double gamma, double lam) {
-  TORCH_CHECK(rewards.dim() == 2 && rewards.is_contiguous() && values.is_contiguous() && mask.is_contiguous() &&
-                  values.sizes() == rewards.sizes() && mask.sizes() == rewards.sizes() &&
-                  values.scalar_type() == rewards.scalar_type() && mask.scalar_type() == at::kBool,
-              "gae expects contiguous [batch, time] rewards and values of one dtype and a bool mask");
+  check_gae_inputs(rewards, values, mask);
   const auto options = rewards.options().dtype(at::toOpMathType(rewards.scalar_type()));
   at::Tensor advantages = at::empty(rewards.sizes(), options);
   at::Tensor returns = at::empty(rewards.sizes(), options);

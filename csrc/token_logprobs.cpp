@@ -8,8 +8,9 @@
 
 #include <limits>
 
-#include "cpu_kernels.h"
 #include "cpu_helpers.h"
+#include "cpu_kernels.h"
+#include "tensor_checks.h"
 
 namespace verl_mega {
 namespace {
@@ -20,21 +21,11 @@ inline int64_t local_column(int64_t label, int64_t vocab_start, int64_t vocab) {
   return (column >= 0 && column < vocab) ? column : -1;
 }
 
-void check_rows(const at::Tensor& logits, const at::Tensor& labels) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous [rows, vocab] tensor");
-  TORCH_CHECK(labels.dim() == 1 && labels.is_contiguous() && labels.scalar_type() == at::kLong &&
-                  labels.size(0) == logits.size(0),
-              "labels must be a contiguous int64 [rows] tensor");
-}
-
-// A per-row float32/float64 tensor handed in by Python, or nullptr when absent.
+// A per-row input as a typed pointer, or nullptr when absent.
 template <typename acc_t>
-const acc_t* row_values(const std::optional<at::Tensor>& tensor, int64_t rows) {
-  if (!tensor.has_value()) return nullptr;
-  TORCH_CHECK(tensor->is_contiguous() && tensor->numel() == rows &&
-                  tensor->scalar_type() == c10::CppTypeToScalarType<acc_t>::value,
-              "per-row inputs must be contiguous [rows] tensors in the accumulation dtype");
-  return tensor->data_ptr<acc_t>();
+const acc_t* row_input(const std::optional<at::Tensor>& input, const at::Tensor& logits) {
+  check_row_input(input, logits);
+  return input.has_value() ? input->data_ptr<acc_t>() : nullptr;
 }
 
 // Row pass helpers: `body` columns go through vec_t<acc_t> registers, the rest one at a time; both through the
@@ -103,10 +94,10 @@ void backward_kernel(const at::Tensor& logits, const at::Tensor& labels, int64_t
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const scalar_t* x_all = logits.const_data_ptr<scalar_t>();
   const int64_t* label_all = labels.const_data_ptr<int64_t>();
-  const acc_t* log_z = row_values<acc_t>(log_normalizer, rows);
-  const acc_t* grad_lp = row_values<acc_t>(grad_logprob, rows);
-  const acc_t* mean = row_values<acc_t>(mean_logit, rows);
-  const acc_t* grad_ent = row_values<acc_t>(grad_entropy, rows);
+  const acc_t* log_z = row_input<acc_t>(log_normalizer, logits);
+  const acc_t* grad_lp = row_input<acc_t>(grad_logprob, logits);
+  const acc_t* mean = row_input<acc_t>(mean_logit, logits);
+  const acc_t* grad_ent = row_input<acc_t>(grad_entropy, logits);
   TORCH_CHECK(grad_ent == nullptr || mean != nullptr, "an entropy gradient needs mean_logit");
   scalar_t* out_all = grad_logits.data_ptr<scalar_t>();
 
@@ -138,7 +129,7 @@ void backward_kernel(const at::Tensor& logits, const at::Tensor& labels, int64_t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>> logprob_partials(
     const at::Tensor& logits, const at::Tensor& labels, int64_t vocab_start, bool with_entropy) {
-  check_rows(logits, labels);
+  check_logits_and_labels(logits, labels);
   const auto acc_dtype = at::toOpMathType(logits.scalar_type());
   const auto per_row = [&] { return at::empty({logits.size(0)}, logits.options().dtype(acc_dtype)); };
   at::Tensor row_max = per_row(), sum_exp = per_row(), label_logit = per_row();
@@ -155,7 +146,7 @@ at::Tensor logprob_backward(const at::Tensor& logits, const at::Tensor& labels, 
                             const at::Tensor& log_normalizer, const std::optional<at::Tensor>& grad_logprob,
                             const std::optional<at::Tensor>& mean_logit,
                             const std::optional<at::Tensor>& grad_entropy) {
-  check_rows(logits, labels);
+  check_logits_and_labels(logits, labels);
   at::Tensor grad_logits = at::empty_like(logits);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "logprob_backward", [&] {
     backward_kernel<scalar_t>(logits, labels, vocab_start, log_normalizer, grad_logprob, mean_logit, grad_entropy,
