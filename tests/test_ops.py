@@ -1,15 +1,30 @@
-"""verl_mega.ops: compiled CPU kernels against the PyTorch reference, gradients, the fallback, bad input."""
+"""verl_mega.ops: compiled kernels against the PyTorch reference, gradients, the fallback, bad input.
+
+Kernel tests run on the CPU and, where a GPU is present (bench/gpu_kernels.sh), on CUDA as well.
+"""
+import importlib
 import warnings
 
 import pytest
 import torch
 
-import verl_mega._kernels as compiled
 from verl_mega.ops import _backend, gae, reference, token_logprobs
 
 FP32_RTOL = 1e-6
 # Rows shaped to hit the vector body only, the scalar tail only, both, and a single column.
 PARTIAL_SHAPES = [(1, 1), (1, 7), (5, 8), (5, 33), (17, 1000), (3, 4099)]
+
+
+@pytest.fixture(
+    params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+)
+def device(request):
+    return torch.device(request.param)
+
+
+def compiled_for(device):
+    """The compiled module under test; a missing one fails the test rather than testing the fallback twice."""
+    return importlib.import_module(_backend.COMPILED_MODULES[device.type])
 
 
 @pytest.fixture(params=["compiled", "reference"])
@@ -31,13 +46,19 @@ def assert_relative_close(got, want, rtol=FP32_RTOL):
     assert error <= rtol * max(scale, 1e-30), f"max error {error:.3g} > {rtol:g} x max magnitude {scale:.3g}"
 
 
-def random_logits(*shape, dtype=torch.float32, scale=3.0, seed=0):
+def random_logits(*shape, dtype=torch.float32, scale=3.0, seed=0, device="cpu", misaligned=False):
+    """Random logits; `misaligned` places them one element into their buffer, which rules out vector loads."""
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
+    values = (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
+    if misaligned:
+        buffer = torch.empty(values.numel() + 1, dtype=dtype)
+        buffer[1:] = values.flatten()
+        values = buffer[1:].view(shape)
+    return values.to(device)
 
 
-def random_labels(*shape, vocab, seed=1):
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+def random_labels(*shape, vocab, seed=1, device="cpu"):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def full_softmax_oracle(logits, labels):
@@ -53,12 +74,13 @@ def full_softmax_oracle(logits, labels):
 @pytest.mark.parametrize("rows,vocab", PARTIAL_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("vocab_start", [0, 3])
-def test_partials_match_reference(rows, vocab, dtype, vocab_start):
-    logits = random_logits(rows, vocab, dtype=dtype)
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_partials_match_reference(device, rows, vocab, dtype, vocab_start, misaligned):
+    logits = random_logits(rows, vocab, dtype=dtype, device=device, misaligned=misaligned)
     # Some labels fall before or after this slice, as on the other ranks of a tensor-parallel group.
-    labels = random_labels(rows, vocab=vocab + 6)
+    labels = random_labels(rows, vocab=vocab + 6, device=device)
     for with_entropy in (False, True):
-        got = compiled.logprob_partials(logits, labels, vocab_start, with_entropy)
+        got = compiled_for(device).logprob_partials(logits, labels, vocab_start, with_entropy)
         want = reference.logprob_partials(logits, labels, vocab_start, with_entropy)
         for name, g, w in zip(["row_max", "sum_exp", "label_logit", "shifted_sum"], got, want):
             if w is None:
@@ -68,11 +90,35 @@ def test_partials_match_reference(rows, vocab, dtype, vocab_start):
             assert_relative_close(g, w)
 
 
+@pytest.mark.parametrize("rows,vocab", PARTIAL_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("gradients", [("logprob",), ("entropy",), ("logprob", "entropy")])
+def test_backward_matches_reference(device, rows, vocab, dtype, gradients):
+    logits = random_logits(rows, vocab, dtype=dtype, device=device, misaligned=vocab % 2 == 1)
+    labels = random_labels(rows, vocab=vocab + 6, device=device)
+    acc = reference.accumulation_dtype(dtype)
+    row_max, sum_exp, _, shifted_sum = reference.logprob_partials(logits, labels, 3, True)
+    per_row = torch.Generator().manual_seed(4)
+    inputs = dict(
+        log_normalizer=row_max + sum_exp.log(),
+        grad_logprob=torch.randn(rows, generator=per_row).to(device, acc) if "logprob" in gradients else None,
+        mean_logit=row_max + shifted_sum / sum_exp if "entropy" in gradients else None,
+        grad_entropy=torch.randn(rows, generator=per_row).to(device, acc) if "entropy" in gradients else None,
+    )
+    got = compiled_for(device).logprob_backward(logits, labels, 3, **inputs)
+    want = reference.logprob_backward(logits, labels, 3, **inputs)
+    assert got.dtype == want.dtype == dtype
+    if dtype == torch.bfloat16:  # one rounding of each gradient to bfloat16
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5)
+    else:
+        assert_relative_close(got, want)
+
+
 @pytest.mark.parametrize("leading", [(), (1,), (4, 1), (2, 3, 5)])
 @pytest.mark.parametrize("vocab", [1, 9, 300])
-def test_logprobs_and_entropy_match_oracle(backend, leading, vocab):
-    logits = random_logits(*leading, vocab)
-    labels = random_labels(*leading, vocab=vocab)
+def test_logprobs_and_entropy_match_oracle(backend, device, leading, vocab):
+    logits = random_logits(*leading, vocab, device=device)
+    labels = random_labels(*leading, vocab=vocab, device=device)
     logprob, entropy = token_logprobs(logits, labels, return_entropy=True)
     want_logprob, want_entropy = full_softmax_oracle(logits, labels)
     assert logprob.shape == entropy.shape == labels.shape and logprob.dtype == torch.float32
@@ -130,9 +176,9 @@ def test_masked_vocabulary_entries(backend):
 
 
 @pytest.mark.parametrize("return_entropy", [False, True])
-def test_gradcheck_float64(backend, return_entropy):
-    logits = random_logits(3, 4, 11, dtype=torch.float64, scale=1.0).requires_grad_()
-    labels = random_labels(3, 4, vocab=11)
+def test_gradcheck_float64(backend, device, return_entropy):
+    logits = random_logits(3, 4, 11, dtype=torch.float64, scale=1.0, device=device).requires_grad_()
+    labels = random_labels(3, 4, vocab=11, device=device)
     assert torch.autograd.gradcheck(
         lambda x: token_logprobs(x, labels, return_entropy=return_entropy), (logits,), eps=1e-6, atol=1e-6
     )
@@ -181,10 +227,11 @@ MASK_KINDS = ["full", "none", "ragged", "multi_turn"]
 @pytest.mark.parametrize("batch,steps", GAE_SHAPES)
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_gae_kernel_matches_reference(batch, steps, kind, dtype):
-    rewards, values = random_logits(batch, steps, dtype=dtype, scale=1.0), random_logits(batch, steps, dtype=dtype, seed=3)
-    mask = random_mask(batch, steps, kind)
-    got = compiled.gae(rewards, values, mask, 0.99, 0.95)
+def test_gae_kernel_matches_reference(device, batch, steps, kind, dtype):
+    rewards = random_logits(batch, steps, dtype=dtype, scale=1.0, device=device)
+    values = random_logits(batch, steps, dtype=dtype, seed=3, device=device)
+    mask = random_mask(batch, steps, kind).to(device)
+    got = compiled_for(device).gae(rewards, values, mask, 0.99, 0.95)
     want = reference.gae(rewards, values, mask, 0.99, 0.95)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype == reference.accumulation_dtype(dtype)
@@ -222,7 +269,7 @@ def test_gae_skips_masked_tokens(backend, kind):
 
 
 def test_env_var_forces_reference(monkeypatch):
-    assert _backend.kernels_for(torch.device("cpu")) is compiled
+    assert _backend.kernels_for(torch.device("cpu")) is compiled_for(torch.device("cpu"))
     monkeypatch.setenv(_backend.DISABLE_ENV_VAR, "1")
     assert _backend.kernels_for(torch.device("cpu")) is reference
 
