@@ -28,8 +28,8 @@ const acc_t* row_input(const std::optional<at::Tensor>& input, const at::Tensor&
   return input.has_value() ? input->data_ptr<acc_t>() : nullptr;
 }
 
-// Row pass helpers: `body` columns go through vec_t<acc_t> registers, the rest one at a time; both through the
-// same generic lambda.
+// Calls step(column, values) over a row: vec_t<acc_t> registers for the body, single acc_t for the tail, so
+// that one generic lambda serves both.
 template <typename acc_t, typename scalar_t, typename Step>
 void for_each_column(const scalar_t* x, int64_t vocab, Step&& step) {
   constexpr int64_t lanes = kLanes<acc_t>;

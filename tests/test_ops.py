@@ -127,6 +127,18 @@ def test_logprobs_and_entropy_match_oracle(backend, device, leading, vocab):
     torch.testing.assert_close(token_logprobs(logits, labels), logprob, rtol=0, atol=0)
 
 
+def test_strided_inputs(backend):
+    """Non-contiguous logits and labels (e.g. slices of a padded batch) are accepted."""
+    logits = random_logits(4, 10, 33).transpose(0, 1)
+    labels = random_labels(10, 8, vocab=33)[:, ::2]
+    assert not logits.is_contiguous() and not labels.is_contiguous()
+    assert_relative_close(token_logprobs(logits, labels), full_softmax_oracle(logits, labels)[0])
+    rewards, values = random_logits(6, 9).t(), random_logits(6, 9, seed=3).t()
+    mask = random_mask(6, 9, "multi_turn").t()
+    advantages, _ = gae(rewards, values, mask, 0.9, 0.8)
+    assert_relative_close(advantages, reference.gae(rewards, values, mask, 0.9, 0.8)[0])
+
+
 def test_kernel_equals_fallback_fp32(monkeypatch):
     logits, labels = random_logits(64, 5000), random_labels(64, vocab=5000)
     got = token_logprobs(logits, labels, return_entropy=True)

@@ -39,7 +39,11 @@ def token_logprobs(logits, labels, *, tp_group=None, return_entropy=False):
     vocab_start, vocab_total = _vocabulary_slice(vocab, tp_group, logits.device)
     _require_labels_in_vocabulary(labels, vocab_total)
     outputs = _TokenLogprobs.apply(
-        logits.reshape(-1, vocab).contiguous(), labels.reshape(-1).long(), vocab_start, tp_group, return_entropy
+        logits.reshape(-1, vocab).contiguous(),
+        labels.reshape(-1).long().contiguous(),
+        vocab_start,
+        tp_group,
+        return_entropy,
     )
     if return_entropy:
         return tuple(output.view(labels.shape) for output in outputs)
