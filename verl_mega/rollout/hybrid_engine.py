@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
-from verl_mega.models.spec import FamilySpec, to_canonical_name
+from verl_mega.models.spec import SAME, FamilySpec, TensorRule, to_canonical_name
 from verl_mega.parallel.state import current_layout
 
 from .live_bytes import LiveBytes
@@ -59,6 +59,11 @@ def rollout_vocab_rows(padded_vocab: int, vocab_size: int, part: int, parts: int
     per_part = padded_vocab // parts
     start = part * per_part
     return range(min(start, vocab_size), min(start + per_part, vocab_size))
+
+
+def slice_is_gathered_shards(rule: TensorRule) -> bool:
+    """True when the HF tensor's slice is just the megatron shards side by side (no layout to undo)."""
+    return rule.layout is SAME and rule.fusion is None
 
 
 @dataclass(frozen=True)
@@ -159,10 +164,8 @@ class HybridEngine:
         for stage, ep_rank, slot in transfer_order(self.cfg, self.family, layout.pp, layout.ep):
             with self.tracker:
                 shard = self._shard_at_this_rank(slot, stage, ep_rank)
-                shards = self._gather_micro_dp(slot, shard)
-                parts = [(name, self._real_vocab_rows(slot, tensor))
-                         for name, tensor in split_mcore_to_hf(slot, self.cfg, shards)]
-                del shard, shards
+                parts = [(name, self._real_vocab_rows(slot, tensor)) for name, tensor in self._hf_slices(slot, shard)]
+                del shard
             while parts:
                 yield parts.pop(0)
 
@@ -183,13 +186,22 @@ class HybridEngine:
             dist.broadcast(shard, self._stage_src[stage], group=self._pp_group)
         return shard
 
-    def _gather_micro_dp(self, slot: TensorSlot, shard: torch.Tensor) -> list[torch.Tensor]:
-        """The k consecutive training shards that make up this rank's rollout slice."""
-        if slot.rule.tp_dim is None or self._micro_dp_group is None:
-            return [shard]
+    def _hf_slices(self, slot: TensorSlot, shard: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The rollout slice of each HF tensor, from the k consecutive training shards of the micro-DP group."""
+        rule = slot.rule
+        # SAME layout (embedding, LM head, o_proj, down_proj): the HF slice is the shards concatenated along
+        # tp_dim, so one shard is it already, and along dim 0 the gather writes it without a second copy.
+        direct = slice_is_gathered_shards(rule)
+        if rule.tp_dim is None or self._micro_dp_group is None:
+            return [(slot.hf_names[0], shard)] if direct else split_mcore_to_hf(slot, self.cfg, [shard])
+        if direct and rule.tp_dim == 0:
+            joined = torch.empty((self.micro_dp * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype,
+                                 device=shard.device)
+            dist.all_gather(list(joined.chunk(self.micro_dp)), shard.contiguous(), group=self._micro_dp_group)
+            return [(slot.hf_names[0], joined)]
         gathered = [torch.empty_like(shard) for _ in range(self.micro_dp)]
         dist.all_gather(gathered, shard.contiguous(), group=self._micro_dp_group)
-        return gathered
+        return split_mcore_to_hf(slot, self.cfg, gathered)
 
     def _real_vocab_rows(self, slot: TensorSlot, tensor: torch.Tensor) -> torch.Tensor:
         if not slot.rule.vocab:

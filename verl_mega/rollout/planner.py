@@ -17,7 +17,7 @@ from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, check_parallel_fit, padded_vocab_size
 
-from .hybrid_engine import check_rollout_tp, rollout_vocab_rows, transfer_order
+from .hybrid_engine import check_rollout_tp, rollout_vocab_rows, slice_is_gathered_shards, transfer_order
 
 
 @dataclass(frozen=True)
@@ -116,19 +116,26 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
             if train_pp > 1:
                 send += shard * (train_pp - 1) if at_stage else 0
                 recv += 0 if at_stage else shard
-            gathered = 0
             if split and micro_dp > 1:
                 send += shard * (micro_dp - 1)
                 recv += shard * (micro_dp - 1)
-                gathered = slice_bytes
-            # receive buffer + gathered shards + the split's pieces and its outputs (each at most a slice)
-            buffers = (0 if owns else shard) + gathered + (2 * slice_bytes if split else 0)
+            buffers = (0 if owns else shard) + _assembly_bytes(slot.rule, slice_bytes, split and micro_dp > 1)
             peak = max(peak, buffers)
-            largest_output = max(largest_output, slice_bytes if split else 0)
+            largest_output = max(largest_output, slice_bytes)
         # The consumer still holds the previous tensor while the next one is being assembled.
         ranks.append(RankPlan(rank, tp_rank, pp_rank, dp_rank, ep_rank, rollout_tp_rank, train, rollout,
                               peak + largest_output, send, recv))
     return Plan(train_tp, train_pp, dp, ep, rollout_tp, model_bytes, largest, tuple(ranks))
+
+
+def _assembly_bytes(rule, slice_bytes: int, gathers: bool) -> int:
+    """Buffers `HybridEngine._hf_slices` allocates to turn shards into HF slices, at most."""
+    if slice_is_gathered_shards(rule):
+        if not gathers:
+            return 0  # the shard itself is the slice
+        return slice_bytes if rule.tp_dim == 0 else 2 * slice_bytes  # gathered straight / gathered, then joined
+    # split_mcore_to_hf: the layout's pieces and the joined outputs, each at most a slice, plus the gather
+    return (slice_bytes if gathers else 0) + 2 * slice_bytes
 
 
 def main(argv=None) -> None:
