@@ -1,0 +1,121 @@
+"""Rollout engines in one process: the embedded engine's in-place loading and sampling parameters, the
+vLLM engine's refusal (or, with vLLM, its loader), and the training-memory context on CPU."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.models import HFModelConfig
+from verl_mega.rollout.engine import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8], [9, 10]]
+
+
+def _stream(hf_dir, shift: float = 0.0):
+    reader = SafetensorsReader(hf_dir)
+    return ((name, reader.read(name) + shift) for name in reader.names())
+
+
+@pytest.fixture(scope="module", params=["qwen2", "mixtral"])
+def loaded(request, tiny_models):
+    from verl_mega.rollout.embedded import EmbeddedEngine
+
+    hf_dir = tiny_models[request.param]
+    engine = EmbeddedEngine(HFModelConfig.read_raw(hf_dir))
+    engine.load_weights(_stream(hf_dir))
+    return hf_dir, engine
+
+
+def test_embedded_greedy_equals_transformers(loaded):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, engine = loaded
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    responses = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6))
+    for prompt, response in zip(PROMPTS, responses):
+        want = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6)[0, len(prompt):]
+        assert response.token_ids == want.tolist()
+
+
+def test_embedded_loads_in_place_without_a_new_model(loaded):
+    hf_dir, engine = loaded
+    model, first = engine.model, next(engine.model.parameters())
+    before = first.detach().clone()
+    engine.load_weights(_stream(hf_dir, shift=1.0))
+    assert engine.model is model and next(engine.model.parameters()) is first
+    assert torch.equal(first.detach(), before + 1.0)
+    engine.load_weights(_stream(hf_dir))
+    assert torch.equal(first.detach(), before)
+
+
+def test_sampling_parameters(loaded):
+    _, engine = loaded
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_new_tokens=5, n=3, seed=7, logprobs=True)
+    first, again = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+    assert [r.prompt_index for r in first] == [0, 0, 0, 1, 1, 1]
+    assert [r.token_ids for r in first] == [r.token_ids for r in again], "same seed, same samples"
+    for response in first:
+        assert len(response.logprobs) == len(response.token_ids) <= 5
+        assert all(lp <= 0 for lp in response.logprobs)
+    greedy = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=6))[0].token_ids
+    stop = greedy[2]
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=(stop,)))
+    assert stopped[0].token_ids == greedy[: greedy.index(stop) + 1]
+
+
+def test_embedded_refuses_sliced_or_foreign_tensors(loaded):
+    hf_dir, engine = loaded
+    with pytest.raises(ValueError, match="needs full tensors"):
+        engine.load_weights([("model.embed_tokens.weight", torch.zeros(3, 3))])
+    with pytest.raises(KeyError, match="no parameter 'model.unknown.weight'"):
+        engine.load_weights([("model.unknown.weight", torch.zeros(1))])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(n=0), "n ")])
+def test_sampling_params_refuse_nonsense(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_training_memory_context_runs_on_cpu():
+    from verl_mega.rollout.training_memory import training_memory_released
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    with training_memory_released(model, optimizer):
+        pass
+    assert all(p.grad is not None for p in model.parameters())
+
+
+VLLM_IMPORTABLE = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(VLLM_IMPORTABLE, reason="vLLM is installed: the refusal path does not apply")
+def test_vllm_engine_refused_without_vllm(tiny_models):
+    from verl_mega.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(RuntimeError, match="needs vLLM"):
+        VLLMEngine(tiny_models["qwen2"])
+
+
+@pytest.mark.skipif(not VLLM_IMPORTABLE or not torch.cuda.is_available(),
+                    reason="vLLM load_weights check needs vLLM and a CUDA GPU; not available here")
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_vllm_load_weights_accepts_the_stream(tiny_models, family, monkeypatch):
+    from verl_mega.rollout.vllm_engine import VLLMEngine
+
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533").items():
+        monkeypatch.setenv(key, value)
+    engine = VLLMEngine(tiny_models[family], gpu_memory_utilization=0.2, max_model_len=128)
+    engine.sleep(level=1)
+    engine.wake_up(["weights"])
+    assert engine.load_weights((n, t.cuda()) for n, t in _stream(tiny_models[family])) > 0
+    engine.wake_up(["kv_cache"])
+    assert engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=4))

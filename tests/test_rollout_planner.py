@@ -1,0 +1,51 @@
+"""The transition planner: figures that add up, and impossible layouts refused with the reason."""
+from __future__ import annotations
+
+import pytest
+
+from verl_mega.rollout.planner import main, plan
+
+
+def test_rollout_bytes_add_up_to_the_model(tiny_models):
+    full = plan(tiny_models["llama"], 2, 2, 1, 1)
+    assert all(rank.rollout_bytes == full.model_bytes for rank in full.ranks)
+    halves = plan(tiny_models["llama"], 2, 2, 1, 2)
+    by_rollout_rank = {rank.rollout_tp_rank: rank.rollout_bytes for rank in halves.ranks}
+    # Split tensors are halved; norms are replicated on both rollout ranks; the padded vocabulary tail
+    # makes the second half smaller.
+    assert all(held < full.model_bytes for held in by_rollout_rank.values())
+    assert sum(by_rollout_rank.values()) >= full.model_bytes
+
+
+def test_only_the_micro_dp_group_gathers(tiny_models):
+    keep_training_slices = plan(tiny_models["qwen2"], 2, 1, 2, 2)
+    assert all(rank.send_bytes == rank.recv_bytes == 0 for rank in keep_training_slices.ranks)
+    gather = plan(tiny_models["qwen2"], 2, 1, 1, 1)
+    assert all(rank.recv_bytes > 0 for rank in gather.ranks)
+
+
+def test_tied_embedding_counted_once(tiny_models):
+    qwen2 = plan(tiny_models["qwen2"], 1, 2, 1, 1)
+    assert qwen2.ranks[0].rollout_bytes == qwen2.model_bytes
+
+
+@pytest.mark.parametrize("layout, reason", [
+    ((2, 1, 1, 3), "must divide the training TP size 2"),
+    ((4, 1, 1, 1), "num_key_value_heads=2"),
+    ((1, 3, 1, 1), "num_hidden_layers=4"),
+    ((1, 1, 0, 1), "--dp must be >= 1"),
+])
+def test_impossible_layouts_refused(tiny_models, layout, reason):
+    with pytest.raises(ValueError, match=reason):
+        plan(tiny_models["llama"], *layout)
+
+
+def test_cli_prints_every_rank(tiny_models, capsys):
+    main(["--hf", str(tiny_models["mixtral"]), "--train-tp", "2", "--train-pp", "2", "--dp", "2", "--rollout-tp", "1"])
+    out = capsys.readouterr().out
+    assert "rollout tp=1" in out and len(out.strip().splitlines()) == 2 + 8
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--hf", str(tiny_models["mixtral"]), "--train-tp", "2", "--train-pp", "1", "--dp", "1",
+              "--rollout-tp", "4"])
+    assert exit_info.value.code == 2
+    assert "impossible layout" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+"""The default rollout engine on CPU: a transformers model generating with its KV cache, t_g = 1.
+
+The model object is built once from the HF config; every transition copies the streamed tensors into its
+parameters in place, so nothing is reloaded from disk and no new model is made per step.
+
+The stream carries checkpoint names (`block_sparse_moe.experts.3.w1.weight`); transformers 5 may hold
+them fused in memory (`mlp.experts.gate_up_proj`). Where each checkpoint tensor lives inside the fused
+parameters is learned once, by running transformers' own reverse conversion on tensors of element indices,
+so no family knowledge is repeated here.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from .engine import Response, RolloutEngine, SamplingParams
+
+
+class EmbeddedEngine(RolloutEngine):
+    def __init__(self, hf_config: dict, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+        from transformers import AutoModelForCausalLM
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        config = CONFIG_MAPPING[hf_config["model_type"]].from_dict(hf_config)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(self.device).eval()
+        self._targets = _checkpoint_targets(self.model)
+        eos = config.eos_token_id
+        self._eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self._pad = config.pad_token_id if config.pad_token_id is not None else (self._eos or [0])[0]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        loaded = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = self._targets.get(name)
+                if target is None:
+                    raise KeyError(f"the embedded engine's model has no parameter '{name}' (is the stream for "
+                                   f"this model family?)")
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"'{name}' arrives with shape {tuple(tensor.shape)} but the model holds "
+                        f"{tuple(target.shape)}: the embedded engine needs full tensors (rollout_tp=1)"
+                    )
+                target.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(set(self._targets) - loaded)
+        if missing:
+            raise ValueError(f"the weight stream lacked {len(missing)} parameters, e.g. {missing[:3]}")
+        return len(loaded)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Response]:
+        from transformers import GenerationConfig
+
+        input_ids, attention_mask = self._left_padded(prompts)
+        generation = GenerationConfig(
+            do_sample=not params.greedy,
+            temperature=params.temperature if not params.greedy else None,
+            top_p=params.top_p if not params.greedy else None,
+            top_k=params.top_k if params.top_k > 0 and not params.greedy else None,
+            max_new_tokens=params.max_new_tokens,
+            num_return_sequences=params.n,
+            eos_token_id=self._eos + list(params.stop_token_ids),
+            pad_token_id=self._pad,
+            output_logits=params.logprobs,
+            return_dict_in_generate=True,
+        )
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      generation_config=generation)
+        new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()
+        token_logprobs = None
+        if params.logprobs:
+            logits = torch.stack(out.logits, dim=1).float().cpu()
+            token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        stops = set(self._eos) | set(params.stop_token_ids)
+        responses = []
+        for row, tokens in enumerate(new_tokens.tolist()):
+            length = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
+            logprobs = token_logprobs[row, :length].tolist() if token_logprobs is not None else None
+            responses.append(Response(row // params.n, tokens[:length], logprobs))
+        return responses
+
+    def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and no empty prompt")
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def sleep(self, level: int = 1) -> None:
+        # transformers keeps no KV cache between calls; on a GPU the weights wait on the host.
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        if self.device.type == "cuda" and (tags is None or "weights" in tags):
+            self.model.to(self.device)
+
+
+class _Target:
+    """Where one checkpoint tensor lives in a model parameter: a strided window, or scattered elements."""
+
+    def __init__(self, param: torch.Tensor, shape: torch.Size, stride: tuple[int, ...] | None, offset: int,
+                 flat_index: torch.Tensor | None):
+        self.param, self.shape, self.stride, self.offset, self.flat_index = param, shape, stride, offset, flat_index
+
+    def copy_(self, tensor: torch.Tensor) -> None:
+        if self.flat_index is None:
+            self.param.as_strided(self.shape, self.stride, self.offset).copy_(tensor)
+        else:
+            self.param.view(-1)[self.flat_index] = tensor.reshape(-1).to(self.param.dtype)
+
+
+def _checkpoint_targets(model: torch.nn.Module) -> dict[str, _Target]:
+    """Checkpoint name -> its place in the model's parameters (tied lm_head appears once, as embed_tokens)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    targets = {}
+    for name, param in model.named_parameters():
+        probe = torch.arange(param.numel()).view(param.shape)
+        for checkpoint_name, index in revert_weight_conversion(model, {name: probe}).items():
+            targets[checkpoint_name] = _locate(param.data, index)
+    return targets
+
+
+def _locate(param: torch.Tensor, index: torch.Tensor) -> _Target:
+    offset = int(index.reshape(-1)[0])
+    stride = tuple(
+        int(index.narrow(dim, 1, 1).reshape(-1)[0]) - offset if size > 1 else 1
+        for dim, size in enumerate(index.shape)
+    )
+    if min(stride) >= 0 and torch.equal(torch.arange(param.numel()).as_strided(index.shape, stride, offset), index):
+        return _Target(param, index.shape, stride, offset, None)
+    return _Target(param, index.shape, None, 0, index.reshape(-1).clone())

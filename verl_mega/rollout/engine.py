@@ -1,0 +1,69 @@
+"""What every rollout engine offers, and the sampling parameters they all read the same way."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Generation stops at the model's EOS token, at any of `stop_token_ids` (the stop token is kept in the
+    response), or after `max_new_tokens`. `temperature=0` is greedy; `top_k=-1` and `top_p=1` are off.
+    With `logprobs`, each response carries the log-probability of its tokens under the model's raw
+    (untempered, unfiltered) distribution, as vLLM reports them by default.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Response:
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+
+
+class RolloutEngine(ABC):
+    """Weights arrive from the HybridEngine's stream; memory is given back between rollouts."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Response]:
+        """`params.n` responses per prompt, prompt-major: responses of prompt 0 first."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy `(hf_name, tensor)` pairs into the engine's model in place; returns how many were loaded."""
+
+    @abstractmethod
+    def sleep(self, level: int = 1) -> None:
+        """Give back accelerator memory (1: KV cache, weights kept off-device; 2: weights dropped too)."""
+
+    @abstractmethod
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take memory back: `["weights"]` before `load_weights`, `["kv_cache"]` after; None for both."""

@@ -1,0 +1,215 @@
+"""3D-HybridEngine regroup: the actor's training shards -> the weights one rollout rank needs, streamed.
+
+Training runs at (TP=t, PP=p, DP, EP); rollout at TP=t_g with t_g dividing t, pipeline stages folded into
+data parallelism. A rank's rollout slice is the concatenation of k = t / t_g consecutive training TP
+shards, so:
+
+- the *micro-DP group* of a rank is the k consecutive ranks of its TP group holding those shards; the
+  only all-gather runs inside it, and its rollout TP rank is `tp_rank // k`;
+- pipeline stages are broadcast over the PP group from the stage that owns the layer (experts first over
+  the EP group inside the owning stage), one megatron tensor at a time;
+- names and layouts go through the family spec (`split_mcore_to_hf` on the k gathered shards gives the
+  rollout TP slice of each HF tensor), so nothing here knows a family. The vocabulary padding megatron
+  adds at the end of the table is dropped from the slices that hold it.
+
+Peak extra memory is therefore one megatron tensor's rollout slice (and its split), never the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from verl_mega.models.hf_config import HFModelConfig
+from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
+from verl_mega.models.spec import SAME, FamilySpec, TensorRule, to_canonical_name
+from verl_mega.parallel.state import current_layout
+
+from .live_bytes import LiveBytes
+
+
+def check_rollout_tp(train_tp: int, rollout_tp: int) -> None:
+    if rollout_tp < 1 or train_tp % rollout_tp:
+        choices = [d for d in range(1, train_tp + 1) if train_tp % d == 0]
+        raise ValueError(
+            f"rollout tensor-parallel size {rollout_tp} must divide the training TP size {train_tp} "
+            f"(one of {choices}): each rollout rank takes whole consecutive training shards"
+        )
+
+
+def transfer_order(cfg: HFModelConfig, family: FamilySpec, pp: int, ep: int) -> Iterator[tuple[int, int, TensorSlot]]:
+    """(owning stage, owning EP rank, slot) of every tensor the rollout needs, in the order all ranks walk."""
+    for stage in range(pp):
+        for ep_rank in range(ep):
+            for slot in rank_slots(cfg, family, stage, pp, ep_rank, ep):
+                # The tied output layer is the embedding again; dense tensors are the same on every EP rank.
+                if slot.is_tied_copy or (ep_rank > 0 and not slot.rule.per_expert):
+                    continue
+                yield stage, ep_rank, slot
+
+
+def rollout_vocab_rows(padded_vocab: int, vocab_size: int, part: int, parts: int) -> range:
+    """Rows of the real vocabulary in rollout TP slice `part` of a padded embedding / output layer.
+
+    Megatron pads at the end of the whole table, so only the last slices lose rows (`strip_vocab_padding`
+    is the parts == 1 case).
+    """
+    per_part = padded_vocab // parts
+    start = part * per_part
+    return range(min(start, vocab_size), min(start + per_part, vocab_size))
+
+
+def slice_is_gathered_shards(rule: TensorRule) -> bool:
+    """True when the HF tensor's slice is just the megatron shards side by side (no layout to undo)."""
+    return rule.layout is SAME and rule.fusion is None
+
+
+@dataclass(frozen=True)
+class _Peer:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    tp_group: tuple[int, ...]
+    shapes: dict  # global megatron name -> (shape, dtype) of this rank's shard
+
+
+class HybridEngine:
+    """Streams `(hf_name, tensor)` of this rank's rollout TP slice, from the actor's megatron model.
+
+    Construct once per actor (it creates the micro-DP process groups, a collective call on every rank);
+    call `stream()` on every rank at each transition and consume it fully. A yielded tensor is valid until
+    the next one is requested: copy it, don't keep it. `tracker.peak` is the measured most bytes the
+    transition held at once (its buffers plus the tensor the consumer is loading).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: HFModelConfig, family: FamilySpec, rollout_tp: int = 1):
+        from megatron.core import parallel_state as ps
+
+        self.cfg, self.family = cfg, family
+        self.layout = current_layout()
+        check_rollout_tp(self.layout.tp, rollout_tp)
+        self.rollout_tp = rollout_tp
+        self.micro_dp = self.layout.tp // rollout_tp
+        self.rollout_tp_rank = self.layout.tp_rank // self.micro_dp
+        self.tracker = LiveBytes()
+        self._params = self._own_shards(model)
+
+        me = _Peer(self.layout.rank, self.layout.tp_rank, self.layout.pp_rank, self.layout.ep_rank,
+                   tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())),
+                   {name: (tuple(p.shape), p.dtype) for name, p in self._params.items()})
+        peers: list[_Peer] = [None] * self.layout.world_size  # type: ignore[list-item]
+        dist.all_gather_object(peers, me)
+        self._shapes = {name: meta for peer in peers for name, meta in peer.shapes.items()}
+        self._pp_group, self._stage_src = self._sources(ps.get_pipeline_model_parallel_group(), peers, "pp_rank")
+        self._ep_group, self._expert_src = None, {}
+        if self.layout.ep > 1:
+            self._check_expert_tp_matches(ps)
+            self._ep_group, self._expert_src = self._sources(ps.get_expert_model_parallel_group(), peers, "ep_rank")
+        self._micro_dp_group = self._micro_dp_groups(peers, ps)
+
+    # --- set-up -------------------------------------------------------------------------------------
+
+    def _own_shards(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        while hasattr(model, "module"):  # DDP / Float16Module wrappers
+            model = model.module
+        by_local = {to_canonical_name(name, self.family.moe): param for name, param in model.named_parameters()}
+        layout = self.layout
+        shards = {}
+        for slot in rank_slots(self.cfg, self.family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep):
+            if slot.is_tied_copy:
+                continue
+            if slot.local_name not in by_local:
+                raise ValueError(
+                    f"the actor model on rank {layout.rank} has no parameter '{slot.local_name}' that the "
+                    f"{self.family.name} spec expects at pp_rank {layout.pp_rank}: was it built from this config "
+                    f"at tp={layout.tp}, pp={layout.pp}, ep={layout.ep}?"
+                )
+            shards[slot.global_name] = by_local[slot.local_name].detach()
+        return shards
+
+    @staticmethod
+    def _sources(group, peers: list[_Peer], coordinate: str):
+        """The group and, for each value of `coordinate`, the global rank in it holding that value."""
+        members = dist.get_process_group_ranks(group)
+        return group, {getattr(peers[rank], coordinate): rank for rank in members}
+
+    def _micro_dp_groups(self, peers: list[_Peer], ps):
+        if self.micro_dp == 1:
+            return None
+        if self.micro_dp == self.layout.tp:
+            return ps.get_tensor_model_parallel_group()
+        tp_groups = sorted({peer.tp_group for peer in peers})
+        chunks = [list(group[i:i + self.micro_dp]) for group in tp_groups for i in range(0, len(group), self.micro_dp)]
+        mine, _ = dist.new_subgroups_by_enumeration(chunks, backend=dist.get_backend())
+        return mine
+
+    def _check_expert_tp_matches(self, ps) -> None:
+        expert_tp = dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group())
+        dense_tp = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+        if sorted(expert_tp) != sorted(dense_tp):
+            raise ValueError(
+                f"expert tensor parallelism differs from dense TP on rank {self.layout.rank} (expert TP ranks "
+                f"{expert_tp}, TP ranks {dense_tp}): the HybridEngine needs expert_tensor_parallel_size == tp"
+            )
+
+    # --- the transition ----------------------------------------------------------------------------
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor of this rank's rollout slice (vocabulary padding removed), one at a time."""
+        layout = self.layout
+        self.tracker.reset_peak()
+        for stage, ep_rank, slot in transfer_order(self.cfg, self.family, layout.pp, layout.ep):
+            with self.tracker:
+                shard = self._shard_at_this_rank(slot, stage, ep_rank)
+                parts = [(name, self._real_vocab_rows(slot, tensor)) for name, tensor in self._hf_slices(slot, shard)]
+                del shard
+            while parts:
+                yield parts.pop(0)
+
+    def _shard_at_this_rank(self, slot: TensorSlot, stage: int, ep_rank: int) -> torch.Tensor:
+        """This rank's TP shard of the tensor: its own, or received from the stage / EP rank owning it.
+
+        Owners take part as the broadcast source, so every rank walks the same collectives.
+        """
+        name = slot.global_name
+        shard = self._params.get(name)
+        if slot.rule.per_expert and self.layout.ep > 1 and self.layout.pp_rank == stage:
+            if shard is None:
+                shard = self._empty(name)
+            dist.broadcast(shard, self._expert_src[ep_rank], group=self._ep_group)
+        if self.layout.pp > 1:
+            if shard is None:
+                shard = self._empty(name)
+            dist.broadcast(shard, self._stage_src[stage], group=self._pp_group)
+        return shard
+
+    def _hf_slices(self, slot: TensorSlot, shard: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The rollout slice of each HF tensor, from the k consecutive training shards of the micro-DP group."""
+        rule = slot.rule
+        # SAME layout (embedding, LM head, o_proj, down_proj): the HF slice is the shards concatenated along
+        # tp_dim, so one shard is it already, and along dim 0 the gather writes it without a second copy.
+        direct = slice_is_gathered_shards(rule)
+        if rule.tp_dim is None or self._micro_dp_group is None:
+            return [(slot.hf_names[0], shard)] if direct else split_mcore_to_hf(slot, self.cfg, [shard])
+        if direct and rule.tp_dim == 0:
+            joined = torch.empty((self.micro_dp * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype,
+                                 device=shard.device)
+            dist.all_gather(list(joined.chunk(self.micro_dp)), shard.contiguous(), group=self._micro_dp_group)
+            return [(slot.hf_names[0], joined)]
+        gathered = [torch.empty_like(shard) for _ in range(self.micro_dp)]
+        dist.all_gather(gathered, shard.contiguous(), group=self._micro_dp_group)
+        return split_mcore_to_hf(slot, self.cfg, gathered)
+
+    def _real_vocab_rows(self, slot: TensorSlot, tensor: torch.Tensor) -> torch.Tensor:
+        if not slot.rule.vocab:
+            return tensor
+        padded_vocab = self._shapes[slot.global_name][0][0] * self.layout.tp
+        rows = rollout_vocab_rows(padded_vocab, self.cfg.vocab_size, self.rollout_tp_rank, self.rollout_tp)
+        return tensor[: len(rows)]
+
+    def _empty(self, name: str) -> torch.Tensor:
+        shape, dtype = self._shapes[name]
+        return torch.empty(shape, dtype=dtype, device=next(iter(self._params.values())).device)

@@ -1,0 +1,159 @@
+"""Dry run of a HybridEngine transition: per rank, the bytes held for training, held for rollout, and
+sent / received in between, from the HF checkpoint's headers alone (no weights are read).
+
+    verl-mega plan --hf DIR --train-tp T --train-pp P --dp D --rollout-tp t [--ep E] [--dtype bf16]
+
+The figures follow what `HybridEngine.stream` does, tensor by tensor, so its measured peak can be
+checked against `RankPlan.transition_peak_bytes`.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.models import load_hf_model_config
+from verl_mega.models.builder import DTYPES, check_parallel_fit, padded_vocab_size
+
+from .hybrid_engine import check_rollout_tp, rollout_vocab_rows, slice_is_gathered_shards, transfer_order
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    rollout_tp_rank: int
+    train_bytes: int  # this rank's training shards (vocabulary padded)
+    rollout_bytes: int  # the rollout slice the engine ends up holding
+    transition_peak_bytes: int  # most bytes of transfer buffers alive at once, during the transition
+    send_bytes: int
+    recv_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    train_tp: int
+    train_pp: int
+    dp: int
+    ep: int
+    rollout_tp: int
+    model_bytes: int  # M: the whole model, unpadded, tied embedding once
+    largest_tensor_bytes: int
+    ranks: tuple[RankPlan, ...]
+
+    def format(self) -> str:
+        mib = 1024 ** 2
+        lines = [
+            f"training tp={self.train_tp} pp={self.train_pp} dp={self.dp} ep={self.ep} -> rollout tp={self.rollout_tp}"
+            f" (micro-DP groups of {self.train_tp // self.rollout_tp}); model {self.model_bytes / mib:.2f} MiB, "
+            f"largest tensor {self.largest_tensor_bytes / mib:.2f} MiB",
+            f"{'rank':>4} {'tp':>3} {'pp':>3} {'dp':>3} {'ep':>3} {'rtp':>3} {'train MiB':>10} {'rollout MiB':>12} "
+            f"{'peak xfer MiB':>14} {'send MiB':>9} {'recv MiB':>9}",
+        ]
+        for r in self.ranks:
+            lines.append(
+                f"{r.rank:>4} {r.tp_rank:>3} {r.pp_rank:>3} {r.dp_rank:>3} {r.ep_rank:>3} {r.rollout_tp_rank:>3} "
+                f"{r.train_bytes / mib:>10.2f} {r.rollout_bytes / mib:>12.2f} {r.transition_peak_bytes / mib:>14.2f} "
+                f"{r.send_bytes / mib:>9.2f} {r.recv_bytes / mib:>9.2f}"
+            )
+        return "\n".join(lines)
+
+
+def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: int, *, ep: int = 1,
+         dtype: str = "fp32", make_vocab_size_divisible_by: int = 128) -> Plan:
+    """Per-rank bytes of the transition; raises ValueError naming the size that makes a layout impossible."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    if dp < 1:
+        raise ValueError(f"--dp must be >= 1, got {dp}")
+    if dp % ep:
+        raise ValueError(f"expert parallel size {ep} must divide the data-parallel size {dp}")
+    cfg, family = load_hf_model_config(hf_dir)
+    check_parallel_fit(cfg, train_tp, train_pp, ep)
+    check_rollout_tp(train_tp, rollout_tp)
+    reader = SafetensorsReader(hf_dir)
+    item = DTYPES[dtype].itemsize
+    padded_vocab = padded_vocab_size(cfg.vocab_size, train_tp, make_vocab_size_divisible_by)
+    micro_dp = train_tp // rollout_tp
+
+    def shard_bytes(slot) -> int:
+        numel = sum(math.prod(reader.shape(name)) for name in slot.hf_names)
+        if slot.rule.vocab:
+            numel = numel // cfg.vocab_size * padded_vocab
+        return numel * item // (train_tp if slot.rule.tp_dim is not None else 1)
+
+    transfers = [(stage, owner_ep, slot, shard_bytes(slot))
+                 for stage, owner_ep, slot in transfer_order(cfg, family, train_pp, ep)]
+    model_bytes = sum(math.prod(reader.shape(n)) for _, _, slot, _ in transfers for n in slot.hf_names) * item
+    largest = max(math.prod(reader.shape(n)) for _, _, slot, _ in transfers for n in slot.hf_names) * item
+
+    ranks = []
+    for rank in range(train_tp * train_pp * dp):
+        tp_rank, dp_rank, pp_rank = rank % train_tp, rank // train_tp % dp, rank // (train_tp * dp)
+        ep_rank = dp_rank % ep
+        rollout_tp_rank = tp_rank // micro_dp
+        train = rollout = peak = send = recv = largest_output = 0
+        for stage, owner_ep, slot, shard in transfers:
+            split = slot.rule.tp_dim is not None
+            slice_bytes = shard * micro_dp if split else shard
+            if slot.rule.vocab:
+                rows = rollout_vocab_rows(padded_vocab, cfg.vocab_size, rollout_tp_rank, rollout_tp)
+                rollout += slice_bytes // (padded_vocab // rollout_tp) * len(rows)
+            else:
+                rollout += slice_bytes
+            at_stage = pp_rank == stage
+            owns = at_stage and (not slot.rule.per_expert or ep_rank == owner_ep)
+            if owns:
+                train += shard
+            if slot.rule.per_expert and ep > 1 and at_stage:
+                send += shard * (ep - 1) if owns else 0
+                recv += 0 if owns else shard
+            if train_pp > 1:
+                send += shard * (train_pp - 1) if at_stage else 0
+                recv += 0 if at_stage else shard
+            if split and micro_dp > 1:
+                send += shard * (micro_dp - 1)
+                recv += shard * (micro_dp - 1)
+            buffers = (0 if owns else shard) + _assembly_bytes(slot.rule, slice_bytes, split and micro_dp > 1)
+            peak = max(peak, buffers)
+            largest_output = max(largest_output, slice_bytes)
+        # The consumer still holds the previous tensor while the next one is being assembled.
+        ranks.append(RankPlan(rank, tp_rank, pp_rank, dp_rank, ep_rank, rollout_tp_rank, train, rollout,
+                              peak + largest_output, send, recv))
+    return Plan(train_tp, train_pp, dp, ep, rollout_tp, model_bytes, largest, tuple(ranks))
+
+
+def _assembly_bytes(rule, slice_bytes: int, gathers: bool) -> int:
+    """Buffers `HybridEngine._hf_slices` allocates to turn shards into HF slices, at most."""
+    if slice_is_gathered_shards(rule):
+        if not gathers:
+            return 0  # the shard itself is the slice
+        return slice_bytes if rule.tp_dim == 0 else 2 * slice_bytes  # gathered straight / gathered, then joined
+    # split_mcore_to_hf: the layout's pieces and the joined outputs, each at most a slice, plus the gather
+    return (slice_bytes if gathers else 0) + 2 * slice_bytes
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="verl-mega plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
+    parser.add_argument("--train-tp", type=int, required=True)
+    parser.add_argument("--train-pp", type=int, required=True)
+    parser.add_argument("--dp", type=int, required=True)
+    parser.add_argument("--rollout-tp", type=int, required=True)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    args = parser.parse_args(argv)
+    try:
+        result = plan(args.hf, args.train_tp, args.train_pp, args.dp, args.rollout_tp, ep=args.ep, dtype=args.dtype)
+    except ValueError as err:
+        parser.exit(2, f"verl-mega plan: impossible layout: {err}\n")
+    print(result.format())
+
+
+if __name__ == "__main__":
+    main()
