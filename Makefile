@@ -20,7 +20,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo
 
+# The Slurm tests run a real two-node cluster on localhost; slurm-setup.sh installs Slurm if it can.
 test: $(STAMP) cuda-check
+	bash .ci/slurm-setup.sh
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 # Skips the tests marked slow (multi-process and end-to-end); CI runs everything.

@@ -14,17 +14,21 @@ except ImportError:
     token_logprobs = None
 
 
+PADDING_LOGIT = -1e30
+
+
 def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
     """Padded vocabulary rows of the output layer give logit 0, which would take probability mass: remove it.
 
-    The smallest finite value, not -inf, so that p * logit stays 0 in the entropy.
+    A large finite value, not -inf nor the dtype's minimum: a TP slice made only of padding then still
+    gives finite partial sums (count * value), which the cross-rank combination scales by exp(-huge) = 0.
     """
     local_vocab = logits.shape[-1]
     first = tp_rank * local_vocab
     if first + local_vocab <= vocab_size:
         return logits
     padding = torch.arange(first, first + local_vocab, device=logits.device) >= vocab_size
-    return logits.masked_fill(padding, torch.finfo(logits.dtype).min)
+    return logits.masked_fill(padding, PADDING_LOGIT)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, return_entropy: bool):
