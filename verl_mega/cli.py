@@ -68,7 +68,33 @@ def _run_convert(args) -> int:
 DELEGATED = {
     ("launch", "slurm"): "verl_mega.launch.slurm:main",
     ("launch", "local"): "verl_mega.launch.local:main",
+    ("train",): "verl_mega.trainer.main:main",
+    ("plan",): "verl_mega.rollout.planner:main",
 }
+
+
+def _add_export(subparsers) -> None:
+    export = subparsers.add_parser("export", help="a trained run's actor -> an HF folder")
+    export.add_argument("--ckpt", required=True, help="a run folder (its final actor) or a checkpoint folder")
+    export.add_argument("--out", required=True)
+    export.add_argument("--role", default="actor", choices=["actor"])
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: the checkpoint's")
+    export.add_argument("--overwrite", action="store_true")
+
+
+def _run_export(args) -> int:
+    from pathlib import Path
+
+    from verl_mega.checkpoint.manifest import MANIFEST_NAME
+    from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
+    from verl_mega.trainer.ppo import FINAL_ACTOR_DIR
+
+    ckpt = Path(args.ckpt)
+    if not (ckpt / MANIFEST_NAME).is_file() and (ckpt / FINAL_ACTOR_DIR / MANIFEST_NAME).is_file():
+        ckpt = ckpt / FINAL_ACTOR_DIR
+    convert_mcore_to_hf(ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"exported the {args.role} of {ckpt} to {args.out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         " ".join(words) for words in DELEGATED))
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_convert(subparsers)
+    _add_export(subparsers)
     return parser
 
 
@@ -96,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return delegated() or 0
     args = build_parser().parse_args(argv)
     try:
-        return {"convert": _run_convert}[args.command](args)
+        return {"convert": _run_convert, "export": _run_export}[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as err:
         print(f"verl-mega {args.command}: error: {err}", file=sys.stderr)
         return 2

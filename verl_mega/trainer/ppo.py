@@ -20,8 +20,10 @@ from verl_mega.parallel.state import ParallelLayout
 
 from .metrics import MetricsLogger, StageTimer, peak_memory_bytes
 from .rollout_batch import build_rollout_batch
+from .save import save_actor_weights
 
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
+FINAL_ACTOR_DIR = "final_actor"  # a Megatron-LM checkpoint of the trained actor; `verl-mega export` reads it
 
 
 class PPOTrainer:
@@ -38,7 +40,7 @@ class PPOTrainer:
         from verl_mega.rollout.factory import make_rollout_engine
         from verl_mega.rollout.hybrid_engine import HybridEngine
 
-        self.config, self.layout = config, layout
+        self.config, self.layout, self.actor_ckpt = config, layout, Path(actor_ckpt)
         self.run_dir = Path(config.trainer.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
         self.dataset = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
@@ -85,6 +87,7 @@ class PPOTrainer:
             progress.update(1)
         progress.close()
         self.logger.close()
+        save_actor_weights(self.actor.model, self.actor_ckpt, self.run_dir / FINAL_ACTOR_DIR, self.layout, self.step)
 
     def train_step(self) -> dict[str, float]:
         cfg, timer = self.config, StageTimer()

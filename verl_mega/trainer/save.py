@@ -1,0 +1,41 @@
+"""Save the actor's current weights as a Megatron-LM checkpoint (at the training layout) for export."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from verl_mega.checkpoint import megatron_legacy
+from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
+from verl_mega.models import family_for
+from verl_mega.models.spec import to_canonical_name
+from verl_mega.parallel.state import ParallelLayout
+
+
+def save_actor_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayout, iteration: int) -> None:
+    """Collective: the DP-rank-0 replicas write their shards into a temp folder that rank 0 renames to `out`."""
+    source = Manifest.read(source_ckpt)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if layout.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    if layout.dp_rank == 0:
+        while hasattr(model, "module"):  # DDP / Float16Module wrappers
+            model = model.module
+        moe = family_for(source.hf_config).moe
+        state_dict = {to_canonical_name(name, moe): tensor.detach().cpu()
+                      for name, tensor in model.state_dict().items() if not name.endswith("_extra_state")}
+        coords = dict(tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, pp=layout.pp, ep_rank=layout.ep_rank,
+                      ep=layout.ep)
+        megatron_legacy.write_shard(tmp, iteration, coords, state_dict, args={})
+    dist.barrier()
+    if layout.rank == 0:
+        replace(source, format="megatron_legacy", iteration=iteration).write(tmp)
+        megatron_legacy.write_tracker(tmp, iteration)
+        shutil.copytree(source_ckpt / HF_ASSETS_DIR, tmp / HF_ASSETS_DIR)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    dist.barrier()
