@@ -163,44 +163,47 @@ class HybridEngine:
         self.tracker.reset_peak()
         for stage, ep_rank, slot in transfer_order(self.cfg, self.family, layout.pp, layout.ep):
             with self.tracker:
-                shard = self._shard_at_this_rank(slot, stage, ep_rank)
-                parts = [(name, self._real_vocab_rows(slot, tensor)) for name, tensor in self._hf_slices(slot, shard)]
-                del shard
+                parts = [(name, self._real_vocab_rows(slot, tensor))
+                         for name, tensor in self._hf_slices(slot, stage, ep_rank)]
             while parts:
                 yield parts.pop(0)
 
-    def _shard_at_this_rank(self, slot: TensorSlot, stage: int, ep_rank: int) -> torch.Tensor:
-        """This rank's TP shard of the tensor: its own, or received from the stage / EP rank owning it.
-
-        Owners take part as the broadcast source, so every rank walks the same collectives.
+    def _shard_at_this_rank(self, slot: TensorSlot, stage: int, ep_rank: int,
+                            into: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's TP shard of the tensor: its own, or received (into `into` if given) from the stage /
+        EP rank owning it. Owners take part as the broadcast source, so every rank walks the same collectives.
         """
         name = slot.global_name
         shard = self._params.get(name)
+        if shard is None and (self.layout.pp > 1 or (slot.rule.per_expert and self.layout.ep > 1)):
+            shard = into if into is not None else self._empty(name)
         if slot.rule.per_expert and self.layout.ep > 1 and self.layout.pp_rank == stage:
-            if shard is None:
-                shard = self._empty(name)
             dist.broadcast(shard, self._expert_src[ep_rank], group=self._ep_group)
         if self.layout.pp > 1:
-            if shard is None:
-                shard = self._empty(name)
             dist.broadcast(shard, self._stage_src[stage], group=self._pp_group)
         return shard
 
-    def _hf_slices(self, slot: TensorSlot, shard: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def _hf_slices(self, slot: TensorSlot, stage: int, ep_rank: int) -> list[tuple[str, torch.Tensor]]:
         """The rollout slice of each HF tensor, from the k consecutive training shards of the micro-DP group."""
         rule = slot.rule
         # SAME layout (embedding, LM head, o_proj, down_proj): the HF slice is the shards concatenated along
-        # tp_dim, so one shard is it already, and along dim 0 the gather writes it without a second copy.
+        # tp_dim, so one shard is it already, and along dim 0 the shards are received and gathered straight
+        # into it: the slice is the only buffer.
         direct = slice_is_gathered_shards(rule)
         if rule.tp_dim is None or self._micro_dp_group is None:
+            shard = self._shard_at_this_rank(slot, stage, ep_rank)
             return [(slot.hf_names[0], shard)] if direct else split_mcore_to_hf(slot, self.cfg, [shard])
         if direct and rule.tp_dim == 0:
-            joined = torch.empty((self.micro_dp * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype,
-                                 device=shard.device)
-            dist.all_gather(list(joined.chunk(self.micro_dp)), shard.contiguous(), group=self._micro_dp_group)
+            shape, dtype = self._shapes[slot.global_name]
+            joined = torch.empty((self.micro_dp * shape[0], *shape[1:]), dtype=dtype, device=self._device)
+            chunks = list(joined.chunk(self.micro_dp))
+            shard = self._shard_at_this_rank(slot, stage, ep_rank, into=chunks[self.layout.tp_rank % self.micro_dp])
+            dist.all_gather(chunks, shard, group=self._micro_dp_group)
             return [(slot.hf_names[0], joined)]
+        shard = self._shard_at_this_rank(slot, stage, ep_rank)
         gathered = [torch.empty_like(shard) for _ in range(self.micro_dp)]
         dist.all_gather(gathered, shard.contiguous(), group=self._micro_dp_group)
+        del shard
         return split_mcore_to_hf(slot, self.cfg, gathered)
 
     def _real_vocab_rows(self, slot: TensorSlot, tensor: torch.Tensor) -> torch.Tensor:
@@ -212,4 +215,8 @@ class HybridEngine:
 
     def _empty(self, name: str) -> torch.Tensor:
         shape, dtype = self._shapes[name]
-        return torch.empty(shape, dtype=dtype, device=next(iter(self._params.values())).device)
+        return torch.empty(shape, dtype=dtype, device=self._device)
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self._params.values())).device

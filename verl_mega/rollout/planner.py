@@ -119,7 +119,7 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
             if split and micro_dp > 1:
                 send += shard * (micro_dp - 1)
                 recv += shard * (micro_dp - 1)
-            buffers = (0 if owns else shard) + _assembly_bytes(slot.rule, slice_bytes, split and micro_dp > 1)
+            buffers = _transient_bytes(slot.rule, shard, slice_bytes, owns, split and micro_dp > 1)
             peak = max(peak, buffers)
             largest_output = max(largest_output, slice_bytes)
         # The consumer still holds the previous tensor while the next one is being assembled.
@@ -128,14 +128,17 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     return Plan(train_tp, train_pp, dp, ep, rollout_tp, model_bytes, largest, tuple(ranks))
 
 
-def _assembly_bytes(rule, slice_bytes: int, gathers: bool) -> int:
-    """Buffers `HybridEngine._hf_slices` allocates to turn shards into HF slices, at most."""
+def _transient_bytes(rule, shard_bytes: int, slice_bytes: int, owns: bool, gathers: bool) -> int:
+    """Most bytes `HybridEngine._hf_slices` allocates at once for one tensor."""
+    received = 0 if owns else shard_bytes
     if slice_is_gathered_shards(rule):
         if not gathers:
-            return 0  # the shard itself is the slice
-        return slice_bytes if rule.tp_dim == 0 else 2 * slice_bytes  # gathered straight / gathered, then joined
-    # split_mcore_to_hf: the layout's pieces and the joined outputs, each at most a slice, plus the gather
-    return (slice_bytes if gathers else 0) + 2 * slice_bytes
+            return received  # the shard itself is the slice
+        if rule.tp_dim == 0:
+            return slice_bytes  # received and gathered straight into the slice
+        return received + 2 * slice_bytes  # gathered, then joined along dim 1
+    # split_mcore_to_hf: the gathered shards, then the layout's pieces and the joined outputs (each <= a slice)
+    return received + (slice_bytes if gathers else 0) + 2 * slice_bytes
 
 
 def main(argv=None) -> None:
