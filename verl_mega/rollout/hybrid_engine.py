@@ -12,7 +12,8 @@ shards, so:
   rollout TP slice of each HF tensor), so nothing here knows a family. The vocabulary padding megatron
   adds at the end of the table is dropped from the slices that hold it.
 
-Peak extra memory is therefore one megatron tensor's rollout slice (and its split), never the model.
+Extra memory is therefore bounded by one tensor's rollout slice (twice or three times that while a
+q/k/v or gate/up layout is undone), never the model; `planner.plan` gives the bound per rank.
 """
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ class HybridEngine:
 
     Construct once per actor (it creates the micro-DP process groups, a collective call on every rank);
     call `stream()` on every rank at each transition and consume it fully. A yielded tensor is valid until
-    the next one is requested: copy it, don't keep it. `tracker.peak` is the measured most bytes the
-    transition held at once (its buffers plus the tensor the consumer is loading).
+    the next one is requested and may be a view of the live training parameter: copy it, never write it.
+    `tracker.peak` is the measured most bytes the transition held at once (its buffers plus the tensor
+    the consumer is loading).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: HFModelConfig, family: FamilySpec, rollout_tp: int = 1):
@@ -140,10 +142,19 @@ class HybridEngine:
         if self.micro_dp == 1:
             return None
         if self.micro_dp == self.layout.tp:
-            return ps.get_tensor_model_parallel_group()
-        tp_groups = sorted({peer.tp_group for peer in peers})
-        chunks = [list(group[i:i + self.micro_dp]) for group in tp_groups for i in range(0, len(group), self.micro_dp)]
-        mine, _ = dist.new_subgroups_by_enumeration(chunks, backend=dist.get_backend())
+            mine = ps.get_tensor_model_parallel_group()
+        else:
+            tp_groups = sorted({tuple(sorted(peer.tp_group, key=lambda r: peers[r].tp_rank)) for peer in peers})
+            chunks = [list(group[i:i + self.micro_dp])
+                      for group in tp_groups for i in range(0, len(group), self.micro_dp)]
+            mine, _ = dist.new_subgroups_by_enumeration(chunks, backend=dist.get_backend())
+        # The gathered shards are placed by group rank, so it must follow the TP rank.
+        position = dist.get_group_rank(mine, self.layout.rank)
+        if position != self.layout.tp_rank % self.micro_dp:
+            raise RuntimeError(
+                f"rank {self.layout.rank} (tp_rank {self.layout.tp_rank}) is number {position} in its micro-DP group, "
+                f"expected {self.layout.tp_rank % self.micro_dp}: TP ranks are not ordered like global ranks"
+            )
         return mine
 
     def _check_expert_tp_matches(self, ps) -> None:
