@@ -37,7 +37,7 @@ work = sys.argv[1]
 init_parallel(1, 1)
 model, _, cfg, family = build_model_from_checkpoint(f"{work}/ckpt")
 hybrid = HybridEngine(model, cfg, family, rollout_tp=1)
-rollout = VLLMEngine(f"{work}/hf", rollout_tp=1, rollout_tp_rank=hybrid.rollout_tp_rank, dtype="float32",
+rollout = VLLMEngine(f"{work}/hf", rollout_tp=1, rollout_tp_rank=hybrid.rollout_tp_rank, dtype="bfloat16",
                      gpu_memory_utilization=0.3, max_model_len=256)
 prompts = [[5, 6, 7, 8], [9, 10, 11]]
 params = SamplingParams(temperature=0, max_new_tokens=16)
