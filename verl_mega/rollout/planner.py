@@ -16,6 +16,7 @@ from pathlib import Path
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, check_parallel_fit, padded_vocab_size
+from verl_mega.models.sharding import rank_slots
 
 from .hybrid_engine import check_rollout_tp, rollout_vocab_rows, slice_is_gathered_shards, transfer_order
 
@@ -97,7 +98,9 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
         tp_rank, dp_rank, pp_rank = rank % train_tp, rank // train_tp % dp, rank // (train_tp * dp)
         ep_rank = dp_rank % ep
         rollout_tp_rank = tp_rank // micro_dp
-        train = rollout = peak = send = recv = largest_output = 0
+        # Training holds the last stage's copy of a tied embedding too, which the transition skips.
+        train = sum(shard_bytes(slot) for slot in rank_slots(cfg, family, pp_rank, train_pp, ep_rank, ep))
+        rollout = peak = send = recv = largest_output = 0
         for stage, owner_ep, slot, shard in transfers:
             split = slot.rule.tp_dim is not None
             slice_bytes = shard * micro_dp if split else shard
@@ -108,8 +111,6 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
                 rollout += slice_bytes
             at_stage = pp_rank == stage
             owns = at_stage and (not slot.rule.per_expert or ep_rank == owner_ep)
-            if owns:
-                train += shard
             if slot.rule.per_expert and ep > 1 and at_stage:
                 send += shard * (ep - 1) if owns else 0
                 recv += 0 if owns else shard
