@@ -119,3 +119,16 @@ def test_vllm_load_weights_accepts_the_stream(tiny_models, family, monkeypatch):
     assert engine.load_weights((n, t.cuda()) for n, t in _stream(tiny_models[family])) > 0
     engine.wake_up(["kv_cache"])
     assert engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=4))
+
+
+def test_embedded_places_non_strided_checkpoint_tensors_by_index():
+    from verl_mega.rollout.embedded import _locate
+
+    param = torch.zeros(6)
+    interleaved = torch.tensor([0, 2, 4, 1, 3, 5])  # no single stride reaches these elements
+    target = _locate(param, interleaved)
+    assert target.flat_index is not None
+    target.copy_(torch.tensor([10.0, 12.0, 14.0, 11.0, 13.0, 15.0]))
+    assert param.tolist() == [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
+    window = _locate(param, torch.arange(6).view(2, 3).t())
+    assert window.flat_index is None and window.stride == (1, 3)

@@ -49,3 +49,10 @@ def test_cli_prints_every_rank(tiny_models, capsys):
               "--rollout-tp", "4"])
     assert exit_info.value.code == 2
     assert "impossible layout" in capsys.readouterr().err
+
+
+def test_training_bytes_include_the_tied_output_copy(tiny_models):
+    first, last = plan(tiny_models["qwen2"], 1, 2, 1, 1).ranks
+    # Both stages hold the (padded) table, as embedding and as output layer; the last also the final norm.
+    assert last.train_bytes - first.train_bytes == 64 * 4
+    assert first.train_bytes > 384 * 64 * 4

@@ -139,6 +139,8 @@ def _locate(param: torch.Tensor, index: torch.Tensor) -> _Target:
         int(index.narrow(dim, 1, 1).reshape(-1)[0]) - offset if size > 1 else 1
         for dim, size in enumerate(index.shape)
     )
-    if min(stride) >= 0 and torch.equal(torch.arange(param.numel()).as_strided(index.shape, stride, offset), index):
+    last = offset + sum((size - 1) * step for size, step in zip(index.shape, stride))
+    in_bounds = min(stride, default=0) >= 0 and last < param.numel()
+    if in_bounds and torch.equal(torch.arange(param.numel()).as_strided(index.shape, stride, offset), index):
         return _Target(param, index.shape, stride, offset, None)
     return _Target(param, index.shape, None, 0, index.reshape(-1).clone())

@@ -12,7 +12,8 @@ shards, so:
   rollout TP slice of each HF tensor), so nothing here knows a family. The vocabulary padding megatron
   adds at the end of the table is dropped from the slices that hold it.
 
-Peak extra memory is therefore one megatron tensor's rollout slice (and its split), never the model.
+Extra memory is therefore bounded by one tensor's rollout slice (twice or three times that while a
+q/k/v or gate/up layout is undone), never the model; `planner.plan` gives the bound per rank.
 """
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ class HybridEngine:
 
     Construct once per actor (it creates the micro-DP process groups, a collective call on every rank);
     call `stream()` on every rank at each transition and consume it fully. A yielded tensor is valid until
-    the next one is requested: copy it, don't keep it. `tracker.peak` is the measured most bytes the
-    transition held at once (its buffers plus the tensor the consumer is loading).
+    the next one is requested and may be a view of the live training parameter: copy it, never write it.
+    `tracker.peak` is the measured most bytes the transition held at once (its buffers plus the tensor
+    the consumer is loading).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: HFModelConfig, family: FamilySpec, rollout_tp: int = 1):
@@ -140,10 +142,19 @@ class HybridEngine:
         if self.micro_dp == 1:
             return None
         if self.micro_dp == self.layout.tp:
-            return ps.get_tensor_model_parallel_group()
-        tp_groups = sorted({peer.tp_group for peer in peers})
-        chunks = [list(group[i:i + self.micro_dp]) for group in tp_groups for i in range(0, len(group), self.micro_dp)]
-        mine, _ = dist.new_subgroups_by_enumeration(chunks, backend=dist.get_backend())
+            mine = ps.get_tensor_model_parallel_group()
+        else:
+            tp_groups = sorted({tuple(sorted(peer.tp_group, key=lambda r: peers[r].tp_rank)) for peer in peers})
+            chunks = [list(group[i:i + self.micro_dp])
+                      for group in tp_groups for i in range(0, len(group), self.micro_dp)]
+            mine, _ = dist.new_subgroups_by_enumeration(chunks, backend=dist.get_backend())
+        # The gathered shards are placed by group rank, so it must follow the TP rank.
+        position = dist.get_group_rank(mine, self.layout.rank)
+        if position != self.layout.tp_rank % self.micro_dp:
+            raise RuntimeError(
+                f"rank {self.layout.rank} (tp_rank {self.layout.tp_rank}) is number {position} in its micro-DP group, "
+                f"expected {self.layout.tp_rank % self.micro_dp}: TP ranks are not ordered like global ranks"
+            )
         return mine
 
     def _check_expert_tp_matches(self, ps) -> None:
@@ -163,44 +174,47 @@ class HybridEngine:
         self.tracker.reset_peak()
         for stage, ep_rank, slot in transfer_order(self.cfg, self.family, layout.pp, layout.ep):
             with self.tracker:
-                shard = self._shard_at_this_rank(slot, stage, ep_rank)
-                parts = [(name, self._real_vocab_rows(slot, tensor)) for name, tensor in self._hf_slices(slot, shard)]
-                del shard
+                parts = [(name, self._real_vocab_rows(slot, tensor))
+                         for name, tensor in self._hf_slices(slot, stage, ep_rank)]
             while parts:
                 yield parts.pop(0)
 
-    def _shard_at_this_rank(self, slot: TensorSlot, stage: int, ep_rank: int) -> torch.Tensor:
-        """This rank's TP shard of the tensor: its own, or received from the stage / EP rank owning it.
-
-        Owners take part as the broadcast source, so every rank walks the same collectives.
+    def _shard_at_this_rank(self, slot: TensorSlot, stage: int, ep_rank: int,
+                            into: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's TP shard of the tensor: its own, or received (into `into` if given) from the stage /
+        EP rank owning it. Owners take part as the broadcast source, so every rank walks the same collectives.
         """
         name = slot.global_name
         shard = self._params.get(name)
+        if shard is None and (self.layout.pp > 1 or (slot.rule.per_expert and self.layout.ep > 1)):
+            shard = into if into is not None else self._empty(name)
         if slot.rule.per_expert and self.layout.ep > 1 and self.layout.pp_rank == stage:
-            if shard is None:
-                shard = self._empty(name)
             dist.broadcast(shard, self._expert_src[ep_rank], group=self._ep_group)
         if self.layout.pp > 1:
-            if shard is None:
-                shard = self._empty(name)
             dist.broadcast(shard, self._stage_src[stage], group=self._pp_group)
         return shard
 
-    def _hf_slices(self, slot: TensorSlot, shard: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def _hf_slices(self, slot: TensorSlot, stage: int, ep_rank: int) -> list[tuple[str, torch.Tensor]]:
         """The rollout slice of each HF tensor, from the k consecutive training shards of the micro-DP group."""
         rule = slot.rule
         # SAME layout (embedding, LM head, o_proj, down_proj): the HF slice is the shards concatenated along
-        # tp_dim, so one shard is it already, and along dim 0 the gather writes it without a second copy.
+        # tp_dim, so one shard is it already, and along dim 0 the shards are received and gathered straight
+        # into it: the slice is the only buffer.
         direct = slice_is_gathered_shards(rule)
         if rule.tp_dim is None or self._micro_dp_group is None:
+            shard = self._shard_at_this_rank(slot, stage, ep_rank)
             return [(slot.hf_names[0], shard)] if direct else split_mcore_to_hf(slot, self.cfg, [shard])
         if direct and rule.tp_dim == 0:
-            joined = torch.empty((self.micro_dp * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype,
-                                 device=shard.device)
-            dist.all_gather(list(joined.chunk(self.micro_dp)), shard.contiguous(), group=self._micro_dp_group)
+            shape, dtype = self._shapes[slot.global_name]
+            joined = torch.empty((self.micro_dp * shape[0], *shape[1:]), dtype=dtype, device=self._device)
+            chunks = list(joined.chunk(self.micro_dp))
+            shard = self._shard_at_this_rank(slot, stage, ep_rank, into=chunks[self.layout.tp_rank % self.micro_dp])
+            dist.all_gather(chunks, shard, group=self._micro_dp_group)
             return [(slot.hf_names[0], joined)]
+        shard = self._shard_at_this_rank(slot, stage, ep_rank)
         gathered = [torch.empty_like(shard) for _ in range(self.micro_dp)]
         dist.all_gather(gathered, shard.contiguous(), group=self._micro_dp_group)
+        del shard
         return split_mcore_to_hf(slot, self.cfg, gathered)
 
     def _real_vocab_rows(self, slot: TensorSlot, tensor: torch.Tensor) -> torch.Tensor:
@@ -212,4 +226,8 @@ class HybridEngine:
 
     def _empty(self, name: str) -> torch.Tensor:
         shape, dtype = self._shapes[name]
-        return torch.empty(shape, dtype=dtype, device=next(iter(self._params.values())).device)
+        return torch.empty(shape, dtype=dtype, device=self._device)
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self._params.values())).device

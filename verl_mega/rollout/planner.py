@@ -16,6 +16,7 @@ from pathlib import Path
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, check_parallel_fit, padded_vocab_size
+from verl_mega.models.sharding import rank_slots
 
 from .hybrid_engine import check_rollout_tp, rollout_vocab_rows, slice_is_gathered_shards, transfer_order
 
@@ -97,7 +98,9 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
         tp_rank, dp_rank, pp_rank = rank % train_tp, rank // train_tp % dp, rank // (train_tp * dp)
         ep_rank = dp_rank % ep
         rollout_tp_rank = tp_rank // micro_dp
-        train = rollout = peak = send = recv = largest_output = 0
+        # Training holds the last stage's copy of a tied embedding too, which the transition skips.
+        train = sum(shard_bytes(slot) for slot in rank_slots(cfg, family, pp_rank, train_pp, ep_rank, ep))
+        rollout = peak = send = recv = largest_output = 0
         for stage, owner_ep, slot, shard in transfers:
             split = slot.rule.tp_dim is not None
             slice_bytes = shard * micro_dp if split else shard
@@ -108,8 +111,6 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
                 rollout += slice_bytes
             at_stage = pp_rank == stage
             owns = at_stage and (not slot.rule.per_expert or ep_rank == owner_ep)
-            if owns:
-                train += shard
             if slot.rule.per_expert and ep > 1 and at_stage:
                 send += shard * (ep - 1) if owns else 0
                 recv += 0 if owns else shard
@@ -119,7 +120,7 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
             if split and micro_dp > 1:
                 send += shard * (micro_dp - 1)
                 recv += shard * (micro_dp - 1)
-            buffers = (0 if owns else shard) + _assembly_bytes(slot.rule, slice_bytes, split and micro_dp > 1)
+            buffers = _transient_bytes(slot.rule, shard, slice_bytes, owns, split and micro_dp > 1)
             peak = max(peak, buffers)
             largest_output = max(largest_output, slice_bytes)
         # The consumer still holds the previous tensor while the next one is being assembled.
@@ -128,14 +129,17 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     return Plan(train_tp, train_pp, dp, ep, rollout_tp, model_bytes, largest, tuple(ranks))
 
 
-def _assembly_bytes(rule, slice_bytes: int, gathers: bool) -> int:
-    """Buffers `HybridEngine._hf_slices` allocates to turn shards into HF slices, at most."""
+def _transient_bytes(rule, shard_bytes: int, slice_bytes: int, owns: bool, gathers: bool) -> int:
+    """Most bytes `HybridEngine._hf_slices` allocates at once for one tensor."""
+    received = 0 if owns else shard_bytes
     if slice_is_gathered_shards(rule):
         if not gathers:
-            return 0  # the shard itself is the slice
-        return slice_bytes if rule.tp_dim == 0 else 2 * slice_bytes  # gathered straight / gathered, then joined
-    # split_mcore_to_hf: the layout's pieces and the joined outputs, each at most a slice, plus the gather
-    return (slice_bytes if gathers else 0) + 2 * slice_bytes
+            return received  # the shard itself is the slice
+        if rule.tp_dim == 0:
+            return slice_bytes  # received and gathered straight into the slice
+        return received + 2 * slice_bytes  # gathered, then joined along dim 1
+    # split_mcore_to_hf: the gathered shards, then the layout's pieces and the joined outputs (each <= a slice)
+    return received + (slice_bytes if gathers else 0) + 2 * slice_bytes
 
 
 def main(argv=None) -> None:
