@@ -40,6 +40,8 @@ def kernel_extensions():
         extensions.append(
             cpp_extension.CUDAExtension(
                 "verl_mega._kernels_cuda",
+                # The .cu files are named *_cuda.cu: the extensions share one build folder, where gae.cu
+                # would compile to the gae.o of the CPU extension's gae.cpp.
                 sources=["csrc/cuda_bindings.cpp", *sorted(glob.glob("csrc/*.cu"))],
                 extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
             )
