@@ -250,6 +250,33 @@ def test_gae_kernel_matches_reference(device, batch, steps, kind, dtype):
         assert_relative_close(g, w)
 
 
+@pytest.fixture
+def two_threads():
+    """Tests otherwise run on one thread (OMP_NUM_THREADS=1), where at::parallel_for never splits work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_cpu_kernels_split_over_threads(two_threads):
+    cpu = compiled_for(torch.device("cpu"))
+    logits, labels = random_logits(301, 1000), random_labels(301, vocab=1000)  # ~10 tasks of 32 rows
+    got, want = cpu.logprob_partials(logits, labels, 0, True), reference.logprob_partials(logits, labels, 0, True)
+    for g, w in zip(got, want):
+        assert_relative_close(g, w)
+    log_z = want[0] + want[1].log()
+    assert_relative_close(
+        cpu.logprob_backward(logits, labels, 0, log_z, want[1], None, None),
+        reference.logprob_backward(logits, labels, 0, log_z, want[1], None, None),
+    )
+    shape = (1027, 1100)  # GAE splits beyond 1M elements; 1027 leaves sequences outside the SIMD groups
+    rewards, values = random_logits(*shape, scale=1.0), random_logits(*shape, seed=3)
+    mask = random_mask(*shape, "multi_turn")
+    for g, w in zip(cpu.gae(rewards, values, mask, 0.99, 0.95), reference.gae(rewards, values, mask, 0.99, 0.95)):
+        assert_relative_close(g, w)
+
+
 def test_gae_by_hand(backend):
     """Two masked-in tokens around a tool token: the tool token is skipped, not a sequence break."""
     gamma, lam = 0.5, 0.8
