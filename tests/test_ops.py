@@ -72,7 +72,7 @@ def full_softmax_oracle(logits, labels):
 
 
 @pytest.mark.parametrize("rows,vocab", PARTIAL_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("vocab_start", [0, 3])
 @pytest.mark.parametrize("misaligned", [False, True])
 def test_partials_match_reference(device, rows, vocab, dtype, vocab_start, misaligned):
@@ -91,7 +91,7 @@ def test_partials_match_reference(device, rows, vocab, dtype, vocab_start, misal
 
 
 @pytest.mark.parametrize("rows,vocab", PARTIAL_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("gradients", [("logprob",), ("entropy",), ("logprob", "entropy")])
 def test_backward_matches_reference(device, rows, vocab, dtype, gradients):
     logits = random_logits(rows, vocab, dtype=dtype, device=device, misaligned=vocab % 2 == 1)
@@ -108,7 +108,7 @@ def test_backward_matches_reference(device, rows, vocab, dtype, gradients):
     got = compiled_for(device).logprob_backward(logits, labels, 3, **inputs)
     want = reference.logprob_backward(logits, labels, 3, **inputs)
     assert got.dtype == want.dtype == dtype
-    if dtype == torch.bfloat16:  # one rounding of each gradient to bfloat16
+    if dtype in (torch.bfloat16, torch.float16):  # one rounding of each gradient to 16 bits
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5)
     else:
         assert_relative_close(got, want)
