@@ -24,9 +24,9 @@ def kernel_extensions():
         print("setup.py: torch is not importable, building verl_mega without its kernels", file=sys.stderr)
         return [], {}
     # -g0: debug info doubles compile time; -fopenmp: without it at::parallel_for runs serially;
-    # AVX2/FMA (x86-64-v3, every x86 server since 2013) doubles the speed of the vectorised softmax rows.
+    # AVX2/FMA (x86-64-v3, every x86 server since 2013): the vectorised softmax rows run ~1.6x faster than SSE2.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
-    simd = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") else []
+    simd = ["-mavx2", "-mfma"] if platform.machine() == "x86_64" else []
     cxx_flags = ["-O3", "-g0", *openmp, *simd]
     extensions = [
         cpp_extension.CppExtension(
@@ -40,6 +40,8 @@ def kernel_extensions():
         extensions.append(
             cpp_extension.CUDAExtension(
                 "verl_mega._kernels_cuda",
+                # The .cu files are named *_cuda.cu: the extensions share one build folder, where gae.cu
+                # would compile to the gae.o of the CPU extension's gae.cpp.
                 sources=["csrc/cuda_bindings.cpp", *sorted(glob.glob("csrc/*.cu"))],
                 extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
             )

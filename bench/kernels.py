@@ -7,12 +7,11 @@ reference (the same loop, leaner). Goal: >= 100x faster than verl's.
 Log-prob: the kernel vs log_softmax(logits).gather(labels), 4096 tokens x 32k vocabulary, float32.
 Goals: >= 1.5x faster, peak extra memory <= 10 % of the reference's. Forward and backward is shown as well.
 
-On the CPU everything runs on one thread and then on torch's default thread count: on a shared machine a
-parallel region waits for its slowest thread, and a descheduled one costs a scheduler time slice (~20 ms),
-which the single-thread figures are free of.
+Times are the best of several runs, for both sides: on a shared machine the other runs measure the
+neighbours. On the CPU everything runs on one thread and then on torch's default thread count: a parallel
+region waits for its slowest thread, and a descheduled one costs a scheduler time slice (~20 ms).
 """
 import argparse
-import statistics
 import sys
 import time
 
@@ -29,7 +28,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn, device, repeats, warmup=1):
+def best_seconds(fn, device, repeats, warmup=1):
     for _ in range(warmup):
         fn()
     times = []
@@ -39,7 +38,7 @@ def median_seconds(fn, device, repeats, warmup=1):
         fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _status_kib(field: str) -> int:
@@ -95,9 +94,9 @@ def bench_gae(device):
     lengths = torch.randint(GAE_SHAPE[1] // 4, GAE_SHAPE[1] + 1, (GAE_SHAPE[0], 1), generator=generator)
     mask = (torch.arange(GAE_SHAPE[1]) < lengths).to(device)
     float_mask = mask.float()  # verl's masks are float
-    kernel = median_seconds(lambda: gae(rewards, values, mask, 1.0, 0.95), device, repeats=20)
-    verl = median_seconds(lambda: verl_gae_loop(rewards, values, float_mask, 1.0, 0.95), device, repeats=3)
-    ours = median_seconds(lambda: reference.gae(rewards, values, mask, 1.0, 0.95), device, repeats=3)
+    kernel = best_seconds(lambda: gae(rewards, values, mask, 1.0, 0.95), device, repeats=20)
+    verl = best_seconds(lambda: verl_gae_loop(rewards, values, float_mask, 1.0, 0.95), device, repeats=3)
+    ours = best_seconds(lambda: reference.gae(rewards, values, mask, 1.0, 0.95), device, repeats=3)
     print(f"GAE B={GAE_SHAPE[0]} T={GAE_SHAPE[1]}: kernel {kernel * 1e3:.3f} ms; verl's loop {verl * 1e3:.1f} ms "
           f"-> {verl / kernel:.0f}x faster (goal >= 100x); reference loop {ours * 1e3:.1f} ms -> {ours / kernel:.0f}x")
 
@@ -131,7 +130,7 @@ def bench_logprobs(device):
     ]
     tokens, vocab = LOGPROB_SHAPE
     for name, ours, theirs, repeats in rows:
-        ours_s, theirs_s = median_seconds(ours, device, repeats), median_seconds(theirs, device, repeats)
+        ours_s, theirs_s = best_seconds(ours, device, repeats), best_seconds(theirs, device, repeats)
         ours_b, theirs_b = peak_extra_bytes(ours, device), peak_extra_bytes(theirs, device)
         goals = " (goals >= 1.5x, <= 10 %)" if name == "forward" else ""
         print(f"log-prob {tokens}x{vocab} fp32 {name}: kernel {ours_s * 1e3:.1f} ms vs log_softmax+gather "

@@ -16,11 +16,10 @@
 
 namespace verl_mega {
 
-// Rows (sequences) per at::parallel_for task: about 32k elements each, ATen's own grain, so that short rows
-// are batched and long ones still spread over the threads.
-inline int64_t rows_per_task(int64_t row_length) {
-  constexpr int64_t kElementsPerTask = 32768;
-  return std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(row_length, 1));
+// Rows (sequences) per at::parallel_for task, so that short rows are batched and long ones still spread over
+// the threads. The default of 32k elements per task is ATen's own grain.
+inline int64_t rows_per_task(int64_t row_length, int64_t elements_per_task = 32768) {
+  return std::max<int64_t>(1, elements_per_task / std::max<int64_t>(row_length, 1));
 }
 
 // One register: vectors wider than the target's registers go through memory and run slower than scalars.

@@ -34,6 +34,10 @@ void check_launch(cudaError_t status) {
   TORCH_CHECK(status == cudaSuccess, "verl_mega CUDA kernel launch failed: ", cudaGetErrorString(status));
 }
 
+void check_on_gpu(const at::Tensor& tensor) {
+  TORCH_CHECK(tensor.is_cuda(), "verl_mega._kernels_cuda takes CUDA tensors, got one on ", tensor.device());
+}
+
 const void* data_or_null(const std::optional<at::Tensor>& tensor) {
   return tensor.has_value() ? tensor->data_ptr() : nullptr;
 }
@@ -42,6 +46,7 @@ cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>> logprob_partials(
     const at::Tensor& logits, const at::Tensor& labels, int64_t vocab_start, bool with_entropy) {
+  check_on_gpu(logits);
   check_logits_and_labels(logits, labels);
   const c10::cuda::CUDAGuard device_guard(logits.device());
   const auto options = logits.options().dtype(at::toOpMathType(logits.scalar_type()));
@@ -62,6 +67,7 @@ at::Tensor logprob_backward(const at::Tensor& logits, const at::Tensor& labels, 
                             const at::Tensor& log_normalizer, const std::optional<at::Tensor>& grad_logprob,
                             const std::optional<at::Tensor>& mean_logit,
                             const std::optional<at::Tensor>& grad_entropy) {
+  check_on_gpu(logits);
   check_logits_and_labels(logits, labels);
   for (const auto& input : {std::optional<at::Tensor>(log_normalizer), grad_logprob, mean_logit, grad_entropy}) {
     check_row_input(input, logits);
@@ -79,6 +85,7 @@ at::Tensor logprob_backward(const at::Tensor& logits, const at::Tensor& labels, 
 
 std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask,
                                        double gamma, double lam) {
+  check_on_gpu(rewards);
   check_gae_inputs(rewards, values, mask);
   const c10::cuda::CUDAGuard device_guard(rewards.device());
   const auto options = rewards.options().dtype(at::toOpMathType(rewards.scalar_type()));

@@ -15,6 +15,11 @@ namespace {
 // Steps per tile: one 64-byte cache line of float32 per sequence.
 constexpr int64_t kTileSteps = 16;
 
+// GAE streams ~1 ns per element, so ATen's grain would make tasks of ~30 us: less than the cost of waking a
+// thread, and on a busy machine a parallel region waits a whole scheduler slice for a descheduled thread.
+// Tasks of 1M elements (~1 ms) leave a PPO batch of 256 x 1024 tokens on the calling thread.
+constexpr int64_t kElementsPerTask = 1 << 20;
+
 // The per-lane condition type of a select between two V.
 template <typename V>
 using mask_of = std::conditional_t<std::is_arithmetic_v<V>, bool, int32v>;
@@ -86,7 +91,7 @@ void gae_kernel(const at::Tensor& rewards, const at::Tensor& values, const at::T
                                         returns.data_ptr<acc_t>());
   };
   const int64_t groups = (batch + lanes - 1) / lanes;
-  at::parallel_for(0, groups, rows_per_task(steps * lanes), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, groups, rows_per_task(steps * lanes, kElementsPerTask), [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; ++group) {
       const int64_t first = group * lanes;
       if (first + lanes <= batch) {

@@ -72,7 +72,7 @@ def full_softmax_oracle(logits, labels):
 
 
 @pytest.mark.parametrize("rows,vocab", PARTIAL_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("vocab_start", [0, 3])
 @pytest.mark.parametrize("misaligned", [False, True])
 def test_partials_match_reference(device, rows, vocab, dtype, vocab_start, misaligned):
@@ -91,7 +91,7 @@ def test_partials_match_reference(device, rows, vocab, dtype, vocab_start, misal
 
 
 @pytest.mark.parametrize("rows,vocab", PARTIAL_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("gradients", [("logprob",), ("entropy",), ("logprob", "entropy")])
 def test_backward_matches_reference(device, rows, vocab, dtype, gradients):
     logits = random_logits(rows, vocab, dtype=dtype, device=device, misaligned=vocab % 2 == 1)
@@ -108,7 +108,7 @@ def test_backward_matches_reference(device, rows, vocab, dtype, gradients):
     got = compiled_for(device).logprob_backward(logits, labels, 3, **inputs)
     want = reference.logprob_backward(logits, labels, 3, **inputs)
     assert got.dtype == want.dtype == dtype
-    if dtype == torch.bfloat16:  # one rounding of each gradient to bfloat16
+    if dtype in (torch.bfloat16, torch.float16):  # one rounding of each gradient to 16 bits
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5)
     else:
         assert_relative_close(got, want)
@@ -247,6 +247,33 @@ def test_gae_kernel_matches_reference(device, batch, steps, kind, dtype):
     want = reference.gae(rewards, values, mask, 0.99, 0.95)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype == reference.accumulation_dtype(dtype)
+        assert_relative_close(g, w)
+
+
+@pytest.fixture
+def two_threads():
+    """Tests otherwise run on one thread (OMP_NUM_THREADS=1), where at::parallel_for never splits work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_cpu_kernels_split_over_threads(two_threads):
+    cpu = compiled_for(torch.device("cpu"))
+    logits, labels = random_logits(301, 1000), random_labels(301, vocab=1000)  # ~10 tasks of 32 rows
+    got, want = cpu.logprob_partials(logits, labels, 0, True), reference.logprob_partials(logits, labels, 0, True)
+    for g, w in zip(got, want):
+        assert_relative_close(g, w)
+    log_z = want[0] + want[1].log()
+    assert_relative_close(
+        cpu.logprob_backward(logits, labels, 0, log_z, want[1], None, None),
+        reference.logprob_backward(logits, labels, 0, log_z, want[1], None, None),
+    )
+    shape = (1027, 1100)  # GAE splits beyond 1M elements; 1027 leaves sequences outside the SIMD groups
+    rewards, values = random_logits(*shape, scale=1.0), random_logits(*shape, seed=3)
+    mask = random_mask(*shape, "multi_turn")
+    for g, w in zip(cpu.gae(rewards, values, mask, 0.99, 0.95), reference.gae(rewards, values, mask, 0.99, 0.95)):
         assert_relative_close(g, w)
 
 

@@ -31,11 +31,12 @@ def gae(token_rewards, values, response_mask, gamma, lam):
             raise TypeError(f"{name} must be a real number, got {type(factor).__name__}")
 
     dtype = torch.promote_types(token_rewards.dtype, values.dtype)
+    keep = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     with torch.no_grad():
         return kernels_for(token_rewards.device).gae(
             token_rewards.to(dtype).contiguous(),
             values.to(dtype).contiguous(),
-            (response_mask != 0).contiguous(),
+            keep.contiguous(),
             float(gamma),
             float(lam),
         )
