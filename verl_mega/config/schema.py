@@ -190,7 +190,10 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
         need(sequences % max(cfg.mini_batch_size, 1) == 0,
              f"data.batch_size x rollout.n = {sequences} must be divisible by {role}.mini_batch_size="
              f"{cfg.mini_batch_size}")
-    need(d.batch_size % dp == 0, f"data.batch_size={d.batch_size} must be divisible by the data-parallel size {dp}")
+    replicas = max(1, world_size // max(p.rollout_tp, 1))
+    need(d.batch_size % replicas == 0,
+         f"data.batch_size={d.batch_size} must be divisible by the number of rollout replicas {replicas} "
+         f"(processes / parallel.rollout_tp), so each generates the same number of prompts")
     need(d.truncation in ("left", "right", "error"), f"data.truncation must be left, right or error, not '{d.truncation}'")
     need(config.rollout.engine in ("auto", "embedded", "vllm"),
          f"rollout.engine must be auto, embedded or vllm, not '{config.rollout.engine}'")
