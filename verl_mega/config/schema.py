@@ -214,7 +214,7 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
              f"model.hf_path: {config.model.hf_path}/config.json does not exist; point it at an HF model folder")
         need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
         for file in d.train_files:
-            need(Path(file).is_file(), f"data.train_files: {file} does not exist")
+            problems += _data_file_problems(file, d.prompt_key)
         for key, ckpt in (("model.actor_ckpt", config.model.actor_ckpt), ("model.critic_ckpt", config.model.critic_ckpt)):
             if ckpt:
                 need(Path(ckpt, "verl_mega_manifest.json").is_file(), f"{key}: {ckpt} is not a verl_mega checkpoint")
@@ -222,6 +222,17 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
         problems += _model_fit_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _data_file_problems(path: str, prompt_key: str) -> list[str]:
+    from verl_mega.data.prompts import check_prompt_column
+    from verl_mega.data.tables import read_rows
+
+    try:
+        check_prompt_column(read_rows(path), prompt_key, path)
+    except (OSError, ValueError, ImportError) as err:
+        return [f"data.train_files: {err}"]
+    return []
 
 
 def _model_fit_problems(config: TrainConfig) -> list[str]:

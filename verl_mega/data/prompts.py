@@ -41,7 +41,7 @@ class PromptDataset(Dataset):
         self.rows = []
         for path in paths:
             rows = read_rows(path)
-            _check_prompt_column(rows, prompt_key, path)
+            check_prompt_column(rows, prompt_key, path)
             self.rows.extend(rows)
 
     def __len__(self) -> int:
@@ -92,7 +92,7 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) ->
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _check_prompt_column(rows: list[dict], prompt_key: str, path) -> None:
+def check_prompt_column(rows: list[dict], prompt_key: str, path) -> None:
     for index, row in enumerate(rows):
         if prompt_key not in row:
             raise ValueError(

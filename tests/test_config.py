@@ -1,0 +1,86 @@
+"""Training config: YAML + dotted overrides onto typed defaults; every error names the key to fix."""
+import json
+
+import pytest
+
+from verl_mega.config import ConfigError, load_config, save_config, validate
+from verl_mega.trainer.main import main as train_main
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"copy: {i}", "reward_model": {"ground_truth": str(i)}})
+                              for i in range(8)))
+    return path
+
+
+def good_overrides(tiny_models, prompt_file):
+    return [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]", "parallel.tp=2",
+            "data.batch_size=4", "actor.mini_batch_size=4", "critic.mini_batch_size=4"]
+
+
+def test_yaml_and_overrides_merge_onto_defaults(tmp_path, tiny_models, prompt_file):
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("actor:\n  optim: {lr: 0.5}\n  ppo_epochs: 3\nparallel: {tp: 2}\n")
+    config = load_config(yaml, good_overrides(tiny_models, prompt_file) + ["actor.optim.lr=0.25"])
+    assert config.actor.optim.lr == 0.25 and config.actor.ppo_epochs == 3 and config.critic.optim.lr == 1e-5
+    validate(config, world_size=4)
+    save_config(config, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == config
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.nope=1", "config key 'model.nope'"),
+    ("parallel.tp=two", "config key 'parallel.tp'"),
+    ("parallel.tp", "must look like key.sub=value"),
+])
+def test_unknown_keys_and_bad_values_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(None, ["model.hf_path=x", override])
+
+
+def test_missing_required_key_is_named():
+    with pytest.raises(ConfigError, match="config key 'model.hf_path' is required"):
+        load_config(None, [])
+
+
+@pytest.mark.parametrize("override, world, message", [
+    ("actor.mini_batch_size=3", 4, "actor.mini_batch_size=3 must be divisible by data-parallel size 2"),
+    ("data.batch_size=6", 4, "data.batch_size=6 must be divisible by the number of rollout replicas 4"),
+    ("parallel.tp=4", 4, "parallel.tp=4 must divide the model's query groups (num_key_value_heads=2)"),
+    ("parallel.pp=3", 6, "parallel.pp=3 must divide the model's layers (num_hidden_layers=4)"),
+    ("parallel.rollout_tp=4", 4, "parallel.rollout_tp=4 must divide parallel.tp=2"),
+    ("algorithm.adv_estimator=ppo2", 4, "algorithm.adv_estimator 'ppo2' is unknown; known: dr_grpo, gae"),
+    ("actor.loss.kl_loss_type=k9", 4, "actor.loss.kl_loss_type 'k9' is unknown"),
+    ("parallel.tp=3", 4, "parallel.tp * parallel.pp = 3 must divide the number of processes (4)"),
+])
+def test_validation_names_the_key(tiny_models, prompt_file, override, world, message):
+    config = load_config(None, good_overrides(tiny_models, prompt_file) + [override])
+    with pytest.raises(ConfigError) as err:
+        validate(config, world_size=world)
+    assert message in str(err.value)
+
+
+def test_bad_dataset_is_refused_before_training(tiny_models, tmp_path, prompt_file):
+    no_prompt = tmp_path / "no_prompt.jsonl"
+    no_prompt.write_text(json.dumps({"question": "1+1="}) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for path, message in ((no_prompt, "prompt column 'prompt' not found"), (empty, "data file has no rows"),
+                          (tmp_path / "absent.jsonl", "data file not found")):
+        overrides = good_overrides(tiny_models, prompt_file) + [f"data.train_files=[{path}]"]
+        with pytest.raises(ConfigError, match=f"data.train_files: {message}"):
+            validate(load_config(None, overrides), world_size=4)
+
+
+def test_train_command_exits_2_with_the_problem_before_any_process_group(tiny_models, prompt_file, capsys,
+                                                                           monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code = train_main(good_overrides(tiny_models, prompt_file) + ["actor.micro_batch_size=3"])
+    assert code == 2
+    assert "actor.mini_batch_size=4 must be divisible by data-parallel size 2 x actor.micro_batch_size=3" in \
+        capsys.readouterr().err
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
