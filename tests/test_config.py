@@ -84,3 +84,13 @@ def test_train_command_exits_2_with_the_problem_before_any_process_group(tiny_mo
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("function, message", [
+    ("nosuch", "reward.function: unknown reward function 'nosuch'"),
+    ("os:nosuch", "reward.function: module 'os' has no function 'nosuch'"),
+])
+def test_reward_function_is_checked(tiny_models, prompt_file, function, message):
+    config = load_config(None, good_overrides(tiny_models, prompt_file) + [f"reward.function={function}"])
+    with pytest.raises(ConfigError, match=message):
+        validate(config, world_size=4)

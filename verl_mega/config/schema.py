@@ -218,10 +218,25 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
         for key, ckpt in (("model.actor_ckpt", config.model.actor_ckpt), ("model.critic_ckpt", config.model.critic_ckpt)):
             if ckpt:
                 need(Path(ckpt, "verl_mega_manifest.json").is_file(), f"{key}: {ckpt} is not a verl_mega checkpoint")
+    if check_files and config.reward.reward_model:
+        need(Path(config.reward.reward_model, "config.json").is_file(),
+             f"reward.reward_model: {config.reward.reward_model}/config.json does not exist")
+    elif not config.reward.reward_model:
+        problems += _reward_function_problems(config.reward.function)
     if check_files and Path(config.model.hf_path, "config.json").is_file():
         problems += _model_fit_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _reward_function_problems(name: str) -> list[str]:
+    from verl_mega.roles.reward import get_reward_fn
+
+    try:
+        get_reward_fn(name)
+    except (ValueError, ImportError, AttributeError) as err:
+        return [f"reward.function: {err}"]
+    return []
 
 
 def _data_file_problems(path: str, prompt_key: str) -> list[str]:

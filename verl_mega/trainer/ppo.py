@@ -17,6 +17,7 @@ from verl_mega.algorithms import (
 )
 from verl_mega.config import TrainConfig
 from verl_mega.parallel.state import ParallelLayout
+from verl_mega.rollout.training_memory import training_memory_released
 
 from .metrics import MetricsLogger, StageTimer, peak_memory_bytes
 from .rollout_batch import build_rollout_batch
@@ -36,7 +37,7 @@ class PPOTrainer:
         from verl_mega.roles.actor import Actor
         from verl_mega.roles.critic import Critic
         from verl_mega.roles.reference import make_reference
-        from verl_mega.roles.reward import RuleReward
+        from verl_mega.roles.reward import HFRewardModel, RuleReward
         from verl_mega.rollout.factory import make_rollout_engine
         from verl_mega.rollout.hybrid_engine import HybridEngine
 
@@ -58,6 +59,7 @@ class PPOTrainer:
             config.critic.optim.total_training_steps = total_steps
             self.critic = Critic(critic_ckpt or actor_ckpt, config.critic.optim, config.critic.loss)
         self.reward = RuleReward(self.tokenizer, config.reward.function)
+        self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
 
         self.hf_config, family = load_hf_model_config(config.model.hf_path)
         self.hybrid = HybridEngine(self.actor.model, self.hf_config, family, config.parallel.rollout_tp)
@@ -98,13 +100,13 @@ class PPOTrainer:
             self.rollout.wake_up(["weights"])
             self.rollout.load_weights(self.hybrid.stream())
             self.rollout.wake_up(["kv_cache"])
-        with timer("rollout"):
+        with timer("rollout"), training_memory_released(self.actor.model, self.actor.engine.optimizer):
             responses = self.generate(prompts["input_ids"])
             self.rollout.sleep()
-        repeat = cfg.rollout.n
-        prompt_ids = [ids for ids in prompts["input_ids"] for _ in range(repeat)]
-        batch = build_rollout_batch(prompt_ids, responses, cfg.data.max_response_length, self.tokenizer.pad_token_id)
-        uids = [index for index in prompts["index"] for _ in range(repeat)]
+        # One row per response: each prompt's fields repeated for its n samples.
+        rows = {key: [value for value in values for _ in range(cfg.rollout.n)] for key, values in prompts.items()}
+        batch = build_rollout_batch(rows["input_ids"], responses, cfg.data.max_response_length,
+                                    self.tokenizer.pad_token_id)
 
         micro = cfg.actor.micro_batch_size
         with timer("old_log_prob"):
@@ -117,11 +119,8 @@ class PPOTrainer:
                 batch["values"] = self.critic.compute_values(batch, cfg.critic.micro_batch_size).cpu()
 
         with timer("reward"):
-            metadata = {key: [value for value in prompts[key] for _ in range(repeat)] for key in ("reward_model", "data_source")}
-            truths = [(info or {}).get("ground_truth") for info in metadata["reward_model"]]
-            scores, token_scores = self.reward(batch["responses"], batch["response_mask"], truths,
-                                               metadata["data_source"])
-        metrics = self.compute_advantages(batch, scores, token_scores, uids)
+            scores, token_scores = self.score(batch, rows)
+        metrics = self.compute_advantages(batch, scores, token_scores, rows["index"])
 
         if self.critic is not None:
             with timer("update_critic"):
@@ -143,8 +142,7 @@ class PPOTrainer:
             indices = next(self._batches)
         items = [self.dataset[i] for i in indices]
         return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
-                "reward_model": [item.get("reward_model") for item in items],
-                "data_source": [item.get("data_source") for item in items]}
+                **{key: [item.get(key) for item in items] for key in ("raw_prompt", "reward_model", "data_source")}}
 
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
         """Each rollout replica generates its share of the prompts; every rank gets all responses."""
@@ -162,6 +160,17 @@ class PPOTrainer:
         dist.all_gather_object(gathered, (replica, leader, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
         return [tokens for rep in range(replicas) for tokens in by_replica[rep]]
+
+    def score(self, batch: dict, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence scores [B] and the same placed on each response's last token [B, R]."""
+        from verl_mega.roles.reward import scores_to_token_rewards
+
+        if self.reward_model is None:
+            truths = [(info or {}).get("ground_truth") for info in rows["reward_model"]]
+            return self.reward(batch["responses"], batch["response_mask"], truths, rows["data_source"])
+        texts = self.reward.decode(batch["responses"], batch["response_mask"])
+        scores = self.reward_model.score(rows["raw_prompt"], texts).float().cpu()
+        return scores, scores_to_token_rewards(scores, batch["response_mask"])
 
     def compute_advantages(self, batch: dict, scores: torch.Tensor, token_scores: torch.Tensor,
                            uids: list[int]) -> dict[str, float]:
