@@ -150,8 +150,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     return config
 
 
+def to_yaml(config: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
 def save_config(config: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+    Path(path).write_text(to_yaml(config))
 
 
 def to_dict(config: TrainConfig) -> dict[str, Any]:

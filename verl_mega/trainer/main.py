@@ -37,6 +37,7 @@ def train(config) -> None:
     from verl_mega.parallel.state import destroy_parallel, init_parallel
 
     from .ppo import PPOTrainer
+    from .preemption import StopRequest, requeue_slurm_job
 
     p = config.parallel
     layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed)
@@ -46,7 +47,10 @@ def train(config) -> None:
         save_config(config, run_dir / "config.yaml")
     actor_ckpt = prepare_checkpoint(config, layout, run_dir)
     critic_ckpt = Path(config.model.critic_ckpt) if config.model.critic_ckpt else None
-    PPOTrainer(config, layout, actor_ckpt, critic_ckpt).fit()
+    stop = StopRequest().install()
+    finished = PPOTrainer(config, layout, actor_ckpt, critic_ckpt, stop_requested=stop).fit()
+    if not finished and layout.rank == 0:
+        requeue_slurm_job()
     destroy_parallel()
 
 
@@ -54,8 +58,18 @@ def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
     """The actor's converted checkpoint: given, or converted from the HF model once by rank 0."""
     if config.model.actor_ckpt:
         return Path(config.model.actor_ckpt)
+    from verl_mega.checkpoint.manifest import Manifest
+    from verl_mega.models import HFModelConfig
+
+    from .checkpointing import model_fingerprint
+
     ckpt = run_dir / "initial_actor"
-    if layout.rank == 0 and not ckpt.exists():
+    if ckpt.exists():
+        wanted = model_fingerprint(HFModelConfig.read_raw(config.model.hf_path))
+        if model_fingerprint(Manifest.read(ckpt).hf_config) != wanted:
+            raise ValueError(f"{run_dir} holds a run of another model than {config.model.hf_path}: its "
+                             "checkpoints were written for another model; point trainer.run_dir elsewhere")
+    elif layout.rank == 0:
         from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 
         p = config.parallel

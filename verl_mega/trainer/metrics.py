@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+METRICS_FILE = "metrics.jsonl"
 CONSOLE_KEYS = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
                 "actor/entropy", "actor/grad_norm", "perf/step_seconds")
 
@@ -45,7 +46,7 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir = Path(run_dir)
-        self.jsonl = run_dir / "metrics.jsonl"
+        self.jsonl = run_dir / METRICS_FILE
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -54,6 +55,14 @@ class MetricsLogger:
             import wandb
 
             self._wandb = wandb.init(project=wandb_project, dir=str(run_dir), config=config)
+
+    @staticmethod
+    def truncate(run_dir: str | Path, step: int) -> None:
+        """Drop records after `step` (a resumed run logs those steps again)."""
+        path = Path(run_dir) / METRICS_FILE
+        if path.is_file():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

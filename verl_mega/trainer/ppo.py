@@ -19,6 +19,7 @@ from verl_mega.config import TrainConfig
 from verl_mega.parallel.state import ParallelLayout
 from verl_mega.rollout.training_memory import training_memory_released
 
+from . import checkpointing
 from .metrics import MetricsLogger, StageTimer, peak_memory_bytes
 from .rollout_batch import build_rollout_batch
 from .save import save_actor_weights
@@ -28,7 +29,9 @@ FINAL_ACTOR_DIR = "final_actor"  # a Megatron-LM checkpoint of the trained actor
 
 
 class PPOTrainer:
-    def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, critic_ckpt: Path | None):
+    def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, critic_ckpt: Path | None,
+                 stop_requested=lambda: False):
+        """`stop_requested()`: whether a signal asked this rank to save and stop (preemption)."""
         from transformers import AutoTokenizer
 
         from verl_mega.data.prompts import PromptDataset
@@ -47,7 +50,6 @@ class PPOTrainer:
         self.dataset = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
                                      config.data.prompt_key, config.data.truncation)
         self.sampler = ResumableBatchSampler(len(self.dataset), config.data.batch_size, seed=config.data.seed)
-        self._batches = iter(self.sampler)
 
         total_steps = config.trainer.total_steps
         config.actor.optim.total_training_steps = total_steps
@@ -70,6 +72,10 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
         self.step = 0
+        self.fingerprint = checkpointing.model_fingerprint(self.hf_config.raw)
+        self.stop_requested = stop_requested
+        self.resume()
+        self._batches = iter(self.sampler)
         self.logger = MetricsLogger(self.run_dir, enabled=layout.rank == 0, tensorboard=config.trainer.tensorboard,
                                     wandb_project=config.trainer.wandb_project)
 
@@ -79,17 +85,65 @@ class PPOTrainer:
 
     # --- the loop -------------------------------------------------------------------------------------
 
-    def fit(self) -> None:
-        progress = _progress(self.config.trainer.total_steps, self.step, self.layout.rank == 0 and
-                             self.config.trainer.progress_bar)
-        while self.step < self.config.trainer.total_steps:
+    def fit(self) -> bool:
+        """Train to `trainer.total_steps`; returns False if a stop was requested and the run saved early."""
+        cfg = self.config.trainer
+        progress = _progress(cfg.total_steps, self.step, self.layout.rank == 0 and cfg.progress_bar)
+        stopped = False
+        while self.step < cfg.total_steps and not stopped:
             metrics = self.train_step()
             self.step += 1
             self.logger.log(self.step, metrics)
             progress.update(1)
+            stopped = self._any_rank_asked_to_stop()
+            due = cfg.save_every > 0 and self.step % cfg.save_every == 0
+            if stopped or due or self.step == cfg.total_steps:
+                self.save()
         progress.close()
         self.logger.close()
-        save_actor_weights(self.actor.model, self.actor_ckpt, self.run_dir / FINAL_ACTOR_DIR, self.layout, self.step)
+        if not stopped:
+            save_actor_weights(self.actor.model, self.actor_ckpt, self.run_dir / FINAL_ACTOR_DIR, self.layout,
+                               self.step)
+        return not stopped
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+
+    def _engines(self) -> dict:
+        engines = {"actor": self.actor.engine}
+        if self.critic is not None:
+            engines["critic"] = self.critic.engine
+        return engines
+
+    def save(self) -> Path:
+        from verl_mega.config.schema import to_yaml
+
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                 "reward_normalizer": self.reward_normalizer.state_dict(), "model_fingerprint": self.fingerprint,
+                 "world_size": self.layout.world_size,
+                 "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}}
+        return checkpointing.save_checkpoint(self.run_dir, self.step, engines=self._engines(), trainer_state=state,
+                                             config_yaml=to_yaml(self.config), rank=self.layout.rank,
+                                             keep_last=self.config.trainer.keep_last)
+
+    def resume(self) -> None:
+        """Continue from the newest complete checkpoint of the run folder, if there is one."""
+        found = checkpointing.complete_checkpoints(self.run_dir)
+        if not found:
+            return
+        state = checkpointing.load_checkpoint(found[-1], engines=self._engines(), fingerprint=self.fingerprint,
+                                              rank=self.layout.rank, world_size=self.layout.world_size)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.reward_normalizer.load_state_dict(state["reward_normalizer"])
+        if self.layout.rank == 0:
+            print(f"resumed from {found[-1]} at step {self.step}", flush=True)
+            MetricsLogger.truncate(self.run_dir, self.step)
+
+    def _any_rank_asked_to_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop_requested() else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def train_step(self) -> dict[str, float]:
         cfg, timer = self.config, StageTimer()
