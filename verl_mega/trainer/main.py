@@ -55,7 +55,7 @@ def train(config) -> None:
 
 
 def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
-    """The actor's converted checkpoint: given, or converted from the HF model once by rank 0."""
+    """The actor's converted checkpoint: given, or converted from the HF model by rank 0 once per layout."""
     if config.model.actor_ckpt:
         return Path(config.model.actor_ckpt)
     from verl_mega.checkpoint.manifest import Manifest
@@ -63,7 +63,9 @@ def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
 
     from .checkpointing import model_fingerprint
 
-    ckpt = run_dir / "initial_actor"
+    p = config.parallel
+    # One conversion per layout: a run resumed at another layout needs its initial (reference) weights there.
+    ckpt = run_dir / f"initial_actor_tp{p.tp}_pp{p.pp}_ep{p.ep}"
     if ckpt.exists():
         wanted = model_fingerprint(HFModelConfig.read_raw(config.model.hf_path))
         if model_fingerprint(Manifest.read(ckpt).hf_config) != wanted:
@@ -72,7 +74,6 @@ def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
     elif layout.rank == 0:
         from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 
-        p = config.parallel
         convert_hf_to_mcore(config.model.hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype)
     dist.barrier()
     return ckpt
