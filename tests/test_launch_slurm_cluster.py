@@ -74,3 +74,73 @@ def test_warning_signal_saves_requeues_and_resumes(monkeypatch, capsys, tmp_path
     assert fields["Restarts"] == "1"
     assert [(out / f"saved-rank{rank}").read_text() for rank in range(2)] == ["SIGUSR1", "SIGUSR1"]
     assert [(out / f"second-run-rank{rank}").read_text() for rank in range(2)] == ["1", "1"]
+
+
+# --- the PPO trainer as a Slurm job ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ppo_config(tmp_path_factory):
+    """The demo's PPO config on a tiny random model at TP2 (4 ranks: 2 nodes x 2)."""
+    from verl_mega.data.synthetic import make_task_rows
+    from verl_mega.data.tables import write_rows
+    from verl_mega.demo import EXAMPLES
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("slurm_ppo")
+    hf = make_tiny_hf_model(root / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)
+    data = write_rows(make_task_rows("copy", 64, seed=0, max_digits=2), root / "copy.jsonl")
+    config = root / "ppo.yaml"
+    config.write_text((EXAMPLES / "ppo_gae_demo.yaml").read_text() + f"""
+model: {{hf_path: {hf}}}
+data: {{train_files: [{data}], batch_size: 4}}
+parallel: {{tp: 2, pp: 1}}
+rollout: {{n: 2}}
+actor: {{mini_batch_size: 4, micro_batch_size: 2}}
+critic: {{mini_batch_size: 4, micro_batch_size: 2}}
+""")
+    return config
+
+
+def metric_records(run_dir: Path) -> dict[int, dict]:
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in records}
+
+
+def test_ppo_run_on_two_nodes_completes(monkeypatch, capsys, tmp_path, slurm_cluster, ppo_config):  # noqa: F811
+    run_dir = tmp_path / "run"
+    job_id = launch(monkeypatch, capsys, slurm_cluster, run_dir, "--nodes", "2", "--gpus-per-node", "0",
+                    "--procs-per-node", "2", str(ppo_config), f"trainer.run_dir={run_dir}", "trainer.total_steps=3")
+    finished(slurm_cluster, job_id, run_dir, timeout=240)
+    assert sorted(metric_records(run_dir)) == [1, 2, 3]
+    assert (run_dir / "final_actor" / "verl_mega_manifest.json").is_file()
+
+
+def test_ppo_warning_signal_saves_requeues_resumes_and_matches_an_uninterrupted_run(
+        monkeypatch, capsys, tmp_path, slurm_cluster, ppo_config):  # noqa: F811
+    from verl_mega.launch import local
+
+    steps = ["trainer.total_steps=6"]
+    straight = tmp_path / "straight"
+    assert local.main(["--nproc", "4", str(ppo_config), f"trainer.run_dir={straight}", *steps]) == 0
+
+    run_dir = tmp_path / "run"
+    job_id = launch(monkeypatch, capsys, slurm_cluster, run_dir, "--nodes", "2", "--gpus-per-node", "0",
+                    "--procs-per-node", "2", "--signal-seconds", "60", str(ppo_config),
+                    f"trainer.run_dir={run_dir}", *steps)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert slurm_cluster.job_fields(job_id)["JobState"] not in FINISHED_STATES
+        assert time.monotonic() < deadline, "the job logged no steps in time"
+        time.sleep(0.5)
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    requeued = slurm_cluster.wait_for_job(job_id, ("PENDING", *FINISHED_STATES), timeout=120)
+    assert (requeued["JobState"], requeued["Restarts"]) == ("PENDING", "1")
+    saved = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")]
+    assert saved and not (run_dir / "final_actor").exists()
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    finished(slurm_cluster, job_id, run_dir, timeout=240)
+    log = "".join(path.read_text() for path in run_dir.glob("slurm-*.out"))
+    assert "resumed from" in log
+    assert metric_records(run_dir) == metric_records(straight)
