@@ -52,22 +52,23 @@ class RolloutConfig:
 
 
 @dataclass
-class ActorConfig:
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+class UpdateSchedule:
     ppo_epochs: int = 1
     mini_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 2  # sequences per forward/backward on one rank
 
 
 @dataclass
-class CriticConfig:
+class ActorConfig(UpdateSchedule):
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+
+
+@dataclass
+class CriticConfig(UpdateSchedule):
     enable: bool = True  # needed by GAE; outcome estimators (grpo, rloo, ...) run without a critic
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
-    ppo_epochs: int = 1
-    mini_batch_size: int = 8
-    micro_batch_size: int = 2
 
 
 @dataclass
