@@ -1,0 +1,75 @@
+"""Critic export: a critic trained at TP2 x PP2, saved with `save_role_weights` and exported, loads as
+transformers' `*ForTokenClassification` with one label whose per-token values equal the critic's
+`compute_values`, for a tied-embedding Qwen2 and an untied Llama (one torchrun launch of 4 processes).
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_mega.parallel.launch import run_torchrun
+
+pytestmark = pytest.mark.slow
+
+TP, PP = 2, 2
+FAMILIES = {"qwen2": "Qwen2ForTokenClassification", "llama": "LlamaForTokenClassification"}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """family -> (HF folder of the exported critic, the worker's batch and values)."""
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("critic_export")
+    ckpts = []
+    for family in FAMILIES:
+        hf_dir = make_tiny_hf_model(root / "hf" / family, family, num_hidden_layers=2)
+        convert_hf_to_mcore(hf_dir, root / "ckpt" / family, tp=TP, pp=PP)
+        ckpts.append(root / "ckpt" / family)
+    tests_dir = str(Path(__file__).parent)
+    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
+    run_torchrun(TP * PP, "critic_export_worker", [str(TP), str(PP), str(root / "out"), *map(str, ckpts)], env=env)
+    result = {}
+    for family in FAMILIES:
+        out = root / "out" / family
+        hf_out = convert_mcore_to_hf(out / "critic", root / "exported" / family)
+        result[family] = (hf_out, torch.load(out / "values.pt"))
+    return result
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exported_critic_is_a_one_label_token_classifier(exported, family):
+    from safetensors import safe_open
+
+    hf_out, _ = exported[family]
+    config = json.loads((hf_out / "config.json").read_text())
+    assert config["architectures"] == [FAMILIES[family]]
+    assert config["tie_word_embeddings"] is False
+    names = set()
+    for path in hf_out.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            names |= set(f.keys())
+    assert {"score.weight", "score.bias", "model.embed_tokens.weight"} <= names
+    assert not any(name.startswith("lm_head") for name in names)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_values_match_the_critic(exported, family):
+    from transformers import AutoModelForTokenClassification
+
+    hf_out, saved = exported[family]
+    batch, values = saved["batch"], saved["values"]
+    model = AutoModelForTokenClassification.from_pretrained(hf_out, dtype=torch.float32).eval()
+    assert model.num_labels == 1
+    assert torch.count_nonzero(model.score.weight) > 0  # the update step moved the zero-initialised head
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits
+    response_length = batch["responses"].shape[1]
+    hf_values = logits[:, -response_length - 1:-1, 0]
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(hf_values[mask], values[mask], rtol=0, atol=1e-5)
