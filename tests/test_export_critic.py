@@ -33,12 +33,25 @@ def exported(tmp_path_factory):
     tests_dir = str(Path(__file__).parent)
     env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
     run_torchrun(TP * PP, "critic_export_worker", [str(TP), str(PP), str(root / "out"), *map(str, ckpts)], env=env)
-    result = {}
+    result = {"out": root / "out"}
     for family in FAMILIES:
         out = root / "out" / family
         hf_out = convert_mcore_to_hf(out / "critic", root / "exported" / family)
         result[family] = (hf_out, torch.load(out / "values.pt"))
     return result
+
+
+def test_cli_exports_a_run_folders_final_critic_and_refuses_a_role_mismatch(exported, tmp_path, capsys):
+    from verl_mega.cli import main as cli
+    from verl_mega.trainer.save import FINAL_CRITIC_DIR
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / FINAL_CRITIC_DIR).symlink_to(exported["out"] / "qwen2" / "critic")
+    assert cli(["export", "--ckpt", str(run_dir), "--role", "critic", "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [FAMILIES["qwen2"]]
+    assert cli(["export", "--ckpt", str(run_dir / FINAL_CRITIC_DIR), "--out", str(tmp_path / "hf_actor")]) == 2
+    assert "pass --role critic" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", FAMILIES)
