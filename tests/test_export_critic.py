@@ -1,6 +1,7 @@
 """Critic export: a critic trained at TP2 x PP2, saved with `save_role_weights` and exported, loads as
 transformers' `*ForTokenClassification` with one label whose per-token values equal the critic's
 `compute_values`, for a tied-embedding Qwen2 and an untied Llama (one torchrun launch of 4 processes).
+The role's own plumbing (manifest field, the head's slots) is checked without processes.
 """
 import json
 import os
@@ -11,10 +12,40 @@ import torch
 
 from verl_mega.parallel.launch import run_torchrun
 
-pytestmark = pytest.mark.slow
-
 TP, PP = 2, 2
 FAMILIES = {"qwen2": "Qwen2ForTokenClassification", "llama": "LlamaForTokenClassification"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_critic_slots_replace_the_lm_head_by_the_value_head(tiny_models, family):
+    from verl_mega.models import load_hf_model_config
+    from verl_mega.models.sharding import rank_slots
+
+    cfg, spec = load_hf_model_config(tiny_models[family])
+    last_stage = {role: {slot.local_name: slot.hf_names for slot in rank_slots(cfg, spec, 1, 2, role=role)}
+                  for role in ("actor", "critic")}
+    assert "output_layer.weight" in last_stage["actor"]
+    assert "output_layer.weight" not in last_stage["critic"]
+    assert last_stage["critic"]["output_layer.value.weight"] == ("score.weight",)
+    assert last_stage["critic"]["output_layer.value.bias"] == ("score.bias",)
+    backbone = {name: hf for name, hf in last_stage["actor"].items() if name != "output_layer.weight"}
+    assert backbone.items() <= last_stage["critic"].items()
+
+
+def test_manifest_role_defaults_to_actor_and_unknown_roles_are_refused(tiny_models, tmp_path):
+    from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+
+    ckpt = tmp_path / "ckpt"
+    convert_hf_to_mcore(tiny_models["qwen2"], ckpt)
+    manifest_path = ckpt / MANIFEST_NAME
+    data = json.loads(manifest_path.read_text())
+    del data["role"]  # as written before manifests had one
+    manifest_path.write_text(json.dumps(data))
+    assert Manifest.read(ckpt).role == "actor"
+    manifest_path.write_text(json.dumps({**data, "role": "reward"}))
+    with pytest.raises(ValueError, match="role must be one of actor, critic"):
+        Manifest.read(ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +72,7 @@ def exported(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_cli_exports_a_run_folders_final_critic_and_refuses_a_role_mismatch(exported, tmp_path, capsys):
     from verl_mega.cli import main as cli
     from verl_mega.trainer.save import FINAL_CRITIC_DIR
@@ -54,6 +86,7 @@ def test_cli_exports_a_run_folders_final_critic_and_refuses_a_role_mismatch(expo
     assert "pass --role critic" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_exported_critic_is_a_one_label_token_classifier(exported, family):
     from safetensors import safe_open
@@ -70,6 +103,7 @@ def test_exported_critic_is_a_one_label_token_classifier(exported, family):
     assert not any(name.startswith("lm_head") for name in names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_values_match_the_critic(exported, family):
     from transformers import AutoModelForTokenClassification
