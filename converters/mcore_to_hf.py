@@ -1,4 +1,9 @@
-"""Megatron shards -> an HF folder that `transformers` loads, one tensor at a time."""
+"""Megatron shards -> an HF folder that `transformers` loads, one tensor at a time.
+
+An actor checkpoint becomes a `*ForCausalLM` model; a critic checkpoint (manifest role "critic") the
+matching `*ForTokenClassification` model with one label, its value head as `score`: same backbone
+tensors, through the same family spec.
+"""
 from __future__ import annotations
 
 import json
@@ -26,6 +31,9 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
     if manifest.format == "torch_dist":
+        if manifest.role != "actor":
+            raise ValueError(f"{ckpt_dir}: only actor checkpoints are read in torch_dist format; save the "
+                             f"{manifest.role} as megatron_legacy (`save_role_weights` does)")
         from .torch_dist import iter_torch_dist_hf_tensors as iter_tensors
     else:
         iter_tensors = iter_legacy_hf_tensors
@@ -51,7 +59,7 @@ def iter_legacy_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator
                                            ep_rank=ep_rank, ep=manifest.ep)
                 for tp_rank in range(manifest.tp)
             ]
-            for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep):
+            for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep, manifest.role):
                 if slot.is_tied_copy or (ep_rank > 0 and not slot.rule.per_expert):
                     continue
                 missing = [r for r, shard in enumerate(shards) if slot.local_name not in shard]
@@ -74,7 +82,10 @@ def _write_hf_files(ckpt_dir: Path, manifest: Manifest, out: Path, dtype: str) -
                 shutil.copy2(path, out / path.name)
     family = family_for(manifest.hf_config)
     config = dict(manifest.hf_config)
-    config["architectures"] = [family.hf_architecture]
+    config["architectures"] = [family.hf_architecture_for(manifest.role)]
+    if manifest.role == "critic":
+        # One label: the value. transformers stores num_labels as the label maps.
+        config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
     # The tie flag comes from the manifest (what the shards were built with), never from a hand-set flag.
     config["tie_word_embeddings"] = manifest.tied_embeddings
     dtype_key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"

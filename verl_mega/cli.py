@@ -74,10 +74,11 @@ DELEGATED = {
 
 
 def _add_export(subparsers) -> None:
-    export = subparsers.add_parser("export", help="a trained run's actor -> an HF folder")
-    export.add_argument("--ckpt", required=True, help="a run folder (its final actor) or a checkpoint folder")
+    export = subparsers.add_parser("export", help="a trained run's actor or critic -> an HF folder")
+    export.add_argument("--ckpt", required=True, help="a run folder (its final actor / critic) or a checkpoint folder")
     export.add_argument("--out", required=True)
-    export.add_argument("--role", default="actor", choices=["actor"])
+    export.add_argument("--role", default="actor", choices=["actor", "critic"],
+                        help="critic: a *ForTokenClassification model with one label (the value)")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: the checkpoint's")
     export.add_argument("--overwrite", action="store_true")
 
@@ -85,13 +86,18 @@ def _add_export(subparsers) -> None:
 def _run_export(args) -> int:
     from pathlib import Path
 
-    from verl_mega.checkpoint.manifest import MANIFEST_NAME
+    from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
     from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
-    from verl_mega.trainer.ppo import FINAL_ACTOR_DIR
+    from verl_mega.trainer.save import FINAL_ROLE_DIRS
 
     ckpt = Path(args.ckpt)
-    if not (ckpt / MANIFEST_NAME).is_file() and (ckpt / FINAL_ACTOR_DIR / MANIFEST_NAME).is_file():
-        ckpt = ckpt / FINAL_ACTOR_DIR
+    run_role_dir = ckpt / FINAL_ROLE_DIRS[args.role]
+    if not (ckpt / MANIFEST_NAME).is_file() and (run_role_dir / MANIFEST_NAME).is_file():
+        ckpt = run_role_dir
+    role = Manifest.read(ckpt).role
+    if role != args.role:
+        raise ValueError(f"{ckpt} holds the {role}'s weights, not the {args.role}'s: pass --role {role}, or the "
+                         f"{args.role}'s checkpoint (a run folder's {FINAL_ROLE_DIRS[args.role]})")
     convert_mcore_to_hf(ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite)
     print(f"exported the {args.role} of {ckpt} to {args.out}")
     return 0

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verl_mega.models.spec import check_role
+
 MANIFEST_NAME = "verl_mega_manifest.json"
 HF_ASSETS_DIR = "hf_assets"  # tokenizer and generation files copied from the source HF folder
 FORMATS = ("megatron_legacy", "torch_dist")
@@ -23,6 +25,7 @@ class Manifest:
     tied_embeddings: bool
     padded_vocab_size: int
     iteration: int = 0
+    role: str = "actor"  # "critic": a value head instead of the LM head; absent from older manifests
     extra: dict[str, Any] = field(default_factory=dict)
 
     def write(self, ckpt_dir: str | Path) -> None:
@@ -39,4 +42,8 @@ class Manifest:
         data = json.loads(path.read_text())
         if data.get("format") not in FORMATS:
             raise ValueError(f"{path}: unknown format {data.get('format')!r}; expected one of {FORMATS}")
+        try:
+            check_role(data.get("role", "actor"))
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
         return cls(**data)

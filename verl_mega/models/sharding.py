@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .hf_config import HFModelConfig
-from .spec import EXPERT, LAYER, FamilySpec, TensorRule
+from .spec import EXPERT, LAYER, LM_HEAD, FamilySpec, TensorRule, has_lm_head
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class TensorSlot:
     @property
     def is_tied_copy(self) -> bool:
         """The last stage's copy of the tied embedding; exports skip it."""
-        return self.local_name == "output_layer.weight" and self.rule.mcore != self.local_name
+        return self.local_name == LM_HEAD and self.rule.mcore != self.local_name
 
     @property
     def global_name(self) -> str:
@@ -43,20 +43,21 @@ def stage_layers(cfg: HFModelConfig, pp_rank: int, pp: int) -> range:
 
 
 def rank_slots(cfg: HFModelConfig, family: FamilySpec, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0,
-               ep: int = 1) -> Iterator[TensorSlot]:
-    """Every megatron tensor a rank at (pp_rank, ep_rank) holds, in a stable order."""
+               ep: int = 1, role: str = "actor") -> Iterator[TensorSlot]:
+    """Every megatron tensor a rank at (pp_rank, ep_rank) holds, in a stable order; `role` picks the head."""
     layers = stage_layers(cfg, pp_rank, pp)
     experts_per_rank = (cfg.num_experts or 1) // ep
     experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
     first, last = pp_rank == 0, pp_rank == pp - 1
-    for rule in family.active_rules(cfg):
+    tied_copy = pp > 1 and cfg.tie_word_embeddings and has_lm_head(role)
+    for rule in family.active_rules(cfg, role):
         if not rule.per_layer:
             if rule.mcore.startswith("embedding."):
                 if first:
                     yield TensorSlot(rule, None, None, rule.mcore, rule.hf)
-                if last and pp > 1 and cfg.tie_word_embeddings:
+                if last and tied_copy:
                     # The last stage keeps its own copy of the tied embedding as the output layer.
-                    yield TensorSlot(rule, None, None, "output_layer.weight", rule.hf)
+                    yield TensorSlot(rule, None, None, LM_HEAD, rule.hf)
             elif last:
                 yield TensorSlot(rule, None, None, rule.mcore, rule.hf)
             continue

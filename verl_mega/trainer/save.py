@@ -1,4 +1,4 @@
-"""Save the actor's current weights as a Megatron-LM checkpoint (at the training layout) for export."""
+"""Save a trained role's current weights as a Megatron-LM checkpoint (at the training layout) for export."""
 from __future__ import annotations
 
 import shutil
@@ -10,12 +10,23 @@ import torch.distributed as dist
 from verl_mega.checkpoint import megatron_legacy
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.models import family_for
-from verl_mega.models.spec import to_canonical_name
+from verl_mega.models.spec import check_role, has_lm_head, to_canonical_name
 from verl_mega.parallel.state import ParallelLayout
 
+# Folders of a run that `verl-mega export --ckpt RUN --role ROLE` reads.
+FINAL_ACTOR_DIR = "final_actor"
+FINAL_CRITIC_DIR = "final_critic"
+FINAL_ROLE_DIRS = {"actor": FINAL_ACTOR_DIR, "critic": FINAL_CRITIC_DIR}
 
-def save_actor_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayout, iteration: int) -> None:
-    """Collective: the DP-rank-0 replicas write their shards into a temp folder that rank 0 renames to `out`."""
+
+def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayout, iteration: int,
+                      role: str = "actor") -> None:
+    """Collective: the DP-rank-0 replicas write their shards into a temp folder that rank 0 renames to `out`.
+
+    `source_ckpt` is the checkpoint the role was loaded from (config, vocab padding, tokenizer files).
+    A critic's shards hold its value head where the actor's hold the LM head, so nothing is tied.
+    """
+    check_role(role)
     source = Manifest.read(source_ckpt)
     tmp = out.with_name(f".{out.name}.tmp")
     if layout.rank == 0:
@@ -33,9 +44,14 @@ def save_actor_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayo
         megatron_legacy.write_shard(tmp, iteration, coords, state_dict, args={})
     dist.barrier()
     if layout.rank == 0:
-        replace(source, format="megatron_legacy", iteration=iteration).write(tmp)
+        replace(source, format="megatron_legacy", iteration=iteration, role=role,
+                tied_embeddings=source.tied_embeddings and has_lm_head(role)).write(tmp)
         megatron_legacy.write_tracker(tmp, iteration)
         shutil.copytree(source_ckpt / HF_ASSETS_DIR, tmp / HF_ASSETS_DIR)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     dist.barrier()
+
+
+# ppo.py's import until it switches to save_role_weights and this module's FINAL_ACTOR_DIR.
+save_actor_weights = save_role_weights
