@@ -22,10 +22,10 @@ from verl_mega.rollout.training_memory import training_memory_released
 from . import checkpointing
 from .metrics import MetricsLogger, StageTimer, peak_memory_bytes
 from .rollout_batch import build_rollout_batch
-from .save import save_actor_weights
+from .health import HealthServer
+from .save import FINAL_ACTOR_DIR, FINAL_CRITIC_DIR, save_role_weights
 
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
-FINAL_ACTOR_DIR = "final_actor"  # a Megatron-LM checkpoint of the trained actor; `verl-mega export` reads it
 
 
 class PPOTrainer:
@@ -59,7 +59,8 @@ class PPOTrainer:
         self.critic = None
         if self.uses_critic:
             config.critic.optim.total_training_steps = total_steps
-            self.critic = Critic(critic_ckpt or actor_ckpt, config.critic.optim, config.critic.loss)
+            self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
+            self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss)
         self.reward = RuleReward(self.tokenizer, config.reward.function)
         self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
 
@@ -78,6 +79,9 @@ class PPOTrainer:
         self._batches = iter(self.sampler)
         self.logger = MetricsLogger(self.run_dir, enabled=layout.rank == 0, tensorboard=config.trainer.tensorboard,
                                     wandb_project=config.trainer.wandb_project)
+        serve_health = layout.rank == 0 and config.trainer.health_port > 0
+        self.health = HealthServer(config.trainer.health_port) if serve_health else None
+        self._set_health("ready")
 
     @property
     def uses_critic(self) -> bool:
@@ -91,6 +95,7 @@ class PPOTrainer:
         progress = _progress(cfg.total_steps, self.step, self.layout.rank == 0 and cfg.progress_bar)
         stopped = False
         while self.step < cfg.total_steps and not stopped:
+            self._set_health("training")
             metrics = self.train_step()
             self.step += 1
             self.logger.log(self.step, metrics)
@@ -102,9 +107,19 @@ class PPOTrainer:
         progress.close()
         self.logger.close()
         if not stopped:
-            save_actor_weights(self.actor.model, self.actor_ckpt, self.run_dir / FINAL_ACTOR_DIR, self.layout,
-                               self.step)
+            self._set_health("saving")
+            save_role_weights(self.actor.model, self.actor_ckpt, self.run_dir / FINAL_ACTOR_DIR, self.layout, self.step)
+            if self.critic is not None:
+                save_role_weights(self.critic.model, self.critic_ckpt, self.run_dir / FINAL_CRITIC_DIR, self.layout,
+                                  self.step, role="critic")
+        self._set_health("ready")
+        if self.health is not None:
+            self.health.close()
         return not stopped
+
+    def _set_health(self, status: str) -> None:
+        if self.health is not None:
+            self.health.set(status, self.step)
 
     # --- checkpoints ----------------------------------------------------------------------------------
 
@@ -117,6 +132,7 @@ class PPOTrainer:
     def save(self) -> Path:
         from verl_mega.config.schema import to_yaml
 
+        self._set_health("saving")
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                  "reward_normalizer": self.reward_normalizer.state_dict(), "model_fingerprint": self.fingerprint,
                  "world_size": self.layout.world_size,

@@ -51,7 +51,3 @@ def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayou
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     dist.barrier()
-
-
-# ppo.py's import until it switches to save_role_weights and this module's FINAL_ACTOR_DIR.
-save_actor_weights = save_role_weights
