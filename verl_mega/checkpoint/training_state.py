@@ -4,8 +4,11 @@
 
 Both functions are collective: every rank of the job calls them with the same directory. Tensors are stored
 by their global (TP/PP/DP-merged) keys, so a state saved at one (TP, PP, DP) loads at another. The optimizer
-state is stored per model parameter in both optimizer kinds: the plain optimizer's own format, and the
-distributed optimizer's `fully_reshardable` one (its `dp_reshardable` format reshards only over DP).
+state is stored per model parameter in both optimizer kinds: the plain optimizer's own format, and for the
+distributed optimizer a model-space one assembled here. megatron's own formats don't serve: `dp_reshardable`
+reshards only over DP, and in megatron-core 0.16 `fully_reshardable` misplaces state where the grad buffer
+pads parameters (seen at TP=2: "param range exceeds unpadded buffer"), `fully_sharded_model_space` cannot be
+saved (flattened ranges unsupported).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+MAIN_STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")  # the distributed optimizer's per-parameter tensors
 
 
 def save_engine_state(engine, directory: str | Path) -> None:
@@ -59,8 +62,7 @@ def _sharded_state(engine, is_loading: bool) -> dict:
     return {
         "model": model_state,
         # One entry per sub-optimizer (dense and expert parameters of MoE models get one each).
-        "optimizer": [optimizer.sharded_state_dict(model_state, is_loading=is_loading,
-                                                   metadata=DISTRIBUTED_OPTIMIZER_FORMAT)
+        "optimizer": [_optimizer_sharded_state(optimizer, model_state, is_loading)
                       for optimizer in _sub_optimizers(engine.optimizer)],
         "scheduler": engine.scheduler.state_dict(),
         "use_distributed_optimizer": _is_distributed(engine.optimizer),
@@ -95,27 +97,68 @@ def _ensure_optimizer_state(optimizer) -> None:
                          step=torch.tensor(0.0, dtype=torch.float32))
 
 
+def _optimizer_sharded_state(optimizer, model_state: dict, is_loading: bool) -> dict:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(optimizer, DistributedOptimizer):
+        return optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    sharded_params = {item.data: item for item in nested_values(extract_sharded_tensors_and_factories(model_state)[0])}
+    param_state = {}
+    for index, (model_param, owned) in enumerate(_model_params_and_owned_ranges(optimizer)):
+        # Each DP rank holds one range of the flattened parameter's state; summing the zero-padded ranges
+        # over DP gives every rank the whole (TP-local) tensors, exactly.
+        full = {name: torch.zeros(model_param.shape, dtype=torch.float32) for name in MAIN_STATE_NAMES}
+        if not is_loading:
+            if owned is not None:
+                local = optimizer._get_main_param_and_optimizer_states(model_param)
+                for name, tensor in full.items():
+                    tensor.view(-1)[owned.start:owned.end] = local[name]
+            for tensor in full.values():
+                torch.distributed.all_reduce(tensor, group=optimizer.data_parallel_group)
+        sharded = sharded_params[model_param]
+        # Stored beside the weight, with its sharding and replica coordinates (so DP rank 0 writes it).
+        param_state[index] = {
+            name: replace(sharded, key=f"optimizer.state.{name}.{sharded.key}", data=tensor,
+                          **({} if isinstance(sharded, ShardedTensorFactory) else {"dtype": tensor.dtype}))
+            for name, tensor in full.items()
+        }
+    return {"param_groups_and_step": optimizer.state_dict(), "param_state": param_state}
+
+
+def _model_params_and_owned_ranges(optimizer):
+    """(model parameter, the range of its flattened elements this DP rank owns or None), in the same order on
+    every DP rank."""
+    for buffer_index, buffer in enumerate(optimizer.buffers):
+        owned = {param: ranges["param"] for per_dtype in optimizer.gbuf_ranges[buffer_index].values()
+                 for bucket in per_dtype for param, ranges in bucket["param_map"].items()}
+        for model_param in buffer.param_index_map:
+            yield model_param, owned.get(model_param)
+
+
 def _load_optimizer_state(optimizer, state: dict) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if isinstance(optimizer, DistributedOptimizer):
-        # Its fully_reshardable loader copies every entry of a parameter's state from the checkpoint,
-        # 'step' too, which the checkpoint keeps in the param groups instead (KeyError: 'step'): load the
-        # param groups and step first, then the tensors with the steps set aside.
-        param_state = state.pop("param_state")
-        state.pop("param_state_sharding_type")
-        optimizer.load_state_dict(state)
-        states = [param_state_ for _, param_state_ in _inner_states(optimizer)]
-        steps = [param_state_.pop("step") for param_state_ in states]
-        optimizer.load_parameter_state_from_fully_reshardable(param_state)
-        for param_state_, step in zip(states, steps):
-            param_state_["step"] = step
+        optimizer.load_state_dict(state["param_groups_and_step"])
+        for index, (model_param, owned) in enumerate(_model_params_and_owned_ranges(optimizer)):
+            if owned is None:
+                continue
+            current = optimizer._get_main_param_and_optimizer_states(model_param)
+            loaded = {name: state["param_state"][index][name].reshape(-1)[owned.start:owned.end]
+                      for name in MAIN_STATE_NAMES}
+            optimizer._set_main_param_and_optimizer_states(model_param, {**loaded, "step": current["step"]})
     else:
         optimizer.load_state_dict(state)
     # Loading may leave one `step` tensor shared by all parameters: Adam would then advance it once per
     # parameter per step and the resumed run would drift. Each parameter gets its own copy.
-    for _, param_state_ in _inner_states(optimizer):
-        param_state_["step"] = param_state_["step"].clone() if "step" in param_state_ else torch.tensor(0.0)
+    for _, param_state in _inner_states(optimizer):
+        param_state["step"] = param_state["step"].clone() if "step" in param_state else torch.tensor(0.0)
 
 
 def _check_optimizer_kind(engine, directory: Path) -> None:
@@ -141,7 +184,7 @@ def _check_matches_checkpoint(request: dict, directory: Path) -> None:
     for key, shape in expected.items():
         if key not in stored:
             problem = f"tensor '{key}' of this model is not in the checkpoint"
-        elif tuple(stored[key].global_shape) != shape:
+        elif shape is not None and tuple(stored[key].global_shape) != shape:
             problem = f"tensor '{key}' has shape {tuple(stored[key].global_shape)} in the checkpoint but {shape} here"
         if problem:
             break
@@ -156,7 +199,8 @@ def _check_matches_checkpoint(request: dict, directory: Path) -> None:
 
 
 def _expected_shapes(request: dict):
-    """(stored key, global shape) of every tensor the request reads, factories expanded."""
+    """(stored key, global shape) of every tensor the request reads, factories expanded; the shape is None where
+    megatron pads or trims on load (the vocabulary, padded to a multiple of TP)."""
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
@@ -165,4 +209,4 @@ def _expected_shapes(request: dict):
         built = nested_values(item.build()) if isinstance(item, ShardedTensorFactory) else [item]
         for tensor in built:
             if isinstance(tensor, ShardedTensor):
-                yield tensor.key, tuple(tensor.global_shape)
+                yield tensor.key, None if tensor.allow_shape_mismatch else tuple(tensor.global_shape)
