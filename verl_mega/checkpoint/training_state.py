@@ -113,7 +113,8 @@ def _optimizer_sharded_state(optimizer, model_state: dict, is_loading: bool) -> 
     for index, (model_param, owned) in enumerate(_model_params_and_owned_ranges(optimizer)):
         # Each DP rank holds one range of the flattened parameter's state; summing the zero-padded ranges
         # over DP gives every rank the whole (TP-local) tensors, exactly.
-        full = {name: torch.zeros(model_param.shape, dtype=torch.float32) for name in MAIN_STATE_NAMES}
+        full = {name: torch.zeros(model_param.shape, dtype=torch.float32, device=model_param.device)
+                for name in MAIN_STATE_NAMES}
         if not is_loading:
             if owned is not None:
                 local = optimizer._get_main_param_and_optimizer_states(model_param)
