@@ -23,16 +23,18 @@ class ValueHead(torch.nn.Module):
     Replicated, not split, over tensor parallelism (one output cannot be split): every TP rank sees the same
     final hidden states, so the copies get equal gradients and stay equal. Zero-initialised, so the first
     values are 0 and the backbone starts exactly as the policy.
+
+    Its parameters are `output_layer.weight` and `output_layer.bias`, the names megatron's sharded state
+    dict looks up for the output layer; megatron stores them as replicated over TP and DP.
     """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, device):
         super().__init__()
-        self.value = torch.nn.Linear(hidden_size, 1, dtype=dtype, device=device)
-        torch.nn.init.zeros_(self.value.weight)
-        torch.nn.init.zeros_(self.value.bias)
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
 
     def forward(self, hidden_states, weight=None, **_):
-        return self.value(hidden_states), None
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
 def attach_value_head(model) -> None:

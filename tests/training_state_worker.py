@@ -1,0 +1,143 @@
+"""torchrun worker for tests/test_training_state.py: train the actor and critic, save and resume their state.
+
+    training_state_worker save   CKPT_ROOT OUT_DIR TP,PP
+        for each optimizer kind: update A, save the state into OUT_DIR/state/KIND/ROLE, update B; record B
+    training_state_worker resume CKPT_ROOT OUT_DIR TP,PP [TP,PP ...]
+        at each layout, for each optimizer kind: fresh roles from the initial checkpoint, load the saved
+        state, update B; record it (and, at the first layout, the error of loading the actor's state into the critic)
+
+Records go to OUT_DIR/{uninterrupted|resumed_tpTppP}_{KIND}_stage{PP_RANK}.pt, written by TP and DP rank 0.
+CKPT_ROOT/tp{TP}pp{PP} are the initial checkpoint converted at each layout.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from roles_worker import MINI_BATCH, fixed_batch, gather_hf_weights
+
+OPTIMIZER_KINDS = {"plain": False, "distributed": True}
+MICRO_BATCH = 1  # one row per DP rank at DP=4 (TP*PP=2 on 8 processes)
+
+
+def training_batch(vocab_size: int) -> dict[str, torch.Tensor]:
+    batch = fixed_batch(vocab_size, pad_id=0)
+    noise = torch.Generator().manual_seed(1)
+    shape = batch["responses"].shape
+    batch["old_log_probs"] = -torch.log(torch.tensor(float(vocab_size))) + 0.3 * torch.randn(shape, generator=noise)
+    batch["advantages"] = torch.randn(shape, generator=noise)
+    batch["returns"] = torch.randn(shape, generator=noise)
+    batch["values"] = torch.zeros(shape)
+    return batch
+
+
+def build_roles(ckpt: Path, use_distributed_optimizer: bool):
+    from verl_mega.roles.actor import Actor, PolicyLossConfig
+    from verl_mega.roles.critic import Critic
+    from verl_mega.roles.optim import OptimConfig
+
+    # A warmup and a cosine decay make the LR schedule's state matter; large eps makes the update follow
+    # the gradient's size, so a wrong Adam state shows in the weights.
+    optim = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2, lr_warmup_steps=1,
+                        lr_decay_style="cosine", total_training_steps=6,
+                        use_distributed_optimizer=use_distributed_optimizer)
+    return Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01)), Critic(ckpt, optim)
+
+
+def update(actor, critic, batch) -> dict:
+    return {
+        "actor_metrics": actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH,
+                                             micro_batch_size=MICRO_BATCH),
+        "critic_metrics": critic.update_critic(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH,
+                                               micro_batch_size=MICRO_BATCH),
+    }
+
+
+def record(actor, critic, metrics: dict, cfg, family, out: Path) -> None:
+    """Save the metrics and every weight of both roles, merged over TP, from this PP stage."""
+    from verl_mega.parallel.state import current_layout
+
+    layout = current_layout()
+    result = {**metrics, "actor_weights": gather_hf_weights(actor.model.module, cfg, family),
+              "critic_weights": gather_hf_weights(critic.model.module, cfg, family)}
+    if layout.is_last_stage:
+        value_head = critic.model.module.output_layer
+        result["critic_weights"] = {**(result["critic_weights"] or {}), "value_head.weight": value_head.weight.detach().clone(),
+                                    "value_head.bias": value_head.bias.detach().clone()}
+    if layout.tp_rank == 0 and layout.dp_rank == 0:
+        torch.save(result, out.with_name(f"{out.name}_stage{layout.pp_rank}.pt"))
+    dist.barrier()
+
+
+def model_info(ckpt: Path):
+    from verl_mega.checkpoint.manifest import Manifest
+    from verl_mega.models import HFModelConfig, family_for
+
+    cfg = HFModelConfig.from_dict(Manifest.read(ckpt).hf_config)
+    return cfg, family_for(cfg)
+
+
+def state_dir(out_dir: Path, kind: str, role: str) -> Path:
+    return out_dir / "state" / kind / role
+
+
+def save_phase(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
+    from verl_mega.checkpoint.training_state import save_engine_state
+    from verl_mega.parallel.state import init_parallel
+
+    init_parallel(tp, pp)
+    ckpt = ckpt_root / f"tp{tp}pp{pp}"
+    cfg, family = model_info(ckpt)
+    batch = training_batch(cfg.vocab_size)
+    for kind, distributed in OPTIMIZER_KINDS.items():
+        actor, critic = build_roles(ckpt, distributed)
+        update(actor, critic, batch)
+        for role, engine in (("actor", actor.engine), ("critic", critic.engine)):
+            directory = state_dir(out_dir, kind, role)
+            if dist.get_rank() == 0:
+                directory.mkdir(parents=True)
+            save_engine_state(engine, directory)
+        record(actor, critic, update(actor, critic, batch), cfg, family, out_dir / f"uninterrupted_{kind}")
+
+
+def resume_phase(ckpt_root: Path, out_dir: Path, layouts: list[tuple[int, int]]) -> None:
+    from verl_mega.checkpoint.training_state import load_engine_state
+    from verl_mega.parallel.state import init_parallel
+
+    for index, (tp, pp) in enumerate(layouts):
+        init_parallel(tp, pp)
+        ckpt = ckpt_root / f"tp{tp}pp{pp}"
+        cfg, family = model_info(ckpt)
+        batch = training_batch(cfg.vocab_size)
+        for kind, distributed in OPTIMIZER_KINDS.items():
+            actor, critic = build_roles(ckpt, distributed)
+            if index == 0 and kind == "plain":
+                try:
+                    load_engine_state(critic.engine, state_dir(out_dir, kind, "actor"))
+                    refusal = None
+                except ValueError as error:
+                    refusal = str(error)
+                if dist.get_rank() == 0:
+                    torch.save(refusal, out_dir / "wrong_model_refusal.pt")
+            load_engine_state(actor.engine, state_dir(out_dir, kind, "actor"))
+            load_engine_state(critic.engine, state_dir(out_dir, kind, "critic"))
+            record(actor, critic, update(actor, critic, batch), cfg, family, out_dir / f"resumed_tp{tp}pp{pp}_{kind}")
+
+
+def main(argv: list[str]) -> None:
+    from verl_mega.parallel.state import destroy_parallel
+
+    phase, ckpt_root, out_dir, *layouts = argv
+    layouts = [tuple(int(size) for size in layout.split(",")) for layout in layouts]
+    if phase == "save":
+        save_phase(Path(ckpt_root), Path(out_dir), *layouts[0])
+    else:
+        resume_phase(Path(ckpt_root), Path(out_dir), layouts)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

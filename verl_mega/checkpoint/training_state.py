@@ -1,0 +1,213 @@
+"""A role's training state (model, optimizer, LR schedule) as a megatron dist checkpoint, loadable at any layout.
+
+    DIRECTORY/metadata.json, .metadata, common.pt, __*_*.distcp   (megatron `dist_checkpointing`, torch_dist)
+
+Both functions are collective: every rank of the job calls them with the same directory. Tensors are stored
+by their global (TP/PP/DP-merged) keys, so a state saved at one (TP, PP, DP) loads at another. The optimizer
+state is stored per model parameter in both optimizer kinds: the plain optimizer's own format, and for the
+distributed optimizer a model-space one assembled here. megatron's own formats don't serve: `dp_reshardable`
+reshards only over DP, and in megatron-core 0.16 `fully_reshardable` misplaces state where the grad buffer
+pads parameters (seen at TP=2: "param range exceeds unpadded buffer"), `fully_sharded_model_space` cannot be
+saved (flattened ranges unsupported).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+MAIN_STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")  # the distributed optimizer's per-parameter tensors
+
+
+def save_engine_state(engine, directory: str | Path) -> None:
+    """Save `engine`'s model weights, optimizer state and LR schedule into the existing, empty `directory`."""
+    from megatron.core import dist_checkpointing
+
+    _ensure_optimizer_state(engine.optimizer)
+    torch.distributed.barrier()  # the caller may have created `directory` on one rank only
+    dist_checkpointing.save(_sharded_state(engine, is_loading=False), str(directory))
+    torch.distributed.barrier()
+
+
+def load_engine_state(engine, directory: str | Path) -> None:
+    """Restore what `save_engine_state` wrote into `engine`, whatever layout either job runs at.
+
+    Raises FileNotFoundError if `directory` is not a complete checkpoint, and ValueError (naming the first
+    differing tensor) if it was written for another model or another optimizer kind.
+    """
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
+        raise FileNotFoundError(
+            f"{directory} is not a complete training-state checkpoint (its metadata.json is missing or unreadable); "
+            "the save that wrote it did not finish: resume from an earlier checkpoint"
+        )
+    _check_optimizer_kind(engine, directory)
+    _ensure_optimizer_state(engine.optimizer)
+    # Loading into the optimizer's tensors in place fails on views of leaf parameters with autograd on.
+    with torch.no_grad():
+        request = _sharded_state(engine, is_loading=True)
+        _check_matches_checkpoint(request, directory)
+        loaded = dist_checkpointing.load(request, str(directory))
+        engine.model.module.load_state_dict(loaded["model"])
+        for optimizer, state in zip(_sub_optimizers(engine.optimizer), loaded["optimizer"]):
+            _load_optimizer_state(optimizer, state)
+        engine.scheduler.load_state_dict(loaded["scheduler"])
+
+
+def _sharded_state(engine, is_loading: bool) -> dict:
+    # The bare model's keys (not the DDP wrapper's `module.` ones), as in the model-only dist checkpoints.
+    model_state = engine.model.module.sharded_state_dict()
+    return {
+        "model": model_state,
+        # One entry per sub-optimizer (dense and expert parameters of MoE models get one each).
+        "optimizer": [_optimizer_sharded_state(optimizer, model_state, is_loading)
+                      for optimizer in _sub_optimizers(engine.optimizer)],
+        "scheduler": engine.scheduler.state_dict(),
+        "use_distributed_optimizer": _is_distributed(engine.optimizer),
+    }
+
+
+def _sub_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(sub, DistributedOptimizer) for sub in _sub_optimizers(optimizer))
+
+
+def _inner_states(optimizer):
+    """(torch parameter, its Adam state) over every sub-optimizer's torch optimizer."""
+    for sub in _sub_optimizers(optimizer):
+        inner = sub.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                yield param, inner.state[param]
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give Adam its (zero) state before the first step: the distributed optimizer's state dict asserts
+    without it. Zero moments at step 0 are exactly what Adam's first step creates itself."""
+    for param, state in _inner_states(optimizer):
+        if not state:
+            state.update(exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
+                         step=torch.tensor(0.0, dtype=torch.float32))
+
+
+def _optimizer_sharded_state(optimizer, model_state: dict, is_loading: bool) -> dict:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(optimizer, DistributedOptimizer):
+        return optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    sharded_params = {item.data: item for item in nested_values(extract_sharded_tensors_and_factories(model_state)[0])}
+    param_state = {}
+    for index, (model_param, owned) in enumerate(_model_params_and_owned_ranges(optimizer)):
+        # Each DP rank holds one range of the flattened parameter's state; summing the zero-padded ranges
+        # over DP gives every rank the whole (TP-local) tensors, exactly.
+        full = {name: torch.zeros(model_param.shape, dtype=torch.float32, device=model_param.device)
+                for name in MAIN_STATE_NAMES}
+        if not is_loading:
+            if owned is not None:
+                local = optimizer._get_main_param_and_optimizer_states(model_param)
+                for name, tensor in full.items():
+                    tensor.view(-1)[owned.start:owned.end] = local[name]
+            for tensor in full.values():
+                torch.distributed.all_reduce(tensor, group=optimizer.data_parallel_group)
+        sharded = sharded_params[model_param]
+        # Stored beside the weight, with its sharding and replica coordinates (so DP rank 0 writes it).
+        param_state[index] = {
+            name: replace(sharded, key=f"optimizer.state.{name}.{sharded.key}", data=tensor,
+                          **({} if isinstance(sharded, ShardedTensorFactory) else {"dtype": tensor.dtype}))
+            for name, tensor in full.items()
+        }
+    return {"param_groups_and_step": optimizer.state_dict(), "param_state": param_state}
+
+
+def _model_params_and_owned_ranges(optimizer):
+    """(model parameter, the range of its flattened elements this DP rank owns or None), in the same order on
+    every DP rank."""
+    for buffer_index, buffer in enumerate(optimizer.buffers):
+        owned = {param: ranges["param"] for per_dtype in optimizer.gbuf_ranges[buffer_index].values()
+                 for bucket in per_dtype for param, ranges in bucket["param_map"].items()}
+        for model_param in buffer.param_index_map:
+            yield model_param, owned.get(model_param)
+
+
+def _load_optimizer_state(optimizer, state: dict) -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.load_state_dict(state["param_groups_and_step"])
+        for index, (model_param, owned) in enumerate(_model_params_and_owned_ranges(optimizer)):
+            if owned is None:
+                continue
+            current = optimizer._get_main_param_and_optimizer_states(model_param)
+            loaded = {name: state["param_state"][index][name].reshape(-1)[owned.start:owned.end]
+                      for name in MAIN_STATE_NAMES}
+            optimizer._set_main_param_and_optimizer_states(model_param, {**loaded, "step": current["step"]})
+    else:
+        optimizer.load_state_dict(state)
+    # Loading may leave one `step` tensor shared by all parameters: Adam would then advance it once per
+    # parameter per step and the resumed run would drift. Each parameter gets its own copy.
+    for _, param_state in _inner_states(optimizer):
+        param_state["step"] = param_state["step"].clone() if "step" in param_state else torch.tensor(0.0)
+
+
+def _check_optimizer_kind(engine, directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_common_state_dict(str(directory)).get("use_distributed_optimizer")
+    running = _is_distributed(engine.optimizer)
+    if saved is not None and saved != running:
+        raise ValueError(
+            f"{directory} was saved with use_distributed_optimizer={saved} but this job runs "
+            f"use_distributed_optimizer={running}: resume with the setting it was saved with"
+        )
+
+
+def _check_matches_checkpoint(request: dict, directory: Path) -> None:
+    """Raise on every rank, before any tensor is read, if some rank's tensors are missing from the checkpoint
+    or have other global shapes (a checkpoint of another model), or the checkpoint holds tensors no rank asks for."""
+    from megatron.core import dist_checkpointing
+
+    stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    expected = dict(_expected_shapes(request))
+    problem = None
+    for key, shape in expected.items():
+        if key not in stored:
+            problem = f"tensor '{key}' of this model is not in the checkpoint"
+        elif shape is not None and tuple(stored[key].global_shape) != shape:
+            problem = f"tensor '{key}' has shape {tuple(stored[key].global_shape)} in the checkpoint but {shape} here"
+        if problem:
+            break
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (problem, sorted(expected)))
+    problems = [rank_problem for rank_problem, _ in gathered if rank_problem]
+    unexpected = sorted(set(stored) - {key for _, keys in gathered for key in keys})
+    if not problems and unexpected:
+        problems = [f"the checkpoint holds tensor '{unexpected[0]}', which this model lacks"]
+    if problems:
+        raise ValueError(f"{directory} was written for another model: {problems[0]}")
+
+
+def _expected_shapes(request: dict):
+    """(stored key, global shape) of every tensor the request reads, factories expanded; the shape is None where
+    megatron pads or trims on load (the vocabulary, padded to a multiple of TP)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    for item in nested_values(request):
+        built = nested_values(item.build()) if isinstance(item, ShardedTensorFactory) else [item]
+        for tensor in built:
+            if isinstance(tensor, ShardedTensor):
+                yield tensor.key, None if tensor.allow_shape_mismatch else tuple(tensor.global_shape)
