@@ -26,8 +26,8 @@ def test_critic_slots_replace_the_lm_head_by_the_value_head(tiny_models, family)
                   for role in ("actor", "critic")}
     assert "output_layer.weight" in last_stage["actor"]
     assert "output_layer.weight" not in last_stage["critic"]
-    assert last_stage["critic"]["output_layer.value.weight"] == ("score.weight",)
-    assert last_stage["critic"]["output_layer.value.bias"] == ("score.bias",)
+    assert last_stage["critic"]["output_layer.weight"] == ("score.weight",)
+    assert last_stage["critic"]["output_layer.bias"] == ("score.bias",)
     backbone = {name: hf for name, hf in last_stage["actor"].items() if name != "output_layer.weight"}
     assert backbone.items() <= last_stage["critic"].items()
 

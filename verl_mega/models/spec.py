@@ -223,8 +223,8 @@ def _embedding_rules() -> tuple[TensorRule, ...]:
 # The critic's `ValueHead` (roles/critic.py), replicated over TP, is transformers' `*ForTokenClassification`
 # head with num_labels=1 (`GenericForTokenClassification.score`, with bias) in every supported family.
 VALUE_HEAD_RULES = (
-    TensorRule("output_layer.value.weight", ("score.weight",)),
-    TensorRule("output_layer.value.bias", ("score.bias",)),
+    TensorRule("output_layer.weight", ("score.weight",)),
+    TensorRule("output_layer.bias", ("score.bias",)),
 )
 
 
