@@ -38,6 +38,7 @@ def check_role(role: str) -> str:
 def has_lm_head(role: str) -> bool:
     return check_role(role) == "actor"
 
+
 # transformer-engine fuses the pre-attention and (dense) pre-MLP norms into the following linear layer;
 # the local spec keeps them as modules of their own. MoE layers keep `pre_mlp_layernorm` in both.
 _LOCAL_TO_TE = {

@@ -78,7 +78,8 @@ def save_checkpoint(run_dir: Path, step: int, *, engines: dict, trainer_state: d
     tmp = final.with_name(f".{final.name}.tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        for folder in ("rng", *engines):
+            (tmp / folder).mkdir(parents=True)
     dist.barrier()
     for name, engine in engines.items():
         save_engine_state(engine, tmp / name)
