@@ -79,12 +79,14 @@ def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(setup, tmp_
 @pytest.mark.slow
 def test_resume_at_another_layout_and_partial_saves_are_ignored(setup, tmp_path):
     run_dir = tmp_path / "run"
-    run(train_command(setup, run_dir, 8, "parallel.tp=2", "parallel.pp=2", "trainer.total_steps=2"))
+    eight_prompts = ["data.batch_size=8", "actor.mini_batch_size=8", "critic.mini_batch_size=8"]
+    run(train_command(setup, run_dir, 8, "parallel.tp=2", "parallel.pp=2", "trainer.total_steps=2", *eight_prompts))
     assert [p.name for p in checkpointing.complete_checkpoints(run_dir)] == ["step_000002"]
     # A save killed half-way leaves only a temp folder behind.
     partial = run_dir / "checkpoints" / ".step_000004.tmp"
     (partial / "actor").mkdir(parents=True)
-    result = run(train_command(setup, run_dir, 4, "parallel.tp=2", "parallel.pp=1", "trainer.total_steps=3"))
+    result = run(train_command(setup, run_dir, 4, "parallel.tp=2", "parallel.pp=1", "trainer.total_steps=3",
+                               *eight_prompts))
     assert f"resumed from {run_dir / 'checkpoints' / 'step_000002'} at step 2" in result.stdout
     steps = sorted(records(run_dir))
     assert steps == [1, 2, 3]

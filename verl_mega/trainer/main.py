@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"verl-mega train: {err}", file=sys.stderr)
         return 2
-    train(config)
+    try:
+        train(config)
+    except (ValueError, FileNotFoundError) as err:  # bad input found after start-up: say it plainly
+        print(f"verl-mega train: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -69,8 +73,8 @@ def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
     if ckpt.exists():
         wanted = model_fingerprint(HFModelConfig.read_raw(config.model.hf_path))
         if model_fingerprint(Manifest.read(ckpt).hf_config) != wanted:
-            raise ValueError(f"{run_dir} holds a run of another model than {config.model.hf_path}: its "
-                             "checkpoints were written for another model; point trainer.run_dir elsewhere")
+            raise ValueError(f"{run_dir} was written for another model than {config.model.hf_path}; point "
+                             "trainer.run_dir elsewhere")
     elif layout.rank == 0:
         from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 
