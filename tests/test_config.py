@@ -94,3 +94,10 @@ def test_reward_function_is_checked(tiny_models, prompt_file, function, message)
     config = load_config(None, good_overrides(tiny_models, prompt_file) + [f"reward.function={function}"])
     with pytest.raises(ConfigError, match=message):
         validate(config, world_size=4)
+
+
+def test_invalid_yaml_is_refused_with_the_file_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor: {lr: 1}\nactor: {lr: 2}\n")
+    with pytest.raises(ConfigError, match=f"config file {bad} is not valid YAML"):
+        load_config(bad)

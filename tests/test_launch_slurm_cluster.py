@@ -90,15 +90,14 @@ def ppo_config(tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm_ppo")
     hf = make_tiny_hf_model(root / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)
     data = write_rows(make_task_rows("copy", 64, seed=0, max_digits=2), root / "copy.jsonl")
+    from omegaconf import OmegaConf
+
     config = root / "ppo.yaml"
-    config.write_text((EXAMPLES / "ppo_gae_demo.yaml").read_text() + f"""
-model: {{hf_path: {hf}}}
-data: {{train_files: [{data}], batch_size: 4}}
-parallel: {{tp: 2, pp: 1}}
-rollout: {{n: 2}}
-actor: {{mini_batch_size: 4, micro_batch_size: 2}}
-critic: {{mini_batch_size: 4, micro_batch_size: 2}}
-""")
+    OmegaConf.save(OmegaConf.merge(OmegaConf.load(EXAMPLES / "ppo_gae_demo.yaml"), {
+        "model": {"hf_path": str(hf)}, "data": {"train_files": [str(data)], "batch_size": 4},
+        "parallel": {"tp": 2, "pp": 1}, "rollout": {"n": 2},
+        "actor": {"mini_batch_size": 4, "micro_batch_size": 2}, "critic": {"mini_batch_size": 4, "micro_batch_size": 2},
+    }), config)
     return config
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
@@ -134,7 +135,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} does not exist")
-        layers.append(OmegaConf.load(path))
+        try:
+            layers.append(OmegaConf.load(path))
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
