@@ -143,3 +143,18 @@ def test_ppo_warning_signal_saves_requeues_resumes_and_matches_an_uninterrupted_
     log = "".join(path.read_text() for path in run_dir.glob("slurm-*.out"))
     assert "resumed from" in log
     assert metric_records(run_dir) == metric_records(straight)
+
+
+def test_converter_verify_runs_as_a_slurm_job(monkeypatch, capsys, tmp_path, slurm_cluster):  # noqa: F811
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    hf = make_tiny_hf_model(tmp_path / "hf", "llama", num_hidden_layers=2)
+    convert_hf_to_mcore(hf, tmp_path / "ckpt", tp=2, pp=1)
+    run_dir = tmp_path / "run"
+    job_id = launch(monkeypatch, capsys, slurm_cluster, run_dir, "--nodes", "2", "--gpus-per-node", "0",
+                    "--procs-per-node", "1", "--module", "verl_mega.converters.verify", "--",
+                    "--pair", str(hf), str(tmp_path / "ckpt"), "--tp", "2", "--pp", "1")
+    finished(slurm_cluster, job_id, run_dir, timeout=120)
+    log = "".join(path.read_text() for path in run_dir.glob("slurm-*.out"))
+    assert "max |Δ logit| = " in log

@@ -63,7 +63,16 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.03, rewards
     assert (run_dir / "config.yaml").is_file() and list((run_dir / "tensorboard").iterdir())
-    assert cli(["export", "--ckpt", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    exported = tmp_path / "hf"
+    assert cli(["export", "--ckpt", str(run_dir), "--out", str(exported)]) == 0
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.tie_word_embeddings is True
+    assert AutoModelForCausalLM.from_pretrained(exported).config.tie_word_embeddings is True
+    # The trained actor regrouped by the HybridEngine into the embedded rollout engine streams exactly the
+    # exported tensors, and generates greedily what transformers generates from the exported folder.
+    from verl_mega.parallel.launch import run_torchrun
+
+    run_torchrun(1, "tests.hybrid_worker", ["--tp", "1", "--pp", "1", "--case",
+                                            f"qwen2,{exported},{run_dir / 'final_actor'},1", "--greedy",
+                                            f"qwen2={exported}"])
+    assert cli(["export", "--ckpt", str(run_dir), "--role", "critic", "--out", str(tmp_path / "critic")]) == 0
