@@ -76,3 +76,12 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
                                             f"qwen2,{exported},{run_dir / 'final_actor'},1", "--greedy",
                                             f"qwen2={exported}"])
     assert cli(["export", "--ckpt", str(run_dir), "--role", "critic", "--out", str(tmp_path / "critic")]) == 0
+
+
+def test_lr_schedule_spans_every_optimizer_step_of_the_run():
+    from verl_mega.config import load_config
+    from verl_mega.trainer.ppo import optimizer_steps
+
+    config = load_config(None, ["model.hf_path=x", "trainer.total_steps=10", "data.batch_size=8", "rollout.n=4",
+                                "actor.mini_batch_size=16", "actor.ppo_epochs=2"])
+    assert optimizer_steps(config, config.actor) == 10 * 2 * (32 // 16)

@@ -51,14 +51,13 @@ class PPOTrainer:
                                      config.data.prompt_key, config.data.truncation)
         self.sampler = ResumableBatchSampler(len(self.dataset), config.data.batch_size, seed=config.data.seed)
 
-        total_steps = config.trainer.total_steps
-        config.actor.optim.total_training_steps = total_steps
+        config.actor.optim.total_training_steps = optimizer_steps(config, config.actor)
         self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss)
         needs_ref = config.actor.loss.use_kl_loss or config.algorithm.use_kl_in_reward
         self.reference = make_reference(actor_ckpt, use_kl=needs_ref)
         self.critic = None
         if self.uses_critic:
-            config.critic.optim.total_training_steps = total_steps
+            config.critic.optim.total_training_steps = optimizer_steps(config, config.critic)
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
             self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss)
         self.reward = RuleReward(self.tokenizer, config.reward.function)
@@ -283,6 +282,12 @@ class PPOTrainer:
             **{f"timing/{stage}": value for stage, value in timer.seconds.items()},
         })
         return metrics
+
+
+def optimizer_steps(config: TrainConfig, role) -> int:
+    """Optimizer steps a role takes over the run: the LR schedule's length (it steps once per mini-batch)."""
+    sequences = config.data.batch_size * config.rollout.n
+    return config.trainer.total_steps * role.ppo_epochs * (sequences // role.mini_batch_size)
 
 
 def rollout_replicas(layout: ParallelLayout, rollout_tp: int) -> tuple[int, int, bool]:
