@@ -29,6 +29,23 @@ _UNQUOTABLE = re.compile(r"[\s'\"\\]")
 _MAX_SIGNAL_SECONDS = 65535
 
 
+def slurm_time_seconds(value: str) -> int:
+    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S."""
+    days, _, clock = value.rpartition("-")
+    try:
+        parts = [int(part) for part in clock.split(":")]
+        day_seconds = int(days) * 86400 if days else 0
+    except ValueError:
+        raise ValueError(f"--time {value!r} is not a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S)") from None
+    if days:  # after a day count the first field is hours
+        parts += [0] * (3 - len(parts))
+        return day_seconds + parts[0] * 3600 + parts[1] * 60 + parts[2]
+    units = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}.get(len(parts))
+    if units is None:
+        raise ValueError(f"--time {value!r} is not a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S)")
+    return sum(part * unit for part, unit in zip(parts, units))
+
+
 @dataclass(frozen=True)
 class SlurmOptions:
     payload: Payload
@@ -64,6 +81,9 @@ class SlurmOptions:
             if value is not None and _UNQUOTABLE.search(value):
                 raise ValueError(f"{flag} {value!r} must not contain spaces, quotes or backslashes "
                                  "(it goes on an #SBATCH line)")
+        if self.time is not None and slurm_time_seconds(self.time) <= self.signal_seconds:
+            raise ValueError(f"--signal-seconds {self.signal_seconds} must be shorter than --time {self.time} "
+                             f"({slurm_time_seconds(self.time)} s): Slurm would send the warning at once")
         if self.container_mounts and not self.container_image:
             raise ValueError("--mounts needs --container-image (mounts are passed to pyxis with the image)")
 

@@ -135,3 +135,20 @@ def test_submit_names_the_missing_sbatch(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="sbatch not found on PATH"):
         slurm.submit(tmp_path / "sbatch.sh")
+
+
+@pytest.mark.parametrize("value, seconds", [("5", 300), ("5:30", 330), ("01:02:03", 3723), ("2-0", 172800),
+                                            ("1-02:03", 93780), ("1-00:00:10", 86410)])
+def test_slurm_time_limits_parse(value, seconds):
+    assert slurm.slurm_time_seconds(value) == seconds
+
+
+def test_warning_signal_must_come_before_the_time_limit(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        slurm.main(["--nodes", "1", "--gpus-per-node", "0", "--time", "5", "--run-dir", str(tmp_path / "run"),
+                    "--dry-run", str(config)])
+    assert exit_info.value.code == 2
+    assert "--signal-seconds 300 must be shorter than --time 5 (300 s)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def launch(monkeypatch, capsys, cluster, run_dir: Path, *argv: str) -> str:
     """Submit through the real CLI entry point and return the job id it printed."""
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
-    assert slurm.main(["--partition", "debug", "--time", "5", "--run-dir", str(run_dir),
+    assert slurm.main(["--partition", "debug", "--time", "10", "--run-dir", str(run_dir),
                        "--env", f"PYTHONPATH={launch_payloads.pythonpath()}", *argv]) == 0
     return capsys.readouterr().out.strip()
 
