@@ -44,7 +44,7 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, result_file=None) -> 
 
     from verl_mega.checkpoint.model_io import build_model_from_checkpoint
     from verl_mega.parallel.pipeline import forward_only_outputs
-    from verl_mega.parallel.state import destroy_parallel, init_parallel
+    from verl_mega.parallel.state import destroy_parallel, device, init_parallel
 
     diffs = []
     for hf_dir, ckpt_dir in pairs:
@@ -54,10 +54,11 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, result_file=None) -> 
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)
         positions = torch.arange(seq_len).expand(batch, seq_len)
-        device = next(model.parameters()).device
+        model_device = next(model.parameters()).device
 
         def step(stage_model, micro_batch):
-            return stage_model(micro_batch["input_ids"].to(device), micro_batch["position_ids"].to(device), None)
+            inputs = (micro_batch["input_ids"], micro_batch["position_ids"])
+            return stage_model(*(tensor.to(model_device) for tensor in inputs), None)
 
         def collect(output, micro_batch):
             return tensor_parallel.gather_from_tensor_model_parallel_region(output)[..., : cfg.vocab_size].float().cpu()
@@ -68,7 +69,8 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, result_file=None) -> 
             reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
             with torch.no_grad():
                 diff = (outputs[0] - reference(tokens).logits.float()).abs().max()
-        # Every rank learns the last stage's figure.
+        # Every rank learns the last stage's figure (on the collective backend's device: NCCL needs CUDA).
+        diff = diff.to(device())
         torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
         diffs.append(diff.item())
         if layout.rank == 0:

@@ -15,6 +15,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from verl_mega.parallel.state import device
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -99,6 +101,7 @@ def agg_units(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
 
 def global_agg_units(response_mask: torch.Tensor, loss_agg_mode: str, dp_group) -> torch.Tensor:
     """Units (see `agg_units`) of this rank's mini-batch summed over data parallelism."""
-    units = agg_units(response_mask, loss_agg_mode).reshape(1)
+    # On the collective backend's device: NCCL reduces CUDA tensors only, and batches arrive on the host.
+    units = agg_units(response_mask, loss_agg_mode).reshape(1).to(device())
     dist.all_reduce(units, group=dp_group)
     return units[0]

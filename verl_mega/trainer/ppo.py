@@ -16,7 +16,7 @@ from verl_mega.algorithms import (
     RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
 )
 from verl_mega.config import TrainConfig
-from verl_mega.parallel.state import ParallelLayout
+from verl_mega.parallel.state import ParallelLayout, device
 from verl_mega.rollout.training_memory import training_memory_released
 
 from . import checkpointing
@@ -156,7 +156,7 @@ class PPOTrainer:
             MetricsLogger.truncate(self.run_dir, self.step)
 
     def _any_rank_asked_to_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop_requested() else 0.0])
+        flag = torch.tensor([1.0 if self.stop_requested() else 0.0], device=device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
