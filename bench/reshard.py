@@ -16,7 +16,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 TP, PP, DP = 2, 2, 2

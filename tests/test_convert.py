@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.cli import main as cli

@@ -84,14 +84,20 @@ def state_dir(out_dir: Path, kind: str, role: str) -> Path:
     return out_dir / "state" / kind / role
 
 
-def save_phase(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
-    from verl_mega.checkpoint.training_state import save_engine_state
+def start_phase(ckpt_root: Path, tp: int, pp: int):
+    """Parallel groups at (tp, pp), the checkpoint converted for that layout, its model and the fixed batch."""
     from verl_mega.parallel.state import init_parallel
 
     init_parallel(tp, pp)
     ckpt = ckpt_root / f"tp{tp}pp{pp}"
     cfg, family = model_info(ckpt)
-    batch = training_batch(cfg.vocab_size)
+    return ckpt, cfg, family, training_batch(cfg.vocab_size)
+
+
+def save_phase(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
+    from verl_mega.checkpoint.training_state import save_engine_state
+
+    ckpt, cfg, family, batch = start_phase(ckpt_root, tp, pp)
     for kind, distributed in OPTIMIZER_KINDS.items():
         actor, critic = build_roles(ckpt, distributed)
         update(actor, critic, batch)
@@ -105,13 +111,9 @@ def save_phase(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
 
 def resume_phase(ckpt_root: Path, out_dir: Path, layouts: list[tuple[int, int]]) -> None:
     from verl_mega.checkpoint.training_state import load_engine_state
-    from verl_mega.parallel.state import init_parallel
 
     for index, (tp, pp) in enumerate(layouts):
-        init_parallel(tp, pp)
-        ckpt = ckpt_root / f"tp{tp}pp{pp}"
-        cfg, family = model_info(ckpt)
-        batch = training_batch(cfg.vocab_size)
+        ckpt, cfg, family, batch = start_phase(ckpt_root, tp, pp)
         for kind, distributed in OPTIMIZER_KINDS.items():
             actor, critic = build_roles(ckpt, distributed)
             if index == 0 and kind == "plain":

@@ -128,15 +128,16 @@ def greedy_score(hf_dir: Path, rows: list[dict]) -> float:
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     score = get_reward_fn(TASK)
-    total = 0.0
-    for row in rows:
-        prompt = _chat_prompt(tokenizer, row)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        text = tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
-        total += score(TASK, text, row["reward_model"]["ground_truth"])
+    total = sum(score(TASK, greedy_reply(model, tokenizer, row), row["reward_model"]["ground_truth"]) for row in rows)
     return total / len(rows)
+
+
+def greedy_reply(model, tokenizer, row: dict) -> str:
+    prompt = _chat_prompt(tokenizer, row)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
 
 
 def export_and_generate(run_dir: Path, out: Path, rows: list[dict]) -> Path:
@@ -149,12 +150,7 @@ def export_and_generate(run_dir: Path, out: Path, rows: list[dict]) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     for row in rows[:4]:
-        prompt = _chat_prompt(tokenizer, row)
-        with torch.no_grad():
-            generated = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
-                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        print(f"[demo]   {row['prompt'][0]['content']!r} -> "
-              f"{tokenizer.decode(generated[0, len(prompt):], skip_special_tokens=True)!r}")
+        print(f"[demo]   {row['prompt'][0]['content']!r} -> {greedy_reply(model, tokenizer, row)!r}")
     return out
 
 

@@ -129,3 +129,10 @@ def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vo
     )
     model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(model.rotary_pos_emb.inv_freq.device)
     return model
+
+
+def unwrap_model(model):
+    """The GPTModel inside megatron's DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from verl_mega.models.builder import unwrap_model
 from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
 from verl_mega.models.spec import SAME, FamilySpec, TensorRule, to_canonical_name
@@ -115,8 +116,7 @@ class HybridEngine:
     # --- set-up -------------------------------------------------------------------------------------
 
     def _own_shards(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        while hasattr(model, "module"):  # DDP / Float16Module wrappers
-            model = model.module
+        model = unwrap_model(model)
         by_local = {to_canonical_name(name, self.family.moe): param for name, param in model.named_parameters()}
         layout = self.layout
         shards = {}

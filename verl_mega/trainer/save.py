@@ -10,6 +10,7 @@ import torch.distributed as dist
 from verl_mega.checkpoint import megatron_legacy
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.models import family_for
+from verl_mega.models.builder import unwrap_model
 from verl_mega.models.spec import check_role, has_lm_head, to_canonical_name
 from verl_mega.parallel.state import ParallelLayout
 
@@ -34,8 +35,7 @@ def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayou
         tmp.mkdir(parents=True)
     dist.barrier()
     if layout.dp_rank == 0:
-        while hasattr(model, "module"):  # DDP / Float16Module wrappers
-            model = model.module
+        model = unwrap_model(model)
         moe = family_for(source.hf_config).moe
         state_dict = {to_canonical_name(name, moe): tensor.detach().cpu()
                       for name, tensor in model.state_dict().items() if not name.endswith("_extra_state")}
