@@ -7,10 +7,14 @@ from pathlib import Path
 from verl_mega.checkpoint import megatron_legacy
 from verl_mega.checkpoint.atomic import atomic_output_dir
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
+from verl_mega.checkpoint.model_io import hf_rank_state_dict
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import load_hf_model_config
-from verl_mega.models.builder import DTYPES, check_parallel_fit, padded_vocab_size
-from verl_mega.models.sharding import merge_hf_to_mcore, rank_slots
+from verl_mega.models.builder import DTYPES, padded_vocab_size
+from verl_mega.models.sharding import rank_slots
+from verl_mega.parallel.layout import check_model_fit
+
+from .torch_dist import write_torch_dist
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")
 
@@ -21,7 +25,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
     cfg, family = load_hf_model_config(hf_dir)
-    check_parallel_fit(cfg, tp, pp, ep)
+    check_model_fit(cfg, tp, pp, ep, names={"tp": "--tp", "pp": "--pp", "ep": "--ep"})
     reader = SafetensorsReader(hf_dir)
     _check_sources_present(reader, cfg, family)
     padded_vocab = padded_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by)
@@ -33,8 +37,6 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
         if fmt == "megatron_legacy":
             _write_legacy_shards(tmp, reader, cfg, family, manifest)
         elif fmt == "torch_dist":
-            from .torch_dist import write_torch_dist
-
             write_torch_dist(tmp, hf_dir, manifest)
         else:
             raise ValueError(f"--format must be megatron_legacy or torch_dist, got '{fmt}'")
@@ -43,22 +45,12 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     return manifest
 
 
-def rank_state_dict(reader, cfg, family, manifest: Manifest, tp_rank: int, pp_rank: int, ep_rank: int) -> dict:
-    """One rank's megatron state dict (local layer/expert numbering, canonical names)."""
-    dtype = DTYPES[manifest.dtype]
-    return {
-        slot.local_name: merge_hf_to_mcore(slot, cfg, reader, tp_rank, manifest.tp, manifest.padded_vocab_size)
-        .to(dtype).contiguous()
-        for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep)
-    }
-
-
 def _write_legacy_shards(root: Path, reader, cfg, family, manifest: Manifest) -> None:
     args = megatron_args(cfg, family, manifest)
     for pp_rank in range(manifest.pp):
         for ep_rank in range(manifest.ep):
             for tp_rank in range(manifest.tp):
-                state_dict = rank_state_dict(reader, cfg, family, manifest, tp_rank, pp_rank, ep_rank)
+                state_dict = hf_rank_state_dict(reader, cfg, family, manifest, tp_rank, pp_rank, ep_rank)
                 coords = dict(tp_rank=tp_rank, pp_rank=pp_rank, pp=manifest.pp, ep_rank=ep_rank, ep=manifest.ep)
                 megatron_legacy.write_shard(root, manifest.iteration, coords, state_dict, args)
                 del state_dict

@@ -16,7 +16,9 @@ import torch
 from verl_mega.checkpoint import megatron_legacy
 from verl_mega.checkpoint.atomic import atomic_output_dir
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
+from verl_mega.checkpoint.roles import head_rules, hf_architecture
 from verl_mega.checkpoint.safetensors_io import SafetensorsWriter
+from verl_mega.checkpoint.torch_dist import iter_torch_dist_hf_tensors
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES
 from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
@@ -34,7 +36,7 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str
         if manifest.role != "actor":
             raise ValueError(f"{ckpt_dir}: only actor checkpoints are read in torch_dist format; save the "
                              f"{manifest.role} as megatron_legacy (`save_role_weights` does)")
-        from .torch_dist import iter_torch_dist_hf_tensors as iter_tensors
+        iter_tensors = iter_torch_dist_hf_tensors
     else:
         iter_tensors = iter_legacy_hf_tensors
     with atomic_output_dir(out_dir, overwrite) as tmp:
@@ -59,7 +61,8 @@ def iter_legacy_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator
                                            ep_rank=ep_rank, ep=manifest.ep)
                 for tp_rank in range(manifest.tp)
             ]
-            for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep, manifest.role):
+            for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep,
+                                   head_rules(manifest.role)):
                 if slot.is_tied_copy or (ep_rank > 0 and not slot.rule.per_expert):
                     continue
                 missing = [r for r, shard in enumerate(shards) if slot.local_name not in shard]
@@ -82,7 +85,7 @@ def _write_hf_files(ckpt_dir: Path, manifest: Manifest, out: Path, dtype: str) -
                 shutil.copy2(path, out / path.name)
     family = family_for(manifest.hf_config)
     config = dict(manifest.hf_config)
-    config["architectures"] = [family.hf_architecture_for(manifest.role)]
+    config["architectures"] = [hf_architecture(family, manifest.role)]
     if manifest.role == "critic":
         # One label: the value. transformers stores num_labels as the label maps.
         config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}

@@ -11,9 +11,13 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from verl_mega.checkpoint.manifest import Manifest
+from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.parallel.launch import in_distributed_job, run_torchrun
+from verl_mega.parallel.pipeline import forward_only_outputs
+from verl_mega.parallel.state import destroy_parallel, device, init_parallel
 
 
 def verify_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, **kwargs) -> float:
@@ -40,11 +44,6 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
 
 def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, result_file=None) -> list[float]:
     from megatron.core import tensor_parallel
-    from transformers import AutoModelForCausalLM
-
-    from verl_mega.checkpoint.model_io import build_model_from_checkpoint
-    from verl_mega.parallel.pipeline import forward_only_outputs
-    from verl_mega.parallel.state import destroy_parallel, device, init_parallel
 
     diffs = []
     for hf_dir, ckpt_dir in pairs:

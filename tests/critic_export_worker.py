@@ -19,14 +19,14 @@ def train_and_save_critic(ckpt: Path, out: Path) -> None:
     from verl_mega.checkpoint.manifest import Manifest
     from verl_mega.parallel.state import current_layout
     from verl_mega.roles.critic import Critic
-    from verl_mega.roles.optim import OptimConfig
-    from verl_mega.trainer.save import save_role_weights
+    from verl_mega.checkpoint.role_weights import save_role_weights
+    from verl_mega.config import OptimConfig
 
     layout = current_layout()
     batch = fixed_batch(Manifest.read(ckpt).hf_config["vocab_size"], pad_id=0)
     batch["values"] = torch.zeros(batch["responses"].shape)
     batch["returns"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
-    critic = Critic(ckpt, OptimConfig(lr=1e-2, total_training_steps=1))
+    critic = Critic(ckpt, OptimConfig(lr=1e-2), schedule_steps=1)
     critic.update_critic(batch, ppo_epochs=1, mini_batch_size=batch["input_ids"].shape[0],
                          micro_batch_size=MICRO_BATCH)
     values = critic.compute_values(batch, MICRO_BATCH)

@@ -75,9 +75,9 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, tp: int, pp: int) -
     from verl_mega.models import HFModelConfig, family_for
     from verl_mega.checkpoint.manifest import Manifest
     from verl_mega.parallel.state import current_layout, init_parallel
-    from verl_mega.roles.actor import Actor, PolicyLossConfig
-    from verl_mega.roles.critic import Critic, ValueLossConfig
-    from verl_mega.roles.optim import OptimConfig
+    from verl_mega.config import OptimConfig, PolicyLossConfig, ValueLossConfig
+    from verl_mega.roles.actor import Actor
+    from verl_mega.roles.critic import Critic
     from verl_mega.roles.reference import make_reference
 
     layout = init_parallel(tp, pp)
@@ -96,16 +96,17 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, tp: int, pp: int) -
     # Adam's first steps move weights by about lr whatever the gradient, which would hide gradient errors
     # from the weight comparison; large eps makes the update follow the gradient's size.
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2,
-                        use_distributed_optimizer=layout.dp > 1, total_training_steps=4)
+                        use_distributed_optimizer=layout.dp > 1)
     reference = make_reference(ckpt, use_kl=True)
     batch["ref_log_prob"] = reference.compute_ref_log_prob(batch, MICRO_BATCH)
-    actor = Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1))
+    actor = Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1),
+                  schedule_steps=4)
     scored = actor.compute_log_prob(batch, MICRO_BATCH, return_entropy=True)
     actor_metrics = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH,
                                         micro_batch_size=MICRO_BATCH)
     weights = gather_hf_weights(actor.model.module, cfg, family)
 
-    critic = Critic(ckpt, optim, ValueLossConfig(cliprange_value=0.5))
+    critic = Critic(ckpt, optim, ValueLossConfig(cliprange_value=0.5), schedule_steps=4)
     initial_values = critic.compute_values(batch, MICRO_BATCH)
     critic_metrics = [critic.update_critic(batch, ppo_epochs=1, mini_batch_size=BATCH, micro_batch_size=MICRO_BATCH)
                       for _ in range(3)]

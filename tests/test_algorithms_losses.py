@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from verl_mega.algorithms import agg_loss
 from verl_mega.algorithms.losses import (
-    compute_entropy_loss,
     compute_policy_loss,
     compute_value_loss,
     entropy_from_logits,
@@ -107,4 +107,4 @@ def test_entropy_from_logits_and_aggregation():
     torch.testing.assert_close(entropy[0, 0], torch.tensor(math.log(4.0)))
     torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=logits).entropy())
     # mask out the peaked token: the aggregate is the uniform entropy alone
-    assert compute_entropy_loss(entropy, torch.tensor([[1.0, 0.0]])).item() == pytest.approx(math.log(4.0))
+    assert agg_loss(entropy, torch.tensor([[1.0, 0.0]])).item() == pytest.approx(math.log(4.0))

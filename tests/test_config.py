@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from verl_mega.config import ConfigError, load_config, save_config, validate
+from verl_mega.config import ConfigError, load_config, to_yaml
+from verl_mega.trainer.validation import validate
 from verl_mega.trainer.main import main as train_main
 
 
@@ -26,7 +27,7 @@ def test_yaml_and_overrides_merge_onto_defaults(tmp_path, tiny_models, prompt_fi
     config = load_config(yaml, good_overrides(tiny_models, prompt_file) + ["actor.optim.lr=0.25"])
     assert config.actor.optim.lr == 0.25 and config.actor.ppo_epochs == 3 and config.critic.optim.lr == 1e-5
     validate(config, world_size=4)
-    save_config(config, tmp_path / "resolved.yaml")
+    (tmp_path / "resolved.yaml").write_text(to_yaml(config))
     assert load_config(tmp_path / "resolved.yaml") == config
 
 
@@ -48,9 +49,9 @@ def test_missing_required_key_is_named():
 @pytest.mark.parametrize("override, world, message", [
     ("actor.mini_batch_size=3", 4, "actor.mini_batch_size=3 must be divisible by data-parallel size 2"),
     ("data.batch_size=6", 4, "data.batch_size=6 must be divisible by the number of rollout replicas 4"),
-    ("parallel.tp=4", 4, "parallel.tp=4 must divide the model's query groups (num_key_value_heads=2)"),
-    ("parallel.pp=3", 6, "parallel.pp=3 must divide the model's layers (num_hidden_layers=4)"),
-    ("parallel.rollout_tp=4", 4, "parallel.rollout_tp=4 must divide parallel.tp=2"),
+    ("parallel.tp=4", 4, "parallel.tp=4 must divide the number of query groups (num_key_value_heads=2)"),
+    ("parallel.pp=3", 6, "parallel.pp=3 must divide num_hidden_layers=4"),
+    ("parallel.rollout_tp=4", 4, "parallel.rollout_tp=4 must divide the training TP size parallel.tp=2"),
     ("algorithm.adv_estimator=ppo2", 4, "algorithm.adv_estimator 'ppo2' is unknown; known: dr_grpo, gae"),
     ("actor.loss.kl_loss_type=k9", 4, "actor.loss.kl_loss_type 'k9' is unknown"),
     ("parallel.tp=3", 4, "parallel.tp * parallel.pp = 3 must divide the number of processes (4)"),

@@ -147,13 +147,13 @@ def test_unsupported_model_types_are_refused_up_front(tmp_path, capsys, config):
 def test_tp_not_dividing_query_groups_is_refused(tiny_models, tmp_path, capsys):
     out = tmp_path / "out"
     _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(tiny_models["llama"]), "--out", str(out), "--tp", "4"],
-             out, "tensor parallel size 4 must divide the number of query groups", "num_key_value_heads=2")
+             out, "--tp=4 must divide the number of query groups", "num_key_value_heads=2")
 
 
 def test_pp_not_dividing_layers_is_refused(tiny_models, tmp_path, capsys):
     out = tmp_path / "out"
     _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(tiny_models["llama"]), "--out", str(out), "--pp", "3"],
-             out, "pipeline parallel size 3 must divide num_hidden_layers=4")
+             out, "--pp=3 must divide num_hidden_layers=4")
 
 
 def test_missing_shard_file_is_refused(tiny_models, tmp_path, capsys):

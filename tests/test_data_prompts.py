@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from verl_mega.data.padding import pad_rows, position_ids
 from verl_mega.data.prompts import PromptDataset
 from verl_mega.data.tables import write_rows
 from verl_mega.data.tiny_tokenizer import save_tiny_tokenizer
@@ -66,21 +67,23 @@ def test_chat_messages_without_template_are_rejected(tmp_path, plain_tokenizer):
         PromptDataset(path, plain_tokenizer, max_prompt_length=64)[1]
 
 
-def test_collate_left_pads_and_carries_metadata(tmp_path, chat_tokenizer):
+def test_items_left_pad_and_carry_metadata(tmp_path, chat_tokenizer):
     dataset = PromptDataset(write_rows(ROWS, tmp_path / "rows.jsonl"), chat_tokenizer, max_prompt_length=64)
-    batch = dataset.collate([dataset[0], dataset[1]])
+    items = [dataset[0], dataset[1]]
+    input_ids, attention_mask = pad_rows([item["input_ids"] for item in items], chat_tokenizer.pad_token_id,
+                                         side="left")
     pad = chat_tokenizer.pad_token_id
     # Row 0 is 10 tokens ("12+34=" templated), row 1 is 11 ("copy: 7" templated).
-    assert batch["input_ids"].shape == (2, 11)
-    assert batch["input_ids"][0, 0].item() == pad
-    assert batch["input_ids"][0, 1:].tolist() == dataset[0]["input_ids"]
-    assert batch["input_ids"][1].tolist() == dataset[1]["input_ids"]
-    assert batch["attention_mask"].tolist() == [[0] + [1] * 10, [1] * 11]
-    assert batch["position_ids"].tolist() == [[0] + list(range(10)), list(range(11))]
-    assert batch["data_source"] == ["add", "copy"]
-    assert [r["ground_truth"] for r in batch["reward_model"]] == ["46", "7"]
-    assert batch["extra_info"] == [{"split": "train", "index": 0}, {"split": "train", "index": 1}]
-    assert batch["raw_prompt"] == [ROWS[0]["prompt"], ROWS[1]["prompt"]]
+    assert input_ids.shape == (2, 11)
+    assert input_ids[0, 0].item() == pad
+    assert input_ids[0, 1:].tolist() == dataset[0]["input_ids"]
+    assert input_ids[1].tolist() == dataset[1]["input_ids"]
+    assert attention_mask.tolist() == [[0] + [1] * 10, [1] * 11]
+    assert position_ids(attention_mask).tolist() == [[0] + list(range(10)), list(range(11))]
+    assert [item["data_source"] for item in items] == ["add", "copy"]
+    assert [item["reward_model"]["ground_truth"] for item in items] == ["46", "7"]
+    assert [item["extra_info"] for item in items] == [{"split": "train", "index": 0}, {"split": "train", "index": 1}]
+    assert [item["raw_prompt"] for item in items] == [ROWS[0]["prompt"], ROWS[1]["prompt"]]
 
 
 @pytest.mark.parametrize(
@@ -177,10 +180,9 @@ def test_invalid_json_line_is_reported_with_its_line_number(tmp_path, chat_token
         PromptDataset(path, chat_tokenizer, 64)
 
 
-def test_dataloader_batches_are_left_padded_tensors(tmp_path, chat_tokenizer):
+def test_left_padded_prompts_end_in_the_last_column(tmp_path, chat_tokenizer):
     dataset = PromptDataset(write_rows(ROWS, tmp_path / "rows.jsonl"), chat_tokenizer, 64)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=dataset.collate)
-    batch = next(iter(loader))
-    assert batch["input_ids"].dtype == torch.long
+    input_ids, _ = pad_rows([dataset[i]["input_ids"] for i in range(2)], chat_tokenizer.pad_token_id, side="left")
+    assert input_ids.dtype == torch.long
     # Left padding: every prompt ends with the generation prompt in the last column.
-    assert (batch["input_ids"][:, -1] == chat_tokenizer.convert_tokens_to_ids("<|assistant|>")).all()
+    assert (input_ids[:, -1] == chat_tokenizer.convert_tokens_to_ids("<|assistant|>")).all()

@@ -18,11 +18,12 @@ FAMILIES = {"qwen2": "Qwen2ForTokenClassification", "llama": "LlamaForTokenClass
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_critic_slots_replace_the_lm_head_by_the_value_head(tiny_models, family):
+    from verl_mega.checkpoint.roles import head_rules
     from verl_mega.models import load_hf_model_config
     from verl_mega.models.sharding import rank_slots
 
     cfg, spec = load_hf_model_config(tiny_models[family])
-    last_stage = {role: {slot.local_name: slot.hf_names for slot in rank_slots(cfg, spec, 1, 2, role=role)}
+    last_stage = {role: {slot.local_name: slot.hf_names for slot in rank_slots(cfg, spec, 1, 2, head_rules=head_rules(role))}
                   for role in ("actor", "critic")}
     assert "output_layer.weight" in last_stage["actor"]
     assert last_stage["critic"]["output_layer.weight"] == ("score.weight",)
@@ -74,7 +75,7 @@ def exported(tmp_path_factory):
 @pytest.mark.slow
 def test_cli_exports_a_run_folders_final_critic_and_refuses_a_role_mismatch(exported, tmp_path, capsys):
     from verl_mega.cli import main as cli
-    from verl_mega.trainer.save import FINAL_CRITIC_DIR
+    from verl_mega.checkpoint.role_weights import FINAL_CRITIC_DIR
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from verl_mega.parallel.launch import free_port
-from verl_mega.trainer import checkpointing
+from verl_mega.checkpoint import run_checkpoints
 
 NOT_COMPARED = ("timing/", "perf/")
 
@@ -69,7 +69,7 @@ def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(setup, tmp_
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    assert len(checkpointing.complete_checkpoints(interrupted)) >= 1
+    assert len(run_checkpoints.complete_checkpoints(interrupted)) >= 1
 
     resumed = run(train_command(setup, interrupted, 4, *layout))
     assert "resumed from" in resumed.stdout
@@ -81,7 +81,7 @@ def test_resume_at_another_layout_and_partial_saves_are_ignored(setup, tmp_path)
     run_dir = tmp_path / "run"
     eight_prompts = ["data.batch_size=8", "actor.mini_batch_size=8", "critic.mini_batch_size=8"]
     run(train_command(setup, run_dir, 8, "parallel.tp=2", "parallel.pp=2", "trainer.total_steps=2", *eight_prompts))
-    assert [p.name for p in checkpointing.complete_checkpoints(run_dir)] == ["step_000002"]
+    assert [p.name for p in run_checkpoints.complete_checkpoints(run_dir)] == ["step_000002"]
     # A save killed half-way leaves only a temp folder behind.
     partial = run_dir / "checkpoints" / ".step_000004.tmp"
     (partial / "actor").mkdir(parents=True)
@@ -112,4 +112,4 @@ def test_checkpoint_of_another_model_is_refused(setup, tmp_path):
 def test_only_complete_checkpoints_are_listed(tmp_path):
     for name in ("step_000002", "step_000010", ".step_000012.tmp", "step_x"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
-    assert [p.name for p in checkpointing.complete_checkpoints(tmp_path)] == ["step_000002", "step_000010"]
+    assert [p.name for p in run_checkpoints.complete_checkpoints(tmp_path)] == ["step_000002", "step_000010"]

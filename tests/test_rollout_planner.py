@@ -30,7 +30,7 @@ def test_tied_embedding_counted_once(tiny_models):
 
 
 @pytest.mark.parametrize("layout, reason", [
-    ((2, 1, 1, 3), "must divide the training TP size 2"),
+    ((2, 1, 1, 3), "must divide the training TP size --train-tp=2"),
     ((4, 1, 1, 1), "num_key_value_heads=2"),
     ((1, 3, 1, 1), "num_hidden_layers=4"),
     ((1, 1, 0, 1), "--dp must be >= 1"),

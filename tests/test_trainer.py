@@ -4,8 +4,7 @@ import json
 import pytest
 import torch
 
-from verl_mega.parallel.state import ParallelLayout
-from verl_mega.trainer.ppo import rollout_replicas
+from verl_mega.parallel.layout import rollout_placement
 from verl_mega.trainer.rollout_batch import build_rollout_batch
 
 
@@ -18,18 +17,13 @@ def test_rollout_batch_keeps_each_row_contiguous_with_the_response_last():
     assert batch["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
 
 
-def _layout(rank, tp, pp, dp):
-    tp_rank, rest = rank % tp, rank // tp
-    return ParallelLayout(tp=tp, pp=pp, dp=dp, ep=1, rank=rank, world_size=tp * pp * dp, tp_rank=tp_rank,
-                          pp_rank=rest // dp, dp_rank=rest % dp, ep_rank=0)
-
-
 @pytest.mark.parametrize("tp,pp,dp,rollout_tp", [(2, 2, 2, 1), (4, 1, 2, 2), (4, 1, 1, 4), (2, 1, 2, 2)])
 def test_rollout_replicas_cover_every_rank_once_per_replica(tp, pp, dp, rollout_tp):
     world = tp * pp * dp
     seen = {}
     for rank in range(world):
-        replicas, replica, leader = rollout_replicas(_layout(rank, tp, pp, dp), rollout_tp)
+        placement = rollout_placement(rank, world, tp, rollout_tp)
+        replicas, replica, leader = placement.replicas, placement.replica, placement.leads_replica
         assert replicas == world // rollout_tp
         seen.setdefault(replica, []).append(leader)
     assert sorted(seen) == list(range(world // rollout_tp))

@@ -97,8 +97,8 @@ def test_state_of_another_model_is_refused(runs):
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
-    from verl_mega.checkpoint.training_state import load_engine_state
+    from verl_mega.checkpoint.training_state import load_training_state
 
     (tmp_path / "__0_0.distcp").write_bytes(b"")  # shard files written, metadata.json not yet
     with pytest.raises(FileNotFoundError, match="not a complete training-state checkpoint"):
-        load_engine_state(engine=None, directory=tmp_path)
+        load_training_state(trainable=None, directory=tmp_path)

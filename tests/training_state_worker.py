@@ -35,16 +35,17 @@ def training_batch(vocab_size: int) -> dict[str, torch.Tensor]:
 
 
 def build_roles(ckpt: Path, use_distributed_optimizer: bool):
-    from verl_mega.roles.actor import Actor, PolicyLossConfig
+    from verl_mega.config import OptimConfig, PolicyLossConfig
+    from verl_mega.roles.actor import Actor
     from verl_mega.roles.critic import Critic
-    from verl_mega.roles.optim import OptimConfig
 
     # A warmup and a cosine decay make the LR schedule's state matter; large eps makes the update follow
     # the gradient's size, so a wrong Adam state shows in the weights.
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2, lr_warmup_steps=1,
-                        lr_decay_style="cosine", total_training_steps=6,
+                        lr_decay_style="cosine",
                         use_distributed_optimizer=use_distributed_optimizer)
-    return Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01)), Critic(ckpt, optim)
+    return (Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01), schedule_steps=6),
+            Critic(ckpt, optim, schedule_steps=6))
 
 
 def update(actor, critic, batch) -> dict:
@@ -95,22 +96,22 @@ def start_phase(ckpt_root: Path, tp: int, pp: int):
 
 
 def save_phase(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
-    from verl_mega.checkpoint.training_state import save_engine_state
+    from verl_mega.checkpoint.training_state import save_training_state
 
     ckpt, cfg, family, batch = start_phase(ckpt_root, tp, pp)
     for kind, distributed in OPTIMIZER_KINDS.items():
         actor, critic = build_roles(ckpt, distributed)
         update(actor, critic, batch)
-        for role, engine in (("actor", actor.engine), ("critic", critic.engine)):
+        for role, trainable in (("actor", actor.trainable), ("critic", critic.trainable)):
             directory = state_dir(out_dir, kind, role)
             if dist.get_rank() == 0:
                 directory.mkdir(parents=True)
-            save_engine_state(engine, directory)
+            save_training_state(trainable, directory)
         record(actor, critic, update(actor, critic, batch), cfg, family, out_dir / f"uninterrupted_{kind}")
 
 
 def resume_phase(ckpt_root: Path, out_dir: Path, layouts: list[tuple[int, int]]) -> None:
-    from verl_mega.checkpoint.training_state import load_engine_state
+    from verl_mega.checkpoint.training_state import load_training_state
 
     for index, (tp, pp) in enumerate(layouts):
         ckpt, cfg, family, batch = start_phase(ckpt_root, tp, pp)
@@ -118,14 +119,14 @@ def resume_phase(ckpt_root: Path, out_dir: Path, layouts: list[tuple[int, int]])
             actor, critic = build_roles(ckpt, distributed)
             if index == 0 and kind == "plain":
                 try:
-                    load_engine_state(critic.engine, state_dir(out_dir, kind, "actor"))
+                    load_training_state(critic.trainable, state_dir(out_dir, kind, "actor"))
                     refusal = None
                 except ValueError as error:
                     refusal = str(error)
                 if dist.get_rank() == 0:
                     torch.save(refusal, out_dir / "wrong_model_refusal.pt")
-            load_engine_state(actor.engine, state_dir(out_dir, kind, "actor"))
-            load_engine_state(critic.engine, state_dir(out_dir, kind, "critic"))
+            load_training_state(actor.trainable, state_dir(out_dir, kind, "actor"))
+            load_training_state(critic.trainable, state_dir(out_dir, kind, "critic"))
             record(actor, critic, update(actor, critic, batch), cfg, family, out_dir / f"resumed_tp{tp}pp{pp}_{kind}")
 
 

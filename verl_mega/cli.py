@@ -88,7 +88,7 @@ def _run_export(args) -> int:
 
     from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
     from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
-    from verl_mega.trainer.save import FINAL_ROLE_DIRS
+    from verl_mega.checkpoint.role_weights import FINAL_ROLE_DIRS
 
     ckpt = Path(args.ckpt)
     run_role_dir = ckpt / FINAL_ROLE_DIRS[args.role]

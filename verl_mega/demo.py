@@ -17,6 +17,17 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from verl_mega.cli import main as cli
+from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+from verl_mega.converters.verify import verify_checkpoints
+from verl_mega.data.prompts import as_messages, encode_chat
+from verl_mega.data.synthetic import make_task_rows, sft_pairs
+from verl_mega.data.tables import write_rows
+from verl_mega.models.tiny import make_tiny_hf_model
+from verl_mega.parallel.launch import run_torchrun
+from verl_mega.roles.reward import get_reward_fn
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TASK = "copy"
@@ -32,12 +43,6 @@ def main(argv=None) -> None:
 
 
 def run(workdir: Path, steps: int) -> None:
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.converters.verify import verify_checkpoints
-    from verl_mega.data.synthetic import make_task_rows
-    from verl_mega.data.tables import write_rows
-    from verl_mega.models.tiny import make_tiny_hf_model
-
     start = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)
     train_rows = make_task_rows(TASK, 512, seed=0, max_digits=2)
@@ -71,21 +76,15 @@ def run(workdir: Path, steps: int) -> None:
 
 
 def train(config: Path, procs: int, overrides: list[str]) -> None:
-    from verl_mega.parallel.launch import run_torchrun
-
     run_torchrun(procs, "verl_mega.trainer.main", ["--config", str(config), *overrides])
 
 
 def _chat_prompt(tokenizer, row: dict) -> list[int]:
-    from verl_mega.data.prompts import as_messages, encode_chat
-
     return encode_chat(tokenizer, as_messages(row["prompt"]), add_generation_prompt=True)
 
 
 def sft_warmup(hf_dir: Path, rows: list[dict], out: Path, steps: int = 150, lr: float = 3e-3) -> Path:
     """Supervised warm-up on (prompt, answer + EOS) pairs with the loss on the answer only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
@@ -93,9 +92,9 @@ def sft_warmup(hf_dir: Path, rows: list[dict], out: Path, steps: int = 150, lr: 
         for param in model.parameters():
             param.normal_(0.0, 0.02) if param.dim() > 1 else param.fill_(1.0)
     pairs = []
-    for row in rows:
-        answer = tokenizer(row["reward_model"]["ground_truth"], add_special_tokens=False)["input_ids"]
-        pairs.append((_chat_prompt(tokenizer, row), answer + [tokenizer.eos_token_id]))
+    for pair in sft_pairs(rows):
+        answer = tokenizer(pair["response"], add_special_tokens=False)["input_ids"]
+        pairs.append((_chat_prompt(tokenizer, pair), answer + [tokenizer.eos_token_id]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(0)
     model.train()
@@ -121,10 +120,6 @@ def sft_warmup(hf_dir: Path, rows: list[dict], out: Path, steps: int = 150, lr: 
 
 def greedy_score(hf_dir: Path, rows: list[dict]) -> float:
     """Mean rule reward of transformers' greedy generations on `rows`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from verl_mega.roles.reward import get_reward_fn
-
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     score = get_reward_fn(TASK)
@@ -141,10 +136,6 @@ def greedy_reply(model, tokenizer, row: dict) -> str:
 
 
 def export_and_generate(run_dir: Path, out: Path, rows: list[dict]) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from verl_mega.cli import main as cli
-
     if cli(["export", "--ckpt", str(run_dir), "--out", str(out), "--overwrite"]) != 0:
         raise SystemExit("[demo] export failed")
     tokenizer = AutoTokenizer.from_pretrained(out)

@@ -11,6 +11,7 @@ from verl_mega.algorithms.advantages import (
     register_adv_est,
 )
 from verl_mega.algorithms.kl import (
+    KL_CONTROLLERS,
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
@@ -22,7 +23,6 @@ from verl_mega.algorithms.kl import (
 )
 from verl_mega.algorithms.losses import (
     POLICY_LOSSES,
-    compute_entropy_loss,
     compute_policy_loss,
     compute_value_loss,
     entropy_from_logits,
@@ -32,6 +32,7 @@ from verl_mega.algorithms.losses import (
 from verl_mega.algorithms.masked import (
     LOSS_AGG_MODES,
     agg_loss,
+    agg_units,
     masked_mean,
     masked_sum,
     masked_sum_and_count,
@@ -43,6 +44,7 @@ from verl_mega.algorithms.registry import Registry
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -51,8 +53,8 @@ __all__ = [
     "Registry",
     "RunningMeanStd",
     "agg_loss",
+    "agg_units",
     "apply_kl_penalty",
-    "compute_entropy_loss",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
     "compute_kl",

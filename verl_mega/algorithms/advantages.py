@@ -5,7 +5,6 @@ Two call shapes, by what an estimator needs:
 - outcome: (scores, response_mask, index, ...) where scores holds one number per sequence and index one
   prompt uid per sequence; all responses to a prompt must be in the same call (no cross-rank grouping).
 Every estimator returns (advantages, returns), both (batch, response_length) and zero off the mask.
-`group`, where accepted, whitens with the statistics of the whole data-parallel batch.
 """
 
 import functools
@@ -14,6 +13,7 @@ import torch
 
 from verl_mega.algorithms.masked import check_same_shape, masked_whiten
 from verl_mega.algorithms.registry import Registry
+from verl_mega.ops import gae
 
 ADV_ESTIMATORS = Registry("advantage estimator")
 register_adv_est = ADV_ESTIMATORS.register
@@ -22,21 +22,18 @@ get_adv_estimator = ADV_ESTIMATORS.get
 
 @register_adv_est("gae")
 def compute_gae_advantage_return(
-    token_level_rewards, values, response_mask, *, gamma=1.0, lam=1.0, whiten=True, group=None
+    token_level_rewards, values, response_mask, *, gamma=1.0, lam=1.0, whiten=True
 ):
     """Generalised advantage estimation (Schulman et al. 2016); returns = advantages + values, before whitening."""
     check_same_shape("token_level_rewards", token_level_rewards, values=values, response_mask=response_mask)
-    # Imported here so the pure-math estimators stay importable where the ops kernels are not built.
-    from verl_mega.ops import gae
-
     advantages, returns = gae(token_level_rewards, values, response_mask, gamma, lam)
     if whiten:
-        advantages = masked_whiten(advantages, response_mask, group=group)
+        advantages = masked_whiten(advantages, response_mask)
     return advantages * response_mask, returns
 
 
 @register_adv_est("reinforce_plus_plus")
-def compute_reinforce_plus_plus_advantage_return(token_level_rewards, response_mask, *, gamma=1.0, group=None):
+def compute_reinforce_plus_plus_advantage_return(token_level_rewards, response_mask, *, gamma=1.0):
     """REINFORCE++ (Hu 2025): discounted return-to-go of the token rewards, whitened over the batch."""
     check_same_shape("token_level_rewards", token_level_rewards, response_mask=response_mask)
     returns = torch.zeros_like(token_level_rewards)
@@ -46,7 +43,7 @@ def compute_reinforce_plus_plus_advantage_return(token_level_rewards, response_m
         returns[:, t] = running_return
         # A masked-out token (e.g. a tool observation) cuts the return, as in verl.
         running_return = running_return * response_mask[:, t]
-    advantages = masked_whiten(returns, response_mask, group=group) * response_mask
+    advantages = masked_whiten(returns, response_mask) * response_mask
     return advantages, returns * response_mask
 
 
@@ -119,10 +116,10 @@ def compute_rloo_outcome_advantage(scores, response_mask, index):
 
 
 @register_adv_est("reinforce_plus_plus_baseline")
-def compute_reinforce_plus_plus_baseline_outcome_advantage(scores, response_mask, index, *, group=None):
+def compute_reinforce_plus_plus_baseline_outcome_advantage(scores, response_mask, index):
     """REINFORCE++-baseline: subtract the prompt group's mean score, then whiten over the batch's tokens."""
     _check_outcome_inputs(scores, response_mask)
     sizes, means, _ = _group_stats(scores, index)
     centred = _broadcast_to_tokens(scores - torch.where(sizes == 1, 0.0, means), response_mask)
-    advantages = masked_whiten(centred, response_mask, group=group) * response_mask
+    advantages = masked_whiten(centred, response_mask) * response_mask
     return advantages, advantages

@@ -98,6 +98,9 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1 + proportional_error * n_steps / self.horizon
 
 
+KL_CONTROLLERS = ("adaptive", "fixed")
+
+
 def get_kl_controller(kl_ctrl_type: str, kl_coef: float, target_kl: float | None = None, horizon: int | None = None):
     """Build the controller named by kl_ctrl_type ("fixed" or "adaptive")."""
     if kl_ctrl_type == "fixed":
@@ -106,4 +109,4 @@ def get_kl_controller(kl_ctrl_type: str, kl_coef: float, target_kl: float | None
         if target_kl is None or horizon is None:
             raise ValueError("the adaptive KL controller needs target_kl and horizon")
         return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"unknown kl_ctrl_type {kl_ctrl_type!r}; known: adaptive, fixed")
+    raise ValueError(f"unknown kl_ctrl_type {kl_ctrl_type!r}; known: {', '.join(KL_CONTROLLERS)}")

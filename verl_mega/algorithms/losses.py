@@ -77,8 +77,3 @@ def compute_value_loss(vpreds, values, returns, response_mask, *, cliprange_valu
 def entropy_from_logits(logits):
     """Entropy of the softmax distribution over the last dim: logsumexp(z) - sum(softmax(z) * z)."""
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
-
-
-def compute_entropy_loss(entropy, response_mask, *, loss_agg_mode="token-mean"):
-    """Aggregated token entropy; a trainer subtracts entropy_coeff times this from the policy loss."""
-    return agg_loss(entropy, response_mask, loss_agg_mode)

@@ -71,37 +71,49 @@ def masked_whiten(values, mask, shift_mean=True, group=None):
     return whitened.to(values.dtype)
 
 
+# A loss aggregation mode is a mean over *units*: tokens ("token-mean"), or sequences that hold at least one
+# response token (the seq-mean modes; a fully masked row carries no signal and counting it as 0 would shrink
+# the loss). Each mode registers the sum of its per-unit losses; `agg_units` counts the units, the one place
+# that count is written, so a micro-batch's share of a distributed mini-batch uses the same definition.
 LOSS_AGG_MODES = Registry("loss_agg_mode")
 
 
+def agg_units(loss_mask, loss_agg_mode="token-mean"):
+    """The number of units `loss_agg_mode` averages over (float32 or wider)."""
+    LOSS_AGG_MODES.get(loss_agg_mode)  # refuses an unknown mode with the known ones
+    weights = loss_mask.to(torch.promote_types(loss_mask.dtype, torch.float32))
+    if loss_agg_mode == "token-mean":
+        return weights.sum()
+    return (weights.sum(dim=-1) > 0).to(weights.dtype).sum()
+
+
 @LOSS_AGG_MODES.register("token-mean")
-def _token_mean(loss_mat, loss_mask):
-    return masked_mean(loss_mat, loss_mask)
+def _token_sum(loss_mat, loss_mask):
+    return masked_sum(loss_mat, loss_mask)
 
 
 @LOSS_AGG_MODES.register("seq-mean-token-sum")
-def _seq_mean_token_sum(loss_mat, loss_mask):
-    return masked_sum(loss_mat, loss_mask, dim=-1).mean()
+def _sequence_token_sums(loss_mat, loss_mask):
+    return masked_sum(loss_mat, loss_mask, dim=-1).sum()
 
 
 @LOSS_AGG_MODES.register("seq-mean-token-mean")
-def _seq_mean_token_mean(loss_mat, loss_mask):
-    seq_losses = masked_mean(loss_mat, loss_mask, dim=-1)
-    # A sequence with no response tokens carries no signal; counting it as 0 would shrink the loss.
-    has_tokens = loss_mask.sum(dim=-1) > 0
-    return masked_mean(seq_losses, has_tokens)
+def _sequence_token_means(loss_mat, loss_mask):
+    return masked_mean(loss_mat, loss_mask, dim=-1).sum()
 
 
 @LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
-def _seq_mean_token_sum_norm(loss_mat, loss_mask):
+def _sequence_token_sums_normalised(loss_mat, loss_mask):
     # Dr. GRPO: divide each sequence's token sum by one constant (the padded length) instead of its own
     # length, so long responses are not down-weighted per token. Pad to a fixed max length to match the paper.
-    return masked_sum(loss_mat, loss_mask, dim=-1).mean() / loss_mat.shape[-1]
+    return masked_sum(loss_mat, loss_mask, dim=-1).sum() / loss_mat.shape[-1]
 
 
 def agg_loss(loss_mat, loss_mask, loss_agg_mode="token-mean"):
-    """Reduce a (batch, response_length) token loss to a scalar; modes are listed in LOSS_AGG_MODES."""
+    """Reduce a (batch, response_length) token loss to a scalar: the mean over `loss_agg_mode`'s units of their
+    losses (0 when there is none); modes are listed in LOSS_AGG_MODES."""
     if loss_mat.dim() != 2:
         raise ValueError(f"loss_mat must be (batch, response_length), got shape {tuple(loss_mat.shape)}")
     check_same_shape("loss_mat", loss_mat, loss_mask=loss_mask)
-    return LOSS_AGG_MODES.get(loss_agg_mode)(loss_mat, loss_mask)
+    unit_losses = LOSS_AGG_MODES.get(loss_agg_mode)(loss_mat, loss_mask)
+    return unit_losses / agg_units(loss_mask, loss_agg_mode).clamp_min(_MIN_COUNT)

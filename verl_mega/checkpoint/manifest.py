@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verl_mega.models.spec import check_role
+from .roles import check_role
 
 MANIFEST_NAME = "verl_mega_manifest.json"
 HF_ASSETS_DIR = "hf_assets"  # tokenizer and generation files copied from the source HF folder

@@ -1,15 +1,29 @@
-"""Load converted checkpoints into this rank's megatron-core model."""
+"""Converted checkpoints <-> this rank's megatron-core model: a rank's shard from the HF files, and loading a
+checkpoint (either format) into the model at the running job's layout."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from verl_mega.models import HFModelConfig, family_for
-from verl_mega.models.builder import build_gpt_model, transformer_config
+from verl_mega.models.builder import DTYPES, build_gpt_model, transformer_config
+from verl_mega.models.sharding import merge_hf_to_mcore, rank_slots
 from verl_mega.models.spec import to_canonical_name
 from verl_mega.parallel.state import current_layout
 
 from . import megatron_legacy
 from .manifest import Manifest
+from .torch_dist import load_torch_dist
+
+
+def hf_rank_state_dict(reader, cfg, family, manifest: Manifest, tp_rank: int, pp_rank: int, ep_rank: int) -> dict:
+    """One rank's megatron state dict (local layer/expert numbering, canonical names), read from only its
+    slices of the HF tensors in `reader`."""
+    dtype = DTYPES[manifest.dtype]
+    return {
+        slot.local_name: merge_hf_to_mcore(slot, cfg, reader, tp_rank, manifest.tp, manifest.padded_vocab_size)
+        .to(dtype).contiguous()
+        for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep)
+    }
 
 
 def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "auto", **config_overrides):
@@ -24,8 +38,6 @@ def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "
                             pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                             implementation=implementation)
     if manifest.format == "torch_dist":
-        from verl_mega.converters.torch_dist import load_torch_dist
-
         load_torch_dist(model, ckpt_dir)
     else:
         load_legacy_shard(model, ckpt_dir, manifest)

@@ -19,18 +19,18 @@ import torch
 MAIN_STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")  # the distributed optimizer's per-parameter tensors
 
 
-def save_engine_state(engine, directory: str | Path) -> None:
-    """Save `engine`'s model weights, optimizer state and LR schedule into the existing, empty `directory`."""
+def save_training_state(trainable, directory: str | Path) -> None:
+    """Save `trainable`'s model weights, optimizer state and LR schedule into the existing, empty `directory`."""
     from megatron.core import dist_checkpointing
 
-    _ensure_optimizer_state(engine.optimizer)
+    _ensure_optimizer_state(trainable.optimizer)
     torch.distributed.barrier()  # the caller may have created `directory` on one rank only
-    dist_checkpointing.save(_sharded_state(engine, is_loading=False), str(directory))
+    dist_checkpointing.save(_sharded_state(trainable, is_loading=False), str(directory))
     torch.distributed.barrier()
 
 
-def load_engine_state(engine, directory: str | Path) -> None:
-    """Restore what `save_engine_state` wrote into `engine`, whatever layout either job runs at.
+def load_training_state(trainable, directory: str | Path) -> None:
+    """Restore what `save_training_state` wrote into `trainable`, whatever layout either job runs at.
 
     Raises FileNotFoundError if `directory` is not a complete checkpoint, and ValueError (naming the first
     differing tensor) if it was written for another model or another optimizer kind.
@@ -43,29 +43,29 @@ def load_engine_state(engine, directory: str | Path) -> None:
             f"{directory} is not a complete training-state checkpoint (its metadata.json is missing or unreadable); "
             "the save that wrote it did not finish: resume from an earlier checkpoint"
         )
-    _check_optimizer_kind(engine, directory)
-    _ensure_optimizer_state(engine.optimizer)
+    _check_optimizer_kind(trainable, directory)
+    _ensure_optimizer_state(trainable.optimizer)
     # Loading into the optimizer's tensors in place fails on views of leaf parameters with autograd on.
     with torch.no_grad():
-        request = _sharded_state(engine, is_loading=True)
+        request = _sharded_state(trainable, is_loading=True)
         _check_matches_checkpoint(request, directory)
         loaded = dist_checkpointing.load(request, str(directory))
-        engine.model.module.load_state_dict(loaded["model"])
-        for optimizer, state in zip(_sub_optimizers(engine.optimizer), loaded["optimizer"]):
+        trainable.model.module.load_state_dict(loaded["model"])
+        for optimizer, state in zip(_sub_optimizers(trainable.optimizer), loaded["optimizer"]):
             _load_optimizer_state(optimizer, state)
-        engine.scheduler.load_state_dict(loaded["scheduler"])
+        trainable.scheduler.load_state_dict(loaded["scheduler"])
 
 
-def _sharded_state(engine, is_loading: bool) -> dict:
+def _sharded_state(trainable, is_loading: bool) -> dict:
     # The bare model's keys (not the DDP wrapper's `module.` ones), as in the model-only dist checkpoints.
-    model_state = engine.model.module.sharded_state_dict()
+    model_state = trainable.model.module.sharded_state_dict()
     return {
         "model": model_state,
         # One entry per sub-optimizer (dense and expert parameters of MoE models get one each).
         "optimizer": [_optimizer_sharded_state(optimizer, model_state, is_loading)
-                      for optimizer in _sub_optimizers(engine.optimizer)],
-        "scheduler": engine.scheduler.state_dict(),
-        "use_distributed_optimizer": _is_distributed(engine.optimizer),
+                      for optimizer in _sub_optimizers(trainable.optimizer)],
+        "scheduler": trainable.scheduler.state_dict(),
+        "use_distributed_optimizer": _is_distributed(trainable.optimizer),
     }
 
 
@@ -162,11 +162,11 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
         param_state["step"] = param_state["step"].clone() if "step" in param_state else torch.tensor(0.0)
 
 
-def _check_optimizer_kind(engine, directory: Path) -> None:
+def _check_optimizer_kind(trainable, directory: Path) -> None:
     from megatron.core import dist_checkpointing
 
     saved = dist_checkpointing.load_common_state_dict(str(directory)).get("use_distributed_optimizer")
-    running = _is_distributed(engine.optimizer)
+    running = _is_distributed(trainable.optimizer)
     if saved is not None and saved != running:
         raise ValueError(
             f"{directory} was saved with use_distributed_optimizer={saved} but this job runs "

@@ -1,5 +1,8 @@
-"""The training config: a YAML file plus dotted overrides, merged onto typed defaults (OmegaConf), and
-validated before any process group starts. Every failure names the key and the fix."""
+"""The training config: a YAML file plus dotted overrides, merged onto typed defaults (OmegaConf).
+
+A leaf of the package: the dataclasses every role and job reads, and loading them. Checking a config against
+the rest of the package (registries, layouts, the model, the data files) is `verl_mega.trainer.validation`,
+run before any process group starts; every failure names the key and the fix."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,9 +13,43 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from verl_mega.roles.actor import PolicyLossConfig
-from verl_mega.roles.critic import ValueLossConfig
-from verl_mega.roles.optim import OptimConfig
+
+@dataclass
+class OptimConfig:
+    """Adam settings and the LR schedule (constant, linear or cosine decay after a linear warmup)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # <= 0: no clipping (the norm is still reported)
+    use_distributed_optimizer: bool = False
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int | None = None  # None: the run's optimizer steps
+    lr_decay_style: str = "constant"
+
+
+@dataclass
+class PolicyLossConfig:
+    policy_loss: str = "vanilla"  # a name registered in algorithms.POLICY_LOSSES
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # a name registered in algorithms.KL_ESTIMATORS
+    extra: dict = field(default_factory=dict)  # further keyword arguments of the policy loss
+
+
+@dataclass
+class ValueLossConfig:
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
 
 
 @dataclass
@@ -159,117 +196,5 @@ def to_yaml(config: TrainConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
-def save_config(config: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(to_yaml(config))
-
-
 def to_dict(config: TrainConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(config))
-
-
-def data_parallel_size(config: TrainConfig, world_size: int) -> int:
-    p = config.parallel
-    return world_size // (p.tp * p.pp)
-
-
-def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> None:
-    """Raise ConfigError listing every problem found (each naming its key and the fix)."""
-    from verl_mega.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-
-    problems: list[str] = []
-    p, d, a, c = config.parallel, config.data, config.actor, config.critic
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            problems.append(message)
-
-    for key in ("tp", "pp", "ep", "rollout_tp"):
-        need(getattr(p, key) >= 1, f"parallel.{key} must be >= 1")
-    need(world_size % (p.tp * p.pp) == 0,
-         f"parallel.tp * parallel.pp = {p.tp * p.pp} must divide the number of processes ({world_size})")
-    need(p.tp % p.rollout_tp == 0 if p.rollout_tp >= 1 else False,
-         f"parallel.rollout_tp={p.rollout_tp} must divide parallel.tp={p.tp}")
-    dp = max(1, data_parallel_size(config, world_size))
-    sequences = d.batch_size * config.rollout.n
-    for role, cfg in (("actor", a), ("critic", c)):
-        need(cfg.micro_batch_size >= 1, f"{role}.micro_batch_size must be >= 1")
-        need(cfg.mini_batch_size % (dp * max(cfg.micro_batch_size, 1)) == 0,
-             f"{role}.mini_batch_size={cfg.mini_batch_size} must be divisible by data-parallel size {dp} x "
-             f"{role}.micro_batch_size={cfg.micro_batch_size}")
-        need(sequences % max(cfg.mini_batch_size, 1) == 0,
-             f"data.batch_size x rollout.n = {sequences} must be divisible by {role}.mini_batch_size="
-             f"{cfg.mini_batch_size}")
-    replicas = max(1, world_size // max(p.rollout_tp, 1))
-    need(d.batch_size % replicas == 0,
-         f"data.batch_size={d.batch_size} must be divisible by the number of rollout replicas {replicas} "
-         f"(processes / parallel.rollout_tp), so each generates the same number of prompts")
-    need(d.truncation in ("left", "right", "error"), f"data.truncation must be left, right or error, not '{d.truncation}'")
-    need(config.rollout.engine in ("auto", "embedded", "vllm"),
-         f"rollout.engine must be auto, embedded or vllm, not '{config.rollout.engine}'")
-    need(config.model.dtype in ("fp32", "bf16"), f"model.dtype must be fp32 or bf16, not '{config.model.dtype}'")
-    need(config.algorithm.adv_estimator in ADV_ESTIMATORS,
-         f"algorithm.adv_estimator '{config.algorithm.adv_estimator}' is unknown; known: {', '.join(ADV_ESTIMATORS.names())}")
-    need(a.loss.policy_loss in POLICY_LOSSES,
-         f"actor.loss.policy_loss '{a.loss.policy_loss}' is unknown; known: {', '.join(POLICY_LOSSES.names())}")
-    for key, value in (("actor.loss.loss_agg_mode", a.loss.loss_agg_mode),
-                       ("critic.loss.loss_agg_mode", c.loss.loss_agg_mode)):
-        need(value in LOSS_AGG_MODES, f"{key} '{value}' is unknown; known: {', '.join(LOSS_AGG_MODES.names())}")
-    for key, value in (("algorithm.kl_penalty", config.algorithm.kl_penalty), ("actor.loss.kl_loss_type", a.loss.kl_loss_type)):
-        need(value in KL_ESTIMATORS, f"{key} '{value}' is unknown; known: {', '.join(KL_ESTIMATORS.names())}")
-    need(config.algorithm.kl_ctrl.type in ("fixed", "adaptive"),
-         f"algorithm.kl_ctrl.type must be fixed or adaptive, not '{config.algorithm.kl_ctrl.type}'")
-    if check_files:
-        need(Path(config.model.hf_path, "config.json").is_file(),
-             f"model.hf_path: {config.model.hf_path}/config.json does not exist; point it at an HF model folder")
-        need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
-        for file in d.train_files:
-            problems += _data_file_problems(file, d.prompt_key)
-        for key, ckpt in (("model.actor_ckpt", config.model.actor_ckpt), ("model.critic_ckpt", config.model.critic_ckpt)):
-            if ckpt:
-                need(Path(ckpt, "verl_mega_manifest.json").is_file(), f"{key}: {ckpt} is not a verl_mega checkpoint")
-    if check_files and config.reward.reward_model:
-        need(Path(config.reward.reward_model, "config.json").is_file(),
-             f"reward.reward_model: {config.reward.reward_model}/config.json does not exist")
-    elif not config.reward.reward_model:
-        problems += _reward_function_problems(config.reward.function)
-    if check_files and Path(config.model.hf_path, "config.json").is_file():
-        problems += _model_fit_problems(config)
-    if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
-
-
-def _reward_function_problems(name: str) -> list[str]:
-    from verl_mega.roles.reward import get_reward_fn
-
-    try:
-        get_reward_fn(name)
-    except (ValueError, ImportError, AttributeError) as err:
-        return [f"reward.function: {err}"]
-    return []
-
-
-def _data_file_problems(path: str, prompt_key: str) -> list[str]:
-    from verl_mega.data.prompts import check_prompt_column
-    from verl_mega.data.tables import read_rows
-
-    try:
-        check_prompt_column(read_rows(path), prompt_key, path)
-    except (OSError, ValueError, ImportError) as err:
-        return [f"data.train_files: {err}"]
-    return []
-
-
-def _model_fit_problems(config: TrainConfig) -> list[str]:
-    from verl_mega.models import load_hf_model_config
-
-    try:
-        cfg, _ = load_hf_model_config(config.model.hf_path)
-    except ValueError as err:
-        return [f"model.hf_path: {err}"]
-    p = config.parallel
-    problems = []
-    if cfg.num_kv_heads % p.tp:
-        problems.append(f"parallel.tp={p.tp} must divide the model's query groups (num_key_value_heads={cfg.num_kv_heads})")
-    if cfg.num_layers % p.pp:
-        problems.append(f"parallel.pp={p.pp} must divide the model's layers (num_hidden_layers={cfg.num_layers})")
-    return problems

@@ -1,4 +1,4 @@
-"""Prompt dataset in verl's row format, tokenized for generation, and its left-padding collate.
+"""Prompt dataset in verl's row format, tokenized for generation.
 
 A row holds a prompt (a string, or a list of {"role", "content"} chat messages) plus any other
 columns such as "data_source", "reward_model" ({"ground_truth": ...}) and "extra_info"; those are
@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-import torch
 from torch.utils.data import Dataset
 
 from verl_mega.data.tables import read_rows
@@ -76,9 +75,6 @@ class PromptDataset(Dataset):
             f"{self.max_prompt_length} (set truncation to 'left' or 'right' to cut it)"
         )
 
-    def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
-        return collate_prompts(items, self.tokenizer.pad_token_id)
-
 
 def as_messages(prompt: str | list[dict]) -> list[dict]:
     """A plain string prompt becomes a single user turn."""
@@ -99,22 +95,3 @@ def check_prompt_column(rows: list[dict], prompt_key: str, path) -> None:
                 f"prompt column {prompt_key!r} not found in {os.fspath(path)} (row {index}); "
                 f"columns present: {sorted(row)}"
             )
-
-
-def collate_prompts(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
-    """Left-pads to the batch's longest prompt, so every prompt ends at the same position and
-    generated tokens are appended right after it. Every other field becomes a list over the batch."""
-    max_length = max(len(item["input_ids"]) for item in items)
-    input_ids = torch.full((len(items), max_length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(items), max_length), dtype=torch.long)
-    for row, item in enumerate(items):
-        length = len(item["input_ids"])
-        input_ids[row, max_length - length :] = torch.tensor(item["input_ids"], dtype=torch.long)
-        attention_mask[row, max_length - length :] = 1
-    # Positions count real tokens only, so a left-padded prompt starts at position 0.
-    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    metadata_keys = dict.fromkeys(key for item in items for key in item if key != "input_ids")
-    for key in metadata_keys:
-        batch[key] = [item.get(key) for item in items]
-    return batch

@@ -1,4 +1,4 @@
-"""Synthetic verifiable tasks, written as prompt files in verl's row format.
+"""Synthetic verifiable tasks as prompt rows in verl's row format.
 
 Each task makes (prompt text, answer) pairs from a seeded RNG. Rows carry the answer in
 reward_model.ground_truth and the task name in data_source, which is also the name of the rule
@@ -7,11 +7,8 @@ alphabet (verl_mega.data.tiny_tokenizer).
 """
 from __future__ import annotations
 
-import os
 import random
 from typing import Callable, NamedTuple
-
-from verl_mega.data.tables import write_rows
 
 
 def _copy_example(rng: random.Random, max_digits: int) -> tuple[str, str]:
@@ -53,13 +50,6 @@ def make_task_rows(task: str, num_rows: int, seed: int = 0, max_digits: int = 3,
             }
         )
     return rows
-
-
-def write_task_file(
-    path: str | os.PathLike, task: str, num_rows: int, seed: int = 0, max_digits: int = 3, split: str = "train"
-) -> str:
-    """Writes the task's rows as .jsonl or .parquet, chosen by the path's extension."""
-    return write_rows(make_task_rows(task, num_rows, seed, max_digits, split), path)
 
 
 def sft_pairs(rows: list[dict]) -> list[dict]:

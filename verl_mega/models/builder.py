@@ -16,23 +16,6 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def check_parallel_fit(cfg: HFModelConfig, tp: int, pp: int, ep: int = 1) -> None:
-    """Refuse a layout the model cannot be split into, naming the sizes that do not divide."""
-    if cfg.num_kv_heads % tp:
-        raise ValueError(
-            f"tensor parallel size {tp} must divide the number of query groups (num_key_value_heads="
-            f"{cfg.num_kv_heads}) so that each rank holds whole query groups"
-        )
-    if cfg.num_heads % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide num_attention_heads={cfg.num_heads}")
-    if cfg.ffn_hidden_size % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide intermediate_size={cfg.ffn_hidden_size}")
-    if cfg.num_layers % pp:
-        raise ValueError(f"pipeline parallel size {pp} must divide num_hidden_layers={cfg.num_layers}")
-    if ep > 1 and (not cfg.num_experts or cfg.num_experts % ep):
-        raise ValueError(f"expert parallel size {ep} must divide the number of experts ({cfg.num_experts or 0})")
-
-
 def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
                        dtype: str = "fp32", **overrides):
     from megatron.core.transformer import TransformerConfig

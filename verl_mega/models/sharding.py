@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .hf_config import HFModelConfig
-from .spec import EXPERT, LAYER, LM_HEAD, FamilySpec, TensorRule, has_lm_head
+from .spec import EXPERT, LAYER, LM_HEAD, FamilySpec, TensorRule
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,15 @@ def stage_layers(cfg: HFModelConfig, pp_rank: int, pp: int) -> range:
 
 
 def rank_slots(cfg: HFModelConfig, family: FamilySpec, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0,
-               ep: int = 1, role: str = "actor") -> Iterator[TensorSlot]:
-    """Every megatron tensor a rank at (pp_rank, ep_rank) holds, in a stable order; `role` picks the head."""
+               ep: int = 1, head_rules: Sequence[TensorRule] | None = None) -> Iterator[TensorSlot]:
+    """Every megatron tensor a rank at (pp_rank, ep_rank) holds, in a stable order; `head_rules` replace the
+    LM head (see `FamilySpec.active_rules`)."""
     layers = stage_layers(cfg, pp_rank, pp)
     experts_per_rank = (cfg.num_experts or 1) // ep
     experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
     first, last = pp_rank == 0, pp_rank == pp - 1
-    tied_copy = pp > 1 and cfg.tie_word_embeddings and has_lm_head(role)
-    for rule in family.active_rules(cfg, role):
+    tied_copy = pp > 1 and cfg.tie_word_embeddings and head_rules is None
+    for rule in family.active_rules(cfg, head_rules):
         if not rule.per_layer:
             if rule.mcore.startswith("embedding."):
                 if first:

@@ -24,19 +24,7 @@ from .hf_config import HFModelConfig
 LAYER = "{layer}"
 EXPERT = "{expert}"
 
-# What a checkpoint's weights are for: the actor's LM head, or the critic's value head in its place.
-ROLES = ("actor", "critic")
 LM_HEAD = "output_layer.weight"
-
-
-def check_role(role: str) -> str:
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}, got '{role}'")
-    return role
-
-
-def has_lm_head(role: str) -> bool:
-    return check_role(role) == "actor"
 
 
 # transformer-engine fuses the pre-attention and (dense) pre-MLP norms into the following linear layer;
@@ -193,18 +181,13 @@ class FamilySpec:
     def has_qkv_bias(self, cfg: HFModelConfig) -> bool:
         return self.qkv_bias or cfg.attention_bias
 
-    def active_rules(self, cfg: HFModelConfig, role: str = "actor") -> list[TensorRule]:
+    def active_rules(self, cfg: HFModelConfig, head_rules: Sequence[TensorRule] | None = None) -> list[TensorRule]:
+        """The rules of the tensors `cfg` has; `head_rules` replace the LM head (None: keep it)."""
         conditions = {"qkv_bias": self.has_qkv_bias(cfg), "untied": not cfg.tie_word_embeddings}
         rules = [r for r in self.rules if r.when is None or conditions[r.when]]
-        if has_lm_head(role):
+        if head_rules is None:
             return rules
-        return [r for r in rules if r.mcore != LM_HEAD] + list(VALUE_HEAD_RULES)
-
-    def hf_architecture_for(self, role: str) -> str:
-        """The transformers class an export of `role` loads as: the critic's is the token-classification one."""
-        if has_lm_head(role):
-            return self.hf_architecture
-        return self.hf_architecture.removesuffix("ForCausalLM") + "ForTokenClassification"
+        return [r for r in rules if r.mcore != LM_HEAD] + list(head_rules)
 
 
 # --- rules shared by the families -------------------------------------------------------------------
@@ -219,14 +202,6 @@ def _embedding_rules() -> tuple[TensorRule, ...]:
         TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
         TensorRule(LM_HEAD, ("lm_head.weight",), tp_dim=0, vocab=True, when="untied"),
     )
-
-
-# The critic's `ValueHead` (roles/critic.py), replicated over TP, is transformers' `*ForTokenClassification`
-# head with num_labels=1 (`GenericForTokenClassification.score`, with bias) in every supported family.
-VALUE_HEAD_RULES = (
-    TensorRule("output_layer.weight", ("score.weight",)),
-    TensorRule("output_layer.bias", ("score.bias",)),
-)
 
 
 def _attention_rules(fused_qkv: bool = False, qk_norm: bool = False) -> tuple[TensorRule, ...]:

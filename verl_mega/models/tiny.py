@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from verl_mega.data.tiny_tokenizer import build_tiny_tokenizer
 
 TINY_SIZES: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -27,10 +30,6 @@ FAMILY_EXTRAS: dict[str, dict[str, Any]] = {
 def make_tiny_hf_model(out_dir: str | Path, model_type: str, *, vocab_size: int = 300, seed: int = 0,
                        tokenizer: bool = True, **overrides) -> Path:
     """Save a random tiny `model_type` model (and the tiny character tokenizer) into `out_dir`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from verl_mega.data.tiny_tokenizer import build_tiny_tokenizer
-
     tok = build_tiny_tokenizer()
     special = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     kwargs = {**TINY_SIZES, **FAMILY_EXTRAS[model_type], **special, "vocab_size": max(vocab_size, len(tok)), **overrides}

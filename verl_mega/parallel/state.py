@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .layout import data_parallel_size
 from .shims import apply_shims
 
 
@@ -49,21 +50,6 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def check_layout(world_size: int, tp: int, pp: int, ep: int = 1) -> int:
-    """Return DP for a world of `world_size` processes, or raise naming what does not divide."""
-    for name, size in (("tp", tp), ("pp", pp), ("ep", ep)):
-        if size < 1:
-            raise ValueError(f"{name} must be >= 1, got {size}")
-    if world_size % (tp * pp) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; launch a multiple of {tp * pp} processes"
-        )
-    dp = world_size // (tp * pp)
-    if dp % ep != 0:
-        raise ValueError(f"ep={ep} must divide the data-parallel size {dp} (world {world_size} / tp*pp {tp * pp})")
-    return dp
-
-
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeout_minutes: int = 30) -> ParallelLayout:
     """Initialise torch.distributed from the torchrun/Slurm environment and megatron's parallel groups."""
     from megatron.core import parallel_state, tensor_parallel
@@ -80,7 +66,7 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
         )
     apply_shims()
     world_size = dist.get_world_size()
-    check_layout(world_size, tp, pp, ep)
+    data_parallel_size(world_size, tp, pp, ep)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

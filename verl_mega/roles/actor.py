@@ -4,38 +4,22 @@ Batches follow `roles.batching` (every rank passes the same global batch; result
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from verl_mega.algorithms import agg_loss, compute_kl, get_policy_loss_fn
+from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+from verl_mega.config import OptimConfig, PolicyLossConfig
 
 from .batching import Batch, response_window
 from .logprobs import vocab_parallel_logprobs
-from .megatron_engine import MicroBatchShare, compute_per_token
-from .optim import OptimConfig, TrainingEngine
-
-
-@dataclass
-class PolicyLossConfig:
-    policy_loss: str = "vanilla"  # a name registered in algorithms.POLICY_LOSSES
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # a name registered in algorithms.KL_ESTIMATORS
-    extra: dict = field(default_factory=dict)  # further keyword arguments of the policy loss
+from .megatron_step import MicroBatchShare, compute_per_token
+from .trainable import TrainableModel
 
 
 def load_policy(ckpt_dir: str | Path, **config_overrides):
     """This rank's GPTModel from a converted checkpoint, and the true (unpadded) vocabulary size."""
-    from verl_mega.checkpoint.model_io import build_model_from_checkpoint
-
     model, _, cfg, _ = build_model_from_checkpoint(ckpt_dir, **config_overrides)
     return model, cfg.vocab_size
 
@@ -61,29 +45,29 @@ def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_
 
 
 class Actor:
-    def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None,
-                 **config_overrides):
+    def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None, *,
+                 schedule_steps: int, **config_overrides):
         module, self.vocab_size = load_policy(ckpt_dir, **config_overrides)
-        self.engine = TrainingEngine(module, optim)
+        self.trainable = TrainableModel(module, optim, schedule_steps)
         self.loss = loss or PolicyLossConfig()
         self._policy_loss = get_policy_loss_fn(self.loss.policy_loss)
 
     @property
     def model(self):
-        return self.engine.model
+        return self.trainable.model
 
     def compute_log_prob(self, batch: Batch, micro_batch_size: int, return_entropy: bool = False):
         """{'log_probs'[, 'entropy']} of the response tokens, [B, R] float32 on every rank."""
         return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy)
 
     def update_policy(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
-        """PPO steps (see `TrainingEngine.train_epochs`); metrics averaged over the optimizer steps."""
+        """PPO steps (see `TrainableModel.train_epochs`); metrics averaged over the optimizer steps."""
         if self.loss.use_kl_loss and "ref_log_prob" not in batch:
             raise ValueError("use_kl_loss is set but the batch has no 'ref_log_prob'")
         names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy"]
         if self.loss.use_kl_loss:
             names.append("kl_loss")
-        return self.engine.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
+        return self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
                                         self.loss.loss_agg_mode, names, self._micro_batch_loss)
 
     def _micro_batch_loss(self, logits, micro_batch: Batch, share: MicroBatchShare):

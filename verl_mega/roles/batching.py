@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from verl_mega.algorithms import agg_units
 from verl_mega.parallel.state import device
 
 Batch = dict[str, torch.Tensor]
@@ -69,34 +70,6 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def response_window(logits_or_hidden: torch.Tensor, response_length: int) -> torch.Tensor:
     """The outputs that predict the response tokens: positions L-R-1 .. L-2 of [B, L, ...]."""
     return logits_or_hidden[:, -response_length - 1:-1]
-
-
-# A micro-batch's share of the mini-batch loss for each `loss_agg_mode`: the fraction of the mini-batch's
-# units it holds, units being what the mode averages over.
-def _tokens(response_mask):
-    return response_mask.sum()
-
-
-def _sequences(response_mask):
-    return torch.tensor(float(response_mask.shape[0]))
-
-
-def _sequences_with_tokens(response_mask):
-    return (response_mask.sum(dim=-1) > 0).sum()
-
-
-_AGG_UNITS = {
-    "token-mean": _tokens,
-    "seq-mean-token-sum": _sequences,
-    "seq-mean-token-sum-norm": _sequences,
-    "seq-mean-token-mean": _sequences_with_tokens,
-}
-
-
-def agg_units(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
-    if loss_agg_mode not in _AGG_UNITS:
-        raise ValueError(f"loss_agg_mode '{loss_agg_mode}' is not one of {sorted(_AGG_UNITS)}")
-    return _AGG_UNITS[loss_agg_mode](response_mask).float()
 
 
 def global_agg_units(response_mask: torch.Tensor, loss_agg_mode: str, dp_group) -> torch.Tensor:

@@ -4,17 +4,17 @@ Batches follow `roles.batching` (every rank passes the same global batch; result
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from verl_mega.algorithms import compute_value_loss, masked_mean
+from verl_mega.config import OptimConfig, ValueLossConfig
 
 from .actor import load_policy
 from .batching import Batch, response_window
-from .megatron_engine import MicroBatchShare, compute_per_token
-from .optim import OptimConfig, TrainingEngine
+from .megatron_step import MicroBatchShare, compute_per_token
+from .trainable import TrainableModel
 
 
 class ValueHead(torch.nn.Module):
@@ -47,23 +47,17 @@ def attach_value_head(model) -> None:
                                        next(model.parameters()).device)
 
 
-@dataclass
-class ValueLossConfig:
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-
-
 class Critic:
-    def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: ValueLossConfig | None = None,
-                 **config_overrides):
+    def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: ValueLossConfig | None = None, *,
+                 schedule_steps: int, **config_overrides):
         module, _ = load_policy(ckpt_dir, **config_overrides)
         attach_value_head(module)
-        self.engine = TrainingEngine(module, optim)
+        self.trainable = TrainableModel(module, optim, schedule_steps)
         self.loss = loss or ValueLossConfig()
 
     @property
     def model(self):
-        return self.engine.model
+        return self.trainable.model
 
     def compute_values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         """[B, R] float32 values of the states before each response token, on every rank."""
@@ -74,7 +68,7 @@ class Critic:
     def update_critic(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
         """Clipped value-loss steps over global mini-batches (as `Actor.update_policy`); needs 'values' (the
         predictions at rollout time) and 'returns'. Returns metrics averaged over steps."""
-        return self.engine.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
+        return self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
                                         self.loss.loss_agg_mode, ["vf_loss", "vf_clipfrac", "vpred_mean"],
                                         self._micro_batch_loss)
 

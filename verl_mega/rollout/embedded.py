@@ -14,6 +14,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from verl_mega.data.padding import pad_rows
+
 from .engine import Response, RolloutEngine, SamplingParams
 
 
@@ -88,12 +90,7 @@ class EmbeddedEngine(RolloutEngine):
     def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and no empty prompt")
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
-            mask[row, width - len(prompt):] = 1
+        ids, mask = pad_rows(prompts, self._pad, side="left")
         return ids.to(self.device), mask.to(self.device)
 
     def sleep(self, level: int = 1) -> None:

@@ -5,6 +5,9 @@ from pathlib import Path
 
 import torch
 
+from .embedded import EmbeddedEngine
+from .vllm_engine import VLLMEngine
+
 ENGINES = ("auto", "embedded", "vllm")
 
 
@@ -23,12 +26,8 @@ def make_rollout_engine(engine: str, hf_dir: str | Path, hf_config: dict, *, rol
     if engine not in ENGINES:
         raise ValueError(f"rollout.engine must be one of {', '.join(ENGINES)}, got '{engine}'")
     if engine == "vllm" or (engine == "auto" and vllm_usable()):
-        from .vllm_engine import VLLMEngine
-
         return VLLMEngine(hf_dir, rollout_tp=rollout_tp)
     if rollout_tp != 1:
         raise ValueError(f"the embedded rollout engine runs at rollout_tp=1 (got parallel.rollout_tp={rollout_tp}); "
                          "a larger rollout TP needs the vLLM engine on GPUs")
-    from .embedded import EmbeddedEngine
-
     return EmbeddedEngine(hf_config, dtype=dtype)

@@ -27,18 +27,10 @@ from verl_mega.models.builder import unwrap_model
 from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
 from verl_mega.models.spec import SAME, FamilySpec, TensorRule, to_canonical_name
+from verl_mega.parallel.layout import rollout_placement
 from verl_mega.parallel.state import current_layout
 
 from .live_bytes import LiveBytes
-
-
-def check_rollout_tp(train_tp: int, rollout_tp: int) -> None:
-    if rollout_tp < 1 or train_tp % rollout_tp:
-        choices = [d for d in range(1, train_tp + 1) if train_tp % d == 0]
-        raise ValueError(
-            f"rollout tensor-parallel size {rollout_tp} must divide the training TP size {train_tp} "
-            f"(one of {choices}): each rollout rank takes whole consecutive training shards"
-        )
 
 
 def transfer_order(cfg: HFModelConfig, family: FamilySpec, pp: int, ep: int) -> Iterator[tuple[int, int, TensorSlot]]:
@@ -93,10 +85,10 @@ class HybridEngine:
 
         self.cfg, self.family = cfg, family
         self.layout = current_layout()
-        check_rollout_tp(self.layout.tp, rollout_tp)
+        placement = rollout_placement(self.layout.rank, self.layout.world_size, self.layout.tp, rollout_tp)
         self.rollout_tp = rollout_tp
-        self.micro_dp = self.layout.tp // rollout_tp
-        self.rollout_tp_rank = self.layout.tp_rank // self.micro_dp
+        self.micro_dp = placement.micro_dp
+        self.rollout_tp_rank = placement.rollout_tp_rank
         self.tracker = LiveBytes()
         self._params = self._own_shards(model)
 

@@ -15,10 +15,13 @@ from pathlib import Path
 
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import load_hf_model_config
-from verl_mega.models.builder import DTYPES, check_parallel_fit, padded_vocab_size
+from verl_mega.models.builder import DTYPES, padded_vocab_size
 from verl_mega.models.sharding import rank_slots
+from verl_mega.parallel.layout import (
+    check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates, rollout_placement,
+)
 
-from .hybrid_engine import check_rollout_tp, rollout_vocab_rows, slice_is_gathered_shards, transfer_order
+from .hybrid_engine import rollout_vocab_rows, slice_is_gathered_shards, transfer_order
 
 
 @dataclass(frozen=True)
@@ -70,17 +73,18 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     """Per-rank bytes of the transition; raises ValueError naming the size that makes a layout impossible."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    if dp < 1:
-        raise ValueError(f"--dp must be >= 1, got {dp}")
-    if dp % ep:
-        raise ValueError(f"expert parallel size {ep} must divide the data-parallel size {dp}")
+    names = {"tp": "--train-tp", "pp": "--train-pp", "ep": "--ep", "dp": "--dp", "rollout_tp": "--rollout-tp"}
+    check_sizes({"tp": train_tp, "pp": train_pp, "ep": ep, "dp": dp, "rollout_tp": rollout_tp}, names)
+    world_size = train_tp * train_pp * dp
+    data_parallel_size(world_size, train_tp, train_pp, ep, names)
+    check_rollout_tp(train_tp, rollout_tp, names)
     cfg, family = load_hf_model_config(hf_dir)
-    check_parallel_fit(cfg, train_tp, train_pp, ep)
-    check_rollout_tp(train_tp, rollout_tp)
+    check_model_fit(cfg, train_tp, train_pp, ep, names)
+    placements = [rollout_placement(rank, world_size, train_tp, rollout_tp) for rank in range(world_size)]
     reader = SafetensorsReader(hf_dir)
     item = DTYPES[dtype].itemsize
     padded_vocab = padded_vocab_size(cfg.vocab_size, train_tp, make_vocab_size_divisible_by)
-    micro_dp = train_tp // rollout_tp
+    micro_dp = placements[0].micro_dp
 
     def shard_bytes(slot) -> int:
         numel = sum(math.prod(reader.shape(name)) for name in slot.hf_names)
@@ -94,10 +98,10 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     largest = max(math.prod(reader.shape(n)) for _, _, slot, _ in transfers for n in slot.hf_names) * item
 
     ranks = []
-    for rank in range(train_tp * train_pp * dp):
-        tp_rank, dp_rank, pp_rank = rank % train_tp, rank // train_tp % dp, rank // (train_tp * dp)
-        ep_rank = dp_rank % ep
-        rollout_tp_rank = tp_rank // micro_dp
+    for rank, placement in enumerate(placements):
+        at = rank_coordinates(rank, train_tp, train_pp, dp, ep)
+        tp_rank, dp_rank, pp_rank, ep_rank = at.tp_rank, at.dp_rank, at.pp_rank, at.ep_rank
+        rollout_tp_rank = placement.rollout_tp_rank
         # Training holds the last stage's copy of a tied embedding too, which the transition skips.
         train = sum(shard_bytes(slot) for slot in rank_slots(cfg, family, pp_rank, train_pp, ep_rank, ep))
         rollout = peak = send = recv = largest_output = 0

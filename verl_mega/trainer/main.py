@@ -12,14 +12,24 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from verl_mega.checkpoint.atomic import atomic_write_text
+from verl_mega.checkpoint.manifest import Manifest
+from verl_mega.checkpoint.run_checkpoints import model_fingerprint
+from verl_mega.config import ConfigError, load_config, to_yaml
+from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+from verl_mega.models import HFModelConfig
+from verl_mega.parallel.state import destroy_parallel, init_parallel
+
+from .ppo import PPOTrainer
+from .preemption import StopRequest, requeue_slurm_job
+from .validation import validate
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl-mega train")
     parser.add_argument("--config", help="YAML file (examples/ holds some)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20")
     args = parser.parse_args(argv)
-
-    from verl_mega.config import ConfigError, load_config, validate
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
@@ -37,18 +47,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(config) -> None:
-    from verl_mega.config import save_config
-    from verl_mega.parallel.state import destroy_parallel, init_parallel
-
-    from .ppo import PPOTrainer
-    from .preemption import StopRequest, requeue_slurm_job
-
     p = config.parallel
     layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed)
     run_dir = Path(config.trainer.run_dir)
     if layout.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir / "config.yaml")
+        atomic_write_text(run_dir / "config.yaml", to_yaml(config))
     actor_ckpt = prepare_checkpoint(config, layout, run_dir)
     critic_ckpt = Path(config.model.critic_ckpt) if config.model.critic_ckpt else None
     stop = StopRequest().install()
@@ -62,11 +66,6 @@ def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
     """The actor's converted checkpoint: given, or converted from the HF model by rank 0 once per layout."""
     if config.model.actor_ckpt:
         return Path(config.model.actor_ckpt)
-    from verl_mega.checkpoint.manifest import Manifest
-    from verl_mega.models import HFModelConfig
-
-    from .checkpointing import model_fingerprint
-
     p = config.parallel
     # One conversion per layout: a run resumed at another layout needs its initial (reference) weights there.
     ckpt = run_dir / f"initial_actor_tp{p.tp}_pp{p.pp}_ep{p.ep}"
@@ -76,8 +75,6 @@ def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
             raise ValueError(f"{run_dir} was written for another model than {config.model.hf_path}; point "
                              "trainer.run_dir elsewhere")
     elif layout.rank == 0:
-        from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-
         convert_hf_to_mcore(config.model.hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype)
     dist.barrier()
     return ckpt

@@ -11,19 +11,32 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
     RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
 )
-from verl_mega.config import TrainConfig
+from verl_mega.checkpoint import run_checkpoints
+from verl_mega.checkpoint.role_weights import FINAL_ACTOR_DIR, FINAL_CRITIC_DIR, save_role_weights
+from verl_mega.config import TrainConfig, to_yaml
+from verl_mega.data.prompts import PromptDataset
+from verl_mega.data.sampler import ResumableBatchSampler
+from verl_mega.models import load_hf_model_config
+from verl_mega.parallel.layout import rollout_placement
 from verl_mega.parallel.state import ParallelLayout, device
+from verl_mega.roles.actor import Actor
+from verl_mega.roles.critic import Critic
+from verl_mega.roles.reference import make_reference
+from verl_mega.roles.reward import HFRewardModel, RuleReward, scores_to_token_rewards
+from verl_mega.rollout.engine import SamplingParams
+from verl_mega.rollout.factory import make_rollout_engine
+from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.training_memory import training_memory_released
 
-from . import checkpointing
+from .health import HealthServer
 from .metrics import MetricsLogger, StageTimer, peak_memory_bytes
 from .rollout_batch import build_rollout_batch
-from .health import HealthServer
-from .save import FINAL_ACTOR_DIR, FINAL_CRITIC_DIR, save_role_weights
 
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
 
@@ -32,18 +45,6 @@ class PPOTrainer:
     def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, critic_ckpt: Path | None,
                  stop_requested=lambda: False):
         """`stop_requested()`: whether a signal asked this rank to save and stop (preemption)."""
-        from transformers import AutoTokenizer
-
-        from verl_mega.data.prompts import PromptDataset
-        from verl_mega.data.sampler import ResumableBatchSampler
-        from verl_mega.models import load_hf_model_config
-        from verl_mega.roles.actor import Actor
-        from verl_mega.roles.critic import Critic
-        from verl_mega.roles.reference import make_reference
-        from verl_mega.roles.reward import HFRewardModel, RuleReward
-        from verl_mega.rollout.factory import make_rollout_engine
-        from verl_mega.rollout.hybrid_engine import HybridEngine
-
         self.config, self.layout, self.actor_ckpt = config, layout, Path(actor_ckpt)
         self.run_dir = Path(config.trainer.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
@@ -51,15 +52,15 @@ class PPOTrainer:
                                      config.data.prompt_key, config.data.truncation)
         self.sampler = ResumableBatchSampler(len(self.dataset), config.data.batch_size, seed=config.data.seed)
 
-        config.actor.optim.total_training_steps = optimizer_steps(config, config.actor)
-        self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss)
+        self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss,
+                           schedule_steps=optimizer_steps(config, config.actor))
         needs_ref = config.actor.loss.use_kl_loss or config.algorithm.use_kl_in_reward
         self.reference = make_reference(actor_ckpt, use_kl=needs_ref)
         self.critic = None
         if self.uses_critic:
-            config.critic.optim.total_training_steps = optimizer_steps(config, config.critic)
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
-            self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss)
+            self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss,
+                                 schedule_steps=optimizer_steps(config, config.critic))
         self.reward = RuleReward(self.tokenizer, config.reward.function)
         self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
 
@@ -72,7 +73,7 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
         self.step = 0
-        self.fingerprint = checkpointing.model_fingerprint(self.hf_config.raw)
+        self.fingerprint = run_checkpoints.model_fingerprint(self.hf_config.raw)
         self.stop_requested = stop_requested
         self.resume()
         self._batches = iter(self.sampler)
@@ -122,31 +123,29 @@ class PPOTrainer:
 
     # --- checkpoints ----------------------------------------------------------------------------------
 
-    def _engines(self) -> dict:
-        engines = {"actor": self.actor.engine}
+    def _trainables(self) -> dict:
+        trainables = {"actor": self.actor.trainable}
         if self.critic is not None:
-            engines["critic"] = self.critic.engine
-        return engines
+            trainables["critic"] = self.critic.trainable
+        return trainables
 
     def save(self) -> Path:
-        from verl_mega.config.schema import to_yaml
-
         self._set_health("saving")
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                  "reward_normalizer": self.reward_normalizer.state_dict(), "model_fingerprint": self.fingerprint,
                  "world_size": self.layout.world_size,
                  "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}}
-        return checkpointing.save_checkpoint(self.run_dir, self.step, engines=self._engines(), trainer_state=state,
-                                             config_yaml=to_yaml(self.config), rank=self.layout.rank,
-                                             keep_last=self.config.trainer.keep_last)
+        return run_checkpoints.save_checkpoint(self.run_dir, self.step, trainables=self._trainables(),
+                                               trainer_state=state, config_yaml=to_yaml(self.config),
+                                               rank=self.layout.rank, keep_last=self.config.trainer.keep_last)
 
     def resume(self) -> None:
         """Continue from the newest complete checkpoint of the run folder, if there is one."""
-        found = checkpointing.complete_checkpoints(self.run_dir)
+        found = run_checkpoints.complete_checkpoints(self.run_dir)
         if not found:
             return
-        state = checkpointing.load_checkpoint(found[-1], engines=self._engines(), fingerprint=self.fingerprint,
-                                              rank=self.layout.rank, world_size=self.layout.world_size)
+        state = run_checkpoints.load_checkpoint(found[-1], trainables=self._trainables(), fingerprint=self.fingerprint,
+                                                rank=self.layout.rank, world_size=self.layout.world_size)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -169,7 +168,7 @@ class PPOTrainer:
             self.rollout.wake_up(["weights"])
             self.rollout.load_weights(self.hybrid.stream())
             self.rollout.wake_up(["kv_cache"])
-        with timer("rollout"), training_memory_released(self.actor.model, self.actor.engine.optimizer):
+        with timer("rollout"), training_memory_released(self.actor.model, self.actor.trainable.optimizer):
             responses = self.generate(prompts["input_ids"])
             self.rollout.sleep()
         # One row per response: each prompt's fields repeated for its n samples.
@@ -215,10 +214,9 @@ class PPOTrainer:
 
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
         """Each rollout replica generates its share of the prompts; every rank gets all responses."""
-        from verl_mega.rollout.engine import SamplingParams
-
         cfg, layout = self.config, self.layout
-        replicas, replica, leader = rollout_replicas(layout, cfg.parallel.rollout_tp)
+        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, cfg.parallel.rollout_tp)
+        replicas, replica = placement.replicas, placement.replica
         share = len(prompts) // replicas
         mine = prompts[replica * share:(replica + 1) * share]
         params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
@@ -226,14 +224,12 @@ class PPOTrainer:
                                 seed=cfg.rollout.seed + self.step * replicas + replica)
         responses = [r.token_ids for r in self.rollout.generate(mine, params)] if mine else []
         gathered: list = [None] * layout.world_size
-        dist.all_gather_object(gathered, (replica, leader, responses))
+        dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
         return [tokens for rep in range(replicas) for tokens in by_replica[rep]]
 
     def score(self, batch: dict, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence scores [B] and the same placed on each response's last token [B, R]."""
-        from verl_mega.roles.reward import scores_to_token_rewards
-
         if self.reward_model is None:
             truths = [(info or {}).get("ground_truth") for info in rows["reward_model"]]
             return self.reward(batch["responses"], batch["response_mask"], truths, rows["data_source"])
@@ -290,16 +286,6 @@ def optimizer_steps(config: TrainConfig, role) -> int:
     return config.trainer.total_steps * role.ppo_epochs * (sequences // role.mini_batch_size)
 
 
-def rollout_replicas(layout: ParallelLayout, rollout_tp: int) -> tuple[int, int, bool]:
-    """(number of rollout replicas, this rank's replica, whether it leads the replica's TP group).
-
-    A rollout TP group joins the ranks holding the same slice index of consecutive micro-DP groups."""
-    micro_dp = layout.tp // rollout_tp
-    replicas = layout.world_size // rollout_tp
-    replica = (layout.rank // layout.tp) * micro_dp + layout.tp_rank % micro_dp
-    return replicas, replica, layout.tp_rank // micro_dp == 0
-
-
 class _NoProgress:
     def update(self, n: int) -> None:
         pass
@@ -311,6 +297,4 @@ class _NoProgress:
 def _progress(total: int, initial: int, enabled: bool):
     if not enabled:
         return _NoProgress()
-    from tqdm import tqdm
-
     return tqdm(total=total, initial=initial, desc="ppo", unit="step", leave=False)

@@ -1,39 +1,22 @@
-"""Training state of a role's model: megatron DDP, megatron's optimizer and its learning-rate schedule."""
+"""A role's model made trainable: megatron DDP, megatron's optimizer and its learning-rate schedule."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from verl_mega.config import OptimConfig
 
 from .batching import Batch, batch_size, split_rows
-from .megatron_engine import LossFn, forward_backward
+from .megatron_step import LossFn, forward_backward
 
 
-@dataclass
-class OptimConfig:
-    """Adam settings and the LR schedule (constant, linear or cosine decay after a linear warmup)."""
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # <= 0: no clipping (the norm is still reported)
-    use_distributed_optimizer: bool = False
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int | None = None  # None: the schedule's total = total_training_steps
-    lr_decay_style: str = "constant"
-    total_training_steps: int = 1
-
-
-class TrainingEngine:
+class TrainableModel:
     """Wraps a GPTModel for training; `model` is the DDP wrapper the pipeline schedules run.
 
     Gradients accumulate over a mini-batch's micro-batches in DDP's buffers; `step()` reduces, clips and
     applies them, then clears the buffers for the next mini-batch.
     """
 
-    def __init__(self, module, optim: OptimConfig):
+    def __init__(self, module, optim: OptimConfig, schedule_steps: int):
+        """`schedule_steps`: the optimizer steps the role takes over the run, the LR schedule's length."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -62,7 +45,7 @@ class TrainingEngine:
         # What megatron's training loop installs: the schedules call these after the last backward.
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
-        decay_steps = optim.lr_decay_steps or max(optim.total_training_steps, optim.lr_warmup_steps + 1)
+        decay_steps = optim.lr_decay_steps or max(schedule_steps, optim.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr,
             min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps, lr_decay_steps=decay_steps,

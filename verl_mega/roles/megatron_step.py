@@ -12,10 +12,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from verl_mega.algorithms import agg_units
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.state import current_layout, device
 
-from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, agg_units, split_rows
+from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, split_rows
 
 
 def stage_forward(stage_model, micro_batch: Batch) -> torch.Tensor:

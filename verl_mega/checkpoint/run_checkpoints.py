@@ -1,4 +1,4 @@
-"""The trainer's checkpoints: everything a run needs to continue exactly where it stopped.
+"""A run's step checkpoints: everything a run needs to continue exactly where it stopped.
 
     RUN/checkpoints/step_000012/
         actor/, critic/          model + optimizer + LR schedule (megatron dist_checkpointing, any layout)
@@ -6,8 +6,8 @@
         trainer_state.json       step, sampler position, KL controller, reward normaliser, model fingerprint
         config.yaml              the resolved config of the run that wrote it
 
-A checkpoint is written into `.step_000012.tmp` and renamed when every rank is done, so a folder named
-`step_*` is complete; a kill during a save leaves the previous checkpoints untouched.
+A checkpoint is written into `.step_000012.tmp` and renamed when every rank is done (`collective_output_dir`),
+so a folder named `step_*` is complete; a kill during a save leaves the previous checkpoints untouched.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from .atomic import collective_output_dir
+from .training_state import load_training_state, save_training_state
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -69,38 +71,27 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, *, engines: dict, trainer_state: dict, config_yaml: str, rank: int,
+def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state: dict, config_yaml: str, rank: int,
                     keep_last: int) -> Path:
-    """Collective. `engines`: name -> TrainingEngine (actor, critic). Returns the checkpoint folder."""
-    from verl_mega.checkpoint.training_state import save_engine_state
-
+    """Collective. `trainables`: name -> TrainableModel (actor, critic). Returns the checkpoint folder."""
     final = step_dir(run_dir, step)
-    tmp = final.with_name(f".{final.name}.tmp")
+    with collective_output_dir(final, rank) as tmp:
+        for name, trainable in trainables.items():
+            (tmp / name).mkdir(exist_ok=True)
+            save_training_state(trainable, tmp / name)
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for folder in ("rng", *engines):
-            (tmp / folder).mkdir(parents=True)
-    dist.barrier()
-    for name, engine in engines.items():
-        save_engine_state(engine, tmp / name)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
-        (tmp / "config.yaml").write_text(config_yaml)
-        # Written last: its presence marks the content complete before the rename publishes it.
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
         for old in complete_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
     return final
 
 
-def load_checkpoint(ckpt: Path, *, engines: dict, fingerprint: str, rank: int, world_size: int) -> dict:
-    """Collective. Restores the engines (at this job's layout) and this rank's RNG; returns the trainer state."""
-    from verl_mega.checkpoint.training_state import load_engine_state
-
+def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int, world_size: int) -> dict:
+    """Collective. Restores the trainables (at this job's layout) and this rank's RNG; returns the trainer state."""
     state_file = ckpt / STATE_FILE
     if not state_file.is_file():
         raise ValueError(f"checkpoint {ckpt} is incomplete ({STATE_FILE} missing); remove it to resume from an "
@@ -109,8 +100,8 @@ def load_checkpoint(ckpt: Path, *, engines: dict, fingerprint: str, rank: int, w
     if state.get("model_fingerprint") != fingerprint:
         raise ValueError(f"checkpoint {ckpt} was written for another model (fingerprint "
                          f"{state.get('model_fingerprint')} != {fingerprint}); point trainer.run_dir elsewhere")
-    for name, engine in engines.items():
-        load_engine_state(engine, ckpt / name)
+    for name, trainable in trainables.items():
+        load_training_state(trainable, ckpt / name)
     # Same world size: each rank takes its own RNG back; another layout starts from rank-derived seeds.
     if state.get("world_size") == world_size:
         set_rng_state(torch.load(ckpt / "rng" / f"rank_{rank:05d}.pt", weights_only=False))

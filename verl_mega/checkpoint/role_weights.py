@@ -1,0 +1,46 @@
+"""Save a trained role's current weights as a Megatron-LM checkpoint (at the training layout) for export."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from verl_mega.models import family_for
+from verl_mega.models.builder import unwrap_model
+from verl_mega.models.spec import to_canonical_name
+from verl_mega.parallel.state import ParallelLayout
+
+from . import megatron_legacy
+from .atomic import collective_output_dir
+from .manifest import HF_ASSETS_DIR, Manifest
+from .roles import check_role, has_lm_head
+
+# Folders of a run that `verl-mega export --ckpt RUN --role ROLE` reads.
+FINAL_ACTOR_DIR = "final_actor"
+FINAL_CRITIC_DIR = "final_critic"
+FINAL_ROLE_DIRS = {"actor": FINAL_ACTOR_DIR, "critic": FINAL_CRITIC_DIR}
+
+
+def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayout, iteration: int,
+                      role: str = "actor") -> None:
+    """Collective: the DP-rank-0 replicas write their shards into a temp folder that rank 0 publishes as `out`.
+
+    `source_ckpt` is the checkpoint the role was loaded from (config, vocab padding, tokenizer files).
+    A critic's shards hold its value head where the actor's hold the LM head, so nothing is tied.
+    """
+    check_role(role)
+    source = Manifest.read(source_ckpt)
+    with collective_output_dir(out, layout.rank) as tmp:
+        if layout.dp_rank == 0:
+            model = unwrap_model(model)
+            moe = family_for(source.hf_config).moe
+            state_dict = {to_canonical_name(name, moe): tensor.detach().cpu()
+                          for name, tensor in model.state_dict().items() if not name.endswith("_extra_state")}
+            coords = dict(tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, pp=layout.pp, ep_rank=layout.ep_rank,
+                          ep=layout.ep)
+            megatron_legacy.write_shard(tmp, iteration, coords, state_dict, args={})
+        if layout.rank == 0:
+            replace(source, format="megatron_legacy", iteration=iteration, role=role,
+                    tied_embeddings=source.tied_embeddings and has_lm_head(role)).write(tmp)
+            megatron_legacy.write_tracker(tmp, iteration)
+            shutil.copytree(source_ckpt / HF_ASSETS_DIR, tmp / HF_ASSETS_DIR)

@@ -1,0 +1,111 @@
+"""Layout arithmetic, in one place: which sizes must divide which, and which rank holds which slice.
+
+Pure integer functions (no process groups), so the config validator, `init_parallel`, the converters,
+the HybridEngine, the planner and the trainer all ask the same questions the same way. Every failure is a
+ValueError naming the sizes that do not fit, by the names the caller's user knows them (`names`: e.g.
+{"tp": "parallel.tp"} for a config, {"tp": "--tp"} for a command line).
+
+Ranks are numbered as megatron-core numbers them: TP fastest, then DP, then PP (EP splits DP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _name(names: dict[str, str] | None, size: str) -> str:
+    return (names or {}).get(size, size)
+
+
+def check_sizes(sizes: dict[str, int], names: dict[str, str] | None = None) -> None:
+    """Each parallel size must be an integer >= 1 (`check_sizes({"tp": 2, "pp": 1})`)."""
+    for size, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{_name(names, size)} must be an integer >= 1, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{_name(names, size)} must be >= 1, got {value}")
+
+
+def data_parallel_size(world_size: int, tp: int, pp: int, ep: int = 1, names: dict[str, str] | None = None) -> int:
+    """DP of a world of `world_size` processes at (tp, pp, ep), or raise naming what does not divide."""
+    check_sizes({"tp": tp, "pp": pp, "ep": ep}, names)
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"{_name(names, 'tp')} * {_name(names, 'pp')} = {tp * pp} must divide the number of "
+                         f"processes ({world_size})")
+    dp = world_size // (tp * pp)
+    if dp % ep != 0:
+        raise ValueError(f"{_name(names, 'ep')}={ep} must divide the data-parallel size {dp} "
+                         f"(processes {world_size} / tp*pp {tp * pp})")
+    return dp
+
+
+def check_model_fit(model, tp: int, pp: int, ep: int = 1, names: dict[str, str] | None = None) -> None:
+    """Refuse a layout the model cannot be split into. `model` has the sizes of `models.HFModelConfig`
+    (num_heads, num_kv_heads, ffn_hidden_size, num_layers, num_experts)."""
+    check_sizes({"tp": tp, "pp": pp, "ep": ep}, names)
+    tp_name, pp_name, ep_name = (f"{_name(names, size)}={value}" for size, value in (("tp", tp), ("pp", pp), ("ep", ep)))
+    if model.num_kv_heads % tp:
+        raise ValueError(f"{tp_name} must divide the number of query groups (num_key_value_heads="
+                         f"{model.num_kv_heads}) so that each rank holds whole query groups")
+    if model.num_heads % tp:
+        raise ValueError(f"{tp_name} must divide num_attention_heads={model.num_heads}")
+    if model.ffn_hidden_size % tp:
+        raise ValueError(f"{tp_name} must divide intermediate_size={model.ffn_hidden_size}")
+    if model.num_layers % pp:
+        raise ValueError(f"{pp_name} must divide num_hidden_layers={model.num_layers}")
+    if ep > 1 and (not model.num_experts or model.num_experts % ep):
+        raise ValueError(f"{ep_name} must divide the number of experts ({model.num_experts or 0})")
+
+
+def check_rollout_tp(train_tp: int, rollout_tp: int, names: dict[str, str] | None = None) -> None:
+    """The rollout TP must divide the training TP: each rollout rank takes whole consecutive training shards."""
+    check_sizes({"rollout_tp": rollout_tp}, names)
+    if train_tp % rollout_tp:
+        choices = [d for d in range(1, train_tp + 1) if train_tp % d == 0]
+        raise ValueError(
+            f"{_name(names, 'rollout_tp')}={rollout_tp} must divide the training TP size "
+            f"{_name(names, 'tp')}={train_tp} (one of {choices}): each rollout rank takes whole consecutive "
+            "training shards"
+        )
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    ep_rank: int
+
+
+def rank_coordinates(rank: int, tp: int, pp: int, dp: int, ep: int = 1) -> RankCoordinates:
+    """Where global `rank` sits in megatron's (TP, DP, PP) grid."""
+    return RankCoordinates(tp_rank=rank % tp, dp_rank=rank // tp % dp, pp_rank=rank // (tp * dp),
+                           ep_rank=rank // tp % dp % ep)
+
+
+@dataclass(frozen=True)
+class RolloutPlacement:
+    """A rank's place in the rollout layout (TP = `rollout_tp`, pipeline stages folded into DP).
+
+    A *micro-DP group* is `micro_dp = tp // rollout_tp` consecutive ranks of a training TP group; their
+    shards together make one rollout TP slice. A rollout TP group joins the ranks holding the same slice
+    index of consecutive micro-DP groups; each such group is one rollout *replica*.
+    """
+
+    micro_dp: int
+    rollout_tp_rank: int  # which rollout TP slice this rank holds
+    replicas: int  # rollout replicas in the job (each generates its share of the prompts)
+    replica: int  # this rank's replica
+    leads_replica: bool  # rollout TP rank 0 of its replica: reports the replica's responses
+
+
+def rollout_placement(rank: int, world_size: int, tp: int, rollout_tp: int) -> RolloutPlacement:
+    check_rollout_tp(tp, rollout_tp)
+    micro_dp = tp // rollout_tp
+    tp_rank = rank % tp
+    return RolloutPlacement(
+        micro_dp=micro_dp,
+        rollout_tp_rank=tp_rank // micro_dp,
+        replicas=world_size // rollout_tp,
+        replica=(rank // tp) * micro_dp + tp_rank % micro_dp,
+        leads_replica=tp_rank // micro_dp == 0,
+    )

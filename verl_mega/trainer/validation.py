@@ -1,0 +1,100 @@
+"""Check a run's config against the package before any process group starts.
+
+Every problem found is listed at once, each naming its key and the fix. The allowed values come from their
+owners (registries, the rollout factory, the prompt dataset, the model builder) and the layout rules from
+`parallel.layout`, the same functions the converters and the trainer use, so the checks cannot drift apart.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from verl_mega.algorithms import ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+from verl_mega.checkpoint.manifest import MANIFEST_NAME
+from verl_mega.config import ConfigError, TrainConfig
+from verl_mega.data.prompts import TRUNCATION_SIDES, check_prompt_column
+from verl_mega.data.tables import read_rows
+from verl_mega.models import load_hf_model_config
+from verl_mega.models.builder import DTYPES
+from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_parallel_size, rollout_placement
+from verl_mega.roles.reward import get_reward_fn
+from verl_mega.rollout.factory import ENGINES
+
+PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp")}
+
+
+def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> None:
+    """Raise ConfigError listing every problem found (each naming its key and the fix)."""
+    problems: list[str] = []
+
+    def check(run: Callable[[], object], prefix: str = "") -> object:
+        try:
+            return run()
+        except (ValueError, OSError, ImportError, AttributeError) as err:
+            problems.append(f"{prefix}{err}")
+            return None
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    def known(key: str, value: str, choices) -> None:
+        need(value in choices, f"{key} '{value}' is unknown; known: {', '.join(choices)}")
+
+    p, d, a, c, alg = config.parallel, config.data, config.actor, config.critic, config.algorithm
+    dp = check(lambda: data_parallel_size(world_size, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+    rollout_tp_fits = check(lambda: check_rollout_tp(p.tp, p.rollout_tp, PARALLEL_NAMES) or True)
+    if dp is not None and rollout_tp_fits:
+        _check_batch_sizes(config, world_size, dp, need)
+    known("data.truncation", d.truncation, TRUNCATION_SIDES)
+    known("rollout.engine", config.rollout.engine, ENGINES)
+    known("model.dtype", config.model.dtype, list(DTYPES))
+    known("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS.names())
+    known("actor.loss.policy_loss", a.loss.policy_loss, POLICY_LOSSES.names())
+    for key, value in (("actor.loss.loss_agg_mode", a.loss.loss_agg_mode),
+                       ("critic.loss.loss_agg_mode", c.loss.loss_agg_mode)):
+        known(key, value, LOSS_AGG_MODES.names())
+    for key, value in (("algorithm.kl_penalty", alg.kl_penalty), ("actor.loss.kl_loss_type", a.loss.kl_loss_type)):
+        known(key, value, KL_ESTIMATORS.names())
+    known("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CONTROLLERS)
+    if config.reward.reward_model:
+        need(not check_files or Path(config.reward.reward_model, "config.json").is_file(),
+             f"reward.reward_model: {config.reward.reward_model}/config.json does not exist")
+    else:
+        check(lambda: get_reward_fn(config.reward.function), "reward.function: ")
+    if check_files:
+        _check_files(config, world_size, check, need)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _check_batch_sizes(config: TrainConfig, world_size: int, dp: int, need) -> None:
+    d = config.data
+    sequences = d.batch_size * config.rollout.n
+    for role, cfg in (("actor", config.actor), ("critic", config.critic)):
+        need(cfg.micro_batch_size >= 1, f"{role}.micro_batch_size must be >= 1")
+        need(cfg.mini_batch_size % (dp * max(cfg.micro_batch_size, 1)) == 0,
+             f"{role}.mini_batch_size={cfg.mini_batch_size} must be divisible by data-parallel size {dp} x "
+             f"{role}.micro_batch_size={cfg.micro_batch_size}")
+        need(sequences % max(cfg.mini_batch_size, 1) == 0,
+             f"data.batch_size x rollout.n = {sequences} must be divisible by {role}.mini_batch_size="
+             f"{cfg.mini_batch_size}")
+    replicas = rollout_placement(0, world_size, config.parallel.tp, config.parallel.rollout_tp).replicas
+    need(d.batch_size % replicas == 0,
+         f"data.batch_size={d.batch_size} must be divisible by the number of rollout replicas {replicas} "
+         f"(processes / parallel.rollout_tp), so each generates the same number of prompts")
+
+
+def _check_files(config: TrainConfig, world_size: int, check, need) -> None:
+    d, m, p = config.data, config.model, config.parallel
+    has_model = Path(m.hf_path, "config.json").is_file()
+    need(has_model, f"model.hf_path: {m.hf_path}/config.json does not exist; point it at an HF model folder")
+    need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
+    for file in d.train_files:
+        check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file), "data.train_files: ")
+    for key, ckpt in (("model.actor_ckpt", m.actor_ckpt), ("model.critic_ckpt", m.critic_ckpt)):
+        need(not ckpt or Path(ckpt, MANIFEST_NAME).is_file(), f"{key}: {ckpt} is not a verl_mega checkpoint")
+    if has_model:
+        model = check(lambda: load_hf_model_config(m.hf_path)[0], "model.hf_path: ")
+        if model is not None:
+            check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
