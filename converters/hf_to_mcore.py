@@ -10,7 +10,7 @@ from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.checkpoint.model_io import hf_rank_state_dict
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import load_hf_model_config
-from verl_mega.models.builder import DTYPES, padded_vocab_size
+from verl_mega.models.builder import DTYPES, architecture, padded_vocab_size
 from verl_mega.models.sharding import rank_slots
 from verl_mega.parallel.layout import check_model_fit
 
@@ -57,18 +57,23 @@ def _write_legacy_shards(root: Path, reader, cfg, family, manifest: Manifest) ->
     megatron_legacy.write_tracker(root, manifest.iteration)
 
 
+# Megatron-LM's names for the `architecture` fields its loader checks, where they differ from megatron-core's.
+_MEGATRON_LM_NAMES = {"gated_linear_unit": "swiglu", "num_moe_experts": "num_experts"}
+_RECORDED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+             "normalization", "gated_linear_unit", "add_qkv_bias", "qk_layernorm", "num_moe_experts",
+             "moe_router_topk")
+
+
 def megatron_args(cfg, family, manifest: Manifest) -> dict:
     """The subset of Megatron-LM's arguments its loader checks against the running job."""
+    shape = architecture(cfg, family)
     return dict(
+        {_MEGATRON_LM_NAMES.get(name, name): shape[name] for name in _RECORDED if name in shape},
         tensor_model_parallel_size=manifest.tp, pipeline_model_parallel_size=manifest.pp,
-        expert_model_parallel_size=manifest.ep, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_heads,
-        num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim, group_query_attention=cfg.num_kv_heads != cfg.num_heads,
+        expert_model_parallel_size=manifest.ep, group_query_attention=cfg.num_kv_heads != cfg.num_heads,
         max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=manifest.padded_vocab_size,
-        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, add_qkv_bias=family.has_qkv_bias(cfg),
-        qk_layernorm=family.qk_norm, num_experts=cfg.num_experts, moe_router_topk=cfg.moe_top_k,
-        normalization="RMSNorm", swiglu=True, position_embedding_type="rope", rotary_base=cfg.rope_theta,
-        params_dtype=manifest.dtype,
+        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, position_embedding_type="rope",
+        rotary_base=cfg.rope_theta, params_dtype=manifest.dtype,
     )
 
 

@@ -7,16 +7,16 @@ warning-signal / requeue protocol the trainer follows.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from verl_mega.checkpoint.atomic import atomic_write_text
 
 from .payload import Payload, add_payload_arguments, parse_env, payload_from_args, split_passthrough
 
@@ -141,18 +141,7 @@ def _maybe(value, convert=str):
 
 def write_script(text: str, run_dir: Path) -> Path:
     """Write the script into run_dir whole or not at all (a crashed write never leaves half a script)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{SCRIPT_NAME}.", dir=run_dir)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o755)
-        path = run_dir / SCRIPT_NAME
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(run_dir / SCRIPT_NAME, text, mode=0o755)
 
 
 def submit(script_path: str | Path) -> str:

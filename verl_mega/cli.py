@@ -1,8 +1,34 @@
-"""`verl-mega convert | plan | train | launch | export` — argument parsing only; the work is in the modules."""
+"""`verl-mega convert | export | train | plan | launch` — argument parsing only; the work is in the modules.
+
+`convert` and `export` are parsed here. `train`, `plan` and `launch slurm|local` parse their own arguments
+(they also run as `python -m` modules under torchrun and Slurm), so here they only appear in the help and
+hand the rest of the command line to their module.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from pathlib import Path
+
+from verl_mega.checkpoint.manifest import FORMATS, MANIFEST_NAME, Manifest
+from verl_mega.checkpoint.role_weights import FINAL_ROLE_DIRS
+from verl_mega.checkpoint.roles import ROLES
+from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
+from verl_mega.converters.verify import verify_checkpoint
+from verl_mega.models.builder import DTYPES
+
+DTYPE_NAMES = list(DTYPES)
+
+# Subcommands whose module parses its own arguments: words -> ("module:function", help).
+DELEGATED = {
+    ("train",): ("verl_mega.trainer.main:main", "PPO / GRPO training from a YAML config (run under torchrun or srun)"),
+    ("plan",): ("verl_mega.rollout.planner:main", "HybridEngine dry run: per-rank bytes of a training -> rollout "
+                                                   "transition"),
+    ("launch", "local"): ("verl_mega.launch.local:main", "torchrun on this machine"),
+    ("launch", "slurm"): ("verl_mega.launch.slurm:main", "render and submit an sbatch script"),
+}
 
 
 def _add_convert(subparsers) -> None:
@@ -15,8 +41,8 @@ def _add_convert(subparsers) -> None:
     to_mcore.add_argument("--tp", type=int, default=1)
     to_mcore.add_argument("--pp", type=int, default=1)
     to_mcore.add_argument("--ep", type=int, default=1)
-    to_mcore.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    to_mcore.add_argument("--format", default="megatron_legacy", choices=["megatron_legacy", "torch_dist"])
+    to_mcore.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
+    to_mcore.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     to_mcore.add_argument("--overwrite", action="store_true")
     to_mcore.add_argument("--verify", action="store_true", help="check logit parity against transformers after")
     to_mcore.add_argument("--tolerance", type=float, default=1e-4, help="with --verify: fail above this max |Δ logit|")
@@ -24,7 +50,7 @@ def _add_convert(subparsers) -> None:
     to_hf = kinds.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF folder")
     to_hf.add_argument("--ckpt", required=True)
     to_hf.add_argument("--out", required=True)
-    to_hf.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: the checkpoint's")
+    to_hf.add_argument("--dtype", choices=DTYPE_NAMES, help="default: the checkpoint's")
     to_hf.add_argument("--overwrite", action="store_true")
 
     verify = kinds.add_parser("verify", help="logit parity: megatron-core from the shards vs transformers")
@@ -35,19 +61,46 @@ def _add_convert(subparsers) -> None:
     verify.add_argument("--tolerance", type=float, default=1e-4, help="fail above this max |Δ logit|")
 
 
-def _check_parity(hf_dir: str, ckpt_dir: str, tolerance: float, **kwargs) -> int:
-    from verl_mega.converters.verify import verify_checkpoint
+def _add_export(subparsers) -> None:
+    export = subparsers.add_parser("export", help="a trained run's actor or critic -> an HF folder")
+    export.add_argument("--ckpt", required=True, help="a run folder (its final actor / critic) or a checkpoint folder")
+    export.add_argument("--out", required=True)
+    export.add_argument("--role", default="actor", choices=ROLES,
+                        help="critic: a *ForTokenClassification model with one label (the value)")
+    export.add_argument("--dtype", choices=DTYPE_NAMES, help="default: the checkpoint's")
+    export.add_argument("--overwrite", action="store_true")
 
+
+def _add_delegated(subparsers) -> None:
+    groups = {}
+    for words, (_, help_text) in DELEGATED.items():
+        if len(words) == 1:
+            subparsers.add_parser(words[0], help=help_text, add_help=False)
+            continue
+        if words[0] not in groups:
+            group = subparsers.add_parser(words[0], help=f"{words[0]} a training job")
+            groups[words[0]] = group.add_subparsers(dest="target", required=True)
+        groups[words[0]].add_parser(words[1], help=help_text, add_help=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verl-mega", description="Megatron-backed RL post-training: convert HF "
+                                     "checkpoints to Megatron shards, train, launch, export back to HF.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_convert(subparsers)
+    _add_export(subparsers)
+    _add_delegated(subparsers)
+    return parser
+
+
+def _check_parity(hf_dir: str, ckpt_dir: str, tolerance: float, **kwargs) -> int:
     diff = verify_checkpoint(hf_dir, ckpt_dir, **kwargs)
     print(f"max |Δ logit| = {diff:.3e} (tolerance {tolerance:g}): {'OK' if diff <= tolerance else 'FAILED'}")
     return 0 if diff <= tolerance else 1
 
 
 def _run_convert(args) -> int:
-
     if args.direction == "hf-to-mcore":
-        from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-
         manifest = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                                        fmt=args.format, overwrite=args.overwrite)
         print(f"wrote {manifest.family} {manifest.format} checkpoint tp={manifest.tp} pp={manifest.pp} "
@@ -55,8 +108,6 @@ def _run_convert(args) -> int:
         if args.verify:
             return _check_parity(args.hf, args.out, args.tolerance)
     elif args.direction == "mcore-to-hf":
-        from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
-
         convert_mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite)
         print(f"wrote HF model to {args.out}")
     else:
@@ -64,32 +115,7 @@ def _run_convert(args) -> int:
     return 0
 
 
-# Subcommands whose module parses its own arguments: "words" -> "module:function".
-DELEGATED = {
-    ("launch", "slurm"): "verl_mega.launch.slurm:main",
-    ("launch", "local"): "verl_mega.launch.local:main",
-    ("train",): "verl_mega.trainer.main:main",
-    ("plan",): "verl_mega.rollout.planner:main",
-}
-
-
-def _add_export(subparsers) -> None:
-    export = subparsers.add_parser("export", help="a trained run's actor or critic -> an HF folder")
-    export.add_argument("--ckpt", required=True, help="a run folder (its final actor / critic) or a checkpoint folder")
-    export.add_argument("--out", required=True)
-    export.add_argument("--role", default="actor", choices=["actor", "critic"],
-                        help="critic: a *ForTokenClassification model with one label (the value)")
-    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: the checkpoint's")
-    export.add_argument("--overwrite", action="store_true")
-
-
 def _run_export(args) -> int:
-    from pathlib import Path
-
-    from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
-    from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
-    from verl_mega.checkpoint.role_weights import FINAL_ROLE_DIRS
-
     ckpt = Path(args.ckpt)
     run_role_dir = ckpt / FINAL_ROLE_DIRS[args.role]
     if not (ckpt / MANIFEST_NAME).is_file() and (run_role_dir / MANIFEST_NAME).is_file():
@@ -103,19 +129,8 @@ def _run_export(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verl-mega", description=__doc__, epilog="also: " + ", ".join(
-        " ".join(words) for words in DELEGATED))
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_convert(subparsers)
-    _add_export(subparsers)
-    return parser
-
-
-def _delegate(argv: list[str]):
-    import importlib
-
-    for words, target in DELEGATED.items():
+def _delegated(argv: list[str]):
+    for words, (target, _) in DELEGATED.items():
         if tuple(argv[: len(words)]) == words:
             module, function = target.split(":")
             return lambda: getattr(importlib.import_module(module), function)(argv[len(words):])
@@ -124,7 +139,7 @@ def _delegate(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    delegated = _delegate(argv)
+    delegated = _delegated(argv)
     if delegated is not None:
         return delegated() or 0
     args = build_parser().parse_args(argv)

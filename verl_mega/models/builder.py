@@ -16,13 +16,10 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                       dtype: str = "fp32", **overrides):
-    from megatron.core.transformer import TransformerConfig
-
-    params_dtype = DTYPES[dtype]
-    on_gpu = torch.cuda.is_available()
-    kwargs = dict(
+def architecture(cfg: HFModelConfig, family: FamilySpec) -> dict:
+    """The model's shape in megatron-core `TransformerConfig` terms: the one mapping from an HF config, used to
+    build models and recorded (as Megatron-LM arguments) in converted checkpoints."""
+    shape = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -36,6 +33,21 @@ def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, p
         add_bias_linear=False,
         add_qkv_bias=family.has_qkv_bias(cfg),
         qk_layernorm=family.qk_norm,
+    )
+    if family.moe:
+        shape.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_top_k,
+                     moe_ffn_hidden_size=cfg.ffn_hidden_size)
+    return shape
+
+
+def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                       dtype: str = "fp32", **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    params_dtype = DTYPES[dtype]
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        architecture(cfg, family),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -57,9 +69,6 @@ def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, p
     )
     if family.moe:
         kwargs.update(
-            num_moe_experts=cfg.num_experts,
-            moe_router_topk=cfg.moe_top_k,
-            moe_ffn_hidden_size=cfg.ffn_hidden_size,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             # The all-to-all dispatcher creates CUDA streams; all-gather works on both.

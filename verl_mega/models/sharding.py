@@ -87,14 +87,14 @@ def merge_hf_to_mcore(slot: TensorSlot, cfg: HFModelConfig, reader, tp_rank: int
     rule = slot.rule
     if rule.fusion is not None:
         sources = [tp_part(t, rule.tp_dim, tp_rank, tp) for t in rule.fusion.unfuse(reader.read(slot.hf_names[0]), cfg)]
-        return rule.layout.merge(sources, cfg)
+        return rule.row_merge.merge(sources, cfg)
     if rule.tp_dim is None:
-        return rule.layout.merge([reader.read(name) for name in slot.hf_names], cfg)
+        return rule.row_merge.merge([reader.read(name) for name in slot.hf_names], cfg)
     if rule.tp_dim == 1:
-        return rule.layout.merge([reader.read_part(name, 1, tp_rank, tp) for name in slot.hf_names], cfg)
+        return rule.row_merge.merge([reader.read_part(name, 1, tp_rank, tp) for name in slot.hf_names], cfg)
     part_rows = [(padded_vocab if rule.vocab else reader.shape(name)[0]) // tp for name in slot.hf_names]
     merged = torch.empty((sum(part_rows), *reader.shape(slot.hf_names[0])[1:]), dtype=reader.dtype(slot.hf_names[0]))
-    for b in rule.layout.blocks(part_rows, cfg):
+    for b in rule.row_merge.blocks(part_rows, cfg):
         start = tp_rank * part_rows[b.source] + b.source_row
         reader.read_rows(slot.hf_names[b.source], start, b.rows, out=merged[b.merged_row:b.merged_row + b.rows])
     return merged
@@ -108,9 +108,9 @@ def split_mcore_to_hf(slot: TensorSlot, cfg: HFModelConfig, shards: Sequence[tor
     """
     rule = slot.rule
     if rule.tp_dim is None:
-        parts = rule.layout.split(shards[0], cfg)
+        parts = rule.row_merge.split(shards[0], cfg)
     else:
-        per_shard = [rule.layout.split(shard, cfg) for shard in shards]
+        per_shard = [rule.row_merge.split(shard, cfg) for shard in shards]
         parts = [torch.cat([pieces[i] for pieces in per_shard], dim=rule.tp_dim) for i in range(len(per_shard[0]))]
     if rule.fusion is not None:
         return [(slot.hf_names[0], rule.fusion.fuse(parts))]

@@ -43,8 +43,8 @@ def to_canonical_name(name: str, moe: bool) -> str:
     return name
 
 
-# --- layouts: HF tensors <-> one megatron tensor, valid on full tensors and on TP slices alike ---------
-# A layout is a list of row blocks: which rows of which source land where in the merged tensor. Merging,
+# --- row merges: HF tensors <-> one megatron tensor, valid on full tensors and on TP slices alike -----
+# A row merge is a list of row blocks: which rows of which source land where in the merged tensor. Merging,
 # splitting and the converter's read-in-place all follow the same blocks.
 
 
@@ -91,7 +91,7 @@ def _qkv_source_rows(merged_rows: int, cfg: HFModelConfig) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Layout:
+class RowMerge:
     name: str
     blocks: Callable[[Sequence[int], HFModelConfig], list[Block]]
     source_rows: Callable[[int, HFModelConfig], list[int]]
@@ -114,9 +114,9 @@ class Layout:
         return sources
 
 
-SAME = Layout("same", _same_blocks, _same_source_rows)
-QKV = Layout("qkv", _qkv_blocks, _qkv_source_rows)
-GATE_UP = Layout("gate_up", _concat_blocks, _halves_source_rows)
+SAME = RowMerge("same", _same_blocks, _same_source_rows)
+QKV = RowMerge("qkv", _qkv_blocks, _qkv_source_rows)
+GATE_UP = RowMerge("gate_up", _concat_blocks, _halves_source_rows)
 
 
 def _unfuse_qkv(fused: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
@@ -153,7 +153,7 @@ class TensorRule:
 
     mcore: str
     hf: tuple[str, ...]
-    layout: Layout = SAME
+    row_merge: RowMerge = SAME
     tp_dim: int | None = None
     vocab: bool = False
     fusion: Fusion | None = None

@@ -57,7 +57,7 @@ def rollout_vocab_rows(padded_vocab: int, vocab_size: int, part: int, parts: int
 
 def slice_is_gathered_shards(rule: TensorRule) -> bool:
     """True when the HF tensor's slice is just the megatron shards side by side (no layout to undo)."""
-    return rule.layout is SAME and rule.fusion is None
+    return rule.row_merge is SAME and rule.fusion is None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,175 @@
+"""The package's import graph (read with ast, nothing executed) keeps its layering and has no cycles.
+
+The layering, written down once: a package may import its own modules and packages of lower layers only.
+
+    0  config, ops, parallel, data      leaves: the config schema, kernels, process groups, datasets
+    1  algorithms, models               PPO math (pure tensor functions); model families and the builder
+    2  checkpoint                       files on disk: shards, manifests, dist checkpoints, atomic outputs
+    3  roles, rollout                   actor / critic / reference / reward; rollout engines, HybridEngine
+    4  converters                       HF <-> Megatron conversion, parity check (built on the core)
+    5  trainer                          the job loops and their validation
+    6  launch                           torchrun / Slurm launchers
+    7  cli                              the command line
+    8  demo                             `make demo`, through the command line
+
+Project modules are imported at the top of a file; inside a function only optional heavy dependencies
+(vLLM, transformer-engine, wandb, megatron internals) are imported, so the graph below is the real one.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = [
+    {"config", "ops", "parallel", "data"},
+    {"algorithms", "models"},
+    {"checkpoint"},
+    {"roles", "rollout"},
+    {"converters"},
+    {"trainer"},
+    {"launch"},
+    {"cli"},
+    {"demo"},
+]
+LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}
+# Installed as verl_mega.converters / verl_mega.launch (setup.py's package_dir).
+SOURCE_DIRS = {"verl_mega": ROOT / "verl_mega", "verl_mega.converters": ROOT / "converters",
+               "verl_mega.launch": ROOT / "launch"}
+
+
+def package_modules() -> dict[str, Path]:
+    modules = {}
+    for prefix, folder in SOURCE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([prefix, *parts])] = path
+    return modules
+
+
+def project_imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
+    """(imported verl_mega module, line, inside a function) for every import statement of `module`."""
+    is_package = path.name == "__init__.py"
+    found = []
+
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, child.lineno, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = module.split(".")[: len(module.split(".")) - child.level + (1 if is_package else 0)]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module
+                # `from package import name`: a submodule when one is called so, else an attribute of package.
+                found.extend((f"{target}.{alias.name}", child.lineno, in_function) for alias in child.names)
+            visit(child, nested)
+
+    visit(ast.parse(path.read_text()), False)
+    return [(target, line, inside) for target, line, inside in found if target.split(".")[0] == "verl_mega"]
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def resolve(target: str, modules: dict[str, Path]) -> str | None:
+    """The module an imported name lives in (the longest known module prefix)."""
+    parts = target.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    graph = {module: set() for module in modules}
+    for module, path in modules.items():
+        for target, _, _ in project_imports(module, path):
+            resolved = resolve(target, modules)
+            if resolved and resolved != module and resolved != "verl_mega":
+                graph[module].add(resolved)
+    return graph
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, targets in graph.items():
+        source = package_of(module)
+        for target in targets:
+            imported = package_of(target)
+            if source == imported or source not in LAYER_OF or imported not in LAYER_OF:
+                continue
+            if LAYER_OF[imported] >= LAYER_OF[source]:
+                problems.append(f"{module} imports {target}: layer {LAYER_OF[source]} ({source}) may only import "
+                                f"lower layers, {imported} is layer {LAYER_OF[imported]}")
+    return sorted(problems)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def strongconnect(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph.get(node, ()):
+            if succ not in index:
+                strongconnect(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            strongconnect(node)
+    return found
+
+
+def test_every_package_is_placed_in_a_layer():
+    packages = {package_of(module) for module in package_modules()} - {""}
+    assert packages <= set(LAYER_OF), f"packages missing from LAYERS: {sorted(packages - set(LAYER_OF))}"
+
+
+def test_imports_run_down_the_layers():
+    assert layering_violations(import_graph()) == []
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_project_modules_are_imported_at_the_top():
+    inside = [f"{module}:{line} imports {target}" for module, path in package_modules().items()
+              for target, line, in_function in project_imports(module, path) if in_function]
+    assert inside == []
+
+
+@pytest.mark.parametrize("edge, expected", [
+    ({"verl_mega.config.schema": {"verl_mega.roles.actor"}, "verl_mega.roles.actor": set()}, "layer 0 (config)"),
+    ({"verl_mega.checkpoint.model_io": {"verl_mega.converters.torch_dist"},
+      "verl_mega.converters.torch_dist": {"verl_mega.checkpoint.model_io"}}, "layer 2 (checkpoint)"),
+])
+def test_the_checks_catch_an_upward_import_and_a_cycle(edge, expected):
+    assert any(expected in problem for problem in layering_violations(edge))
+    graph = {module: set(targets) for module, targets in edge.items()}
+    if len(edge) == 2 and all(edge.values()):
+        assert cycles(graph) == [sorted(edge)]
