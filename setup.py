@@ -62,14 +62,16 @@ setup(
     packages=packages,
     package_dir={"verl_mega.converters": "converters", "verl_mega.launch": "launch"},
     package_data={"verl_mega.launch": ["*.sh", "*.j2", "templates/*"]},
+    # The ranges that are tested (requirements.txt pins the exact versions CI runs): megatron-core's private
+    # APIs are used (checked at import, see verl_mega/__init__.py), and transformers 5's loading API.
     install_requires=[
-        "torch>=2.4",
-        "megatron-core>=0.12",
-        "transformers>=4.45",
-        "safetensors",
+        "torch>=2.13,<2.15",
+        "megatron-core>=0.16.1,<0.17",
+        "transformers>=5.24,<6",
+        "safetensors>=0.8",
         "psutil",
         "pyyaml",
-        "omegaconf",
+        "omegaconf>=2.4",
     ],
     extras_require={"gpu": ["vllm", "transformer-engine"]},
     entry_points={"console_scripts": ["verl-mega=verl_mega.cli:main"]},

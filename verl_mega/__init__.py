@@ -1,0 +1,33 @@
+"""verl_mega: Megatron-backed RL post-training (PPO, GRPO) with a 3D-HybridEngine.
+
+The package calls megatron-core 0.16's internals (its optimizer's per-parameter state, its dist-checkpoint
+metadata, its CPU-unfriendly corners patched in `parallel/shims.py`), so another megatron-core is refused
+here, at import, with one line, rather than deep inside a training step.
+"""
+import os
+import warnings
+from importlib.metadata import PackageNotFoundError, version
+
+SUPPORTED_MEGATRON_CORE = "0.16."
+
+
+def _check_megatron_core() -> None:
+    try:
+        found = version("megatron-core")
+    except PackageNotFoundError:
+        found = None
+    if found is None or not found.startswith(SUPPORTED_MEGATRON_CORE):
+        raise ImportError(f"verl_mega needs megatron-core {SUPPORTED_MEGATRON_CORE}x (found {found or 'none'}): "
+                          "pip install 'megatron-core==0.16.1'")
+
+
+_check_megatron_core()
+
+# Output every rank would repeat without telling the user anything: megatron-core's notices that it falls back
+# from apex / transformer-engine (expected on CPU and with the local layer spec), a deprecation megatron
+# triggers in its own config, torch's deprecation of a collective megatron calls, and transformers' progress
+# bars for each (tiny) load. Set HF_HUB_DISABLE_PROGRESS_BARS=0 to see the bars again.
+for _message in (r".*(Apex|Transformer Engine).* (is|are) not installed", r"full scope is deprecated",
+                 r"`torch\.distributed\.all_gather_into_tensor` is deprecated"):
+    warnings.filterwarnings("ignore", message=_message)
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -1,8 +1,8 @@
 """The few places where megatron-core 0.16 assumes CUDA or transformer-engine, made to run without them.
 
 `apply_shims()` changes nothing on a GPU node with transformer-engine, so such runs execute unmodified
-megatron-core. On CPU each patch below stands in for one CUDA assumption; the measured facts behind them are
-in shared/notes/megatron-core-on-cpu.md.
+megatron-core. On CPU each patch below stands in for one CUDA assumption, and its comment names the
+megatron-core 0.16 code it stands in for and what fails without it.
 """
 from __future__ import annotations
 

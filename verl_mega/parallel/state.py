@@ -54,6 +54,9 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
     """Initialise torch.distributed from the torchrun/Slurm environment and megatron's parallel groups."""
     from megatron.core import parallel_state, tensor_parallel
 
+    # What megatron's linear layers expect so that their async all-reduce overlaps with compute (it warns
+    # otherwise); it must be set before the CUDA context exists.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
