@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from verl_mega.algorithms.masked import agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
+from verl_mega.algorithms.masked import agg_loss, agg_units, masked_mean, masked_sum, masked_var, masked_whiten
 
 # Ragged batch: sequence 0 has 3 response tokens, sequence 1 has 1.
 LOSS_MAT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
@@ -69,6 +69,30 @@ def test_seq_mean_token_mean_skips_sequences_without_tokens():
     mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     # only sequence 0 counts: (1 + 2 + 3) / 3
     assert agg_loss(LOSS_MAT, mask, "seq-mean-token-mean").item() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("seq-mean-token-sum", 6.0),  # only sequence 0 counts: 1 + 2 + 3
+    ("seq-mean-token-mean", 2.0),
+    ("seq-mean-token-sum-norm", 2.0),  # 6 / the padded length 3
+])
+def test_every_seq_mean_mode_skips_sequences_without_tokens(mode, expected):
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert agg_loss(LOSS_MAT, mask, mode).item() == pytest.approx(expected)
+    assert agg_units(mask, mode).item() == 1
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_agg_loss_of_a_batch_is_the_unit_weighted_sum_of_its_parts(mode):
+    """What distributed training relies on: splitting rows into micro-batches, each aggregated alone and
+    weighted by its share of the units, gives the whole batch's aggregate (a fully masked row included)."""
+    loss = torch.arange(12.0).reshape(4, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    whole = agg_loss(loss, mask, mode)
+    total_units = agg_units(mask, mode)
+    parts = sum(agg_loss(loss[rows], mask[rows], mode) * agg_units(mask[rows], mode) / total_units
+                for rows in (slice(0, 2), slice(2, 4)))
+    torch.testing.assert_close(parts, whole)
 
 
 def test_agg_loss_unknown_mode_lists_modes():
