@@ -1,4 +1,5 @@
-"""Logit parity: megatron-core built from the shards vs transformers on the same random tokens.
+"""Logit parity: megatron-core built from the shards vs transformers on the same random tokens, both in the
+checkpoint's dtype (like with like), judged by `converters.parity`'s dtype-aware rule.
 
 Runs under torchrun (the checkpoint's TP x PP x EP unless given); `verify_checkpoint` launches that from a
 plain process. Several checkpoints of one layout share a launch. Figures are printed and written as JSON.
@@ -15,20 +16,23 @@ from transformers import AutoModelForCausalLM
 
 from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.launch import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
-from verl_mega.parallel.state import destroy_parallel, device, init_parallel
+from verl_mega.parallel.state import destroy_parallel, init_parallel
+
+from .parity import Parity, logit_parity
 
 
-def verify_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, **kwargs) -> float:
-    """Max |logit difference| of one checkpoint (see `verify_checkpoints`)."""
+def verify_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, **kwargs) -> Parity:
+    """The parity figures of one checkpoint (see `verify_checkpoints`)."""
     return verify_checkpoints([(hf_dir, ckpt_dir)], **kwargs)[0]
 
 
 def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | None = None, pp: int | None = None,
-                       seq_len: int = 16, batch: int = 2, seed: int = 0) -> list[float]:
-    """Max |logit difference| per (HF folder, checkpoint) pair, all run at one layout (default: the first
-    checkpoint's). Launches torchrun unless already inside a distributed job."""
+                       seq_len: int = 16, batch: int = 2, seed: int = 0) -> list[Parity]:
+    """Parity per (HF folder, checkpoint) pair, all run at one layout (default: the first checkpoint's).
+    Launches torchrun unless already inside a distributed job."""
     first = Manifest.read(pairs[0][1])
     tp, pp, ep = tp or first.tp, pp or first.pp, first.ep
     if in_distributed_job():
@@ -39,16 +43,16 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
         args += ["--tp", str(tp), "--pp", str(pp), "--seq-len", str(seq_len), "--batch", str(batch),
                  "--seed", str(seed), "--result", str(result)]
         run_torchrun(tp * pp * ep, "verl_mega.converters.verify", args)
-        return json.loads(result.read_text())["max_abs_logit_diff"]
+        return [Parity(**figures) for figures in json.loads(result.read_text())["parity"]]
 
 
-def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, result_file=None) -> list[float]:
+def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, result_file=None) -> list[Parity]:
     from megatron.core import tensor_parallel
 
-    diffs = []
+    results = []
     for hf_dir, ckpt_dir in pairs:
         layout = init_parallel(tp, pp, ep)
-        model, manifest, cfg, _ = build_model_from_checkpoint(ckpt_dir)
+        model, manifest, cfg, family = build_model_from_checkpoint(ckpt_dir)
         model.eval()
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)
@@ -63,23 +67,26 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, result_file=None) -> 
             return tensor_parallel.gather_from_tensor_model_parallel_region(output)[..., : cfg.vocab_size].float().cpu()
 
         outputs = forward_only_outputs(model, [{"input_ids": tokens, "position_ids": positions}], step, collect)
-        diff = torch.zeros(())
+        parity = None
         if outputs is not None:
-            reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+            reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[manifest.dtype])
             with torch.no_grad():
-                diff = (outputs[0] - reference(tokens).logits.float()).abs().max()
-        # Every rank learns the last stage's figure (on the collective backend's device: NCCL needs CUDA).
-        diff = diff.to(device())
-        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
-        diffs.append(diff.item())
+                parity = logit_parity(outputs[0], reference(tokens).logits.float(), manifest.dtype,
+                                      num_layers=cfg.num_layers, moe=family.moe,
+                                      reduction_length=max(cfg.hidden_size, cfg.ffn_hidden_size))
+        # Every rank learns the last stage's figures.
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, parity)
+        parity = next(figures for figures in gathered if figures is not None)
+        results.append(parity)
         if layout.rank == 0:
-            print(f"logit parity {cfg.model_type} {ckpt_dir} at tp={tp} pp={pp} ep={ep}: "
-                  f"max |Δ logit| = {diff.item():.3e}", flush=True)
+            print(f"logit parity {cfg.model_type} {ckpt_dir} at tp={tp} pp={pp} ep={ep}, {parity.describe()}",
+                  flush=True)
         del model
     if result_file and torch.distributed.get_rank() == 0:
-        Path(result_file).write_text(json.dumps({"max_abs_logit_diff": diffs}))
+        Path(result_file).write_text(json.dumps({"parity": [parity.as_dict() for parity in results]}))
     destroy_parallel()
-    return diffs
+    return results
 
 
 def main(argv=None) -> None:

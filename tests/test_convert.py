@@ -88,15 +88,32 @@ def _legacy_config_copy(src: Path, dst: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
 def test_logit_parity_with_transformers(tiny_models, tmp_path, tp, pp):
+    """Every family in fp32, bf16 and fp16 (transformers in the same dtype), one launch per layout; fp32 also
+    keeps the historic 1e-4 absolute bound on these tiny models."""
     sources = dict(tiny_models)
     sources["llama-4.x-config"] = _legacy_config_copy(tiny_models["llama"], tmp_path / "llama4x")
-    pairs = []
+    pairs, names = [], []
     for name, hf_dir in sources.items():
-        convert_hf_to_mcore(hf_dir, tmp_path / name, tp=tp, pp=pp)
-        pairs.append((hf_dir, tmp_path / name))
-    diffs = verify_checkpoints(pairs)
-    for (name, _), diff in zip(sources.items(), diffs):
-        assert diff <= 1e-4, f"{name} at tp={tp} pp={pp}: max |Δ logit| {diff}"
+        for dtype in ("fp32", "bf16", "fp16") if name in tiny_models else ("fp32",):
+            convert_hf_to_mcore(hf_dir, tmp_path / f"{name}-{dtype}", tp=tp, pp=pp, dtype=dtype)
+            pairs.append((hf_dir, tmp_path / f"{name}-{dtype}"))
+            names.append(f"{name} {dtype}")
+    for name, parity in zip(names, verify_checkpoints(pairs)):
+        assert parity.passed, f"{name} at tp={tp} pp={pp}: {parity.describe()}"
+        assert parity.dtype != "fp32" or parity.max_abs <= 1e-4, f"{name} at tp={tp} pp={pp}: {parity.describe()}"
+
+
+@pytest.mark.slow
+def test_bf16_verify_fails_a_wrong_conversion(tiny_models, tmp_path, capsys):
+    """The bf16 rule is tight enough to catch a conversion bug: one layer's MLP output projection lost."""
+    ckpt = tmp_path / "ckpt"
+    convert_hf_to_mcore(tiny_models["llama"], ckpt, tp=1, pp=1, dtype="bf16")
+    (shard,) = ckpt.glob("iter_*/mp_rank_*/model_optim_rng.pt")
+    content = torch.load(shard, weights_only=False)
+    content["model"]["decoder.layers.1.mlp.linear_fc2.weight"].zero_()
+    torch.save(content, shard)
+    assert cli(["convert", "verify", "--hf", str(tiny_models["llama"]), "--ckpt", str(ckpt)]) == 1
+    assert "bf16: max |Δ logit|" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -110,7 +127,7 @@ def test_torch_dist_round_trip_and_loads_at_another_layout(tiny_models, tmp_path
         assert_same_tensors(tiny_models[family], tmp_path / f"{family}-hf")
         pairs.append((tiny_models[family], ckpt))
     # Saved at TP2 x PP1, loaded at TP1 x PP2.
-    assert max(verify_checkpoints(pairs, tp=1, pp=2)) <= 1e-4
+    assert all(parity.max_abs <= 1e-4 and parity.passed for parity in verify_checkpoints(pairs, tp=1, pp=2))
 
 
 # --- refusals: a clear message, and nothing left behind ---------------------------------------------

@@ -45,7 +45,8 @@ def _add_convert(subparsers) -> None:
     to_mcore.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     to_mcore.add_argument("--overwrite", action="store_true")
     to_mcore.add_argument("--verify", action="store_true", help="check logit parity against transformers after")
-    to_mcore.add_argument("--tolerance", type=float, default=1e-4, help="with --verify: fail above this max |Δ logit|")
+    to_mcore.add_argument("--tolerance", type=float,
+                          help="with --verify: fail above this max |Δ logit| (default: the checkpoint dtype's rule)")
 
     to_hf = kinds.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF folder")
     to_hf.add_argument("--ckpt", required=True)
@@ -58,7 +59,8 @@ def _add_convert(subparsers) -> None:
     verify.add_argument("--ckpt", required=True)
     verify.add_argument("--seq-len", type=int, default=16)
     verify.add_argument("--batch", type=int, default=2)
-    verify.add_argument("--tolerance", type=float, default=1e-4, help="fail above this max |Δ logit|")
+    verify.add_argument("--tolerance", type=float,
+                        help="fail above this max |Δ logit| (default: the checkpoint dtype's rule)")
 
 
 def _add_export(subparsers) -> None:
@@ -93,10 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_parity(hf_dir: str, ckpt_dir: str, tolerance: float, **kwargs) -> int:
-    diff = verify_checkpoint(hf_dir, ckpt_dir, **kwargs)
-    print(f"max |Δ logit| = {diff:.3e} (tolerance {tolerance:g}): {'OK' if diff <= tolerance else 'FAILED'}")
-    return 0 if diff <= tolerance else 1
+def _check_parity(hf_dir: str, ckpt_dir: str, tolerance: float | None, **kwargs) -> int:
+    parity = verify_checkpoint(hf_dir, ckpt_dir, **kwargs)
+    passed = parity.passed if tolerance is None else parity.max_abs <= tolerance
+    rule = "" if tolerance is None else f"; --tolerance {tolerance:g} on max |Δ logit|: {'OK' if passed else 'FAILED'}"
+    print(parity.describe() + rule)
+    return 0 if passed else 1
 
 
 def _run_convert(args) -> int:

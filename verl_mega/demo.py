@@ -55,9 +55,9 @@ def run(workdir: Path, steps: int) -> None:
     layouts = {"ppo": (2, 2, 8), "grpo": (2, 1, 4)}
     for name, (tp, pp, _) in layouts.items():
         ckpt = convert_hf_to_mcore(sft, workdir / f"mcore_tp{tp}_pp{pp}", tp=tp, pp=pp, overwrite=True)
-        (diff,) = verify_checkpoints([(sft, workdir / f"mcore_tp{tp}_pp{pp}")])
-        print(f"[demo] converted to megatron {ckpt.format} tp={tp} pp={pp}: max |Δ logit| vs transformers = "
-              f"{diff:.1e}", flush=True)
+        (parity,) = verify_checkpoints([(sft, workdir / f"mcore_tp{tp}_pp{pp}")])
+        print(f"[demo] converted to megatron {ckpt.format} tp={tp} pp={pp}: logit parity with transformers, "
+              f"{parity.describe()}", flush=True)
 
     for name, (tp, pp, procs) in layouts.items():
         run_dir = workdir / f"run_{name}"

@@ -26,14 +26,16 @@ def hf_rank_state_dict(reader, cfg, family, manifest: Manifest, tp_rank: int, pp
     }
 
 
-def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "auto", **config_overrides):
-    """This rank's GPTModel with the checkpoint's weights, at the running job's (TP, PP, EP) layout."""
+def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "auto", dtype: str | None = None,
+                                **config_overrides):
+    """This rank's GPTModel with the checkpoint's weights, at the running job's (TP, PP, EP) layout, in `dtype`
+    (fp32, bf16 or fp16; default: the checkpoint's). Weights stored in another dtype are cast on load."""
     manifest = Manifest.read(ckpt_dir)
     cfg = HFModelConfig.from_dict(manifest.hf_config)
     family = family_for(cfg)
     layout = current_layout()
-    config = transformer_config(cfg, family, tp=layout.tp, pp=layout.pp, ep=layout.ep, dtype=manifest.dtype,
-                                **config_overrides)
+    config = transformer_config(cfg, family, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                                dtype=dtype or manifest.dtype, **config_overrides)
     model = build_gpt_model(cfg, family, config, padded_vocab=manifest.padded_vocab_size,
                             pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                             implementation=implementation)

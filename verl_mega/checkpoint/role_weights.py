@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from verl_mega.models import family_for
-from verl_mega.models.builder import unwrap_model
+from verl_mega.models.builder import dtype_name, unwrap_model
 from verl_mega.models.spec import to_canonical_name
 from verl_mega.parallel.state import ParallelLayout
 
@@ -30,9 +30,9 @@ def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayou
     """
     check_role(role)
     source = Manifest.read(source_ckpt)
+    model = unwrap_model(model)
     with collective_output_dir(out, layout.rank) as tmp:
         if layout.dp_rank == 0:
-            model = unwrap_model(model)
             moe = family_for(source.hf_config).moe
             state_dict = {to_canonical_name(name, moe): tensor.detach().cpu()
                           for name, tensor in model.state_dict().items() if not name.endswith("_extra_state")}
@@ -41,6 +41,7 @@ def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayou
             megatron_legacy.write_shard(tmp, iteration, coords, state_dict, args={})
         if layout.rank == 0:
             replace(source, format="megatron_legacy", iteration=iteration, role=role,
+                    dtype=dtype_name(model.config.params_dtype),
                     tied_embeddings=source.tied_embeddings and has_lm_head(role)).write(tmp)
             megatron_legacy.write_tracker(tmp, iteration)
             shutil.copytree(source_ckpt / HF_ASSETS_DIR, tmp / HF_ASSETS_DIR)

@@ -57,6 +57,8 @@ class ModelConfig:
     hf_path: str = "???"  # HF folder: config, tokenizer (and the weights when `actor_ckpt` is empty)
     actor_ckpt: str = ""  # converted megatron checkpoint; empty: converted from hf_path into the run folder
     critic_ckpt: str = ""  # empty: the critic starts from the actor's weights
+    # fp32 | bf16 | fp16: parameters and activations of actor, critic and reference (megatron mixed precision:
+    # fp32 main weights, optimizer state and gradient reduction; fp16 with dynamic loss scaling).
     dtype: str = "fp32"
 
 
@@ -87,6 +89,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     seed: int = 1
+    dtype: str = "auto"  # auto (bf16 for vLLM, model.dtype for the embedded engine) | fp32 | bf16 | fp16
 
 
 @dataclass

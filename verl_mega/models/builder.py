@@ -10,6 +10,11 @@ from .spec import FamilySpec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config name ("fp32", "bf16", "fp16") of a torch dtype."""
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron-LM's padding: the vocabulary rounded up to a multiple of `divisible_by * tp`."""
     multiple = divisible_by * tp
@@ -120,6 +125,12 @@ def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vo
         rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
     )
     model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(model.rotary_pos_emb.inv_freq.device)
+    # megatron-core's local spec builds its norms with torch's default dtype (fp32) whatever params_dtype says,
+    # while transformer-engine's spec and megatron's Float16Module put every parameter in the model dtype.
+    # We follow the latter, so both specs hold the same tensors: no parameter stays fp32. Precision comes from
+    # the optimizer's fp32 main weights and from the norms computing in fp32 (torch's rms_norm upcasts).
+    # The RoPE frequencies are a plain attribute, not a buffer, and stay fp32.
+    model.to(dtype=config.params_dtype)
     return model
 
 

@@ -19,7 +19,8 @@ from .trainable import TrainableModel
 
 
 def load_policy(ckpt_dir: str | Path, **config_overrides):
-    """This rank's GPTModel from a converted checkpoint, and the true (unpadded) vocabulary size."""
+    """This rank's GPTModel from a converted checkpoint, and the true (unpadded) vocabulary size.
+    `dtype=` (fp32, bf16, fp16) trains in another dtype than the checkpoint's."""
     model, _, cfg, _ = build_model_from_checkpoint(ckpt_dir, **config_overrides)
     return model, cfg.vocab_size
 

@@ -39,6 +39,9 @@ class TrainableModel:
                 clip_grad=optim.clip_grad if optim.clip_grad > 0 else math.inf,
                 use_distributed_optimizer=optim.use_distributed_optimizer,
                 bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+                # fp16's dynamic loss scale starts where torch's GradScaler does: megatron's 2**32 overflows
+                # and skips the first ~16 steps, a whole short RL run.
+                initial_loss_scale=2.0**16,
             ),
             [self.model],
         )

@@ -80,10 +80,12 @@ class HybridEngine:
     the consumer is loading).
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: HFModelConfig, family: FamilySpec, rollout_tp: int = 1):
+    def __init__(self, model: torch.nn.Module, cfg: HFModelConfig, family: FamilySpec, rollout_tp: int = 1,
+                 dtype: torch.dtype | None = None):
+        """`dtype`: what the rollout engine runs (default: the model's); the tensors are streamed in it."""
         from megatron.core import parallel_state as ps
 
-        self.cfg, self.family = cfg, family
+        self.cfg, self.family, self.dtype = cfg, family, dtype
         self.layout = current_layout()
         placement = rollout_placement(self.layout.rank, self.layout.world_size, self.layout.tp, rollout_tp)
         self.rollout_tp = rollout_tp
@@ -169,7 +171,10 @@ class HybridEngine:
                 parts = [(name, self._real_vocab_rows(slot, tensor))
                          for name, tensor in self._hf_slices(slot, stage, ep_rank)]
             while parts:
-                yield parts.pop(0)
+                name, tensor = parts.pop(0)
+                # Cast after the collectives: they move the training shards as they are, and the cast copy
+                # is one tensor at a time. Same dtype: the tensor itself, no copy.
+                yield name, tensor if self.dtype is None else tensor.to(self.dtype)
 
     def _shard_at_this_rank(self, slot: TensorSlot, stage: int, ep_rank: int,
                             into: torch.Tensor | None = None) -> torch.Tensor:

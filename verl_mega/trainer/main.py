@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch.distributed as dist
 
+import verl_mega
+import verl_mega.converters
 from verl_mega.checkpoint.atomic import atomic_write_text
 from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.checkpoint.run_checkpoints import model_fingerprint
@@ -41,9 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(config)
     except (ValueError, FileNotFoundError) as err:  # bad input found after start-up: say it plainly
+        if not _raised_by_verl_mega(err):
+            raise  # megatron's or torch's own check failed: a bug, shown with its traceback
         print(f"verl-mega train: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _raised_by_verl_mega(err: BaseException) -> bool:
+    """Whether `err` was raised in verl_mega's own code (its checks of the input), not in a library under it."""
+    innermost = Path(traceback.extract_tb(err.__traceback__)[-1].filename).resolve()
+    ours = [Path(folder).resolve() for package in (verl_mega, verl_mega.converters) for folder in package.__path__]
+    return any(innermost.is_relative_to(folder) for folder in ours)
 
 
 def train(config) -> None:

@@ -23,6 +23,7 @@ from verl_mega.config import TrainConfig, to_yaml
 from verl_mega.data.prompts import PromptDataset
 from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.models import load_hf_model_config
+from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.layout import rollout_placement
 from verl_mega.parallel.state import ParallelLayout, device
 from verl_mega.roles.actor import Actor
@@ -30,7 +31,7 @@ from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
 from verl_mega.roles.reward import HFRewardModel, RuleReward, scores_to_token_rewards
 from verl_mega.rollout.engine import SamplingParams
-from verl_mega.rollout.factory import make_rollout_engine
+from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.training_memory import training_memory_released
 
@@ -52,22 +53,26 @@ class PPOTrainer:
                                      config.data.prompt_key, config.data.truncation)
         self.sampler = ResumableBatchSampler(len(self.dataset), config.data.batch_size, seed=config.data.seed)
 
-        self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss,
+        # The critic and the reference run in the actor's dtype, whatever their checkpoints were saved in.
+        dtype = config.model.dtype
+        self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
                            schedule_steps=optimizer_steps(config, config.actor))
         needs_ref = config.actor.loss.use_kl_loss or config.algorithm.use_kl_in_reward
-        self.reference = make_reference(actor_ckpt, use_kl=needs_ref)
+        self.reference = make_reference(actor_ckpt, use_kl=needs_ref, dtype=dtype)
         self.critic = None
         if self.uses_critic:
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
-            self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss,
+            self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss, dtype=dtype,
                                  schedule_steps=optimizer_steps(config, config.critic))
         self.reward = RuleReward(self.tokenizer, config.reward.function)
         self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
 
         self.hf_config, family = load_hf_model_config(config.model.hf_path)
-        self.hybrid = HybridEngine(self.actor.model, self.hf_config, family, config.parallel.rollout_tp)
+        rollout_dtype = resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, dtype)
+        self.hybrid = HybridEngine(self.actor.model, self.hf_config, family, config.parallel.rollout_tp,
+                                   dtype=DTYPES[rollout_dtype])
         self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
-                                           rollout_tp=config.parallel.rollout_tp)
+                                           rollout_tp=config.parallel.rollout_tp, dtype=rollout_dtype)
 
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)

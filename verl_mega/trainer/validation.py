@@ -49,6 +49,12 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
     known("data.truncation", d.truncation, TRUNCATION_SIDES)
     known("rollout.engine", config.rollout.engine, ENGINES)
     known("model.dtype", config.model.dtype, list(DTYPES))
+    known("rollout.dtype", config.rollout.dtype, ["auto", *DTYPES])
+    # The embedded engine generates with the very policy being trained: another dtype would only make the
+    # samples drift from the log-probs the actor computes, without speeding anything up on CPU.
+    need(config.rollout.engine != "embedded" or config.rollout.dtype in ("auto", config.model.dtype),
+         f"rollout.dtype={config.rollout.dtype} with rollout.engine=embedded: the embedded engine runs in model.dtype "
+         f"({config.model.dtype}); set rollout.dtype=auto or rollout.dtype={config.model.dtype}")
     known("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS.names())
     known("actor.loss.policy_loss", a.loss.policy_loss, POLICY_LOSSES.names())
     for key, value in (("actor.loss.loss_agg_mode", a.loss.loss_agg_mode),
