@@ -21,12 +21,12 @@ DTYPES = ("bf16", "fp16")
 
 
 def build_actor(ckpt: Path, dtype: str, distributed: bool):
-    from verl_mega.roles.actor import Actor, PolicyLossConfig
-    from verl_mega.roles.optim import OptimConfig
+    from verl_mega.config import OptimConfig, PolicyLossConfig
+    from verl_mega.roles.actor import Actor
 
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, adam_eps=1e-2, lr_warmup_steps=1, lr_decay_style="cosine",
-                        total_training_steps=4, use_distributed_optimizer=distributed)
-    return Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01), dtype=dtype)
+                        use_distributed_optimizer=distributed)
+    return Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01), schedule_steps=4, dtype=dtype)
 
 
 def update(actor, batch) -> dict:
@@ -37,7 +37,7 @@ def main_weights(actor) -> list[torch.Tensor]:
     """The fp32 copies megatron's optimizer steps on (this DP rank's ranges for the distributed one)."""
     from verl_mega.checkpoint.training_state import _inner_states
 
-    return [param.detach().clone() for param, _ in _inner_states(actor.engine.optimizer)]
+    return [param.detach().clone() for param, _ in _inner_states(actor.trainable.optimizer)]
 
 
 def weights(actor) -> dict[str, torch.Tensor]:
@@ -45,7 +45,7 @@ def weights(actor) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str]) -> None:
-    from verl_mega.checkpoint.training_state import load_engine_state, save_engine_state
+    from verl_mega.checkpoint.training_state import load_training_state, save_training_state
     from verl_mega.parallel.state import destroy_parallel, init_parallel
 
     ckpt, out = Path(argv[0]), Path(argv[1])
@@ -58,17 +58,17 @@ def main(argv: list[str]) -> None:
             state = out / "state" / f"{dtype}_{kind}"
             if dist.get_rank() == 0:
                 state.mkdir(parents=True)
-            save_engine_state(actor.engine, state)
+            save_training_state(actor.trainable, state)
             saved_main = main_weights(actor)
-            loss_scale = actor.engine.optimizer.get_loss_scale().item()
+            loss_scale = actor.trainable.optimizer.get_loss_scale().item()
             straight = {"metrics": update(actor, batch), "weights": weights(actor)}
 
             resumed_actor = build_actor(ckpt, dtype, distributed)
-            load_engine_state(resumed_actor.engine, state)
+            load_training_state(resumed_actor.trainable, state)
             result = {
                 "param_dtypes": {name: param.dtype for name, param in resumed_actor.model.module.named_parameters()},
                 "saved_main": saved_main, "loaded_main": main_weights(resumed_actor),
-                "loss_scale": (loss_scale, resumed_actor.engine.optimizer.get_loss_scale().item()),
+                "loss_scale": (loss_scale, resumed_actor.trainable.optimizer.get_loss_scale().item()),
                 "straight": straight,
                 "resumed": {"metrics": update(resumed_actor, batch), "weights": weights(resumed_actor)},
             }

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from verl_mega.parallel.launch import run_torchrun
-from verl_mega.trainer import checkpointing
+from verl_mega.checkpoint import run_checkpoints
 
 from .test_resume import records, run, setup, train_command  # noqa: F401  (setup is a fixture)
 
@@ -86,7 +86,7 @@ def test_bf16_run_saves_resumes_at_another_layout_and_exports(setup, tmp_path, a
     common = ["model.dtype=bf16", "data.batch_size=8", "actor.mini_batch_size=8", "critic.mini_batch_size=8"]
     run(config_command(setup, run_dir, 8, RUNS[algorithm], "parallel.tp=2", "parallel.pp=2",
                        "trainer.total_steps=2", *common))
-    (saved,) = checkpointing.complete_checkpoints(run_dir)
+    (saved,) = run_checkpoints.complete_checkpoints(run_dir)
     stored = dist_checkpointing.load_tensors_metadata(str(saved / "actor"))
     assert stored["decoder.final_layernorm.weight"].dtype == torch.bfloat16
     assert stored["optimizer.state.fp32_param.decoder.final_layernorm.weight"].dtype == torch.float32
@@ -118,13 +118,14 @@ def _finite(value) -> bool:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.dtype=fp8"], "model.dtype must be one of fp32, bf16, fp16, not 'fp8'"),
-    (["rollout.dtype=half"], "rollout.dtype must be auto or one of fp32, bf16, fp16, not 'half'"),
+    (["model.dtype=fp8"], "model.dtype 'fp8' is unknown; known: fp32, bf16, fp16"),
+    (["rollout.dtype=half"], "rollout.dtype 'half' is unknown; known: auto, fp32, bf16, fp16"),
     (["model.dtype=bf16", "rollout.engine=embedded", "rollout.dtype=fp32"],
      "rollout.dtype=fp32 with rollout.engine=embedded: the embedded engine runs in model.dtype (bf16)"),
 ])
 def test_impossible_dtype_settings_are_refused_before_start_up(overrides, message):
-    from verl_mega.config import ConfigError, load_config, validate
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.validation import validate
 
     config = load_config(None, ["model.hf_path=unused", *overrides])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
