@@ -1,7 +1,9 @@
-"""One PPO iteration of the demo model at layouts (1,1,1) and (2,2,2): tokens/s and time per stage.
+"""One PPO iteration of the demo model at layouts (1,1,1) and (2,2,2), in fp32 and bf16: tokens/s and time per
+stage.
 
-Runs the real trainer (`examples/ppo_gae_demo.yaml`) for a few steps per layout and reports the last
-step's breakdown, so the slowest stage is visible.  Usage: python -m bench.ppo_step [--steps 3]
+Runs the real trainer (`examples/ppo_gae_demo.yaml`) for a few steps per layout and dtype on the same model and
+reports the last step's breakdown, so the slowest stage is visible, and bf16's speed-up over fp32 at each
+layout.  Usage: python -m bench.ppo_step [--steps 3] [--dtypes fp32 bf16]
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3, help="the first steps include warm-up; the last is reported")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -29,24 +32,29 @@ def main() -> None:
         data = write_rows(make_task_rows("copy", 256, seed=0, max_digits=2), tmp / "copy.jsonl")
         results = {}
         for (tp, pp, dp), overrides in LAYOUTS.items():
-            run_dir = tmp / f"run_{tp}{pp}{dp}"
-            train(EXAMPLES / "ppo_gae_demo.yaml", tp * pp * dp, [
-                f"model.hf_path={hf}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
-                f"trainer.total_steps={args.steps}", *overrides,
-            ])
-            results[(tp, pp, dp)] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+            for dtype in args.dtypes:
+                run_dir = tmp / f"run_{tp}{pp}{dp}_{dtype}"
+                train(EXAMPLES / "ppo_gae_demo.yaml", tp * pp * dp, [
+                    f"model.hf_path={hf}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
+                    f"trainer.total_steps={args.steps}", f"model.dtype={dtype}", *overrides,
+                ])
+                results[((tp, pp, dp), dtype)] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     stages = sorted({key for record in results.values() for key in record if key.startswith("timing/")})
-    print(f"{'stage (s)':<22}" + "".join(f"{str(layout):>14}" for layout in results))
+    print(f"{'stage (s)':<22}" + "".join(f"{f'{layout} {dtype}':>18}" for layout, dtype in results))
     for stage in stages:
-        print(f"{stage[len('timing/'):]:<22}" + "".join(f"{r.get(stage, 0.0):>14.3f}" for r in results.values()))
+        print(f"{stage[len('timing/'):]:<22}" + "".join(f"{r.get(stage, 0.0):>18.3f}" for r in results.values()))
     for key, label in (("perf/step_seconds", "step (s)"), ("perf/tokens_per_second", "tokens/s"),
                        ("perf/peak_memory_gib", "peak RSS (GiB)")):
-        print(f"{label:<22}" + "".join(f"{r[key]:>14.3f}" for r in results.values()))
-    for layout, record in results.items():
+        print(f"{label:<22}" + "".join(f"{r[key]:>18.3f}" for r in results.values()))
+    for (layout, dtype), record in results.items():
         slowest = max(stages, key=lambda stage: record.get(stage, 0.0))
-        print(f"{layout}: slowest stage {slowest[len('timing/'):]} ({record[slowest]:.3f} s of "
+        print(f"{layout} {dtype}: slowest stage {slowest[len('timing/'):]} ({record[slowest]:.3f} s of "
               f"{record['perf/step_seconds']:.3f} s)")
-
+    for layout in LAYOUTS:
+        for dtype in args.dtypes[1:]:
+            baseline, other = results[(layout, args.dtypes[0])], results[(layout, dtype)]
+            print(f"{layout}: {dtype} step time {other['perf/step_seconds'] / baseline['perf/step_seconds']:.2f}x "
+                  f"{args.dtypes[0]}'s, tokens/s {other['perf/tokens_per_second'] / baseline['perf/tokens_per_second']:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -1,8 +1,8 @@
 """torchrun worker for the role tests: at each (TP, PP) layout given, score and train the actor, reference and
 critic on one fixed batch and save what the test compares (metrics, log-probs, full HF-named weights).
 
-Run by tests/test_layout_invariance.py as `roles_worker CKPT_ROOT HF_DIR OUT_DIR TP,PP [TP,PP ...]`, with
-CKPT_ROOT/tp{TP}pp{PP} converted beforehand.
+Run by tests/test_layout_invariance.py as `roles_worker CKPT_ROOT HF_DIR OUT_DIR DTYPE TP,PP [TP,PP ...]`, with
+CKPT_ROOT/tp{TP}pp{PP} converted beforehand; the roles run in DTYPE (fp32, bf16, fp16).
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def gather_hf_weights(module, cfg, family) -> dict[str, torch.Tensor] | None:
     return weights if layout.tp_rank == 0 else None
 
 
-def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, tp: int, pp: int) -> None:
+def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, dtype: str, tp: int, pp: int) -> None:
     from verl_mega.models import HFModelConfig, family_for
     from verl_mega.checkpoint.manifest import Manifest
     from verl_mega.parallel.state import current_layout, init_parallel
@@ -97,16 +97,16 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, tp: int, pp: int) -
     # from the weight comparison; large eps makes the update follow the gradient's size.
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2,
                         use_distributed_optimizer=layout.dp > 1)
-    reference = make_reference(ckpt, use_kl=True)
+    reference = make_reference(ckpt, use_kl=True, dtype=dtype)
     batch["ref_log_prob"] = reference.compute_ref_log_prob(batch, MICRO_BATCH)
     actor = Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1),
-                  schedule_steps=4)
+                  schedule_steps=4, dtype=dtype)
     scored = actor.compute_log_prob(batch, MICRO_BATCH, return_entropy=True)
     actor_metrics = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH,
                                         micro_batch_size=MICRO_BATCH)
     weights = gather_hf_weights(actor.model.module, cfg, family)
 
-    critic = Critic(ckpt, optim, ValueLossConfig(cliprange_value=0.5), schedule_steps=4)
+    critic = Critic(ckpt, optim, ValueLossConfig(cliprange_value=0.5), schedule_steps=4, dtype=dtype)
     initial_values = critic.compute_values(batch, MICRO_BATCH)
     critic_metrics = [critic.update_critic(batch, ppo_epochs=1, mini_batch_size=BATCH, micro_batch_size=MICRO_BATCH)
                       for _ in range(3)]
@@ -123,10 +123,10 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, tp: int, pp: int) -
 
 
 def main(argv: list[str]) -> None:
-    ckpt_root, hf_dir, out_dir, *layouts = argv
+    ckpt_root, hf_dir, out_dir, dtype, *layouts = argv
     for layout in layouts:
         tp, pp = (int(size) for size in layout.split(","))
-        run_layout(Path(ckpt_root), Path(hf_dir), Path(out_dir), tp, pp)
+        run_layout(Path(ckpt_root), Path(hf_dir), Path(out_dir), dtype, tp, pp)
     from verl_mega.parallel.state import destroy_parallel
 
     destroy_parallel()

@@ -1,8 +1,9 @@
 """Actor, reference and critic under torchrun at (TP, PP, DP) = (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,2).
 
-One fixed batch (left-padded prompts, right-padded responses), fp32, dropout off. Every layout must give
+One fixed batch (left-padded prompts, right-padded responses), dropout off. In fp32 every layout must give
 HF's log-probs, and the same PPO metrics, grad norm and updated weights as (1,1,1); the critic starts at
-zero values and lowers its loss. Three torchrun launches: 1, 2 (three layouts in turn) and 8 processes.
+zero values and lowers its loss. In bf16 the same update agrees within what bf16 rounding explains (see
+BF16_* below). Three torchrun launches per dtype: 1, 2 (three layouts in turn) and 8 processes.
 """
 import os
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verl_mega.converters.parity import ROUNDING_SITES
 from verl_mega.parallel.launch import run_torchrun
 
 pytestmark = pytest.mark.slow
@@ -19,6 +21,27 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
 REL_TOL = 1e-5
 ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm")
 
+# bf16: layouts split the matmuls over TP (each rank's partial product rounded to bf16 before the reduction)
+# and the batch over DP and micro-batches, so activations and gradients differ between layouts by rounding.
+# - Activations and gradients: relative error of about u * sqrt(2 * S * (L + 1)) (u = 2^-8, bf16's 8 significant
+#   bits; S rounding sites per layer as in converters.parity, twice for forward and backward; L = 2 layers);
+#   3 sigma of that bounds the relative difference of the smooth aggregates compared (entropy, grad norm,
+#   value loss).
+# - Weights are stored in bf16, rounded from the fp32 main weights; two main weights closer than one ulp
+#   round at most one ulp apart, and one ulp is at most 2^-7 of the value. With Adam's eps 1e-2 the update's
+#   sensitivity to the gradient is below lr per unit of relative gradient error, so each of the update's
+#   optimizer steps adds at most lr * 3 sigma, relative to the tensor's RMS.
+BF16_U = 2.0**-8
+BF16_SIGMA = BF16_U * (2 * ROUNDING_SITES * (2 + 1)) ** 0.5
+BF16_AGGREGATE_TOL = 3 * BF16_SIGMA
+BF16_STEPS, BF16_LR = 2, 1e-2  # optimizer steps of roles_worker's update (BATCH / MINI_BATCH) and its lr
+BF16_SMOOTH_METRICS = ("entropy", "grad_norm")
+
+
+def bf16_weight_tol(reference: torch.Tensor) -> float:
+    rms = reference.double().pow(2).mean().sqrt().item()
+    return 2.0**-7 + BF16_STEPS * BF16_LR * BF16_AGGREGATE_TOL / rms
+
 
 def rel_diff(value, reference) -> float:
     value, reference = torch.as_tensor(value, dtype=torch.float64), torch.as_tensor(reference, dtype=torch.float64)
@@ -26,8 +49,8 @@ def rel_diff(value, reference) -> float:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """(tp, pp, dp) -> the last stage's saved results, with `weights` merged over the pipeline stages."""
+def converted(tmp_path_factory):
+    """(root, HF folder) with root/ckpt/tp{T}pp{P} converted for every layout."""
     from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
     from verl_mega.models.tiny import make_tiny_hf_model
 
@@ -35,13 +58,18 @@ def results(tmp_path_factory):
     hf_dir = make_tiny_hf_model(root / "hf", "qwen2", num_hidden_layers=2)
     for tp, pp in {(tp, pp) for tp, pp, _ in LAYOUTS}:
         convert_hf_to_mcore(hf_dir, root / "ckpt" / f"tp{tp}pp{pp}", tp=tp, pp=pp)
-    out = root / "out"
+    return root, hf_dir
+
+
+def run_layouts(root: Path, hf_dir: Path, dtype: str) -> dict:
+    """(tp, pp, dp) -> the last stage's saved results, with `weights` merged over the pipeline stages."""
+    out = root / f"out_{dtype}"
     out.mkdir()
     tests_dir = str(Path(__file__).parent)
     # roles_worker lives next to this file; the rest of PYTHONPATH keeps this checkout's verl_mega first.
     env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
     for nproc, layouts in LAUNCHES.items():
-        run_torchrun(nproc, "roles_worker", [str(root / "ckpt"), str(hf_dir), str(out), *layouts], env=env)
+        run_torchrun(nproc, "roles_worker", [str(root / "ckpt"), str(hf_dir), str(out), dtype, *layouts], env=env)
     merged = {}
     for tp, pp, dp in LAYOUTS:
         stages = [torch.load(out / f"tp{tp}pp{pp}dp{dp}_stage{stage}.pt") for stage in range(pp)]
@@ -50,6 +78,16 @@ def results(tmp_path_factory):
         merged[(tp, pp, dp)] = last
     merged["hf_dir"] = hf_dir
     return merged
+
+
+@pytest.fixture(scope="module")
+def results(converted):
+    return run_layouts(*converted, "fp32")
+
+
+@pytest.fixture(scope="module")
+def bf16_results(converted):
+    return run_layouts(*converted, "bf16")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "tp{}pp{}dp{}".format(*layout))
@@ -90,3 +128,18 @@ def test_critic_starts_at_zero_and_lowers_value_loss(results, layout):
     assert torch.count_nonzero(result["initial_values"]) == 0
     losses = [step["vf_loss"] for step in result["critic_metrics"]]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda layout: "tp{}pp{}dp{}".format(*layout))
+def test_bf16_ppo_update_is_layout_invariant_within_bf16_rounding(bf16_results, layout):
+    reference, result = bf16_results[(1, 1, 1)], bf16_results[layout]
+    for name in BF16_SMOOTH_METRICS:
+        difference = rel_diff(result["actor_metrics"][name], reference["actor_metrics"][name])
+        assert difference <= BF16_AGGREGATE_TOL, f"{name}: {difference:.2e} > {BF16_AGGREGATE_TOL:.2e}"
+    for before, after in zip(reference["critic_metrics"], result["critic_metrics"]):
+        assert rel_diff(after["vf_loss"], before["vf_loss"]) <= BF16_AGGREGATE_TOL
+    assert result["weights"].keys() == reference["weights"].keys()
+    worst = max((rel_diff(result["weights"][name], tensor) / bf16_weight_tol(tensor), name)
+                for name, tensor in reference["weights"].items())
+    print(f"{layout}: worst updated weight at {worst[0]:.2f} of its bf16 tolerance ({worst[1]})")
+    assert worst[0] <= 1.0, worst[1]

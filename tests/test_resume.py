@@ -50,8 +50,9 @@ def records(run_dir):
 
 
 @pytest.mark.slow
-def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(setup, tmp_path):
-    layout = ["parallel.tp=2", "parallel.pp=1", "trainer.total_steps=6"]
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(setup, tmp_path, dtype):
+    layout = ["parallel.tp=2", "parallel.pp=1", "trainer.total_steps=6", f"model.dtype={dtype}"]
     run(train_command(setup, tmp_path / "straight", 4, *layout))
     expected = records(tmp_path / "straight")
     assert sorted(expected) == list(range(1, 7))
