@@ -140,3 +140,17 @@ def test_rollout_dtype_follows_the_engine(engine, dtype, model_dtype, expected):
     from verl_mega.rollout.factory import resolve_rollout_dtype
 
     assert resolve_rollout_dtype(engine, dtype, model_dtype) == expected
+
+
+def test_a_library_error_is_a_bug_with_a_traceback_and_ours_a_user_error():
+    """The first bf16 save failed inside megatron with a ValueError that the trainer printed as a user error."""
+    from verl_mega.config import load_config
+    from verl_mega.trainer.main import _raised_by_verl_mega
+    from verl_mega.trainer.validation import validate
+
+    with pytest.raises(ValueError) as library:
+        json.loads("{")
+    assert not _raised_by_verl_mega(library.value)
+    with pytest.raises(ValueError) as ours:
+        validate(load_config(None, ["model.hf_path=unused", "model.dtype=fp8"]), world_size=1, check_files=False)
+    assert _raised_by_verl_mega(ours.value)
