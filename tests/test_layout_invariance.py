@@ -19,7 +19,12 @@ pytestmark = pytest.mark.slow
 LAUNCHES = {1: ["1,1"], 2: ["2,1", "1,2", "1,1"], 8: ["2,2"]}
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
 REL_TOL = 1e-5
-ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm")
+LOGPROB_ATOL = 1e-5  # every layout's log-probs equal transformers' within this (fp32)
+ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "entropy", "kl_loss", "grad_norm")
+# ppo_kl is the mean of (old - new) log-probs over tokens, a difference whose value (~2.6e-3 here) is far smaller
+# than its terms, so a relative bound does not fit it: its error is bounded absolutely, by the log-probs'. Both
+# layouts are within LOGPROB_ATOL of transformers', so their ppo_kl differ by at most 2 * LOGPROB_ATOL (the
+# later mini-batches' weights differ by ~1e-8 relative, which adds nothing measurable).
 
 # bf16: layouts split the matmuls over TP (each rank's partial product rounded to bf16 before the reduction)
 # and the batch over DP and micro-batches, so activations and gradients differ between layouts by rounding.
@@ -95,7 +100,7 @@ def test_log_probs_match_hf_on_left_padded_inputs(results, layout):
     result = results[layout]
     mask = result["response_mask"].bool()
     for name in ("log_probs", "ref_log_prob"):
-        torch.testing.assert_close(result[name][mask], result["hf_log_probs"][mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(result[name][mask], result["hf_log_probs"][mask], rtol=0, atol=LOGPROB_ATOL)
     assert torch.isfinite(result["entropy"]).all()
 
 
@@ -104,6 +109,7 @@ def test_ppo_update_is_layout_invariant(results, layout):
     reference, result = results[(1, 1, 1)], results[layout]
     for name in ACTOR_METRICS:
         assert rel_diff(result["actor_metrics"][name], reference["actor_metrics"][name]) <= REL_TOL, name
+    assert abs(result["actor_metrics"]["ppo_kl"] - reference["actor_metrics"]["ppo_kl"]) <= 2 * LOGPROB_ATOL
     assert result["weights"].keys() == reference["weights"].keys()
     worst = max(rel_diff(result["weights"][name], reference["weights"][name]) for name in reference["weights"])
     print(f"{layout}: max rel diff of updated weights {worst:.2e}")
