@@ -1,46 +1,46 @@
 """HF checkpoint -> Megatron shards, one rank at a time, reading only each rank's slices."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
+
+import torch
 
 from verl_mega.checkpoint import megatron_legacy
 from verl_mega.checkpoint.atomic import atomic_output_dir
+from verl_mega.checkpoint.hf_assets import copy_hf_assets, without_remote_code
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.checkpoint.model_io import hf_rank_state_dict
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, architecture, padded_vocab_size
-from verl_mega.models.sharding import rank_slots
+from verl_mega.models.expected_shapes import expected_hf_shapes
 from verl_mega.parallel.layout import check_model_fit
 
 from .torch_dist import write_torch_dist
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")
-
-
 def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
                         dtype: str = "fp32", fmt: str = "megatron_legacy", overwrite: bool = False,
-                        make_vocab_size_divisible_by: int = 128) -> Manifest:
+                        make_vocab_size_divisible_by: int = 128, keep_remote_code: bool = False) -> Manifest:
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
     cfg, family = load_hf_model_config(hf_dir)
     check_model_fit(cfg, tp, pp, ep, names={"tp": "--tp", "pp": "--pp", "ep": "--ep"})
     reader = SafetensorsReader(hf_dir)
-    _check_sources_present(reader, cfg, family)
+    check_hf_tensors(reader, cfg, family)
     padded_vocab = padded_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by)
     manifest = Manifest(
-        family=family.name, hf_config=cfg.raw, format=fmt, tp=tp, pp=pp, ep=ep, dtype=dtype,
+        family=family.name, hf_config=cfg.raw if keep_remote_code else without_remote_code(cfg.raw), format=fmt,
+        tp=tp, pp=pp, ep=ep, dtype=dtype,
         tied_embeddings=cfg.tie_word_embeddings, padded_vocab_size=padded_vocab,
     )
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, sources=(hf_dir,)) as tmp:
         if fmt == "megatron_legacy":
             _write_legacy_shards(tmp, reader, cfg, family, manifest)
         elif fmt == "torch_dist":
             write_torch_dist(tmp, hf_dir, manifest)
         else:
             raise ValueError(f"--format must be megatron_legacy or torch_dist, got '{fmt}'")
-        copy_hf_assets(hf_dir, tmp / HF_ASSETS_DIR)
+        copy_hf_assets(hf_dir, tmp / HF_ASSETS_DIR, keep_remote_code=keep_remote_code)
         manifest.write(tmp)
     return manifest
 
@@ -77,22 +77,27 @@ def megatron_args(cfg, family, manifest: Manifest) -> dict:
     )
 
 
-def _check_sources_present(reader: SafetensorsReader, cfg, family) -> None:
-    missing = [name for slot in rank_slots(cfg, family) for name in slot.hf_names if name not in reader]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"the {family.name} checkpoint at {reader.dir} lacks tensors its config implies: {shown}")
-    embed_shape = reader.shape("model.embed_tokens.weight")
-    if embed_shape != [cfg.vocab_size, cfg.hidden_size]:
-        raise ValueError(
-            f"model.embed_tokens.weight has shape {embed_shape}, but config.json says vocab_size={cfg.vocab_size}, "
-            f"hidden_size={cfg.hidden_size}"
-        )
+def check_hf_tensors(reader: SafetensorsReader, cfg, family) -> None:
+    """Refuse, before anything is written, a checkpoint whose tensors are not those its config.json implies."""
+    expected = expected_hf_shapes(cfg, family)
+    problems = [f"tensor '{name}' is missing" for name in expected if name not in reader]
+    problems += [f"tensor '{name}' has shape {list(reader.shape(name))}, config.json implies {list(shape)}"
+                 for name, shape in expected.items() if name in reader and tuple(reader.shape(name)) != shape]
+    problems += [f"tensor '{name}' has dtype {reader.dtype(name)}, not a floating-point type"
+                 for name in expected if name in reader and not reader.dtype(name).is_floating_point]
+    problems += [f"tensor '{name}' is not part of a {family.name} model with this config"
+                 for name in reader.names() if name not in expected and not _unread_extra(name, cfg)]
+    if cfg.tie_word_embeddings and "lm_head.weight" in reader and "model.embed_tokens.weight" in expected \
+            and reader.shape("lm_head.weight") == reader.shape("model.embed_tokens.weight") \
+            and not torch.equal(reader.read("lm_head.weight"), reader.read("model.embed_tokens.weight")):
+        problems.append("tensor 'lm_head.weight' differs from the embedding, but config.json says "
+                        "tie_word_embeddings=true (the LM head would be dropped)")
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise ValueError(f"the checkpoint at {reader.dir} does not match its config.json: {problems[0]}{more}")
 
 
-def copy_hf_assets(src: str | Path, dst: Path) -> None:
-    """Tokenizer, chat template and generation files: everything but weights."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for path in Path(src).iterdir():
-        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
-            shutil.copy2(path, dst / path.name)
+def _unread_extra(name: str, cfg) -> bool:
+    """Tensors some HF checkpoints carry that the model does not read: a tied LM head stored anyway, and the
+    RoPE frequencies older transformers versions saved as a buffer (recomputed from the config here)."""
+    return (cfg.tie_word_embeddings and name == "lm_head.weight") or name.endswith(".rotary_emb.inv_freq")

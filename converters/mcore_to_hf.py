@@ -7,7 +7,6 @@ tensors, through the same family spec.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -15,36 +14,45 @@ import torch
 
 from verl_mega.checkpoint import megatron_legacy
 from verl_mega.checkpoint.atomic import atomic_output_dir
+from verl_mega.checkpoint.hf_assets import copy_hf_assets, without_remote_code
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.checkpoint.roles import head_rules, hf_architecture
 from verl_mega.checkpoint.safetensors_io import SafetensorsWriter
-from verl_mega.checkpoint.torch_dist import iter_torch_dist_hf_tensors
+from verl_mega.checkpoint.torch_dist import DIST_DIR, iter_torch_dist_hf_tensors
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES
+from verl_mega.models.expected_shapes import mcore_shard_shape
 from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
 
 HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
-                        overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3) -> Path:
+                        overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3,
+                        keep_remote_code: bool = False) -> Path:
     manifest = Manifest.read(ckpt_dir)
+    if manifest.format == "torch_dist":
+        tensors = iter_torch_dist_hf_tensors(Path(ckpt_dir) / DIST_DIR, manifest)
+    else:
+        tensors = iter_legacy_hf_tensors(ckpt_dir, manifest)
+    return write_hf_model(tensors, manifest, Path(ckpt_dir) / HF_ASSETS_DIR, out_dir, sources=(ckpt_dir,),
+                          dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
+                          keep_remote_code=keep_remote_code)
+
+
+def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, assets: Path,
+                   out_dir: str | Path, *, sources: tuple[str | Path, ...], dtype: str | None = None,
+                   overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3, keep_remote_code: bool = False) -> Path:
+    """Write an HF folder from (HF name, tensor) pairs (read lazily, inside the temp folder's lifetime)."""
     dtype = dtype or manifest.dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    if manifest.format == "torch_dist":
-        if manifest.role != "actor":
-            raise ValueError(f"{ckpt_dir}: only actor checkpoints are read in torch_dist format; save the "
-                             f"{manifest.role} as megatron_legacy (`save_role_weights` does)")
-        iter_tensors = iter_torch_dist_hf_tensors
-    else:
-        iter_tensors = iter_legacy_hf_tensors
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, sources=sources) as tmp:
         writer = SafetensorsWriter(tmp, max_shard_bytes)
-        for name, tensor in iter_tensors(ckpt_dir, manifest):
+        for name, tensor in tensors:
             writer.add(name, tensor.to(DTYPES[dtype]))
         writer.close()
-        _write_hf_files(Path(ckpt_dir), manifest, tmp, dtype)
+        _write_hf_files(assets, manifest, tmp, dtype, keep_remote_code)
     return Path(out_dir)
 
 
@@ -52,8 +60,7 @@ def iter_legacy_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator
     """(HF name, full tensor) for every tensor, holding one pipeline stage's files memory-mapped."""
     cfg = HFModelConfig.from_dict(manifest.hf_config)
     family = family_for(cfg)
-    tracker = Path(ckpt_dir) / megatron_legacy.TRACKER_NAME
-    iteration = int(tracker.read_text().strip()) if tracker.is_file() else manifest.iteration
+    iteration = megatron_legacy.checked_iteration(ckpt_dir, manifest.iteration, manifest.tp, manifest.pp, manifest.ep)
     for pp_rank in range(manifest.pp):
         for ep_rank in range(manifest.ep):
             shards = [
@@ -61,30 +68,41 @@ def iter_legacy_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator
                                            ep_rank=ep_rank, ep=manifest.ep)
                 for tp_rank in range(manifest.tp)
             ]
-            for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep,
-                                   head_rules(manifest.role)):
+            slots = list(rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep,
+                                    head_rules(manifest.role)))
+            for tp_rank, shard in enumerate(shards):
+                where = f"the shard of tp_rank {tp_rank}, pp_rank {pp_rank}, ep_rank {ep_rank} in {ckpt_dir}"
+                _check_shard(shard, slots, cfg, manifest, where)
+            for slot in slots:
                 if slot.is_tied_copy or (ep_rank > 0 and not slot.rule.per_expert):
                     continue
-                missing = [r for r, shard in enumerate(shards) if slot.local_name not in shard]
-                if missing:
-                    raise ValueError(
-                        f"tensor '{slot.local_name}' is missing from the shard of tp_rank {missing[0]}, pp_rank "
-                        f"{pp_rank} in {ckpt_dir}: the files do not match the manifest's layout "
-                        f"(tp={manifest.tp}, pp={manifest.pp}, ep={manifest.ep})"
-                    )
                 for name, tensor in split_mcore_to_hf(slot, cfg, [shard[slot.local_name] for shard in shards]):
                     yield name, strip_vocab_padding(slot.rule, tensor, cfg.vocab_size)
             del shards
 
 
-def _write_hf_files(ckpt_dir: Path, manifest: Manifest, out: Path, dtype: str) -> None:
-    assets = ckpt_dir / HF_ASSETS_DIR
+def _check_shard(shard: dict, slots, cfg, manifest: Manifest, where: str) -> None:
+    """Refuse a shard whose tensors are not those the manifest's config and layout imply (a manifest that
+    disagrees with the files would otherwise export tensors of the wrong size)."""
+    expected = {slot.local_name: mcore_shard_shape(slot, cfg, manifest.tp, manifest.padded_vocab_size)
+                for slot in slots}
+    for name, shape in expected.items():
+        if name not in shard:
+            raise ValueError(f"tensor '{name}' is missing from {where}: the files do not match the manifest "
+                             f"(tp={manifest.tp}, pp={manifest.pp}, ep={manifest.ep})")
+        if tuple(shard[name].shape) != shape or not shard[name].is_floating_point():
+            raise ValueError(f"tensor '{name}' in {where} is {shard[name].dtype} {list(shard[name].shape)}, the "
+                             f"manifest (tp={manifest.tp}, its hf_config) implies a floating-point {list(shape)}")
+    unexpected = sorted(set(shard) - set(expected))
+    if unexpected:
+        raise ValueError(f"{where} holds tensor '{unexpected[0]}', which the manifest's model lacks")
+
+
+def _write_hf_files(assets: Path, manifest: Manifest, out: Path, dtype: str, keep_remote_code: bool) -> None:
     if assets.is_dir():
-        for path in assets.iterdir():
-            if path.is_file() and path.name != "config.json":
-                shutil.copy2(path, out / path.name)
+        copy_hf_assets(assets, out, keep_remote_code=keep_remote_code, skip=("config.json",), follow_symlinks=False)
     family = family_for(manifest.hf_config)
-    config = dict(manifest.hf_config)
+    config = dict(manifest.hf_config if keep_remote_code else without_remote_code(manifest.hf_config))
     config["architectures"] = [hf_architecture(family, manifest.role)]
     if manifest.role == "critic":
         # One label: the value. transformers stores num_labels as the label maps.

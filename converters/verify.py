@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,10 +20,13 @@ from transformers import AutoModelForCausalLM
 from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.models.builder import DTYPES
+from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.parallel.launch import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
+from .hf_to_mcore import check_hf_tensors
 from .parity import Parity, logit_parity
 
 
@@ -33,8 +39,13 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
                        seq_len: int = 16, batch: int = 2, seed: int = 0) -> list[Parity]:
     """Parity per (HF folder, checkpoint) pair, all run at one layout (default: the first checkpoint's).
     Launches torchrun unless already inside a distributed job."""
+    for hf_dir, ckpt_dir in pairs:
+        check_pair(hf_dir, ckpt_dir)
     first = Manifest.read(pairs[0][1])
     tp, pp, ep = tp or first.tp, pp or first.pp, first.ep
+    for name, size in (("--seq-len", seq_len), ("--batch", batch)):
+        if type(size) is not int or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
     if in_distributed_job():
         return _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -42,8 +53,31 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
         args = [item for hf, ckpt in pairs for item in ("--pair", str(hf), str(ckpt))]
         args += ["--tp", str(tp), "--pp", str(pp), "--seq-len", str(seq_len), "--batch", str(batch),
                  "--seed", str(seed), "--result", str(result)]
-        run_torchrun(tp * pp * ep, "verl_mega.converters.verify", args)
+        try:
+            completed = run_torchrun(tp * pp * ep, "verl_mega.converters.verify", args, capture_output=True)
+        except subprocess.CalledProcessError as err:
+            errors = sorted(Path(tmp).glob(f"{result.name}.rank*.error"))
+            if errors:  # a rank refused its input: its one line is the message
+                raise ValueError(errors[0].read_text().strip()) from None
+            tail = "\n".join((err.stdout + err.stderr).splitlines()[-30:])
+            raise RuntimeError(f"the verify ranks failed (exit {err.returncode}); their output ends with:\n{tail}") from None
+        print("\n".join(line for line in completed.stdout.splitlines() if line.startswith("logit parity")))
         return [Parity(**figures) for figures in json.loads(result.read_text())["parity"]]
+
+
+def check_pair(hf_dir: str | Path, ckpt_dir: str | Path) -> None:
+    """Refuse, before launching anything, an HF folder and a checkpoint that are not the same model."""
+    cfg, family = load_hf_model_config(hf_dir)
+    check_hf_tensors(SafetensorsReader(hf_dir), cfg, family)
+    manifest = Manifest.read(ckpt_dir)
+    if manifest.role != "actor":
+        raise ValueError(f"{ckpt_dir} holds the {manifest.role}'s weights; logit parity needs an actor checkpoint")
+    stored = HFModelConfig.from_dict(manifest.hf_config)
+    for field in ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "ffn_hidden_size", "vocab_size", "tie_word_embeddings"):
+        if getattr(cfg, field) != getattr(stored, field):
+            raise ValueError(f"{hf_dir} and {ckpt_dir} are different models: {field} is {getattr(cfg, field)} "
+                             f"in the HF config and {getattr(stored, field)} in the checkpoint")
 
 
 def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, result_file=None) -> list[Parity]:
@@ -99,8 +133,14 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result")
     args = parser.parse_args(argv)
-    ep = Manifest.read(args.pair[0][1]).ep
-    _verify_ranks(args.pair, args.tp, args.pp, ep, args.seq_len, args.batch, args.seed, args.result)
+    try:
+        ep = Manifest.read(args.pair[0][1]).ep
+        _verify_ranks(args.pair, args.tp, args.pp, ep, args.seq_len, args.batch, args.seed, args.result)
+    except (ValueError, OSError) as err:  # bad input: one line for the launcher to show, exit 2
+        print(f"verl-mega verify: error: {err}", file=sys.stderr)
+        if args.result:
+            Path(f"{args.result}.rank{os.environ.get('RANK', '0')}.error").write_text(f"{err}\n")
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 
-from verl_mega.checkpoint.manifest import FORMATS, MANIFEST_NAME, Manifest
-from verl_mega.checkpoint.role_weights import FINAL_ROLE_DIRS
+from verl_mega.checkpoint.manifest import FORMATS
 from verl_mega.checkpoint.roles import ROLES
+from verl_mega.converters.export import export_role
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
 from verl_mega.converters.verify import verify_checkpoint
@@ -31,6 +30,11 @@ DELEGATED = {
 }
 
 
+def _add_keep_remote_code(parser) -> None:
+    parser.add_argument("--keep-remote-code", action="store_true",
+                        help="keep the source's *.py files and auto_map (which make transformers run that code)")
+
+
 def _add_convert(subparsers) -> None:
     convert = subparsers.add_parser("convert", help="HF <-> Megatron checkpoints")
     kinds = convert.add_subparsers(dest="direction", required=True)
@@ -44,6 +48,7 @@ def _add_convert(subparsers) -> None:
     to_mcore.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
     to_mcore.add_argument("--format", default=FORMATS[0], choices=FORMATS)
     to_mcore.add_argument("--overwrite", action="store_true")
+    _add_keep_remote_code(to_mcore)
     to_mcore.add_argument("--verify", action="store_true", help="check logit parity against transformers after")
     to_mcore.add_argument("--tolerance", type=float,
                           help="with --verify: fail above this max |Δ logit| (default: the checkpoint dtype's rule)")
@@ -53,6 +58,7 @@ def _add_convert(subparsers) -> None:
     to_hf.add_argument("--out", required=True)
     to_hf.add_argument("--dtype", choices=DTYPE_NAMES, help="default: the checkpoint's")
     to_hf.add_argument("--overwrite", action="store_true")
+    _add_keep_remote_code(to_hf)
 
     verify = kinds.add_parser("verify", help="logit parity: megatron-core from the shards vs transformers")
     verify.add_argument("--hf", required=True)
@@ -65,12 +71,15 @@ def _add_convert(subparsers) -> None:
 
 def _add_export(subparsers) -> None:
     export = subparsers.add_parser("export", help="a trained run's actor or critic -> an HF folder")
-    export.add_argument("--ckpt", required=True, help="a run folder (its final actor / critic) or a checkpoint folder")
+    export.add_argument("--ckpt", required=True,
+                        help="a run folder (its final actor / critic), a step checkpoint, or a checkpoint folder")
+    export.add_argument("--step", type=int, help="with a run folder: export this step's checkpoint")
     export.add_argument("--out", required=True)
     export.add_argument("--role", default="actor", choices=ROLES,
                         help="critic: a *ForTokenClassification model with one label (the value)")
     export.add_argument("--dtype", choices=DTYPE_NAMES, help="default: the checkpoint's")
     export.add_argument("--overwrite", action="store_true")
+    _add_keep_remote_code(export)
 
 
 def _add_delegated(subparsers) -> None:
@@ -106,13 +115,15 @@ def _check_parity(hf_dir: str, ckpt_dir: str, tolerance: float | None, **kwargs)
 def _run_convert(args) -> int:
     if args.direction == "hf-to-mcore":
         manifest = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
-                                       fmt=args.format, overwrite=args.overwrite)
+                                       fmt=args.format, overwrite=args.overwrite,
+                                       keep_remote_code=args.keep_remote_code)
         print(f"wrote {manifest.family} {manifest.format} checkpoint tp={manifest.tp} pp={manifest.pp} "
               f"ep={manifest.ep} dtype={manifest.dtype} to {args.out}")
         if args.verify:
             return _check_parity(args.hf, args.out, args.tolerance)
     elif args.direction == "mcore-to-hf":
-        convert_mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        convert_mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite,
+                            keep_remote_code=args.keep_remote_code)
         print(f"wrote HF model to {args.out}")
     else:
         return _check_parity(args.hf, args.ckpt, args.tolerance, seq_len=args.seq_len, batch=args.batch)
@@ -120,16 +131,9 @@ def _run_convert(args) -> int:
 
 
 def _run_export(args) -> int:
-    ckpt = Path(args.ckpt)
-    run_role_dir = ckpt / FINAL_ROLE_DIRS[args.role]
-    if not (ckpt / MANIFEST_NAME).is_file() and (run_role_dir / MANIFEST_NAME).is_file():
-        ckpt = run_role_dir
-    role = Manifest.read(ckpt).role
-    if role != args.role:
-        raise ValueError(f"{ckpt} holds the {role}'s weights, not the {args.role}'s: pass --role {role}, or the "
-                         f"{args.role}'s checkpoint (a run folder's {FINAL_ROLE_DIRS[args.role]})")
-    convert_mcore_to_hf(ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"exported the {args.role} of {ckpt} to {args.out}")
+    source = export_role(args.ckpt, args.out, role=args.role, step=args.step, dtype=args.dtype,
+                         overwrite=args.overwrite, keep_remote_code=args.keep_remote_code)
+    print(f"exported the {args.role} of {source} to {args.out}")
     return 0
 
 
@@ -151,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         return {"convert": _run_convert, "export": _run_export}[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as err:
         print(f"verl-mega {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # disk full, quota, permissions: the environment, not a bug; name the path
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"verl-mega {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
         return 2
 
 

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin, get_type_hints
+
+from verl_mega.models import HFModelConfig, family_for
+from verl_mega.models.builder import DTYPES
 
 from .roles import check_role
 
@@ -39,11 +42,51 @@ class Manifest:
                 f"{path} not found: {ckpt_dir} is not a verl_mega checkpoint (convert one with "
                 "`verl-mega convert hf-to-mcore`)"
             )
-        data = json.loads(path.read_text())
-        if data.get("format") not in FORMATS:
-            raise ValueError(f"{path}: unknown format {data.get('format')!r}; expected one of {FORMATS}")
         try:
-            check_role(data.get("role", "actor"))
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        try:
+            return cls(**_checked_fields(data))
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
-        return cls(**data)
+
+
+def _checked_fields(data) -> dict[str, Any]:
+    """The manifest's fields, each of the type and range the loaders rely on; anything else is refused by name."""
+    if not isinstance(data, dict):
+        raise ValueError(f"must hold a JSON object, not a {type(data).__name__}")
+    known = {f.name: f for f in fields(Manifest)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"unknown key '{unknown[0]}'")
+    for name, spec in known.items():
+        if name not in data and spec.default is MISSING and spec.default_factory is MISSING:
+            raise ValueError(f"missing key '{name}'")
+    hints = get_type_hints(Manifest)
+    for name, value in data.items():
+        wanted = get_origin(hints[name]) or hints[name]
+        if type(value) is not wanted:
+            raise ValueError(f"key '{name}' must be of type {wanted.__name__}, got {value!r}")
+    if data["format"] not in FORMATS:
+        raise ValueError(f"unknown format {data['format']!r}; expected one of {FORMATS}")
+    if data["dtype"] not in DTYPES:
+        raise ValueError(f"key 'dtype' must be one of {', '.join(DTYPES)}, got {data['dtype']!r}")
+    check_role(data.get("role", "actor"))
+    for name in ("tp", "pp", "ep", "padded_vocab_size"):
+        if data[name] < 1:
+            raise ValueError(f"key '{name}' must be >= 1, got {data[name]}")
+    if data.get("iteration", 0) < 0:
+        raise ValueError(f"key 'iteration' must be >= 0, got {data['iteration']}")
+    try:
+        cfg = HFModelConfig.from_dict(data["hf_config"])
+        family = family_for(cfg)
+    except ValueError as err:
+        raise ValueError(f"key 'hf_config': {str(err).removeprefix('config.json: ')}") from None
+    if data["family"] != family.name:
+        raise ValueError(f"key 'family' says {data['family']!r} but hf_config is a {family.name} model")
+    if data["padded_vocab_size"] < cfg.vocab_size or data["padded_vocab_size"] % data["tp"]:
+        raise ValueError(f"key 'padded_vocab_size' {data['padded_vocab_size']} must be >= the vocabulary "
+                         f"({cfg.vocab_size}) and a multiple of tp={data['tp']}")
+    return data
+

@@ -54,7 +54,8 @@ def load_legacy_shard(model, ckpt_dir: str | Path, manifest: Manifest) -> None:
             f"runs tp={layout.tp}, pp={layout.pp}, ep={layout.ep}: convert again at this layout, or use "
             "--format torch_dist, which loads at any layout"
         )
-    shard = megatron_legacy.read_shard(ckpt_dir, manifest.iteration, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
+    iteration = megatron_legacy.checked_iteration(ckpt_dir, manifest.iteration, manifest.tp, manifest.pp, manifest.ep)
+    shard = megatron_legacy.read_shard(ckpt_dir, iteration, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
                                        pp=layout.pp, ep_rank=layout.ep_rank, ep=layout.ep)
     where = f"shard (tp_rank {layout.tp_rank}, pp_rank {layout.pp_rank}, ep_rank {layout.ep_rank}) of {ckpt_dir}"
     load_canonical_state_dict(model, shard, family_for(manifest.hf_config).moe, where)

@@ -1,13 +1,17 @@
 """Streaming safetensors IO: read one tensor (or one TP slice of it) at a time; write bounded shards."""
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,20 +42,26 @@ class SafetensorsReader:
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
+        self._fds: dict[Path, int] = {}
+        self._entries: dict[str, _Entry] = {}
         index = self.dir / INDEX_NAME
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            weight_map = _read_weight_map(index)
+            files = sorted(set(weight_map.values()))
         elif (self.dir / SINGLE_NAME).is_file():
-            files = [SINGLE_NAME]
+            weight_map, files = None, [SINGLE_NAME]
         else:
             raise FileNotFoundError(f"{self.dir} holds neither {SINGLE_NAME} nor {INDEX_NAME}")
-        self._entries: dict[str, _Entry] = {}
-        self._fds: dict[Path, int] = {}
         for file in files:
             path = self.dir / file
             if not path.is_file():
                 raise FileNotFoundError(f"shard {path} named in {INDEX_NAME} is missing")
-            self._entries.update(_read_entries(path))
+            for name, entry in _read_entries(path).items():
+                if name in self._entries:
+                    raise ValueError(f"tensor '{name}' is stored twice: in {self._entries[name].path} and {path}")
+                self._entries[name] = entry
+        if weight_map is not None:
+            _check_weight_map(index, weight_map, self._entries)
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -124,9 +134,10 @@ class SafetensorsReader:
             raise ValueError(f"{entry.path} ended early while reading a tensor: the file is truncated")
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        fds = getattr(self, "_fds", {})  # absent when __init__ refused the folder before opening anything
+        for fd in fds.values():
             os.close(fd)
-        self._fds.clear()
+        fds.clear()
 
     def __del__(self):
         self.close()
@@ -136,30 +147,86 @@ def _bytes_of(tensor: torch.Tensor):
     return tensor.view(-1).view(torch.uint8).numpy()
 
 
+# safetensors' own limit on the JSON header; a header length past it is a corrupt or hostile file.
+MAX_HEADER_BYTES = 100 * 1024**2
+
+
 def _read_entries(path: Path) -> dict[str, _Entry]:
-    """Parse a safetensors header, checking that the file holds all the bytes it describes."""
+    """Parse a safetensors header, refusing anything the data bytes do not back exactly: every tensor's
+    byte span equals its shape x dtype, spans tile the data without gaps or overlaps, and end at the file's end."""
+    file_size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise ValueError(f"{path} is truncated or not a safetensors file")
         (length,) = struct.unpack("<Q", raw)
+        if length > min(MAX_HEADER_BYTES, file_size - 8):
+            raise ValueError(f"{path} is corrupt: its header claims {length} bytes, the file has {file_size}")
         try:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{path} has a corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has a corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     data_start = 8 + length
-    data_end = max((meta["data_offsets"][1] for meta in header.values()), default=0)
-    if path.stat().st_size < data_start + data_end:
-        raise ValueError(
-            f"{path} is truncated: its header describes {data_start + data_end} bytes, the file has {path.stat().st_size}"
-        )
-    entries = {}
+    entries, spans = {}, []
     for name, meta in header.items():
-        if meta["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor '{name}' has unsupported dtype {meta['dtype']}")
-        entries[name] = _Entry(path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), data_start + meta["data_offsets"][0])
+        dtype, shape, begin, end = _parse_entry(path, name, meta)
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{path}: tensor '{name}' spans {end - begin} bytes but its shape {list(shape)} of "
+                             f"{meta['dtype']} needs {math.prod(shape) * dtype.itemsize}")
+        entries[name] = _Entry(path, dtype, shape, data_start + begin)
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            kind = "overlaps the previous tensor" if begin < position else "leaves a gap before it"
+            raise ValueError(f"{path} is corrupt: tensor '{name}' at bytes {begin}..{end} {kind}")
+        position = end
+    if data_start + position != file_size:
+        raise ValueError(f"{path} is truncated or corrupt: its header describes {data_start + position} bytes, "
+                         f"the file has {file_size}")
     return entries
+
+
+def _parse_entry(path: Path, name: str, meta) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: tensor '{name}' has a corrupt header entry")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{path}: tensor '{name}' has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"{path}: tensor '{name}' has an invalid shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"{path}: tensor '{name}' has invalid data_offsets {offsets!r}")
+    return _DTYPES[dtype], tuple(shape), offsets[0], offsets[1]
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor -> file map, every file a plain name inside the model folder."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise ValueError(f"{index} is not a JSON object with a 'weight_map'") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to file names")
+    for file in set(weight_map.values()):
+        if Path(file).is_absolute() or ".." in Path(file).parts or "\\" in file or not file.strip():
+            raise ValueError(f"{index} names the file '{file}', outside the model folder: only files in "
+                             f"{index.parent} are read")
+    return weight_map
+
+
+def _check_weight_map(index: Path, weight_map: dict[str, str], entries: dict[str, _Entry]) -> None:
+    for name, file in weight_map.items():
+        entry = entries.get(name)
+        if entry is None or entry.path != index.parent / file:
+            raise ValueError(f"{index} places tensor '{name}' in {file}, which does not hold it")
+    stray = sorted(set(entries) - set(weight_map))
+    if stray:
+        raise ValueError(f"{index} does not list tensor '{stray[0]}', which {entries[stray[0]].path} holds")
 
 
 class SafetensorsWriter:
@@ -181,7 +248,19 @@ class SafetensorsWriter:
 
     def _flush(self) -> None:
         index = len(self._files)
-        save_file(self._pending, self.dir / f"part-{index}.tmp", metadata={"format": "pt"})
+        path = self.dir / f"part-{index}.tmp"
+        try:
+            save_file(self._pending, path, metadata={"format": "pt"})
+        except SafetensorError as err:  # its I/O errors (disk full, quota) as the OSError they are, naming the file
+            code = re.search(r"os error (\d+)", str(err))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+        # safetensors' writer can report success on a short write (seen writing to a full device).
+        try:
+            _read_entries(path)
+        except ValueError:
+            raise OSError(errno.EIO, "the file came out incomplete (is the disk full?)", str(path)) from None
         self._files.append({name: t.numel() * t.element_size() for name, t in self._pending.items()})
         self._pending, self._pending_bytes = {}, 0
 

@@ -1,4 +1,4 @@
-"""Reading megatron `dist_checkpointing` ("torch_dist") model checkpoints.
+"""Reading megatron `dist_checkpointing` ("torch_dist") checkpoints: converted models and roles' training states.
 
     CKPT/iter_0000000/metadata.json, .metadata, __*_*.distcp
 
@@ -15,10 +15,13 @@ from typing import Iterator
 import torch
 
 from verl_mega.models import HFModelConfig, family_for
+from verl_mega.models.expected_shapes import mcore_shape
 from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
 from verl_mega.parallel.launch import free_port
 
 from .manifest import Manifest
+from .roles import head_rules
+from .safe_unpickle import guard_dist_checkpoint_reads
 
 DIST_DIR = "iter_0000000"
 
@@ -27,6 +30,7 @@ def load_torch_dist(model, ckpt_dir: str | Path) -> None:
     """Load a dist checkpoint into this rank's model, whatever layout it was saved at."""
     from megatron.core import dist_checkpointing
 
+    guard_dist_checkpoint_reads()
     path = Path(ckpt_dir) / DIST_DIR
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (metadata.json missing)")
@@ -34,26 +38,40 @@ def load_torch_dist(model, ckpt_dir: str | Path) -> None:
     model.load_state_dict(loaded, strict=False)
 
 
-def iter_torch_dist_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every tensor, loading one stacked dist-checkpoint key at a time."""
+def iter_torch_dist_hf_tensors(dist_dir: str | Path, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every tensor of a dist checkpoint folder (a converted checkpoint's
+    iter_0000000, or a role's training state), loading one stacked key at a time; optimizer state is skipped."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
+    guard_dist_checkpoint_reads()
     _ensure_single_process_group()
-    path = str(Path(ckpt_dir) / DIST_DIR)
+    path = str(dist_dir)
+    if not (Path(path) / "metadata.json").is_file() or not (Path(path) / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a complete dist checkpoint (metadata.json or .metadata missing)")
     metadata = dist_checkpointing.load_tensors_metadata(path)
     cfg = HFModelConfig.from_dict(manifest.hf_config)
     family = family_for(cfg)
     current_key, stacked = None, None
-    for slot in rank_slots(cfg, family):
+    for slot in rank_slots(cfg, family, head_rules=head_rules(manifest.role)):
         key, index = _dist_key(slot, metadata)
         if key != current_key:
             meta = metadata[key]
             request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))}
             current_key, stacked = key, dist_checkpointing.load(request, path)[key]
         tensor = stacked[index] if index else stacked
+        _check_dist_tensor(slot, cfg, tensor, path)
         for name, hf_tensor in split_mcore_to_hf(slot, cfg, [tensor]):
             yield name, strip_vocab_padding(slot.rule, hf_tensor, cfg.vocab_size)
+
+
+def _check_dist_tensor(slot, cfg, tensor: torch.Tensor, path: str) -> None:
+    """The stored tensor has the shape the manifest's config implies (vocabulary rows: padded at save time)."""
+    expected, found = mcore_shape(slot.rule, cfg), tuple(tensor.shape)
+    fits = (found[1:] == expected[1:] and found[0] >= expected[0]) if slot.rule.vocab else found == expected
+    if not fits or not tensor.is_floating_point():
+        raise ValueError(f"tensor '{slot.global_name}' in {path} is {tensor.dtype} {list(found)}, the manifest's "
+                         f"hf_config implies a floating-point {list(expected)}")
 
 
 def _dist_key(slot, metadata) -> tuple[str, tuple[int, ...]]:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .safe_unpickle import guard_dist_checkpoint_reads
+
 MAIN_STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")  # the distributed optimizer's per-parameter tensors
 
 
@@ -37,6 +39,7 @@ def load_training_state(trainable, directory: str | Path) -> None:
     """
     from megatron.core import dist_checkpointing
 
+    guard_dist_checkpoint_reads()
     directory = Path(directory)
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise FileNotFoundError(

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -41,9 +40,11 @@ class HFModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "HFModelConfig":
+        if not isinstance(raw, dict):
+            raise ValueError(f"config.json must hold a JSON object, not a {type(raw).__name__}")
         model_type = raw.get("model_type")
-        if not model_type:
-            raise ValueError("config.json has no 'model_type'")
+        if not model_type or not isinstance(model_type, str):
+            raise ValueError("config.json has no 'model_type' string")
         text = raw.get("text_config")
         if isinstance(text, dict) and "num_hidden_layers" not in raw:
             raise ValueError(
@@ -55,8 +56,10 @@ class HFModelConfig:
             hidden = raw["hidden_size"]
             num_layers = raw["num_hidden_layers"]
             vocab = raw["vocab_size"]
+            ffn = raw["intermediate_size"]
         except KeyError as missing:
             raise ValueError(f"config.json of model_type '{model_type}' lacks the key {missing}") from None
+        _check_sizes(raw)
         theta, scaling = _rope_fields(raw)
         num_experts = raw.get("num_local_experts") or raw.get("num_experts")
         return cls(
@@ -66,7 +69,7 @@ class HFModelConfig:
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or hidden // num_heads,
-            ffn_hidden_size=raw["intermediate_size"],
+            ffn_hidden_size=ffn,
             vocab_size=vocab,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             norm_eps=raw.get("rms_norm_eps", 1e-6),
@@ -87,8 +90,39 @@ class HFModelConfig:
             raise FileNotFoundError(f"{path} not found: --hf must point at a HuggingFace model folder")
         try:
             return json.loads(path.read_text())
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from None
+
+
+# Sizes every reader divides or allocates by; a string, a bool, zero or a negative number is a broken config.
+_POSITIVE_INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "intermediate_size", "vocab_size", "max_position_embeddings", "num_local_experts",
+                      "num_experts", "num_experts_per_tok")
+_NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")
+
+
+def _check_sizes(raw: dict[str, Any]) -> None:
+    for key in _POSITIVE_INT_KEYS:
+        value = raw.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"config.json: '{key}' must be a positive integer, got {value!r}")
+    for key in _NUMBER_KEYS:
+        value = raw.get(key)
+        if value is not None and (type(value) not in (int, float) or not 0 < value < math.inf):
+            raise ValueError(f"config.json: '{key}' must be a positive number, got {value!r}")
+    for key in ("tie_word_embeddings", "attention_bias"):
+        if not isinstance(raw.get(key, False), bool):
+            raise ValueError(f"config.json: '{key}' must be true or false, got {raw[key]!r}")
+    heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"config.json: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    if not raw.get("head_dim") and raw["hidden_size"] % heads:
+        raise ValueError(f"config.json: hidden_size={raw['hidden_size']} is not a multiple of "
+                         f"num_attention_heads={heads} (and no head_dim is given)")
+    if raw.get("num_experts_per_tok") and raw.get("num_local_experts") and \
+            raw["num_experts_per_tok"] > raw["num_local_experts"]:
+        raise ValueError(f"config.json: num_experts_per_tok={raw['num_experts_per_tok']} exceeds "
+                         f"num_local_experts={raw['num_local_experts']}")
 
 
 def _rope_fields(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -101,7 +135,32 @@ def _rope_fields(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         theta = raw.get("rope_theta", 10000.0)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling["rope_type"] = rope_type
+    _check_rope(theta, scaling)
     return float(theta), scaling
+
+
+# The fields each supported RoPE type reads, beyond theta.
+_ROPE_FIELDS = {"default": (), "linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+ROPE_TYPES = tuple(_ROPE_FIELDS)
+
+
+def _check_rope(theta, scaling: dict[str, Any]) -> None:
+    """Refuse at conversion what training could not run: an unsupported RoPE type or missing scaling fields."""
+    rope_type = scaling["rope_type"]
+    if rope_type not in _ROPE_FIELDS:
+        raise ValueError(
+            f"config.json: rope type '{rope_type}' is not supported (supported: {', '.join(ROPE_TYPES)}); "
+            "it needs attention scaling or sequence-length-dependent frequencies"
+        )
+    if type(theta) not in (int, float) or not 0 < theta < math.inf:
+        raise ValueError(f"config.json: 'rope_theta' must be a positive number, got {theta!r}")
+    for key in _ROPE_FIELDS[rope_type]:
+        value = scaling.get(key)
+        if type(value) not in (int, float) or not 0 < value < math.inf:
+            raise ValueError(f"config.json: {rope_type} RoPE scaling needs a positive number '{key}', got {value!r}")
+    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError("config.json: llama3 RoPE scaling needs high_freq_factor > low_freq_factor")
 
 
 def _partial_rotary_factor(raw: dict[str, Any]) -> float:
@@ -119,11 +178,6 @@ def rope_inv_freq(config: HFModelConfig):
     import torch
 
     rope_type = config.rope_scaling["rope_type"]
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(
-            f"rope type '{rope_type}' is not supported (supported: {', '.join(ROPE_TYPES)}); "
-            "it needs attention scaling or sequence-length-dependent frequencies"
-        )
     dim = int(config.head_dim * config.rotary_percent)
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope_type == "linear":

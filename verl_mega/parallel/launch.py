@@ -17,11 +17,13 @@ def in_distributed_job() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def run_torchrun(nproc: int, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
-    """torchrun --nproc-per-node nproc -m module args; raises CalledProcessError if any rank fails."""
+def run_torchrun(nproc: int, module: str, args: list[str], env: dict[str, str] | None = None,
+                 capture_output: bool = False) -> subprocess.CompletedProcess:
+    """torchrun --nproc-per-node nproc -m module args; raises CalledProcessError (with the output when
+    captured) if any rank fails."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module, *args,
     ]
     child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    subprocess.run(command, check=True, env=child_env)
+    return subprocess.run(command, check=True, env=child_env, capture_output=capture_output, text=capture_output)

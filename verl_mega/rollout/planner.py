@@ -1,5 +1,6 @@
 """Dry run of a HybridEngine transition: per rank, the bytes held for training, held for rollout, and
-sent / received in between, from the HF checkpoint's headers alone (no weights are read).
+sent / received in between, from the HF model's config.json alone (no weights need to be present, so a
+large run can be planned before its checkpoint is downloaded).
 
     verl-mega plan --hf DIR --train-tp T --train-pp P --dp D --rollout-tp t [--ep E] [--dtype bf16]
 
@@ -13,9 +14,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, padded_vocab_size
+from verl_mega.models.expected_shapes import expected_hf_shapes
 from verl_mega.models.sharding import rank_slots
 from verl_mega.parallel.layout import (
     check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates, rollout_placement,
@@ -81,21 +82,21 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     cfg, family = load_hf_model_config(hf_dir)
     check_model_fit(cfg, train_tp, train_pp, ep, names)
     placements = [rollout_placement(rank, world_size, train_tp, rollout_tp) for rank in range(world_size)]
-    reader = SafetensorsReader(hf_dir)
+    hf_shapes = expected_hf_shapes(cfg, family)
     item = DTYPES[dtype].itemsize
     padded_vocab = padded_vocab_size(cfg.vocab_size, train_tp, make_vocab_size_divisible_by)
     micro_dp = placements[0].micro_dp
 
     def shard_bytes(slot) -> int:
-        numel = sum(math.prod(reader.shape(name)) for name in slot.hf_names)
+        numel = sum(math.prod(hf_shapes[name]) for name in slot.hf_names)
         if slot.rule.vocab:
             numel = numel // cfg.vocab_size * padded_vocab
         return numel * item // (train_tp if slot.rule.tp_dim is not None else 1)
 
     transfers = [(stage, owner_ep, slot, shard_bytes(slot))
                  for stage, owner_ep, slot in transfer_order(cfg, family, train_pp, ep)]
-    model_bytes = sum(math.prod(reader.shape(n)) for _, _, slot, _ in transfers for n in slot.hf_names) * item
-    largest = max(math.prod(reader.shape(n)) for _, _, slot, _ in transfers for n in slot.hf_names) * item
+    model_bytes = sum(math.prod(hf_shapes[n]) for _, _, slot, _ in transfers for n in slot.hf_names) * item
+    largest = max(math.prod(hf_shapes[n]) for _, _, slot, _ in transfers for n in slot.hf_names) * item
 
     ranks = []
     for rank, placement in enumerate(placements):
@@ -160,6 +161,8 @@ def main(argv=None) -> None:
         result = plan(args.hf, args.train_tp, args.train_pp, args.dp, args.rollout_tp, ep=args.ep, dtype=args.dtype)
     except ValueError as err:
         parser.exit(2, f"verl-mega plan: impossible layout: {err}\n")
+    except OSError as err:
+        parser.exit(2, f"verl-mega plan: error: {err}\n")
     print(result.format())
 
 

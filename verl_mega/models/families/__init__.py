@@ -1,6 +1,8 @@
 """The supported model families, looked up by HF `model_type`."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..hf_config import HFModelConfig
 from ..spec import FamilySpec
 from . import llama, mistral, mixtral, phi3, qwen2, qwen3
@@ -29,6 +31,11 @@ def family_for(config: HFModelConfig | dict) -> FamilySpec:
 def load_hf_model_config(hf_dir) -> tuple[HFModelConfig, FamilySpec]:
     """Read `config.json`, refusing unsupported model types before looking at any other field."""
     raw = HFModelConfig.read_raw(hf_dir)
-    family_for(raw)
-    config = HFModelConfig.from_dict(raw)
-    return config, family_for(config)
+    try:
+        if not isinstance(raw, dict):
+            raise ValueError(f"must hold a JSON object, not a {type(raw).__name__}")
+        family_for(raw)
+        config = HFModelConfig.from_dict(raw)
+        return config, family_for(config)
+    except ValueError as err:
+        raise ValueError(f"{Path(hf_dir) / 'config.json'}: {str(err).removeprefix('config.json: ')}") from None

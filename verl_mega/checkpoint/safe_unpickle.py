@@ -1,0 +1,85 @@
+"""Reading a dist checkpoint (torch_dist) runs no code from it.
+
+torch's `FileSystemReader` unpickles a checkpoint's `.metadata` with plain `pickle`, and its default load
+planner reads non-tensor items with `torch.load(weights_only=False)`: a planted file in a checkpoint or run
+folder would run a command on load. `guard_dist_checkpoint_reads` routes both through safe readers, for
+torch's and megatron's loaders alike (megatron's readers and planners subclass these): `.metadata` through an
+unpickler that admits only the classes checkpoint metadata is made of, byte items through torch's
+weights-only loader.
+"""
+from __future__ import annotations
+
+import functools
+import pickle
+from pathlib import Path
+
+import torch
+
+# Modules whose own classes (dataclasses and enums, no behaviour on construction) make up the metadata.
+_CLASS_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_SINGLE_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # a name -> torch.layout lookup
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals dist-checkpoint metadata needs; anything else is refused."""
+
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name) if _is_allowed(module, name) else None
+        if found is None:
+            raise pickle.UnpicklingError(f"refusing to load '{module}.{name}': not part of checkpoint metadata")
+        return found
+
+
+def _is_allowed(module: str, name: str) -> bool:
+    if (module, name) in _SINGLE_GLOBALS:
+        return True
+    if module == "torch":
+        return isinstance(getattr(torch, name, None), torch.dtype)
+    if module in _CLASS_MODULES and not name.startswith("__"):
+        import importlib
+
+        value = getattr(importlib.import_module(module), name, None)
+        return isinstance(value, type) and value.__module__ == module
+    return False
+
+
+def read_dist_metadata(path: str | Path):
+    """Unpickle a `.metadata` file with `MetadataUnpickler`; a refused or corrupt file is a ValueError naming it."""
+    try:
+        with open(path, "rb") as file:
+            return MetadataUnpickler(file).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as err:
+        raise ValueError(f"{path} is not valid dist-checkpoint metadata: {err}") from None
+
+
+@functools.cache
+def guard_dist_checkpoint_reads() -> None:
+    """Install the safe readers into torch's dist-checkpoint reader and load planner (once per process)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    def read_metadata(self, *args, **kwargs):
+        # torch's own body, with the unpickler replaced.
+        metadata = read_dist_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def load_bytes(self, read_item, value) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+    FileSystemReader.read_metadata = read_metadata
+    DefaultLoadPlanner.load_bytes = load_bytes
