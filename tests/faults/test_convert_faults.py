@@ -105,14 +105,14 @@ def test_tensors_not_matching_config_refused(fault_models, tmp_path, capsys, cas
 
 
 LAYOUT_CASES = [
-    (["--tp", "-2"], ("tensor parallel size", "-2")),
-    (["--pp", "-1"], ("pipeline parallel size", "-1")),
-    (["--ep", "0"], ("expert parallel size", "0")),
-    (["--tp", "0"], ("tensor parallel size", "0")),
-    (["--pp", "0"], ("pipeline parallel size", "0")),
-    (["--tp", "3"], ("tensor parallel size 3", "num_key_value_heads")),
-    (["--pp", "3"], ("pipeline parallel size 3", "num_hidden_layers")),
-    (["--ep", "2"], ("expert parallel size 2",)),
+    (["--tp", "-2"], ("--tp", "-2")),
+    (["--pp", "-1"], ("--pp", "-1")),
+    (["--ep", "0"], ("--ep", "0")),
+    (["--tp", "0"], ("--tp", "0")),
+    (["--pp", "0"], ("--pp", "0")),
+    (["--tp", "3"], ("--tp=3", "num_key_value_heads")),
+    (["--pp", "3"], ("--pp=3", "num_hidden_layers")),
+    (["--ep", "2"], ("--ep=2", "experts")),
 ]
 
 

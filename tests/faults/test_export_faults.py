@@ -166,12 +166,13 @@ def test_verify_failure_is_one_line(fault_models, checkpoint, tmp_path, capsys):
 
 
 PLAN_CASES = [
-    (["--train-tp", "0"], ("tensor parallel size", "0")),
-    (["--train-tp", "-2"], ("tensor parallel size", "-2")),
-    (["--train-pp", "0"], ("pipeline parallel size", "0")),
-    (["--dp", "0"], ("--dp",)),
-    (["--ep", "0"], ("expert parallel size", "0")),
-    (["--rollout-tp", "0"], ("rollout tensor-parallel size 0",)),
+    (["--train-tp", "0"], ("--train-tp", "0")),
+    (["--train-tp", "-2"], ("--train-tp", "-2")),
+    (["--train-pp", "0"], ("--train-pp", "0")),
+    (["--dp", "0"], ("--dp", "0")),
+    (["--ep", "0"], ("--ep", "0")),
+    (["--rollout-tp", "0"], ("--rollout-tp", "0")),
+    (["--rollout-tp", "3"], ("--rollout-tp=3", "must divide")),
 ]
 
 
