@@ -10,6 +10,7 @@ weights-only loader.
 from __future__ import annotations
 
 import functools
+import importlib
 import pickle
 from pathlib import Path
 
@@ -41,8 +42,6 @@ def _is_allowed(module: str, name: str) -> bool:
     if module == "torch":
         return isinstance(getattr(torch, name, None), torch.dtype)
     if module in _CLASS_MODULES and not name.startswith("__"):
-        import importlib
-
         value = getattr(importlib.import_module(module), name, None)
         return isinstance(value, type) and value.__module__ == module
     return False

@@ -134,7 +134,7 @@ class SafetensorsReader:
             raise ValueError(f"{entry.path} ended early while reading a tensor: the file is truncated")
 
     def close(self) -> None:
-        fds = getattr(self, "_fds", {})  # absent when __init__ refused the folder before opening anything
+        fds = getattr(self, "_fds", {})  # absent when __init__ failed before setting it
         for fd in fds.values():
             os.close(fd)
         fds.clear()

@@ -40,8 +40,6 @@ class HFModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "HFModelConfig":
-        if not isinstance(raw, dict):
-            raise ValueError(f"config.json must hold a JSON object, not a {type(raw).__name__}")
         model_type = raw.get("model_type")
         if not model_type or not isinstance(model_type, str):
             raise ValueError("config.json has no 'model_type' string")
@@ -98,7 +96,7 @@ class HFModelConfig:
 _POSITIVE_INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                       "intermediate_size", "vocab_size", "max_position_embeddings", "num_local_experts",
                       "num_experts", "num_experts_per_tok")
-_NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "partial_rotary_factor")
+_NUMBER_KEYS = ("rms_norm_eps", "partial_rotary_factor")  # rope_theta: `_check_rope`, wherever it is given
 
 
 def _check_sizes(raw: dict[str, Any]) -> None:
