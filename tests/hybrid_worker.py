@@ -58,6 +58,7 @@ def check_transition(engine: HybridEngine, reader, hf_dir: str, cfg, family, pad
         got = received[name]
         assert got.shape == want.shape and torch.equal(got, want), (
             f"{label} rank {layout.rank}: '{name}' differs (shape {tuple(got.shape)} vs {tuple(want.shape)})")
+    check_feed_describes_stream(engine, received, reader, cfg, family, label)
     figures = plan(hf_dir, layout.tp, layout.pp, layout.dp, engine.rollout_tp, ep=layout.ep).ranks[layout.rank]
     coords = (figures.tp_rank, figures.pp_rank, figures.dp_rank, figures.ep_rank, figures.rollout_tp_rank)
     assert coords == (layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.ep_rank, engine.rollout_tp_rank), (
@@ -68,6 +69,22 @@ def check_transition(engine: HybridEngine, reader, hf_dir: str, cfg, family, pad
         f"{label} rank {layout.rank}: measured peak {engine.tracker.peak} B > planned {figures.transition_peak_bytes} B")
     if layout.rank == 0:
         print(f"{label}: ok, peak {engine.tracker.peak} B <= planned {figures.transition_peak_bytes} B", flush=True)
+
+
+def check_feed_describes_stream(engine: HybridEngine, received: dict, reader, cfg, family, label: str) -> None:
+    """The rollout engine is built from `engine.feed`: it must say how the stream is laid out on this rank."""
+    feed = engine.feed
+    assert (feed.rollout_tp, feed.rollout_tp_rank, feed.vocab_size) == (
+        engine.rollout_tp, engine.rollout_tp_rank, cfg.vocab_size), f"{label}: feed {feed}"
+    assert feed.presliced == (engine.rollout_tp > 1), f"{label}: feed {feed}"
+    for slot in rank_slots(cfg, family):
+        for name in slot.hf_names:
+            whole = reader.shape(name)
+            if slot.rule.vocab:
+                rows = feed.vocab_rows(feed.rollout_tp_rank)
+                assert tuple(received[name].shape) == (len(rows), *whole[1:]), f"{label}: '{name}' vs feed {feed}"
+            elif not feed.presliced:
+                assert tuple(received[name].shape) == tuple(whole), f"{label}: '{name}' is not whole at rollout TP 1"
 
 
 def check_greedy_parity(engine: HybridEngine, cfg, export_dir: str, label: str) -> None:

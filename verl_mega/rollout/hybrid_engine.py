@@ -30,6 +30,7 @@ from verl_mega.models.spec import SAME, FamilySpec, TensorRule, to_canonical_nam
 from verl_mega.parallel.layout import rollout_placement
 from verl_mega.parallel.state import current_layout
 
+from .engine import WeightFeed
 from .live_bytes import LiveBytes
 
 
@@ -213,6 +214,14 @@ class HybridEngine:
         dist.all_gather(gathered, shard.contiguous(), group=self._micro_dp_group)
         del shard
         return split_mcore_to_hf(slot, self.cfg, gathered)
+
+    @property
+    def feed(self) -> WeightFeed:
+        """How `stream()` lays out its tensors on this rank, for the rollout engine that loads them."""
+        vocab_slot = next(slot for _, _, slot in transfer_order(self.cfg, self.family, self.layout.pp, self.layout.ep)
+                          if slot.rule.vocab)
+        padded_vocab = self._shapes[vocab_slot.global_name][0][0] * self.layout.tp
+        return WeightFeed(self.rollout_tp, self.rollout_tp_rank, padded_vocab, self.cfg.vocab_size)
 
     def _real_vocab_rows(self, slot: TensorSlot, tensor: torch.Tensor) -> torch.Tensor:
         if not slot.rule.vocab:

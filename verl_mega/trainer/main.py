@@ -68,7 +68,9 @@ def train(config) -> None:
     actor_ckpt = prepare_checkpoint(config, layout, run_dir)
     critic_ckpt = Path(config.model.critic_ckpt) if config.model.critic_ckpt else None
     stop = StopRequest().install()
-    finished = PPOTrainer(config, layout, actor_ckpt, critic_ckpt, stop_requested=stop).fit()
+    trainer = PPOTrainer(config, layout, actor_ckpt, critic_ckpt, stop_requested=stop)
+    finished = trainer.fit()
+    trainer.rollout.close()
     if not finished and layout.rank == 0:
         requeue_slurm_job()
     destroy_parallel()

@@ -72,7 +72,8 @@ class PPOTrainer:
         self.hybrid = HybridEngine(self.actor.model, self.hf_config, family, config.parallel.rollout_tp,
                                    dtype=DTYPES[rollout_dtype])
         self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
-                                           rollout_tp=config.parallel.rollout_tp, dtype=rollout_dtype)
+                                           self.hybrid.feed, max_model_len=config.data.max_prompt_length
+                                           + config.data.max_response_length, dtype=rollout_dtype)
 
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
