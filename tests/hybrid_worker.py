@@ -17,8 +17,9 @@ import torch
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models.sharding import rank_slots, tp_part
+from verl_mega.parallel.layout import rollout_vocab_rows
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
-from verl_mega.rollout.hybrid_engine import HybridEngine, rollout_vocab_rows
+from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.planner import plan
 
 TRAINING_STEP_SHIFT = 0.5

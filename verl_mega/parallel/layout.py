@@ -109,3 +109,14 @@ def rollout_placement(rank: int, world_size: int, tp: int, rollout_tp: int) -> R
         replica=(rank // tp) * micro_dp + tp_rank % micro_dp,
         leads_replica=tp_rank // micro_dp == 0,
     )
+
+
+def rollout_vocab_rows(padded_vocab: int, vocab_size: int, part: int, parts: int) -> range:
+    """Rows of the real vocabulary in rollout TP slice `part` of a padded embedding / output layer.
+
+    Megatron pads at the end of the whole table, so only the last slices lose rows (`strip_vocab_padding`
+    is the parts == 1 case).
+    """
+    per_part = padded_vocab // parts
+    start = part * per_part
+    return range(min(start, vocab_size), min(start + per_part, vocab_size))

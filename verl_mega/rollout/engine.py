@@ -7,6 +7,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from verl_mega.parallel.layout import rollout_vocab_rows
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -64,8 +66,6 @@ class WeightFeed:
         return self.rollout_tp > 1
 
     def vocab_rows(self, part: int) -> range:
-        from .hybrid_engine import rollout_vocab_rows
-
         return rollout_vocab_rows(self.padded_vocab, self.vocab_size, part, self.rollout_tp)
 
 

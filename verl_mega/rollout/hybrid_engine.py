@@ -27,7 +27,7 @@ from verl_mega.models.builder import unwrap_model
 from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
 from verl_mega.models.spec import SAME, FamilySpec, TensorRule, to_canonical_name
-from verl_mega.parallel.layout import rollout_placement
+from verl_mega.parallel.layout import rollout_placement, rollout_vocab_rows
 from verl_mega.parallel.state import current_layout
 
 from .engine import WeightFeed
@@ -43,17 +43,6 @@ def transfer_order(cfg: HFModelConfig, family: FamilySpec, pp: int, ep: int) -> 
                 if slot.is_tied_copy or (ep_rank > 0 and not slot.rule.per_expert):
                     continue
                 yield stage, ep_rank, slot
-
-
-def rollout_vocab_rows(padded_vocab: int, vocab_size: int, part: int, parts: int) -> range:
-    """Rows of the real vocabulary in rollout TP slice `part` of a padded embedding / output layer.
-
-    Megatron pads at the end of the whole table, so only the last slices lose rows (`strip_vocab_padding`
-    is the parts == 1 case).
-    """
-    per_part = padded_vocab // parts
-    start = part * per_part
-    return range(min(start, vocab_size), min(start + per_part, vocab_size))
 
 
 def slice_is_gathered_shards(rule: TensorRule) -> bool:

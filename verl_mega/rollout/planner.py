@@ -20,9 +20,10 @@ from verl_mega.models.expected_shapes import expected_hf_shapes
 from verl_mega.models.sharding import rank_slots
 from verl_mega.parallel.layout import (
     check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates, rollout_placement,
+    rollout_vocab_rows,
 )
 
-from .hybrid_engine import rollout_vocab_rows, slice_is_gathered_shards, transfer_order
+from .hybrid_engine import slice_is_gathered_shards, transfer_order
 
 
 @dataclass(frozen=True)
