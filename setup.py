@@ -23,7 +23,9 @@ def kernel_extensions():
     except ImportError:
         print("setup.py: torch is not importable, building verl_mega without its kernels", file=sys.stderr)
         return [], {}
-    # -g0: debug info doubles compile time; -fopenmp: without it at::parallel_for runs serially;
+    # -g0: debug info doubles compile time; -fopenmp: without it at::parallel_for runs serially. It is a compile
+    # flag only: linked, it would add the system's libgomp next to the one torch ships, two OpenMP runtimes with
+    # two thread pools; unlinked, the GOMP entry points resolve to torch's runtime, loaded with libtorch_cpu.
     # AVX2/FMA (x86-64-v3, every x86 server since 2013): the vectorised softmax rows run ~1.6x faster than SSE2.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
     simd = ["-mavx2", "-mfma"] if platform.machine() == "x86_64" else []
@@ -33,7 +35,6 @@ def kernel_extensions():
             "verl_mega._kernels",
             sources=["csrc/bindings.cpp", "csrc/token_logprobs.cpp", "csrc/gae.cpp"],
             extra_compile_args=cxx_flags,
-            extra_link_args=openmp,
         )
     ]
     if torch.version.cuda and cpp_extension.CUDA_HOME:
