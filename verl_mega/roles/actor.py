@@ -33,7 +33,7 @@ def response_logprobs(logits: torch.Tensor, micro_batch: Batch, vocab_size: int,
 
 
 def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_size: int,
-                              return_entropy: bool = False) -> dict[str, torch.Tensor]:
+                              return_entropy: bool = False, max_tokens: int = 0) -> dict[str, torch.Tensor]:
     """Forward-only {'log_probs'[, 'entropy']} [B, R] of the responses, on every rank (actor and reference)."""
     names = ("log_probs", "entropy") if return_entropy else ("log_probs",)
 
@@ -42,7 +42,7 @@ def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_
         return dict(zip(names, outputs if return_entropy else (outputs,)))
 
     model.eval()
-    return compute_per_token(model, batch, micro_batch_size, names, per_token)
+    return compute_per_token(model, batch, micro_batch_size, names, per_token, max_tokens)
 
 
 def is_on_policy(ppo_epochs: int, mini_batch_size: int, rows: int) -> bool:
@@ -64,16 +64,19 @@ class Actor:
     def model(self):
         return self.trainable.model
 
-    def compute_log_prob(self, batch: Batch, micro_batch_size: int, return_entropy: bool = False):
+    def compute_log_prob(self, batch: Batch, micro_batch_size: int, return_entropy: bool = False,
+                         max_tokens: int = 0):
         """{'log_probs'[, 'entropy']} of the response tokens, [B, R] float32 on every rank."""
-        return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy)
+        return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy,
+                                         max_tokens)
 
     @property
     def uses_kl_loss(self) -> bool:
         """Whether the loss has a KL term: with a zero coefficient it adds nothing and needs no reference."""
         return self.loss.use_kl_loss and self.loss.kl_loss_coef != 0
 
-    def update_policy(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
+    def update_policy(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
+                      max_tokens: int = 0) -> dict:
         """PPO steps (see `TrainableModel.train_epochs`); metrics averaged over the optimizer steps.
 
         Without 'old_log_probs' in `batch` the update is on-policy: allowed for one epoch over one mini-batch,
@@ -89,7 +92,7 @@ class Actor:
         if self.uses_kl_loss:
             names.append("kl_loss")
         return self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
-                                        self.loss.loss_agg_mode, names, self._micro_batch_loss)
+                                        self.loss.loss_agg_mode, names, self._micro_batch_loss, max_tokens)
 
     def _micro_batch_loss(self, logits, micro_batch: Batch, share: MicroBatchShare):
         cfg = self.loss

@@ -180,16 +180,18 @@ class PPOTrainer:
         batch = build_rollout_batch(rows["input_ids"], responses, cfg.data.max_response_length,
                                     self.tokenizer.pad_token_id)
 
-        micro = cfg.actor.micro_batch_size
+        micro, actor_tokens = cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch
+        critic_tokens = cfg.critic.max_tokens_per_micro_batch
         if self.needs_old_log_probs(len(rows["input_ids"])):
             with timer("old_log_prob"):
-                batch["old_log_probs"] = self.actor.compute_log_prob(batch, micro)["log_probs"].cpu()
+                batch["old_log_probs"] = self.actor.compute_log_prob(batch, micro, max_tokens=actor_tokens
+                                                                     )["log_probs"].cpu()
         if self.reference is not None:
             with timer("ref_log_prob"):
-                batch["ref_log_prob"] = self.reference.compute_ref_log_prob(batch, micro).cpu()
+                batch["ref_log_prob"] = self.reference.compute_ref_log_prob(batch, micro, actor_tokens).cpu()
         if self.critic is not None:
             with timer("values"):
-                batch["values"] = self.critic.compute_values(batch, cfg.critic.micro_batch_size).cpu()
+                batch["values"] = self.critic.compute_values(batch, cfg.critic.micro_batch_size, critic_tokens).cpu()
 
         with timer("reward"):
             scores, token_scores = self.score(batch, rows)
@@ -198,10 +200,11 @@ class PPOTrainer:
         if self.critic is not None:
             with timer("update_critic"):
                 critic_metrics = self.critic.update_critic(batch, cfg.critic.ppo_epochs, cfg.critic.mini_batch_size,
-                                                           cfg.critic.micro_batch_size)
+                                                           cfg.critic.micro_batch_size, critic_tokens)
             metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
         with timer("update_actor"):
-            actor_metrics = self.actor.update_policy(batch, cfg.actor.ppo_epochs, cfg.actor.mini_batch_size, micro)
+            actor_metrics = self.actor.update_policy(batch, cfg.actor.ppo_epochs, cfg.actor.mini_batch_size, micro,
+                                                     actor_tokens)
         metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
 
         return self._step_metrics(metrics, batch, scores, timer, time.perf_counter() - start)
