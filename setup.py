@@ -74,7 +74,9 @@ setup(
         "pyyaml",
         "omegaconf>=2.4",
     ],
-    extras_require={"gpu": ["vllm", "transformer-engine"]},
+    # bench: bench/vs_trl.py only (never imported by the package or the tests); the TRL release checked against
+    # the torch and transformers pinned above, installed without moving them.
+    extras_require={"gpu": ["vllm", "transformer-engine"], "bench": ["trl==1.16.0"]},
     entry_points={"console_scripts": ["verl-mega=verl_mega.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
