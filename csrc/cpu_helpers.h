@@ -1,14 +1,16 @@
-// Helpers shared by the CPU kernels: work splitting, and explicit SIMD for float rows.
+// Helpers shared by the CPU kernels: work splitting over threads, and explicit SIMD for float rows.
 //
 // GCC's auto-vectoriser gives up on the softmax loops (it turns the exponent floor into a branch), so the
 // float path uses GCC/Clang vector extensions: explicit float vectors that lower to SSE, AVX or NEON,
 // whatever the build targets. float64 (the gradcheck path) stays scalar and exact.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -16,10 +18,29 @@
 
 namespace verl_mega {
 
-// Rows (sequences) per at::parallel_for task, so that short rows are batched and long ones still spread over
-// the threads. The default of 32k elements per task is ATen's own grain.
-inline int64_t rows_per_task(int64_t row_length, int64_t elements_per_task = 32768) {
+// Elements per task (~1 ms of work at ~1 ns per element): waking a thread costs tens of microseconds, and on a
+// busy machine a woken thread may wait a scheduler slice for its core, so work smaller than two tasks stays on
+// the calling thread. ATen's own grain (32k elements, ~30 us here) made calls slower with more threads.
+constexpr int64_t kElementsPerTask = 1 << 20;
+
+// Rows (sequences) per task, so that short rows are batched and long ones still spread over the threads.
+inline int64_t rows_per_task(int64_t row_length, int64_t elements_per_task = kElementsPerTask) {
   return std::max<int64_t>(1, elements_per_task / std::max<int64_t>(row_length, 1));
+}
+
+// Runs body(begin, end) over row ranges [0, rows) of rows_per_task rows on torch's intra-op threads (the
+// OpenMP runtime torch loaded). Threads claim tasks one at a time instead of each taking a fixed share, so a
+// thread the OS has descheduled (a neighbour busy on its core) holds up the call by the task it is in, not by
+// its whole share: the running threads take over the rest.
+template <typename Body>
+void parallel_rows(int64_t rows, int64_t rows_per_task, const Body& body) {
+  const int64_t tasks = (rows + rows_per_task - 1) / rows_per_task;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    for (int64_t task = next_task++; task < tasks; task = next_task++) {
+      body(task * rows_per_task, std::min(rows, (task + 1) * rows_per_task));
+    }
+  });
 }
 
 // One register: vectors wider than the target's registers go through memory and run slower than scalars.

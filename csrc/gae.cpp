@@ -2,7 +2,6 @@
 // a group of kLanes sequences is scanned backwards together, groups in parallel, leftovers one at a time.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
 #include "cpu_helpers.h"
@@ -14,11 +13,6 @@ namespace {
 
 // Steps per tile: one 64-byte cache line of float32 per sequence.
 constexpr int64_t kTileSteps = 16;
-
-// GAE streams ~1 ns per element, so ATen's grain would make tasks of ~30 us: less than the cost of waking a
-// thread, and on a busy machine a parallel region waits a whole scheduler slice for a descheduled thread.
-// Tasks of 1M elements (~1 ms) leave a PPO batch of 256 x 1024 tokens on the calling thread.
-constexpr int64_t kElementsPerTask = 1 << 20;
 
 // The per-lane condition type of a select between two V.
 template <typename V>
@@ -91,7 +85,7 @@ void gae_kernel(const at::Tensor& rewards, const at::Tensor& values, const at::T
                                         returns.data_ptr<acc_t>());
   };
   const int64_t groups = (batch + lanes - 1) / lanes;
-  at::parallel_for(0, groups, rows_per_task(steps * lanes, kElementsPerTask), [&](int64_t begin, int64_t end) {
+  parallel_rows(groups, rows_per_task(steps * lanes), [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; ++group) {
       const int64_t first = group * lanes;
       if (first + lanes <= batch) {

@@ -2,7 +2,6 @@
 // (max, then sum-exp) while it sits in cache, never materialising a [rows, vocab] intermediate.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
@@ -51,7 +50,7 @@ void partials_kernel(const at::Tensor& logits, const at::Tensor& labels, int64_t
   acc_t* label_out = label_logit.data_ptr<acc_t>();
   acc_t* shifted_out = shifted_sum ? shifted_sum->data_ptr<acc_t>() : nullptr;
 
-  at::parallel_for(0, rows, rows_per_task(vocab), [&](int64_t begin, int64_t end) {
+  parallel_rows(rows, rows_per_task(vocab), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* x = x_all + row * vocab;
       vec max_v = splat<vec>(-std::numeric_limits<acc_t>::infinity());
@@ -101,7 +100,7 @@ void backward_kernel(const at::Tensor& logits, const at::Tensor& labels, int64_t
   TORCH_CHECK(grad_ent == nullptr || mean != nullptr, "an entropy gradient needs mean_logit");
   scalar_t* out_all = grad_logits.data_ptr<scalar_t>();
 
-  at::parallel_for(0, rows, rows_per_task(vocab), [&](int64_t begin, int64_t end) {
+  parallel_rows(rows, rows_per_task(vocab), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* x = x_all + row * vocab;
       scalar_t* out = out_all + row * vocab;

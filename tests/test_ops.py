@@ -261,7 +261,7 @@ def two_threads():
 
 def test_cpu_kernels_split_over_threads(two_threads):
     cpu = compiled_for(torch.device("cpu"))
-    logits, labels = random_logits(301, 1000), random_labels(301, vocab=1000)  # ~10 tasks of 32 rows
+    logits, labels = random_logits(2100, 1000), random_labels(2100, vocab=1000)  # 3 tasks of <= 1048 rows
     got, want = cpu.logprob_partials(logits, labels, 0, True), reference.logprob_partials(logits, labels, 0, True)
     for g, w in zip(got, want):
         assert_relative_close(g, w)

@@ -66,6 +66,14 @@ def test_sampling_parameters(loaded):
     assert stopped[0].token_ids == greedy[: greedy.index(stop) + 1]
 
 
+def test_sampling_without_top_k_draws_from_the_whole_vocabulary(loaded):
+    """top_k=-1 must not fall back to transformers' default top 50: the old log-probs are the full softmax's.
+    At temperature 100 the tiny model is near uniform over 300 tokens: 256 draws give ~170 distinct ones."""
+    _, engine = loaded
+    params = SamplingParams(temperature=100.0, max_new_tokens=1, n=256, seed=0)
+    assert len({response.token_ids[0] for response in engine.generate(PROMPTS[:1], params)}) > 50
+
+
 def test_embedded_refuses_sliced_or_foreign_tensors(loaded):
     hf_dir, engine = loaded
     with pytest.raises(ValueError, match="needs full tensors"):

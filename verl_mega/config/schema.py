@@ -97,6 +97,9 @@ class UpdateSchedule:
     ppo_epochs: int = 1
     mini_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 2  # sequences per forward/backward on one rank
+    # > 0: micro-batches of as many consecutive sequences as fit this many tokens (padding to the longest
+    # included) instead of micro_batch_size sequences, as verl's use_dynamic_bsz; the loss is the same.
+    max_tokens_per_micro_batch: int = 0
 
 
 @dataclass

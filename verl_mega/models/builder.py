@@ -72,6 +72,12 @@ def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, p
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
     )
+    # Micro-batches are trimmed to their longest sequence (roles.batching.trim_padding), so pipeline stages
+    # exchange each activation's shape first. Megatron refuses that with the all-gather token dispatcher, even
+    # in a dense model that dispatches nothing (hence all-to-all there); the CPU MoE path needs all-gather and
+    # keeps full-width micro-batches.
+    if pp > 1 and (on_gpu or not family.moe):
+        kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     if family.moe:
         kwargs.update(
             moe_router_load_balancing_type="none",

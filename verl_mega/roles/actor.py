@@ -12,7 +12,7 @@ from verl_mega.algorithms import agg_loss, compute_kl, get_policy_loss_fn
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.config import OptimConfig, PolicyLossConfig
 
-from .batching import Batch, response_window
+from .batching import Batch, batch_size, response_window
 from .logprobs import vocab_parallel_logprobs
 from .megatron_step import MicroBatchShare, compute_per_token
 from .trainable import TrainableModel
@@ -33,7 +33,7 @@ def response_logprobs(logits: torch.Tensor, micro_batch: Batch, vocab_size: int,
 
 
 def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_size: int,
-                              return_entropy: bool = False) -> dict[str, torch.Tensor]:
+                              return_entropy: bool = False, max_tokens: int = 0) -> dict[str, torch.Tensor]:
     """Forward-only {'log_probs'[, 'entropy']} [B, R] of the responses, on every rank (actor and reference)."""
     names = ("log_probs", "entropy") if return_entropy else ("log_probs",)
 
@@ -42,7 +42,14 @@ def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_
         return dict(zip(names, outputs if return_entropy else (outputs,)))
 
     model.eval()
-    return compute_per_token(model, batch, micro_batch_size, names, per_token)
+    return compute_per_token(model, batch, micro_batch_size, names, per_token, max_tokens)
+
+
+def is_on_policy(ppo_epochs: int, mini_batch_size: int, rows: int) -> bool:
+    """Whether an update's first forward sees the weights that generated the batch, for every row: one epoch
+    over one mini-batch. The old log-probs are then that forward's, and a separate pass to compute them is
+    redundant."""
+    return ppo_epochs == 1 and mini_batch_size == rows
 
 
 class Actor:
@@ -57,27 +64,44 @@ class Actor:
     def model(self):
         return self.trainable.model
 
-    def compute_log_prob(self, batch: Batch, micro_batch_size: int, return_entropy: bool = False):
+    def compute_log_prob(self, batch: Batch, micro_batch_size: int, return_entropy: bool = False,
+                         max_tokens: int = 0):
         """{'log_probs'[, 'entropy']} of the response tokens, [B, R] float32 on every rank."""
-        return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy)
+        return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy,
+                                         max_tokens)
 
-    def update_policy(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
-        """PPO steps (see `TrainableModel.train_epochs`); metrics averaged over the optimizer steps."""
-        if self.loss.use_kl_loss and "ref_log_prob" not in batch:
+    @property
+    def uses_kl_loss(self) -> bool:
+        """Whether the loss has a KL term: with a zero coefficient it adds nothing and needs no reference."""
+        return self.loss.use_kl_loss and self.loss.kl_loss_coef != 0
+
+    def update_policy(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
+                      max_tokens: int = 0) -> dict:
+        """PPO steps (see `TrainableModel.train_epochs`); metrics averaged over the optimizer steps.
+
+        Without 'old_log_probs' in `batch` the update is on-policy: allowed for one epoch over one mini-batch,
+        where the old log-probs are by definition the first (and only) forward's, which it uses, detached.
+        """
+        if self.uses_kl_loss and "ref_log_prob" not in batch:
             raise ValueError("use_kl_loss is set but the batch has no 'ref_log_prob'")
+        if "old_log_probs" not in batch and not is_on_policy(ppo_epochs, mini_batch_size, batch_size(batch)):
+            raise ValueError(f"the batch has no 'old_log_probs': they equal the update's own forward only for one "
+                             f"epoch over one mini-batch, not ppo_epochs={ppo_epochs} with mini_batch_size="
+                             f"{mini_batch_size} of {batch_size(batch)} rows")
         names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy"]
-        if self.loss.use_kl_loss:
+        if self.uses_kl_loss:
             names.append("kl_loss")
         return self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
-                                        self.loss.loss_agg_mode, names, self._micro_batch_loss)
+                                        self.loss.loss_agg_mode, names, self._micro_batch_loss, max_tokens)
 
     def _micro_batch_loss(self, logits, micro_batch: Batch, share: MicroBatchShare):
         cfg = self.loss
         on = lambda key: micro_batch[key].to(logits.device)  # noqa: E731
         mask = on("response_mask")
         log_prob, entropy = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=True)
+        old_log_prob = on("old_log_probs") if "old_log_probs" in micro_batch else log_prob.detach()
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = self._policy_loss(
-            on("old_log_probs"), log_prob, on("advantages"), mask, loss_agg_mode=cfg.loss_agg_mode,
+            old_log_prob, log_prob, on("advantages"), mask, loss_agg_mode=cfg.loss_agg_mode,
             clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c, **cfg.extra,
         )
@@ -86,7 +110,7 @@ class Actor:
         metrics = {"pg_loss": pg_loss * share.loss, "entropy": entropy_loss * share.loss,
                    "pg_clipfrac": pg_clipfrac * share.tokens, "pg_clipfrac_lower": pg_clipfrac_lower * share.tokens,
                    "ppo_kl": ppo_kl * share.tokens}
-        if cfg.use_kl_loss:
+        if self.uses_kl_loss:
             kl_loss = agg_loss(compute_kl(log_prob, on("ref_log_prob"), cfg.kl_loss_type), mask, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss * share.loss

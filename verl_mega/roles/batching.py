@@ -47,6 +47,80 @@ def split_rows(batch: Batch, rows: int, what: str) -> Iterator[Batch]:
         yield select_rows(batch, start, start + rows)
 
 
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _used_columns(attention_mask: torch.Tensor, response_length: int) -> list[tuple[int, int]]:
+    """Per row, the columns [first, end) that a forward over it needs: from its first prompt token (at most the
+    last prompt column, whose output predicts the first response token) to its last response token (at least
+    one response column, so that every micro-batch keeps a response window)."""
+    length = attention_mask.shape[1]
+    prompt_length = length - response_length
+    valid = attention_mask.bool()
+    columns = torch.arange(length)
+    first = torch.where(valid, columns, length).amin(dim=1).clamp(max=prompt_length - 1)
+    end = (torch.where(valid, columns, -1).amax(dim=1) + 1).clamp(min=prompt_length + 1)
+    return list(zip(first.tolist(), end.tolist()))
+
+
+def trim_padding(micro_batch: Batch) -> Batch:
+    """The micro-batch without the columns that are padding in every row: left of the (left-padded) prompts,
+    right of the (right-padded) responses. The response window stays the last columns of `input_ids`, and the
+    per-token [b, R] tensors lose the same right columns, so they stay aligned with it. Attention never sees
+    padding keys and RoPE depends on position differences only, so the outputs are the same."""
+    response_length = micro_batch["responses"].shape[1]
+    spans = _used_columns(micro_batch["attention_mask"], response_length)
+    first, end = min(span[0] for span in spans), max(span[1] for span in spans)
+    length = micro_batch["attention_mask"].shape[1]
+    kept_response = end - (length - response_length)
+    trimmed = {}
+    for key, value in micro_batch.items():
+        if key in SEQUENCE_KEYS:
+            trimmed[key] = value[:, first:end]
+        elif value.dim() >= 2:
+            trimmed[key] = value[:, :kept_response]
+        else:
+            trimmed[key] = value
+    return trimmed
+
+
+def token_budget_spans(attention_mask: torch.Tensor, response_length: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges [start, stop) whose trimmed micro-batch (rows x trimmed width) holds at most
+    `max_tokens` tokens, padding included (what the forward computes); a row wider than that goes alone."""
+    spans, start, first, end = [], 0, None, None
+    for row, (row_first, row_end) in enumerate(_used_columns(attention_mask, response_length)):
+        if first is not None:
+            grown_first, grown_end = min(first, row_first), max(end, row_end)
+            if (row - start + 1) * (grown_end - grown_first) <= max_tokens:
+                first, end = grown_first, grown_end
+                continue
+            spans.append((start, row))
+        start, first, end = row, row_first, row_end
+    if first is not None:
+        spans.append((start, attention_mask.shape[0]))
+    return spans
+
+
+def micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int = 0, trim: bool = True) -> list[Batch]:
+    """One rank's micro-batches: `micro_batch_size` rows each or, with `max_tokens`, as many consecutive rows as
+    fit that many tokens after trimming; each trimmed of all-padding columns unless `trim` is False (pipeline
+    stages that can only exchange one fixed shape)."""
+    if max_tokens:
+        if not trim:
+            raise ValueError("a token budget per micro-batch needs micro-batches of varying shape, which this "
+                             "model's pipeline cannot exchange: unset max_tokens_per_micro_batch")
+        spans = token_budget_spans(batch["attention_mask"], batch["responses"].shape[1], max_tokens)
+        pieces = [select_rows(batch, start, stop) for start, stop in spans]
+    else:
+        pieces = list(split_rows(batch, micro_batch_size, "micro_batch_size"))
+    return [trim_padding(piece) for piece in pieces] if trim else pieces
+
+
+def pad_response_columns(per_token: torch.Tensor, response_length: int) -> torch.Tensor:
+    """A trimmed micro-batch's [b, r] result back to the batch's [b, R]; the dropped columns were padding."""
+    return torch.nn.functional.pad(per_token, (0, response_length - per_token.shape[1]))
+
+
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Megatron's [B, 1, L, L] boolean mask (True = may not attend): causal, and no key that is padding.
 

@@ -59,18 +59,20 @@ class Critic:
     def model(self):
         return self.trainable.model
 
-    def compute_values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+    def compute_values(self, batch: Batch, micro_batch_size: int, max_tokens: int = 0) -> torch.Tensor:
         """[B, R] float32 values of the states before each response token, on every rank."""
         self.model.eval()
         return compute_per_token(self.model, batch, micro_batch_size, ("values",),
-                                 lambda output, micro_batch: {"values": _response_values(output, micro_batch)})["values"]
+                                 lambda output, micro_batch: {"values": _response_values(output, micro_batch)},
+                                 max_tokens)["values"]
 
-    def update_critic(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
+    def update_critic(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
+                      max_tokens: int = 0) -> dict:
         """Clipped value-loss steps over global mini-batches (as `Actor.update_policy`); needs 'values' (the
         predictions at rollout time) and 'returns'. Returns metrics averaged over steps."""
         return self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
                                         self.loss.loss_agg_mode, ["vf_loss", "vf_clipfrac", "vpred_mean"],
-                                        self._micro_batch_loss)
+                                        self._micro_batch_loss, max_tokens)
 
     def _micro_batch_loss(self, output, micro_batch: Batch, share: MicroBatchShare):
         on = lambda key: micro_batch[key].to(output.device)  # noqa: E731

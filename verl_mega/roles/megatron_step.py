@@ -16,7 +16,7 @@ from verl_mega.algorithms import agg_units
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.state import current_layout, device
 
-from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, split_rows
+from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, micro_batches, pad_response_columns
 
 
 def stage_forward(stage_model, micro_batch: Batch) -> torch.Tensor:
@@ -29,21 +29,32 @@ def stage_forward(stage_model, micro_batch: Batch) -> torch.Tensor:
     )
 
 
+def shapes_may_vary(model) -> bool:
+    """Whether micro-batches may differ in shape: always without pipeline parallelism; across pipeline stages
+    only when megatron exchanges each tensor's shape first (`variable_seq_lengths`)."""
+    from megatron.core.utils import get_model_config
+
+    return current_layout().pp == 1 or get_model_config(model).variable_seq_lengths
+
+
 def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: Sequence[str],
-                      per_token: Callable[[torch.Tensor, Batch], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Forward-only: `per_token(last_stage_output, micro_batch)` gives float32 [b, R] tensors named
-    `output_names`; returns them for the whole global batch on every rank."""
+                      per_token: Callable[[torch.Tensor, Batch], dict[str, torch.Tensor]], max_tokens: int = 0
+                      ) -> dict[str, torch.Tensor]:
+    """Forward-only: `per_token(last_stage_output, micro_batch)` gives float32 [b, r] tensors named
+    `output_names` (r: the micro-batch's trimmed response width); returns them as [B, R] for the whole global
+    batch on every rank. `max_tokens`: a token budget per micro-batch instead of `micro_batch_size` rows."""
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
     local = dp_slice(batch, layout.dp_rank, layout.dp)
-    micro_batches = list(split_rows(local, micro_batch_size, "micro_batch_size"))
-    outputs = forward_only_outputs(model, micro_batches, stage_forward, per_token)
+    pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model))
+    outputs = forward_only_outputs(model, pieces, stage_forward, per_token)
     shape = tuple(local["responses"].shape)
     results = {}
     for name in output_names:
         if outputs is not None:
-            tensor = torch.cat([output[name].float() for output in outputs]).to(device()).contiguous()
+            tensor = torch.cat([pad_response_columns(output[name].float(), shape[1]) for output in outputs])
+            tensor = tensor.to(device()).contiguous()
         else:
             tensor = torch.empty(shape, dtype=torch.float32, device=device())
         if layout.pp > 1:
@@ -76,27 +87,28 @@ LossFn = Callable[[torch.Tensor, Batch, MicroBatchShare], tuple[torch.Tensor, di
 
 
 def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_mode: str, metric_names: Sequence[str],
-                     loss_fn: LossFn) -> dict[str, float]:
+                     loss_fn: LossFn, max_tokens: int = 0) -> dict[str, float]:
     """Accumulate the gradient of one global mini-batch's loss into `model`'s grad buffers.
 
     `mini_batch` is the global mini-batch; each DP rank takes its slice. `loss_fn(output, micro_batch, share)`
     returns the micro-batch's contribution to the mini-batch loss (its aggregated loss times `share.loss`) and
     metrics already weighted by a share; contributions add up to the mini-batch values over micro-batches
-    and DP ranks, so the loss, its gradient and the metrics do not depend on the layout or micro-batch size.
-    Returns the summed metrics on every rank.
+    and DP ranks, so the loss, its gradient and the metrics do not depend on the layout or micro-batch size,
+    nor on a token budget (`max_tokens`) grouping the rows instead, which may give DP ranks different numbers
+    of micro-batches. Returns the summed metrics on every rank.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     layout = current_layout()
     local = dp_slice(mini_batch, layout.dp_rank, layout.dp)
-    micro_batches = list(split_rows(local, micro_batch_size, "micro_batch_size"))
+    pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model))
     dp_group = ps.get_data_parallel_group()
     total_units = global_agg_units(local["response_mask"], loss_agg_mode, dp_group)
     total_tokens = global_agg_units(local["response_mask"], "token-mean", dp_group)
     # Megatron divides each micro-batch loss by their number and DDP averages gradients over DP; both undone
     # here because the shares already sum to one over the global mini-batch.
-    undo_averaging = len(micro_batches) * layout.dp
+    undo_averaging = len(pieces) * layout.dp
 
     def forward_step(data_iterator, stage_model):
         micro_batch = next(data_iterator)
@@ -113,12 +125,12 @@ def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_m
 
         return output, loss_func
 
-    first = micro_batches[0]["input_ids"]
+    first = pieces[0]["input_ids"]
     per_micro_batch = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
+        data_iterator=iter(pieces),
         model=[model],
-        num_microbatches=len(micro_batches),
+        num_microbatches=len(pieces),
         seq_length=first.shape[1],
         micro_batch_size=first.shape[0],
         forward_only=False,

@@ -17,9 +17,10 @@ class Reference:
         self.model.requires_grad_(False)
         self.model.eval()
 
-    def compute_ref_log_prob(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+    def compute_ref_log_prob(self, batch: Batch, micro_batch_size: int, max_tokens: int = 0) -> torch.Tensor:
         """[B, R] float32 log-probs of the responses under the reference policy, on every rank."""
-        return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size)["log_probs"]
+        return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size,
+                                         max_tokens=max_tokens)["log_probs"]
 
 
 def make_reference(ckpt_dir: str | Path, *, use_kl: bool, **config_overrides) -> Reference | None:

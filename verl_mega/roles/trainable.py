@@ -57,9 +57,11 @@ class TrainableModel:
         )
 
     def train_epochs(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
-                     loss_agg_mode: str, metric_names: list[str], loss_fn: LossFn) -> dict[str, float]:
+                     loss_agg_mode: str, metric_names: list[str], loss_fn: LossFn, max_tokens: int = 0
+                     ) -> dict[str, float]:
         """Epochs over global mini-batches of `mini_batch_size` rows (in order, unshuffled), one optimizer step
-        each, `micro_batch_size` rows per forward on each DP rank. Returns metrics averaged over the steps."""
+        each, `micro_batch_size` rows (or with `max_tokens`, that many tokens) per forward on each DP rank.
+        Returns metrics averaged over the steps."""
         if batch_size(batch) % mini_batch_size:
             raise ValueError(f"mini_batch_size={mini_batch_size} must divide the batch of {batch_size(batch)} rows")
         self.model.train()
@@ -67,7 +69,7 @@ class TrainableModel:
         for _ in range(ppo_epochs):
             for mini_batch in split_rows(batch, mini_batch_size, "mini_batch_size"):
                 metrics = forward_backward(self.model, mini_batch, micro_batch_size, loss_agg_mode, metric_names,
-                                           loss_fn)
+                                           loss_fn, max_tokens)
                 metrics.update(self.step())
                 steps.append(metrics)
         return {name: sum(step[name] for step in steps) / len(steps) for name in steps[0]}

@@ -60,7 +60,9 @@ class EmbeddedEngine(RolloutEngine):
             do_sample=not params.greedy,
             temperature=params.temperature if not params.greedy else None,
             top_p=params.top_p if not params.greedy else None,
-            top_k=params.top_k if params.top_k > 0 and not params.greedy else None,
+            # 0, not None, when off: unset, transformers samples from its default top 50, which neither the
+            # config asked for nor the old log-probs (full softmax) assume.
+            top_k=None if params.greedy else max(params.top_k, 0),
             max_new_tokens=params.max_new_tokens,
             num_return_sequences=params.n,
             eos_token_id=self._eos + list(params.stop_token_ids),

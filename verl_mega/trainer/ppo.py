@@ -26,7 +26,7 @@ from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.layout import rollout_placement
 from verl_mega.parallel.state import ParallelLayout, device
-from verl_mega.roles.actor import Actor
+from verl_mega.roles.actor import Actor, is_on_policy
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
 from verl_mega.roles.reward import HFRewardModel, RuleReward, scores_to_token_rewards
@@ -57,8 +57,7 @@ class PPOTrainer:
         dtype = config.model.dtype
         self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
                            schedule_steps=optimizer_steps(config, config.actor))
-        needs_ref = config.actor.loss.use_kl_loss or config.algorithm.use_kl_in_reward
-        self.reference = make_reference(actor_ckpt, use_kl=needs_ref, dtype=dtype)
+        self.reference = make_reference(actor_ckpt, use_kl=needs_reference(config), dtype=dtype)
         self.critic = None
         if self.uses_critic:
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
@@ -182,15 +181,18 @@ class PPOTrainer:
         batch = build_rollout_batch(rows["input_ids"], responses, cfg.data.max_response_length,
                                     self.tokenizer.pad_token_id)
 
-        micro = cfg.actor.micro_batch_size
-        with timer("old_log_prob"):
-            batch["old_log_probs"] = self.actor.compute_log_prob(batch, micro)["log_probs"].cpu()
+        micro, actor_tokens = cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch
+        critic_tokens = cfg.critic.max_tokens_per_micro_batch
+        if self.needs_old_log_probs(len(rows["input_ids"])):
+            with timer("old_log_prob"):
+                batch["old_log_probs"] = self.actor.compute_log_prob(batch, micro, max_tokens=actor_tokens
+                                                                     )["log_probs"].cpu()
         if self.reference is not None:
             with timer("ref_log_prob"):
-                batch["ref_log_prob"] = self.reference.compute_ref_log_prob(batch, micro).cpu()
+                batch["ref_log_prob"] = self.reference.compute_ref_log_prob(batch, micro, actor_tokens).cpu()
         if self.critic is not None:
             with timer("values"):
-                batch["values"] = self.critic.compute_values(batch, cfg.critic.micro_batch_size).cpu()
+                batch["values"] = self.critic.compute_values(batch, cfg.critic.micro_batch_size, critic_tokens).cpu()
 
         with timer("reward"):
             scores, token_scores = self.score(batch, rows)
@@ -199,15 +201,23 @@ class PPOTrainer:
         if self.critic is not None:
             with timer("update_critic"):
                 critic_metrics = self.critic.update_critic(batch, cfg.critic.ppo_epochs, cfg.critic.mini_batch_size,
-                                                           cfg.critic.micro_batch_size)
+                                                           cfg.critic.micro_batch_size, critic_tokens)
             metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
         with timer("update_actor"):
-            actor_metrics = self.actor.update_policy(batch, cfg.actor.ppo_epochs, cfg.actor.mini_batch_size, micro)
+            actor_metrics = self.actor.update_policy(batch, cfg.actor.ppo_epochs, cfg.actor.mini_batch_size, micro,
+                                                     actor_tokens)
         metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
 
         return self._step_metrics(metrics, batch, scores, timer, time.perf_counter() - start)
 
     # --- stages ---------------------------------------------------------------------------------------
+
+    def needs_old_log_probs(self, rows: int) -> bool:
+        """A separate old-log-prob pass is redundant when the update is on-policy (the actor then takes them from
+        its first forward, bitwise the same), unless the KL penalty in the reward needs them before the update."""
+        actor = self.config.actor
+        kl_in_reward = self.reference is not None and self.config.algorithm.use_kl_in_reward
+        return kl_in_reward or not is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows)
 
     def next_prompts(self) -> dict:
         indices = next(self._batches, None)
@@ -252,10 +262,10 @@ class PPOTrainer:
             self.reward_normalizer.update(scores)
             token_scores = self.reward_normalizer.normalize(token_scores, shift_mean=False) * mask
         token_rewards = token_scores
-        if "ref_log_prob" in batch:
+        if "ref_log_prob" in batch and "old_log_probs" in batch:
             kl = masked_mean(compute_kl(batch["old_log_probs"], batch["ref_log_prob"], cfg.kl_penalty), mask)
             metrics["actor/kl"] = kl.item()
-        if cfg.use_kl_in_reward:
+        if cfg.use_kl_in_reward and "ref_log_prob" in batch:
             token_rewards, current_kl = apply_kl_penalty(token_scores, batch["old_log_probs"], batch["ref_log_prob"],
                                                          mask, kl_coef=self.kl_ctrl.value, estimator=cfg.kl_penalty)
             self.kl_ctrl.update(current_kl.item(), n_steps=len(uids))
@@ -284,6 +294,15 @@ class PPOTrainer:
             **{f"timing/{stage}": value for stage, value in timer.seconds.items()},
         })
         return metrics
+
+
+def needs_reference(config: TrainConfig) -> bool:
+    """Whether a KL term can be non-zero: in the loss or in the reward, with a non-zero coefficient (the adaptive
+    controller scales its coefficient, so one that starts at 0 stays 0). Otherwise the reference pass, and the
+    reference's memory, is skipped; so is the `actor/kl` metric, which needs the reference."""
+    kl_loss = config.actor.loss.use_kl_loss and config.actor.loss.kl_loss_coef != 0
+    kl_reward = config.algorithm.use_kl_in_reward and config.algorithm.kl_ctrl.kl_coef != 0
+    return kl_loss or kl_reward
 
 
 def optimizer_steps(config: TrainConfig, role) -> int:

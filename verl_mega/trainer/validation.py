@@ -82,6 +82,10 @@ def _check_batch_sizes(config: TrainConfig, world_size: int, dp: int, need) -> N
         need(cfg.mini_batch_size % (dp * max(cfg.micro_batch_size, 1)) == 0,
              f"{role}.mini_batch_size={cfg.mini_batch_size} must be divisible by data-parallel size {dp} x "
              f"{role}.micro_batch_size={cfg.micro_batch_size}")
+        longest = d.max_prompt_length + d.max_response_length
+        need(cfg.max_tokens_per_micro_batch == 0 or cfg.max_tokens_per_micro_batch >= longest,
+             f"{role}.max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch} must be 0 (off) or hold the "
+             f"longest sequence, data.max_prompt_length + data.max_response_length = {longest}")
         need(sequences % max(cfg.mini_batch_size, 1) == 0,
              f"data.batch_size x rollout.n = {sequences} must be divisible by {role}.mini_batch_size="
              f"{cfg.mini_batch_size}")

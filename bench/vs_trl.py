@@ -1,0 +1,256 @@
+"""verl_mega against TRL's GRPOTrainer, side by side, one after the other, on the same model, data and reward.
+
+    pip install -e .[bench]      # TRL, pinned; a bench-only dependency
+    python -m bench.vs_trl [--scale tiny|llama100m|both] [--steps 5] [--threads 2]
+
+Both run GRPO in fp32 on the CPU with equal settings: 8 prompts x 4 samples per step, the same maximum of new
+tokens, learning rate, clip ratio, temperature and chat template, no KL term, one optimizer step per trainer
+step (one epoch over one mini-batch of all 32 samples, one forward/backward pass). The task is the synthetic
+copy task with its partial-credit rule reward. TRL runs in this process; verl_mega runs `verl-mega train`'s
+entry point under torchrun with one process (the same thread count for both).
+
+Models are built here, nothing comes from a hub: `tiny` is the tests' tiny Qwen2 (character tokenizer);
+`llama100m` is a ~110M-parameter Llama-shaped random model with a byte-level BPE tokenizer trained here with
+`tokenizers` on generated text. Random weights generate until the length limit, so both systems decode the
+same number of tokens per step.
+
+Printed: per system the median step time over the steps after the first (warm-up), completion tokens/s,
+the per-stage breakdown and the time outside the steps (start-up and the final save), then the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import string
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 8, 4
+SEQUENCES_PER_STEP = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+SCALES = {
+    # max new tokens, learning rate, max prompt tokens
+    "tiny": dict(max_new_tokens=16, lr=1e-4, max_prompt_length=32),
+    "llama100m": dict(max_new_tokens=32, lr=1e-6, max_prompt_length=64),
+}
+LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=4, vocab_size=16384, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+# --- models -----------------------------------------------------------------------------------------------
+
+def build_tiny(out: Path) -> Path:
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    return make_tiny_hf_model(out, "qwen2", vocab_size=64)
+
+
+def bpe_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained here on generated text, with the tiny tokenizer's special tokens,
+    BOS handling and chat template, so that both trainers see a real sub-word vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from verl_mega.data import tiny_tokenizer as tiny
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 9))) for _ in range(4000)]
+    corpus = [" ".join(rng.choice(words) for _ in range(20)) + " copy: " + str(rng.randint(0, 10**6))
+              for _ in range(20000)]
+    backend = Tokenizer(models.BPE(unk_token=tiny.UNK_TOKEN))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(tiny.SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bos_id = backend.token_to_id(tiny.BOS_TOKEN)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{tiny.BOS_TOKEN} $A", pair=f"{tiny.BOS_TOKEN} $A $B", special_tokens=[(tiny.BOS_TOKEN, bos_id)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=tiny.PAD_TOKEN, bos_token=tiny.BOS_TOKEN, eos_token=tiny.EOS_TOKEN,
+        unk_token=tiny.UNK_TOKEN, additional_special_tokens=list(tiny.ROLE_TOKENS))
+    tokenizer.chat_template = tiny.CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_llama100m(out: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = bpe_tokenizer(LLAMA_100M["vocab_size"])
+    special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA_100M, **special))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+BUILDERS = {"tiny": build_tiny, "llama100m": build_llama100m}
+
+
+# --- the two trainers -------------------------------------------------------------------------------------
+
+def copy_rows(count: int) -> list[dict]:
+    from verl_mega.data.synthetic import make_task_rows
+
+    return make_task_rows("copy", count, seed=0, max_digits=6)
+
+
+def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from verl_mega.roles.reward import copy_score
+
+    torch.set_num_threads(threads)
+
+    def copy_reward(prompts, completions, ground_truth, **_):
+        return [copy_score("copy", completion[-1]["content"], truth)
+                for completion, truth in zip(completions, ground_truth)]
+
+    dataset = Dataset.from_list([{"prompt": row["prompt"], "ground_truth": row["reward_model"]["ground_truth"]}
+                                 for row in rows])
+    config = GRPOConfig(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=SEQUENCES_PER_STEP,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        num_generations=SAMPLES_PER_PROMPT, max_completion_length=settings["max_new_tokens"],
+        learning_rate=settings["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, beta=0.0, epsilon=0.2, temperature=1.0, top_p=1.0, loss_type="dapo",
+        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to="none", save_strategy="no",
+        seed=1, dataloader_num_workers=0, disable_dropout=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=copy_reward, args=config, train_dataset=dataset,
+                          processing_class=AutoTokenizer.from_pretrained(hf_dir))
+    stage_seconds: list[dict[str, float]] = []
+
+    def timed(name, method):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                stage_seconds[-1][name] = stage_seconds[-1].get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    # Generation, reward, the whole rollout preparation (generation, reward, advantages) and the update's loss
+    # forward; the rest of a step is backward and the optimizer.
+    for name, attribute in (("generate", "_generate"), ("reward", "_calculate_rewards"),
+                            ("rollout_total", "_generate_and_score_completions"), ("loss_forward", "_compute_loss")):
+        setattr(trainer, attribute, timed(name, getattr(trainer, attribute)))
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            stage_seconds.append({"_start": time.perf_counter()})
+
+        def on_step_end(self, args, state, control, **kwargs):
+            stage_seconds[-1]["step"] = time.perf_counter() - stage_seconds[-1].pop("_start")
+
+    trainer.add_callback(StepTimes())
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    lengths = [record["completions/mean_length"] for record in trainer.state.log_history
+               if "completions/mean_length" in record]
+    for seconds in stage_seconds:
+        seconds["update_rest"] = seconds["step"] - seconds.get("rollout_total", 0.0) - seconds.get("loss_forward", 0.0)
+    return summarise(stage_seconds, lengths, wall)
+
+
+def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path) -> dict:
+    from verl_mega.data.tables import write_rows
+    from verl_mega.parallel.launch import run_torchrun
+
+    data = write_rows(rows, out / "copy.jsonl")
+    config = out / "grpo.yaml"
+    config.write_text(f"""
+parallel: {{tp: 1, pp: 1, rollout_tp: 1}}
+data: {{max_prompt_length: {settings['max_prompt_length']}, max_response_length: {settings['max_new_tokens']},
+        batch_size: {PROMPTS_PER_STEP}, truncation: error}}
+rollout: {{n: {SAMPLES_PER_PROMPT}, temperature: 1.0}}
+actor:
+  optim: {{lr: {settings['lr']}, weight_decay: 0.0, clip_grad: 1.0}}
+  loss: {{clip_ratio: 0.2, loss_agg_mode: token-mean}}
+  ppo_epochs: 1
+  mini_batch_size: {SEQUENCES_PER_STEP}
+  micro_batch_size: {SEQUENCES_PER_STEP}
+critic: {{enable: false}}
+algorithm: {{adv_estimator: grpo}}
+reward: {{function: copy}}
+trainer: {{total_steps: {steps}, seed: 1, progress_bar: false}}
+""")
+    run_dir = out / "run"
+    start = time.perf_counter()
+    run_torchrun(1, "verl_mega.trainer.main", [
+        "--config", str(config), f"model.hf_path={hf_dir}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
+    ], env={"OMP_NUM_THREADS": str(threads)})
+    wall = time.perf_counter() - start
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stage_seconds = [{"step": record["perf/step_seconds"],
+                      **{key[len("timing/"):]: value for key, value in record.items() if key.startswith("timing/")}}
+                     for record in records]
+    return summarise(stage_seconds, [record["response/length_mean"] for record in records], wall)
+
+
+def summarise(stage_seconds: list[dict[str, float]], mean_lengths: list[float], wall: float) -> dict:
+    """Medians over the steps after the first; tokens/s from the completion tokens of the same steps."""
+    measured = stage_seconds[1:] or stage_seconds
+    stages = sorted({name for seconds in measured for name in seconds} - {"step"})
+    step = statistics.median(seconds["step"] for seconds in measured)
+    tokens = statistics.median(mean_lengths[1:] or mean_lengths) * SEQUENCES_PER_STEP
+    return {"step": step, "tokens_per_second": tokens / step, "completion_tokens": tokens,
+            "stages": {name: statistics.median(seconds.get(name, 0.0) for seconds in measured) for name in stages},
+            "outside_steps": wall - sum(seconds["step"] for seconds in stage_seconds)}
+
+
+def report(scale: str, trl: dict, ours: dict) -> None:
+    print(f"\n== {scale}: median of the steps after the first ==")
+    for name, result in (("TRL GRPOTrainer", trl), ("verl_mega", ours)):
+        stages = ", ".join(f"{stage} {seconds:.3f}" for stage, seconds in result["stages"].items())
+        print(f"{name:<16} step {result['step']:.3f} s, {result['completion_tokens']:.0f} completion tokens, "
+              f"{result['tokens_per_second']:.0f} tokens/s; outside the steps {result['outside_steps']:.1f} s")
+        print(f"{'':<16} stages (s): {stages}")
+    print(f"verl_mega / TRL: {trl['step'] / ours['step']:.2f}x steps/s, "
+          f"{ours['tokens_per_second'] / trl['tokens_per_second']:.2f}x completion tokens/s")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", choices=[*SCALES, "both"], default="tiny")
+    parser.add_argument("--steps", type=int, default=5, help="trainer steps per system; the first is warm-up")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both systems")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2: the first step is warm-up and not measured")
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("bench/vs_trl.py needs TRL: pip install -e .[bench]", file=sys.stderr)
+        return 2
+    scales = list(SCALES) if args.scale == "both" else [args.scale]
+    rows = copy_rows(PROMPTS_PER_STEP * args.steps)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.steps} steps per system, "
+          f"{PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, fp32, load average {os.getloadavg()[0]:.1f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for scale in scales:
+            hf_dir = BUILDERS[scale](tmp / scale / "hf")
+            params = sum(tensor.numel() for tensor in load_file(hf_dir / "model.safetensors").values())
+            print(f"{scale}: {params / 1e6:.2f}M parameters, {SCALES[scale]['max_new_tokens']} max new tokens")
+            trl_result = run_trl(hf_dir, rows, SCALES[scale], args.steps, args.threads, tmp / scale / "trl")
+            ours = run_verl_mega(hf_dir, rows, SCALES[scale], args.steps, args.threads, tmp / scale / "verl_mega")
+            report(scale, trl_result, ours)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

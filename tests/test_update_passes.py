@@ -1,0 +1,101 @@
+"""The actor's update does not depend on which passes computed its inputs, nor on how rows are grouped into
+micro-batches (tests/update_passes_worker.py under torchrun, 2 processes, tiny Qwen2, fp32).
+
+- The reference pass runs only when a KL term can be non-zero (fast, config only).
+- Old log-probs taken from the update's first forward (one epoch over one mini-batch) give bitwise the same
+  weights and metrics as a separate forward pass.
+- Micro-batches grouped by a token budget (DP2, the ranks then run different numbers of micro-batches) give
+  the fixed-size micro-batches' log-probs, metrics and weight updates within fp32 rounding (RTOL below).
+"""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_mega.config import TrainConfig
+from verl_mega.parallel.launch import run_torchrun
+from verl_mega.trainer.ppo import needs_reference
+
+# The two runs compute the same sums in other orders and with other matrix shapes (other blockings). In fp32
+# (unit roundoff u = 2**-24 = 6e-8) a sum of n terms reordered moves by about sqrt(n) u relative to the sum of
+# magnitudes: n ~ 1e4 (a weight gradient over the hidden size and the tokens of a mini-batch) gives ~6e-6 per
+# sum, carried through the forward and backward of 2 layers and 2 Adam steps (~8 such sums in a chain): 5e-5.
+# Adam with eps comparable to the gradient and gradient clipping pass relative errors through unchanged.
+RTOL = 5e-5
+
+
+def rel_diff(value, reference) -> float:
+    value, reference = torch.as_tensor(value, dtype=torch.float64), torch.as_tensor(reference, dtype=torch.float64)
+    return ((value - reference).norm() / reference.norm().clamp_min(1e-12)).item()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("passes")
+    hf_dir = make_tiny_hf_model(root / "hf", "qwen2", num_hidden_layers=2)
+    for tp in (1, 2):
+        convert_hf_to_mcore(hf_dir, root / "ckpt" / f"tp{tp}pp1", tp=tp, pp=1)
+    out = root / "out"
+    out.mkdir()
+    tests_dir = str(Path(__file__).parent)
+    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
+    run_torchrun(2, "update_passes_worker", [str(root / "ckpt"), str(out)], env=env)
+    results = {path.stem: torch.load(path) for path in out.glob("*.pt")}
+    from safetensors.torch import load_file
+
+    results["initial"] = load_file(hf_dir / "model.safetensors")
+    return results
+
+
+@pytest.mark.slow
+def test_old_log_probs_from_the_first_forward_give_the_same_update(results):
+    separate, first_forward = results["skip_old_pass"]["separate_pass"], results["skip_old_pass"]["first_forward"]
+    assert first_forward["metrics"] == separate["metrics"]
+    assert first_forward["weights"].keys() == separate["weights"].keys()
+    for name, tensor in separate["weights"].items():
+        assert torch.equal(first_forward["weights"][name], tensor), name
+
+
+@pytest.mark.slow
+def test_token_budget_update_equals_fixed_micro_batches(results):
+    fixed, budget = results["token_budget"]["fixed"], results["token_budget"]["budget"]
+    assert fixed["micro_batches"] == [2, 2] and budget["micro_batches"] == [3, 4]
+    mask = results["token_budget"]["response_mask"].bool()
+    assert rel_diff(budget["log_probs"][mask], fixed["log_probs"][mask]) <= RTOL
+    for name, value in fixed["metrics"].items():
+        assert abs(budget["metrics"][name] - value) <= RTOL * max(abs(value), 1e-3), name
+    # Rounding errors are absolute, of the size of the terms summed; a tensor whose gradient nearly cancels
+    # (a norm weight, say) has a small update with the same absolute error, so the errors are measured
+    # against the whole update, not tensor by tensor.
+    initial = results["initial"]
+    updates = {run: torch.cat([(result["weights"][name] - initial[name]).flatten() for name in sorted(initial)])
+               for run, result in (("fixed", fixed), ("budget", budget))}
+    worst = {name: rel_diff(budget["weights"][name] - initial[name], fixed["weights"][name] - initial[name])
+             for name in initial}
+    print("token budget vs fixed micro-batches: rel diff of the whole update "
+          f"{rel_diff(updates['budget'], updates['fixed']):.2e}; worst tensor {max(worst, key=worst.get)} "
+          f"{max(worst.values()):.2e}")
+    assert rel_diff(updates["budget"], updates["fixed"]) <= RTOL
+    # Element-wise, an updated weight is also rounded to its own precision (eps |w| per rounding).
+    weights = torch.cat([initial[name].flatten() for name in sorted(initial)])
+    allowed = RTOL * updates["fixed"].abs().max() + 2 * torch.finfo(torch.float32).eps * weights.abs()
+    assert ((updates["budget"] - updates["fixed"]).abs() <= allowed).all()
+
+
+@pytest.mark.parametrize("use_kl_loss, kl_loss_coef, use_kl_in_reward, kl_coef, needed", [
+    (False, 0.1, False, 0.1, False),
+    (True, 0.1, False, 0.0, True),
+    (True, 0.0, False, 0.0, False),
+    (False, 0.0, True, 0.0, False),
+    (False, 0.0, True, 0.05, True),
+])
+def test_reference_pass_only_when_a_kl_term_can_be_non_zero(use_kl_loss, kl_loss_coef, use_kl_in_reward, kl_coef,
+                                                             needed):
+    config = TrainConfig()
+    config.actor.loss.use_kl_loss, config.actor.loss.kl_loss_coef = use_kl_loss, kl_loss_coef
+    config.algorithm.use_kl_in_reward, config.algorithm.kl_ctrl.kl_coef = use_kl_in_reward, kl_coef
+    assert needs_reference(config) is needed

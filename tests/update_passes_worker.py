@@ -1,0 +1,110 @@
+"""torchrun worker for tests/test_update_passes.py: updates of the actor that must agree whichever passes and
+micro-batches compute them. `update_passes_worker CKPT_ROOT OUT_DIR`, with CKPT_ROOT/tp1pp1 and tp2pp1 converted.
+
+- tp2: one epoch over one mini-batch, once with old log-probs from a separate forward and once taking them
+  from the update's own first forward (`skip_old_pass`); saves both results.
+- dp2: log-probs and two PPO steps with micro-batches of MICRO_BATCH rows, and again grouped by a token
+  budget (`token_budget`), which gives the two DP ranks different numbers of micro-batches.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from roles_worker import BATCH, MICRO_BATCH, MINI_BATCH, fixed_batch, gather_hf_weights
+
+OPTIM = dict(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2)
+# Between one and two full-width rows (11 tokens): over the whole batch, 3 micro-batches on DP rank 0 and 4 on
+# rank 1, of 1 or 2 rows once trimmed.
+MAX_TOKENS = 16
+
+
+def load(ckpt: Path):
+    from verl_mega.checkpoint.manifest import Manifest
+    from verl_mega.models import HFModelConfig, family_for
+
+    cfg = HFModelConfig.from_dict(Manifest.read(ckpt).hf_config)
+    return cfg, family_for(cfg)
+
+
+def training_batch(ckpt: Path, cfg) -> dict[str, torch.Tensor]:
+    """The fixed batch with random advantages and the reference's log-probs (for the KL loss)."""
+    from verl_mega.roles.reference import make_reference
+
+    batch = fixed_batch(cfg.vocab_size, pad_id=0)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
+    batch["ref_log_prob"] = make_reference(ckpt, use_kl=True).compute_ref_log_prob(batch, MICRO_BATCH)
+    return batch
+
+
+def fresh_actor(ckpt: Path, use_distributed_optimizer: bool):
+    from verl_mega.config import OptimConfig, PolicyLossConfig
+    from verl_mega.roles.actor import Actor
+
+    return Actor(ckpt, OptimConfig(**OPTIM, use_distributed_optimizer=use_distributed_optimizer),
+                 PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1), schedule_steps=4)
+
+
+def skip_old_pass(ckpt_root: Path, out_dir: Path) -> None:
+    from verl_mega.parallel.state import current_layout, init_parallel
+
+    layout = init_parallel(2, 1)
+    ckpt = ckpt_root / "tp2pp1"
+    cfg, family = load(ckpt)
+    batch = training_batch(ckpt, cfg)
+    result = {}
+    for name, separate_pass in (("separate_pass", True), ("first_forward", False)):
+        actor = fresh_actor(ckpt, use_distributed_optimizer=False)
+        update_batch = dict(batch)
+        if separate_pass:
+            update_batch["old_log_probs"] = actor.compute_log_prob(batch, MICRO_BATCH)["log_probs"]
+        metrics = actor.update_policy(update_batch, ppo_epochs=1, mini_batch_size=BATCH,
+                                      micro_batch_size=MICRO_BATCH)
+        result[name] = {"metrics": metrics, "weights": gather_hf_weights(actor.model.module, cfg, family)}
+    if current_layout().rank == 0:
+        torch.save(result, out_dir / "skip_old_pass.pt")
+    dist.barrier()
+
+
+def token_budget(ckpt_root: Path, out_dir: Path) -> None:
+    from verl_mega.parallel.state import current_layout, init_parallel
+    from verl_mega.roles.batching import dp_slice, micro_batches
+
+    layout = init_parallel(1, 1)
+    ckpt = ckpt_root / "tp1pp1"
+    cfg, family = load(ckpt)
+    batch = training_batch(ckpt, cfg)
+    noise = torch.Generator().manual_seed(2)
+    batch["old_log_probs"] = -torch.rand(batch["responses"].shape, generator=noise)
+    result = {}
+    for name, max_tokens in (("fixed", 0), ("budget", MAX_TOKENS)):
+        actor = fresh_actor(ckpt, use_distributed_optimizer=True)
+        log_probs = actor.compute_log_prob(batch, MICRO_BATCH, max_tokens=max_tokens)["log_probs"]
+        metrics = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH,
+                                      max_tokens=max_tokens)
+        local = dp_slice(batch, layout.dp_rank, layout.dp)
+        counts = torch.tensor([len(micro_batches(local, MICRO_BATCH, max_tokens))])
+        all_counts = [torch.zeros_like(counts) for _ in range(layout.dp)]
+        dist.all_gather(all_counts, counts)
+        result[name] = {"metrics": metrics, "log_probs": log_probs, "micro_batches": torch.cat(all_counts).tolist(),
+                        "weights": gather_hf_weights(actor.model.module, cfg, family)}
+    result["response_mask"] = batch["response_mask"]
+    if current_layout().rank == 0:
+        torch.save(result, out_dir / "token_budget.pt")
+    dist.barrier()
+
+
+def main(argv: list[str]) -> None:
+    from verl_mega.parallel.state import destroy_parallel
+
+    ckpt_root, out_dir = (Path(arg) for arg in argv)
+    skip_old_pass(ckpt_root, out_dir)
+    token_budget(ckpt_root, out_dir)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
