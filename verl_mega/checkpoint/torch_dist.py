@@ -8,6 +8,7 @@ one layout loads into a model at any other, and reads back to HF key by key with
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Iterator
@@ -41,12 +42,15 @@ def load_torch_dist(model, ckpt_dir: str | Path) -> None:
 def iter_torch_dist_hf_tensors(dist_dir: str | Path, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every tensor of a dist checkpoint folder (a converted checkpoint's
     iter_0000000, or a role's training state), loading one stacked key at a time; optimizer state is skipped."""
+    guard_dist_checkpoint_reads()
+    with _process_group():
+        yield from _stacked_hf_tensors(str(dist_dir), manifest)
+
+
+def _stacked_hf_tensors(path: str, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    guard_dist_checkpoint_reads()
-    _ensure_single_process_group()
-    path = str(dist_dir)
     if not (Path(path) / "metadata.json").is_file() or not (Path(path) / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (metadata.json or .metadata missing)")
     metadata = dist_checkpointing.load_tensors_metadata(path)
@@ -87,9 +91,17 @@ def _dist_key(slot, metadata) -> tuple[str, tuple[int, ...]]:
     raise ValueError(f"dist checkpoint lacks '{key}' (for {slot.global_name}); it was written for another model")
 
 
-def _ensure_single_process_group() -> None:
-    """megatron's loader needs a process group; a plain export process gets a world of one."""
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+@contextlib.contextmanager
+def _process_group():
+    """megatron's loader needs a process group: a plain export process gets a world of one for the read, and
+    gives it back after, so the caller's process is left as it was."""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
