@@ -13,6 +13,8 @@ import pytest
 
 from verl_mega.launch import local, slurm
 
+from .processes import alive, survivors_after
+
 REPO = Path(__file__).resolve().parents[2]
 SLURM_CPU_NODE = ["--nodes", "1", "--gpus-per-node", "0"]
 
@@ -145,21 +147,10 @@ def test_ranks_exit_when_the_launcher_is_sigkilled(tmp_path):
         assert launcher.poll() is None and time.time() < deadline, "the ranks did not start"
         time.sleep(0.1)
     ranks = [json.loads(p.read_text())["pid"] for p in pid_files]
-    assert all(_alive(pid) for pid in ranks)
+    assert all(alive(pid) for pid in ranks)
     os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group: launcher and torchrun agent, not the ranks
     launcher.wait()
-    deadline = time.time() + 10
-    while any(_alive(pid) for pid in ranks) and time.time() < deadline:
-        time.sleep(0.1)
-    survivors = [pid for pid in ranks if _alive(pid)]
+    survivors = survivors_after(ranks, seconds=10)
     for pid in survivors:  # clean up before failing
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"ranks {survivors} outlived their launcher"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie is dead, only not yet reaped
-    except FileNotFoundError:
-        return False

@@ -21,6 +21,8 @@ from verl_mega.parallel.launch import free_port
 from verl_mega.trainer import main as trainer_main
 from verl_mega.trainer.run_folder import RunFolderLock, ownership_problem
 
+from .processes import survivors_after
+
 REPO = Path(__file__).resolve().parents[2]
 REWARDS = "tests.faults.rewards"
 
@@ -268,6 +270,20 @@ def test_a_run_folder_that_cannot_be_one_is_named(tmp_path, blocker):
     assert (tmp_path / blocker).read_text() == "a file, not a folder"
 
 
+def test_a_forked_helper_outliving_the_run_does_not_keep_its_lock(tmp_path):
+    # As megatron's checkpoint writers do: the run forks, then dies while the child lingers.
+    code = ("import os, sys, time; from pathlib import Path; from verl_mega.trainer.run_folder import RunFolderLock; "
+            "lock = RunFolderLock(Path(sys.argv[1])); child = os.fork()\n"
+            "if child == 0: os.close(1); os.close(2); time.sleep(60); os._exit(0)\n"
+            "print(child)")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True)
+    helper = int(result.stdout)
+    try:
+        RunFolderLock(tmp_path / "run").release()  # the run is gone: the folder is free though its helper lives
+    finally:
+        os.kill(helper, signal.SIGKILL)
+
+
 def _checkpoint_of(run_dir: Path, fingerprint, text=None) -> Path:
     step = run_checkpoints.step_dir(run_dir, 2)
     step.mkdir(parents=True)
@@ -403,9 +419,10 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resumes(inputs,
         assert process.poll() is None and time.time() < deadline, "the run ended before the second save"
         time.sleep(0.01)
     time.sleep(random.uniform(0.0, 1.5))
-    os.killpg(process.pid, signal.SIGKILL)
+    os.killpg(process.pid, signal.SIGKILL)  # torchrun's agent; its ranks (own sessions) must die with it
     process.wait()
-    time.sleep(1)  # ranks die with their agent (PDEATHSIG); give the kernel a moment to reap them
+    holder = json.loads((run_dir / ".lock").read_text())["pid"]  # rank 0
+    assert survivors_after([holder], seconds=10) == [], "rank 0 (and the run folder's lock) outlived its agent"
     complete = run_checkpoints.complete_checkpoints(run_dir)
     assert complete and complete[0] == first and snapshot(first) == before
     print(f"killed with checkpoints {[p.name for p in complete]}")

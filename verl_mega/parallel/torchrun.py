@@ -4,8 +4,9 @@
   that message, not as torchrun's ChildFailedError traceback and exit 1.
 - Ranks outlive a killed launcher: torchrun starts each rank in its own session, so killing the launcher's
   process group leaves them training. Every rank asks the kernel for SIGKILL when its parent (the torchrun
-  agent) dies (`exit_with_agent`, called from `init_parallel`), and the agent likewise for SIGTERM (which
-  torchrun turns into stopping its ranks) when the launcher above it dies.
+  agent) dies (`exit_with_agent`, called from `init_parallel`), and so does every process a rank forks; the
+  agent likewise asks for SIGTERM (which torchrun turns into stopping its ranks) when the launcher above it
+  dies.
 
 `python -m verl_mega.parallel.torchrun ARGS` takes torchrun's own arguments.
 """
@@ -32,10 +33,12 @@ def signal_on_parent_death(signum: int) -> bool:
 
 def exit_with_agent() -> None:
     """In a rank under torchrun: die with the agent (SIGKILL: the run folder's lock and checkpoints are safe
-    against that, and a rank asked politely would first finish its step)."""
+    against that, and a rank asked politely would first finish its step). Processes the rank forks (megatron's
+    checkpoint writers) die with the rank likewise, instead of lingering on a queue nobody reads."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     signal_on_parent_death(signal.SIGKILL)
+    os.register_at_fork(after_in_child=lambda: signal_on_parent_death(signal.SIGKILL))
     agent = os.environ.get(AGENT_PID_ENV)
     if agent and os.getppid() != int(agent):  # the agent died before the request above was in place
         os._exit(128 + signal.SIGKILL)

@@ -1,9 +1,9 @@
 """Who may write a run folder: one live run at a time (a lock), and only a run of the model it was started with.
 
 Rank 0 holds an exclusive `flock` on `RUN/.lock` for the whole run and records its host and pid in it, so a
-second run on the same folder is refused naming the holder. The kernel drops the lock when the process
-dies, however it dies, so a killed run never leaves a stale lock behind. Both checks run before anything
-is written into the folder.
+second run on the same folder is refused naming the holder. The kernel drops the lock when the process dies,
+however it dies (processes it forks let go of it at once), so a killed run never leaves a stale lock. Both
+checks run before anything is written into the folder.
 """
 from __future__ import annotations
 
@@ -44,6 +44,14 @@ class RunFolderLock:
         record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, json.dumps(record).encode(), 0)
+        # A forked helper (megatron's checkpoint writers fork) shares the lock; one that outlived this process
+        # would keep the folder locked, so children drop their copy at once (closing, not unlocking).
+        os.register_at_fork(after_in_child=self._close_in_child)
+
+    def _close_in_child(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def release(self) -> None:
         if self._fd is not None:
