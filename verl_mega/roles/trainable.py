@@ -85,13 +85,15 @@ class TrainableModel:
         """Apply the accumulated gradients: {'grad_norm', 'lr', 'update_successful'}.
 
         Raises NonFiniteError, with the gradients cleared and nothing applied, if any rank holds a NaN/inf
-        gradient: megatron's optimizer checks only under fp16's loss scaler, and would apply them in fp32/bf16.
+        gradient in fp32/bf16, where megatron's optimizer would apply it (it checks only under fp16's scaler).
         """
         lr = self.optimizer.param_groups[0]["lr"]
-        grads = [param.main_grad for param in self.model.parameters() if getattr(param, "main_grad", None) is not None]
-        if not all_finite(grads):
-            self.zero_grad()
-            raise NonFiniteError("gradients are NaN/inf")
+        # Under fp16's loss scaler an overflow is routine: megatron skips that step and lowers the scale itself.
+        if getattr(self.optimizer, "grad_scaler", None) is None:
+            grads = [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
+            if not all_finite(grads):
+                self.zero_grad()
+                raise NonFiniteError("gradients are NaN/inf")
         update_successful, grad_norm, _ = self.optimizer.step()
         self.zero_grad()
         if update_successful:
