@@ -7,7 +7,7 @@ import sys
 
 from verl_mega.parallel.launch import run_torchrun
 
-from .payload import add_payload_arguments, parse_env, payload_from_args, split_passthrough
+from .payload import add_payload_arguments, check_trainer_config, parse_env, payload_from_args, split_passthrough
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,12 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         payload = payload_from_args(args, passthrough)
         env = parse_env(args.env)
+        check_trainer_config(args, passthrough, args.nproc)
     except ValueError as error:
         parser.error(str(error))
     try:
         run_torchrun(args.nproc, payload.module, list(payload.args), env=env)
-    except subprocess.CalledProcessError as error:
-        print(f"error: {payload.module} failed under torchrun (exit {error.returncode})", file=sys.stderr)
+    except subprocess.CalledProcessError as error:  # the failed rank's message is already the last line
         return error.returncode
     return 0
 

@@ -10,6 +10,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from verl_mega.config import load_config
+from verl_mega.trainer.validation import validate
+
 TRAINER_MODULE = "verl_mega.trainer.main"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -52,6 +55,14 @@ def payload_from_args(args: argparse.Namespace, passthrough: list[str]) -> Paylo
     if not re.fullmatch(r"[A-Za-z_][\w.]*", args.module):
         raise ValueError(f"--module {args.module!r} is not a python module name (like verl_mega.converters.verify)")
     return Payload(args.module, tuple(module_args + passthrough))
+
+
+def check_trainer_config(args: argparse.Namespace, passthrough: list[str], world_size: int) -> None:
+    """For the trainer: the validation it runs itself at start-up, here and now with the job's world size, so a
+    bad config is refused before anything is queued or started. Raises ConfigError (a ValueError)."""
+    if args.module != TRAINER_MODULE or args.config is None:
+        return
+    validate(load_config(args.config, [*args.overrides, *passthrough]), world_size)
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from verl_mega.checkpoint.atomic import atomic_write_text
 
-from .payload import Payload, add_payload_arguments, parse_env, payload_from_args, split_passthrough
+from .payload import (
+    Payload, add_payload_arguments, check_trainer_config, parse_env, payload_from_args, split_passthrough,
+)
 
 TEMPLATE = Path(__file__).parent / "templates" / "sbatch.sh"
 SCRIPT_NAME = "sbatch.sh"
@@ -29,21 +31,23 @@ _UNQUOTABLE = re.compile(r"[\s'\"\\]")
 _MAX_SIGNAL_SECONDS = 65535
 
 
-def slurm_time_seconds(value: str) -> int:
-    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S."""
-    days, _, clock = value.rpartition("-")
-    try:
-        parts = [int(part) for part in clock.split(":")]
-        day_seconds = int(days) * 86400 if days else 0
-    except ValueError:
-        raise ValueError(f"--time {value!r} is not a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S)") from None
-    if days:  # after a day count the first field is hours
-        parts += [0] * (3 - len(parts))
-        return day_seconds + parts[0] * 3600 + parts[1] * 60 + parts[2]
-    units = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}.get(len(parts))
-    if units is None:
-        raise ValueError(f"--time {value!r} is not a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S)")
-    return sum(part * unit for part, unit in zip(parts, units))
+_UNLIMITED_TIMES = ("0", "unlimited", "infinite")
+_TIME_FORMS = (re.compile(r"(?P<m>\d+)(?::(?P<s>\d+))?"), re.compile(r"(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)"),
+               re.compile(r"(?P<d>\d+)-(?P<h>\d+)(?::(?P<m>\d+)(?::(?P<s>\d+))?)?"))
+
+
+def slurm_time_seconds(value: str) -> int | None:
+    """Seconds in a Slurm time limit (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S); None for no limit
+    (0, UNLIMITED, infinite). Raises ValueError naming --time for anything else."""
+    if value.lower() in _UNLIMITED_TIMES:
+        return None
+    for form in _TIME_FORMS:
+        match = form.fullmatch(value)
+        if match:
+            fields = {unit: int(number or 0) for unit, number in match.groupdict().items()}
+            return fields.get("d", 0) * 86400 + fields.get("h", 0) * 3600 + fields["m"] * 60 + fields["s"]
+    raise ValueError(f"--time {value!r} is not a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S "
+                     "(non-negative numbers), or 0 / UNLIMITED for none")
 
 
 @dataclass(frozen=True)
@@ -81,9 +85,10 @@ class SlurmOptions:
             if value is not None and _UNQUOTABLE.search(value):
                 raise ValueError(f"{flag} {value!r} must not contain spaces, quotes or backslashes "
                                  "(it goes on an #SBATCH line)")
-        if self.time is not None and slurm_time_seconds(self.time) <= self.signal_seconds:
+        limit = slurm_time_seconds(self.time) if self.time is not None else None
+        if limit is not None and limit <= self.signal_seconds:
             raise ValueError(f"--signal-seconds {self.signal_seconds} must be shorter than --time {self.time} "
-                             f"({slurm_time_seconds(self.time)} s): Slurm would send the warning at once")
+                             f"({limit} s): Slurm would send the warning at once")
         if self.container_mounts and not self.container_image:
             raise ValueError("--mounts needs --container-image (mounts are passed to pyxis with the image)")
 
@@ -166,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--procs-per-node", type=int, help="ranks per node (default: --gpus-per-node, or 1)")
     parser.add_argument("--cpus-per-task", type=int, help="CPUs for each node's ranks together")
     parser.add_argument("--partition")
-    parser.add_argument("--time", help="Slurm time limit, e.g. 04:00:00")
+    parser.add_argument("--time", help="Slurm time limit, e.g. 04:00:00 or 2-00 (0 or UNLIMITED: none)")
     parser.add_argument("--account")
     parser.add_argument("--qos")
     parser.add_argument("--job-name", help="default: verl-mega-<config name>, or the module's last part")
@@ -208,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     try:
         options = options_from_args(args, passthrough)
+        if not args.dry_run:  # a dry run only shows the script
+            check_trainer_config(args, passthrough, options.nodes * options.ranks_per_node)
     except ValueError as error:
         parser.error(str(error))
+    created = not options.run_dir.exists()
     script = write_script(render_sbatch(options), options.run_dir)
     if args.dry_run:
         print(script.read_text(), end="")
@@ -218,8 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job_id = submit(script)
     except RuntimeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        # Nothing was submitted, so nothing of this attempt stays: the folder if it made it, else the script.
+        if created:
+            shutil.rmtree(options.run_dir, ignore_errors=True)
+        else:
+            script.unlink(missing_ok=True)
+        print(f"verl-mega launch slurm: error: {error}; nothing was submitted", file=sys.stderr)
+        return 2
     print(job_id)
     print(f"# submitted {script}; log: {options.run_dir}/slurm-{job_id}.out", file=sys.stderr)
     return 0

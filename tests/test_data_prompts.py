@@ -63,8 +63,10 @@ def test_string_prompt_without_template_is_tokenized_as_plain_text(tmp_path, pla
 
 def test_chat_messages_without_template_are_rejected(tmp_path, plain_tokenizer):
     path = write_rows(ROWS, tmp_path / "rows.jsonl")
-    with pytest.raises(ValueError, match="row 1: prompt is a list of chat messages but the tokenizer has no chat_template"):
-        PromptDataset(path, plain_tokenizer, max_prompt_length=64)[1]
+    # Found when the dataset is read (every prompt is checked up front), not at the step that samples it.
+    with pytest.raises(ValueError, match="rows.jsonl row 0: prompt is a list of chat messages but the tokenizer has no "
+                                         "chat_template"):
+        PromptDataset(path, plain_tokenizer, max_prompt_length=64)
 
 
 def test_items_left_pad_and_carry_metadata(tmp_path, chat_tokenizer):
@@ -101,10 +103,10 @@ def test_truncation_sides(tmp_path, chat_tokenizer, side, expected):
 
 def test_truncation_error_names_the_row(tmp_path, chat_tokenizer):
     rows = [{"prompt": "1"}, {"prompt": "1234567"}]
-    dataset = PromptDataset(write_rows(rows, tmp_path / "rows.jsonl"), chat_tokenizer, max_prompt_length=6)
-    assert len(dataset[0]["input_ids"]) == 5
-    with pytest.raises(ValueError, match=r"row 1: prompt is 11 tokens, longer than max_prompt_length=6"):
-        dataset[1]
+    # The whole file is checked when it is read, not when a step samples the long row.
+    with pytest.raises(ValueError, match=r"rows.jsonl: 1 of 2 prompts are longer than data.max_prompt_length=6 "
+                                         r"\(row 1: 11 tokens\)"):
+        PromptDataset(write_rows(rows, tmp_path / "rows.jsonl"), chat_tokenizer, max_prompt_length=6)
 
 
 def test_invalid_truncation_side_is_rejected(tmp_path, chat_tokenizer):

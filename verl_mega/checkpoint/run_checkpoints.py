@@ -2,7 +2,7 @@
 
     RUN/checkpoints/step_000012/
         actor/, critic/          model + optimizer + LR schedule (megatron dist_checkpointing, any layout)
-        rng/rank_00003.pt        every rank's RNG states
+        rng/rank_00003.safetensors  every rank's RNG states (tensors + JSON scalars: no pickle)
         trainer_state.json       step, sampler position, KL controller, reward normaliser, model fingerprint
         config.yaml              the resolved config of the run that wrote it
 
@@ -21,12 +21,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from verl_mega.config.errors import UserError
+
 from .atomic import collective_output_dir
 from .training_state import load_training_state, save_training_state
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_TRACKER_PREFIX = "model_parallel/"
 # Config fields that define the model's shapes; a checkpoint of another model is refused on them.
 _ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                       "intermediate_size", "vocab_size", "num_local_experts", "head_dim", "tie_word_embeddings")
@@ -50,25 +56,61 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def rng_state() -> dict:
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's RNG states as plain tensors plus JSON-able scalars: stored without pickle, so reading a
+    checkpoint never executes anything."""
     from megatron.core import tensor_parallel
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "model_parallel": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    version, python_words, gauss_next = random.getstate()
+    _, numpy_words, numpy_pos, has_gauss, cached_gaussian = np.random.get_state()
+    tensors = {"python": torch.tensor(python_words, dtype=torch.int64),
+               "numpy": torch.from_numpy(numpy_words.astype(np.int64)), "torch": torch.get_rng_state()}
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    tensors.update({f"{_TRACKER_PREFIX}{name}": state.cpu() for name, state in tracker.items()})
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    scalars = {"python_version": version, "python_gauss_next": gauss_next, "numpy_pos": int(numpy_pos),
+               "numpy_has_gauss": int(has_gauss), "numpy_cached_gaussian": float(cached_gaussian)}
+    return tensors, scalars
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+    """Restore what `rng_state` returned; raises ValueError/TypeError/RuntimeError/KeyError on a mangled one."""
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["model_parallel"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    words = {key: tensors[key].tolist() for key in ("python", "numpy")}
+    if any(not 0 <= word < 2**32 for key in words for word in words[key]):
+        raise ValueError("a Mersenne Twister word is outside 0..2^32-1")
+    random.setstate((scalars["python_version"], tuple(words["python"]), scalars["python_gauss_next"]))
+    np.random.set_state(("MT19937", np.array(words["numpy"], dtype=np.uint32), int(scalars["numpy_pos"]),
+                         int(scalars["numpy_has_gauss"]), float(scalars["numpy_cached_gaussian"])))
+    torch.set_rng_state(tensors["torch"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current = tracker.get_states()
+    stored = {key[len(_TRACKER_PREFIX):]: value for key, value in tensors.items() if key.startswith(_TRACKER_PREFIX)}
+    if set(stored) != set(current) or any(stored[name].shape != current[name].shape for name in current):
+        raise ValueError(f"model-parallel RNG states {sorted(stored)} do not match this job's {sorted(current)}")
+    tracker.set_states({name: state.to(current[name].device) for name, state in stored.items()})
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+
+
+def save_rng_state(path: Path) -> None:
+    tensors, scalars = rng_state()
+    save_file({key: value.contiguous() for key, value in tensors.items()}, str(path),
+              metadata={"scalars": json.dumps(scalars)})
+
+
+def load_rng_state(path: Path) -> None:
+    """Restore this rank's RNG from `path`; a missing, truncated or tampered file is a UserError."""
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            tensors = {key: file.get_tensor(key) for key in file.keys()}
+            scalars = json.loads((file.metadata() or {})["scalars"])
+        set_rng_state(tensors, scalars)
+    except Exception as err:  # safetensors' own errors have no common base beyond Exception
+        raise UserError(f"{path} is not a valid RNG state ({type(err).__name__}: {err}); remove its checkpoint "
+                        f"{path.parent.parent} to resume from an earlier one") from None
 
 
 def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state: dict, config_yaml: str, rank: int,
@@ -80,7 +122,7 @@ def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state
             (tmp / name).mkdir(exist_ok=True)
             save_training_state(trainable, tmp / name)
         (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        save_rng_state(tmp / "rng" / _rng_file(rank))
         if rank == 0:
             (tmp / "config.yaml").write_text(config_yaml)
             (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
@@ -94,15 +136,27 @@ def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int
     """Collective. Restores the trainables (at this job's layout) and this rank's RNG; returns the trainer state."""
     state_file = ckpt / STATE_FILE
     if not state_file.is_file():
-        raise ValueError(f"checkpoint {ckpt} is incomplete ({STATE_FILE} missing); remove it to resume from an "
-                         "earlier one")
-    state = json.loads(state_file.read_text())
+        raise UserError(f"checkpoint {ckpt} is incomplete ({STATE_FILE} missing); remove it to resume from an "
+                        "earlier one")
+    try:
+        state = json.loads(state_file.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or state["step"] < 0:
+            raise ValueError("it holds no step count")
+    except (OSError, ValueError) as err:
+        raise UserError(f"{state_file} is unreadable ({err}); remove {ckpt} to resume from an earlier one") from None
     if state.get("model_fingerprint") != fingerprint:
-        raise ValueError(f"checkpoint {ckpt} was written for another model (fingerprint "
-                         f"{state.get('model_fingerprint')} != {fingerprint}); point trainer.run_dir elsewhere")
+        raise UserError(f"checkpoint {ckpt} was written for another model (fingerprint "
+                        f"{state.get('model_fingerprint')} != {fingerprint}); point trainer.run_dir elsewhere")
     for name, trainable in trainables.items():
-        load_training_state(trainable, ckpt / name)
+        try:
+            load_training_state(trainable, ckpt / name)
+        except (FileNotFoundError, ValueError) as err:  # incomplete, or of another model or optimizer kind
+            raise UserError(f"checkpoint {ckpt}: {err}") from None
     # Same world size: each rank takes its own RNG back; another layout starts from rank-derived seeds.
     if state.get("world_size") == world_size:
-        set_rng_state(torch.load(ckpt / "rng" / f"rank_{rank:05d}.pt", weights_only=False))
+        load_rng_state(ckpt / "rng" / _rng_file(rank))
     return state
+
+
+def _rng_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"

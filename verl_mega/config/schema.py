@@ -13,6 +13,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from .errors import UserError
+
 
 @dataclass
 class OptimConfig:
@@ -152,6 +154,9 @@ class TrainerConfig:
     wandb_project: str = ""
     health_port: int = 0  # 0: no health endpoint
     progress_bar: bool = True
+    # A NaN/inf reward, advantage or gradient: "error" stops the run before applying it; "skip" drops that
+    # batch (or optimizer step) and counts it in the metrics (trainer/nonfinite_skipped).
+    nonfinite: str = "error"
 
 
 @dataclass
@@ -167,7 +172,10 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-class ConfigError(ValueError):
+NONFINITE_POLICIES = ("error", "skip")
+
+
+class ConfigError(UserError):
     """A config problem; the message names the key and what to do about it."""
 
 

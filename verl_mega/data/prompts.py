@@ -41,7 +41,23 @@ class PromptDataset(Dataset):
         for path in paths:
             rows = read_rows(path)
             check_prompt_column(rows, prompt_key, path)
+            if truncation == "error":  # at start-up, not at the step that happens to sample the row
+                self._check_lengths(rows, path)
             self.rows.extend(rows)
+
+    def _check_lengths(self, rows: list[dict], path) -> None:
+        try:
+            lengths = [len(self._encode(row[self.prompt_key], index)) for index, row in enumerate(rows)]
+        except ValueError as err:
+            raise ValueError(f"{os.fspath(path)} {err}") from None
+        too_long = [index for index, length in enumerate(lengths) if length > self.max_prompt_length]
+        if too_long:
+            first = too_long[0]
+            raise ValueError(
+                f"{os.fspath(path)}: {len(too_long)} of {len(rows)} prompts are longer than data.max_prompt_length="
+                f"{self.max_prompt_length} (row {first}: {lengths[first]} tokens); raise it, or set "
+                "data.truncation to left or right to cut them"
+            )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -49,7 +65,7 @@ class PromptDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self.rows[index]
         prompt = row[self.prompt_key]
-        input_ids = self._truncate(self._encode(prompt, index), index)
+        input_ids = self._truncate(self._encode(prompt, index))
         metadata = {key: value for key, value in row.items() if key != self.prompt_key}
         return {"input_ids": input_ids, "raw_prompt": prompt, **metadata}
 
@@ -63,17 +79,13 @@ class PromptDataset(Dataset):
             )
         return self.tokenizer(prompt)["input_ids"]
 
-    def _truncate(self, input_ids: list[int], index: int) -> list[int]:
-        if len(input_ids) <= self.max_prompt_length:
+    def _truncate(self, input_ids: list[int]) -> list[int]:
+        # With truncation "error" every prompt was checked against the limit when the file was read.
+        if len(input_ids) <= self.max_prompt_length or self.truncation == "error":
             return input_ids
         if self.truncation == "left":
             return input_ids[-self.max_prompt_length :]
-        if self.truncation == "right":
-            return input_ids[: self.max_prompt_length]
-        raise ValueError(
-            f"row {index}: prompt is {len(input_ids)} tokens, longer than max_prompt_length="
-            f"{self.max_prompt_length} (set truncation to 'left' or 'right' to cut it)"
-        )
+        return input_ids[: self.max_prompt_length]
 
 
 def as_messages(prompt: str | list[dict]) -> list[dict]:
@@ -89,9 +101,24 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) ->
 
 
 def check_prompt_column(rows: list[dict], prompt_key: str, path) -> None:
+    """Every row has the prompt column, holding a string or a list of {"role", "content"} messages."""
     for index, row in enumerate(rows):
         if prompt_key not in row:
             raise ValueError(
                 f"prompt column {prompt_key!r} not found in {os.fspath(path)} (row {index}); "
                 f"columns present: {sorted(row)}"
             )
+        if not _is_prompt(row[prompt_key]):
+            raise ValueError(
+                f"{os.fspath(path)} row {index}: column {prompt_key!r} holds {type(row[prompt_key]).__name__} "
+                f"{str(row[prompt_key])[:40]!r}; a prompt is a string or a list of {{'role', 'content'}} messages"
+            )
+
+
+def _is_prompt(prompt) -> bool:
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+        for message in prompt)
+

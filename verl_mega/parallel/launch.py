@@ -20,9 +20,9 @@ def in_distributed_job() -> bool:
 def run_torchrun(nproc: int, module: str, args: list[str], env: dict[str, str] | None = None,
                  capture_output: bool = False) -> subprocess.CompletedProcess:
     """torchrun --nproc-per-node nproc -m module args; raises CalledProcessError (with the output when
-    captured) if any rank fails."""
+    captured) carrying the first failed rank's exit code, its message the last line on stderr."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        sys.executable, "-m", "verl_mega.parallel.torchrun", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", module, *args,
     ]
     child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .layout import data_parallel_size
 from .shims import apply_shims
+from .torchrun import exit_with_agent
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
     # otherwise); it must be set before the CUDA context exists.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if not dist.is_initialized():
+        exit_with_agent()
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

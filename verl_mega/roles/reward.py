@@ -8,11 +8,13 @@ last valid response token, where PPO/GRPO advantage estimation expects the outco
 from __future__ import annotations
 
 import importlib
+import numbers
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from verl_mega.config.errors import UserError
 from verl_mega.data.prompts import as_messages, encode_chat
 
 RewardFn = Callable[[Any, str, Any, Any], float]
@@ -64,13 +66,13 @@ def get_reward_fn(name: str) -> RewardFn:
         try:
             module = importlib.import_module(module_name)
         except ImportError as error:
-            raise ValueError(f"cannot import module {module_name!r} for reward function {name!r}: {error}") from error
+            raise UserError(f"cannot import module {module_name!r} for reward function {name!r}: {error}") from error
         function = getattr(module, function_name, None)
         if not callable(function):
-            raise ValueError(f"module {module_name!r} has no function {function_name!r} (reward function {name!r})")
+            raise UserError(f"module {module_name!r} has no function {function_name!r} (reward function {name!r})")
         return function
     if name not in REWARD_FUNCTIONS:
-        raise ValueError(
+        raise UserError(
             f"unknown reward function {name!r}; registered: {', '.join(sorted(REWARD_FUNCTIONS))} "
             "(or give 'module:function')"
         )
@@ -98,6 +100,7 @@ class RewardOutput(NamedTuple):
 class RuleReward:
     def __init__(self, tokenizer, reward_fn: str | RewardFn = "exact_match"):
         self.tokenizer = tokenizer
+        self.name = reward_fn if isinstance(reward_fn, str) else getattr(reward_fn, "__qualname__", repr(reward_fn))
         self.reward_fn = get_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
 
     def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
@@ -116,14 +119,24 @@ class RuleReward:
         data_sources = data_sources if data_sources is not None else [None] * batch_size
         extra_infos = extra_infos if extra_infos is not None else [None] * batch_size
         texts = self.decode(responses, response_mask)
-        scores = torch.tensor(
-            [
-                float(self.reward_fn(source, text, truth, info))
-                for source, text, truth, info in zip(data_sources, texts, ground_truths, extra_infos, strict=True)
-            ],
-            dtype=torch.float32,
-        )
+        rows = zip(data_sources, texts, ground_truths, extra_infos, strict=True)
+        scores = torch.tensor([self._score(row, *args) for row, args in enumerate(rows)], dtype=torch.float32)
+        # NaN/inf pass through: the trainer stops or skips the batch (trainer.nonfinite) and names the rows.
         return RewardOutput(scores, scores_to_token_rewards(scores, response_mask.cpu()))
+
+    def _score(self, row: int, source, text: str, truth, info) -> float:
+        """One response's score; a function that raises or returns a non-number is the user's to fix."""
+        where = f"response {row} (data_source {source!r})"
+        try:
+            value = self.reward_fn(source, text, truth, info)
+        except Exception as err:
+            raise UserError(f"reward.function {self.name!r} raised {type(err).__name__}: {err} on {where}") from None
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, numbers.Real):
+            return float(value)
+        raise UserError(f"reward.function {self.name!r} returned {type(value).__name__} {str(value)[:40]!r} on "
+                        f"{where}; it must return a number")
 
 
 def default_device() -> torch.device:
@@ -137,10 +150,10 @@ class HFRewardModel:
         self.device = torch.device(device) if device is not None else default_device()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.pad_token_id is None:
-            raise ValueError(f"the reward model tokenizer in {model_dir} has no pad token to batch with")
+            raise UserError(f"the reward model tokenizer in {model_dir} has no pad token to batch with")
         self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(self.device).eval()
         if self.model.config.num_labels != 1:
-            raise ValueError(f"reward model in {model_dir} has {self.model.config.num_labels} labels; expected 1")
+            raise UserError(f"reward model in {model_dir} has {self.model.config.num_labels} labels; expected 1")
         # The model reads its score at the rightmost non-pad token, so it must know the pad id.
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import math
+
 from verl_mega.config import OptimConfig
+from verl_mega.config.errors import NonFiniteError
+from verl_mega.parallel.agree import all_finite
 
 from .batching import Batch, batch_size, split_rows
 from .megatron_step import LossFn, forward_backward
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")  # megatron's OptimizerParamScheduler's
 
 
 class TrainableModel:
@@ -21,8 +26,8 @@ class TrainableModel:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        if optim.lr_decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(f"lr_decay_style must be constant, linear or cosine, got '{optim.lr_decay_style}'")
+        if optim.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style must be one of {', '.join(LR_DECAY_STYLES)}, got '{optim.lr_decay_style}'")
         config = module.config
         self.model = DistributedDataParallel(
             config=config,
@@ -79,8 +84,18 @@ class TrainableModel:
         self.optimizer.zero_grad()
 
     def step(self) -> dict[str, float]:
-        """Apply the accumulated gradients: {'grad_norm', 'lr', 'update_successful'}."""
+        """Apply the accumulated gradients: {'grad_norm', 'lr', 'update_successful'}.
+
+        Raises NonFiniteError, with the gradients cleared and nothing applied, if any rank holds a NaN/inf
+        gradient in fp32/bf16, where megatron's optimizer would apply it (it checks only under fp16's scaler).
+        """
         lr = self.optimizer.param_groups[0]["lr"]
+        # Under fp16's loss scaler an overflow is routine: megatron skips that step and lowers the scale itself.
+        if getattr(self.optimizer, "grad_scaler", None) is None:
+            grads = [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
+            if not all_finite(grads):
+                self.zero_grad()
+                raise NonFiniteError("gradients are NaN/inf")
         update_successful, grad_norm, _ = self.optimizer.step()
         self.zero_grad()
         if update_successful:

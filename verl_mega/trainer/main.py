@@ -8,23 +8,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch.distributed as dist
 
-import verl_mega
-import verl_mega.converters
 from verl_mega.checkpoint.atomic import atomic_write_text
-from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.checkpoint.run_checkpoints import model_fingerprint
-from verl_mega.config import ConfigError, load_config, to_yaml
+from verl_mega.config import load_config, to_yaml
+from verl_mega.config.errors import USER_ERROR_EXIT_CODE, UserError, report_to_launcher
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.models import HFModelConfig
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
 from .ppo import PPOTrainer
 from .preemption import StopRequest, requeue_slurm_job
+from .run_folder import INITIAL_ACTOR_PREFIX, claim_run_folder
 from .validation import validate
 
 
@@ -38,32 +36,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         validate(config, world_size)
-    except ConfigError as err:
-        print(f"verl-mega train: {err}", file=sys.stderr)
-        return 2
-    try:
         train(config)
-    except (ValueError, FileNotFoundError) as err:  # bad input found after start-up: say it plainly
-        if not _raised_by_verl_mega(err):
-            raise  # megatron's or torch's own check failed: a bug, shown with its traceback
+    except UserError as err:  # anything else is a bug and keeps its traceback
         print(f"verl-mega train: error: {err}", file=sys.stderr)
-        return 2
+        report_to_launcher(str(err))
+        return USER_ERROR_EXIT_CODE
     return 0
-
-
-def _raised_by_verl_mega(err: BaseException) -> bool:
-    """Whether `err` was raised in verl_mega's own code (its checks of the input), not in a library under it."""
-    innermost = Path(traceback.extract_tb(err.__traceback__)[-1].filename).resolve()
-    ours = [Path(folder).resolve() for package in (verl_mega, verl_mega.converters) for folder in package.__path__]
-    return any(innermost.is_relative_to(folder) for folder in ours)
 
 
 def train(config) -> None:
     p = config.parallel
     layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed)
     run_dir = Path(config.trainer.run_dir)
+    # Before anything is written: a folder of a live run or of another model is refused untouched.
+    lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)), layout.rank)
     if layout.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run_dir / "config.yaml", to_yaml(config))
     actor_ckpt = prepare_checkpoint(config, layout, run_dir)
     critic_ckpt = Path(config.model.critic_ckpt) if config.model.critic_ckpt else None
@@ -74,6 +61,8 @@ def train(config) -> None:
     if not finished and layout.rank == 0:
         requeue_slurm_job()
     destroy_parallel()
+    if lock is not None:
+        lock.release()
 
 
 def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
@@ -82,13 +71,9 @@ def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
         return Path(config.model.actor_ckpt)
     p = config.parallel
     # One conversion per layout: a run resumed at another layout needs its initial (reference) weights there.
-    ckpt = run_dir / f"initial_actor_tp{p.tp}_pp{p.pp}_ep{p.ep}"
-    if ckpt.exists():
-        wanted = model_fingerprint(HFModelConfig.read_raw(config.model.hf_path))
-        if model_fingerprint(Manifest.read(ckpt).hf_config) != wanted:
-            raise ValueError(f"{run_dir} was written for another model than {config.model.hf_path}; point "
-                             "trainer.run_dir elsewhere")
-    elif layout.rank == 0:
+    # (claim_run_folder has checked that an existing one is of this model.)
+    ckpt = run_dir / f"{INITIAL_ACTOR_PREFIX}tp{p.tp}_pp{p.pp}_ep{p.ep}"
+    if not ckpt.exists() and layout.rank == 0:
         convert_hf_to_mcore(config.model.hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype)
     dist.barrier()
     return ckpt

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from verl_mega.checkpoint.atomic import atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 CONSOLE_KEYS = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
                 "actor/entropy", "actor/grad_norm", "perf/step_seconds")
@@ -61,8 +63,8 @@ class MetricsLogger:
         """Drop records after `step` (a resumed run logs those steps again)."""
         path = Path(run_dir) / METRICS_FILE
         if path.is_file():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -77,7 +79,7 @@ class MetricsLogger:
             self._writer.flush()
         if self._wandb is not None:
             self._wandb.log(record, step=step)
-        shown = " ".join(f"{key.split('/')[-1]}={record[key]:.4g}" for key in CONSOLE_KEYS if key in record)
+        shown = " ".join(f"{key.split('/')[-1]}={_console(record[key])}" for key in CONSOLE_KEYS if key in record)
         print(f"step {step}: {shown}", flush=True)
 
     def close(self) -> None:
@@ -90,4 +92,19 @@ class MetricsLogger:
 def _plain(value):
     if isinstance(value, torch.Tensor):
         value = value.item()
-    return float(value) if isinstance(value, (int, float)) else value
+    if isinstance(value, (int, float)):  # JSON has no NaN/inf: a skipped batch's NaN reward is logged as null
+        return float(value) if math.isfinite(value) else None
+    return value
+
+
+def _console(value) -> str:
+    return "nan" if value is None else f"{value:.4g}"
+
+
+def _step_of(line: str) -> float:
+    """A record's step; a line cut short by a kill, or not a record at all, sorts after every step (dropped)."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+    return step if isinstance(step, int) else math.inf

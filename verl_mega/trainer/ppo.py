@@ -20,12 +20,14 @@ from verl_mega.algorithms import (
 from verl_mega.checkpoint import run_checkpoints
 from verl_mega.checkpoint.role_weights import FINAL_ACTOR_DIR, FINAL_CRITIC_DIR, save_role_weights
 from verl_mega.config import TrainConfig, to_yaml
+from verl_mega.config.errors import NonFiniteError, UserError
 from verl_mega.data.prompts import PromptDataset
 from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
+from verl_mega.parallel.agree import all_finite, any_rank
 from verl_mega.parallel.layout import rollout_placement
-from verl_mega.parallel.state import ParallelLayout, device
+from verl_mega.parallel.state import ParallelLayout
 from verl_mega.roles.actor import Actor, is_on_policy
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
@@ -49,8 +51,11 @@ class PPOTrainer:
         self.config, self.layout, self.actor_ckpt = config, layout, Path(actor_ckpt)
         self.run_dir = Path(config.trainer.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
-        self.dataset = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
-                                     config.data.prompt_key, config.data.truncation)
+        try:
+            self.dataset = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
+                                         config.data.prompt_key, config.data.truncation)
+        except (OSError, ValueError) as err:  # every such problem is in the files the user listed
+            raise UserError(f"data.train_files: {err}") from None
         self.sampler = ResumableBatchSampler(len(self.dataset), config.data.batch_size, seed=config.data.seed)
 
         # The critic and the reference run in the actor's dtype, whatever their checkpoints were saved in.
@@ -78,6 +83,7 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
         self.step = 0
+        self.nonfinite_skipped = 0  # batches and optimizer steps dropped under trainer.nonfinite=skip
         self.fingerprint = run_checkpoints.model_fingerprint(self.hf_config.raw)
         self.stop_requested = stop_requested
         self.resume()
@@ -85,7 +91,11 @@ class PPOTrainer:
         self.logger = MetricsLogger(self.run_dir, enabled=layout.rank == 0, tensorboard=config.trainer.tensorboard,
                                     wandb_project=config.trainer.wandb_project)
         serve_health = layout.rank == 0 and config.trainer.health_port > 0
-        self.health = HealthServer(config.trainer.health_port) if serve_health else None
+        try:
+            self.health = HealthServer(config.trainer.health_port) if serve_health else None
+        except OSError as err:
+            raise UserError(f"trainer.health_port={config.trainer.health_port}: cannot listen there ({err}); "
+                            "pick a free port") from None
         self._set_health("ready")
 
     @property
@@ -113,6 +123,7 @@ class PPOTrainer:
         self.logger.close()
         if not stopped:
             self._set_health("saving")
+            self._check_weights_finite("the final model")
             save_role_weights(self.actor.model, self.actor_ckpt, self.run_dir / FINAL_ACTOR_DIR, self.layout, self.step)
             if self.critic is not None:
                 save_role_weights(self.critic.model, self.critic_ckpt, self.run_dir / FINAL_CRITIC_DIR, self.layout,
@@ -136,7 +147,9 @@ class PPOTrainer:
 
     def save(self) -> Path:
         self._set_health("saving")
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+        self._check_weights_finite("a checkpoint")
+        state = {"step": self.step, "nonfinite_skipped": self.nonfinite_skipped, "sampler": self.sampler.state_dict(),
+                 "kl_ctrl": self.kl_ctrl.state_dict(),
                  "reward_normalizer": self.reward_normalizer.state_dict(), "model_fingerprint": self.fingerprint,
                  "world_size": self.layout.world_size,
                  "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}}
@@ -152,6 +165,7 @@ class PPOTrainer:
         state = run_checkpoints.load_checkpoint(found[-1], trainables=self._trainables(), fingerprint=self.fingerprint,
                                                 rank=self.layout.rank, world_size=self.layout.world_size)
         self.step = state["step"]
+        self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.reward_normalizer.load_state_dict(state["reward_normalizer"])
@@ -160,9 +174,40 @@ class PPOTrainer:
             MetricsLogger.truncate(self.run_dir, self.step)
 
     def _any_rank_asked_to_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop_requested() else 0.0], device=device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.stop_requested())
+
+    # --- non-finite values --------------------------------------------------------------------------------
+
+    def _nonfinite(self, quantities: dict[str, torch.Tensor], hint: str) -> bool:
+        """False if every quantity is finite. Otherwise counts a skip (trainer.nonfinite=skip) and returns
+        True, or raises naming the first bad quantity, before anything of this step has been applied."""
+        if all_finite(quantities.values()):
+            return False
+        bad = next((name, tensor) for name, tensor in quantities.items() if not torch.isfinite(tensor).all())
+        return self._refuse_or_skip(f"{bad[0]} is NaN/inf ({_nonfinite_rows(bad[1])}); {hint}")
+
+    def _refuse_or_skip(self, problem: str) -> bool:
+        if self.config.trainer.nonfinite == "skip":
+            self.nonfinite_skipped += 1
+            if self.layout.rank == 0:
+                print(f"step {self.step + 1}: skipped: {problem}", flush=True)
+            return True
+        raise NonFiniteError(f"step {self.step + 1}: {problem}; stopped before applying it, nothing saved "
+                             "(trainer.nonfinite=skip drops such batches instead)")
+
+    def _update(self, role: str, update, *args) -> dict[str, float]:
+        """A role's PPO update; non-finite gradients stop the run, or skip the rest of this update."""
+        try:
+            return {f"{role}/{key}": value for key, value in update(*args).items()}
+        except NonFiniteError as err:
+            self._refuse_or_skip(f"{role} {err} (lower {role}.optim.lr)")
+            return {}
+
+    def _check_weights_finite(self, what: str) -> None:
+        for role, model in (("actor", self.actor.model), ("critic", self.critic and self.critic.model)):
+            if model is not None and not all_finite(p for p in model.parameters()):
+                raise NonFiniteError(f"step {self.step}: the {role}'s weights are NaN/inf; {what} of them is not "
+                                     "written")
 
     def train_step(self) -> dict[str, float]:
         cfg, timer = self.config, StageTimer()
@@ -196,18 +241,23 @@ class PPOTrainer:
 
         with timer("reward"):
             scores, token_scores = self.score(batch, rows)
+        source = "reward.model" if self.reward_model is not None else f"reward.function {cfg.reward.function!r}"
+        if self._nonfinite({"the reward": scores}, f"{source} must return finite numbers"):
+            return self._step_metrics({}, batch, scores, timer, time.perf_counter() - start)
         metrics = self.compute_advantages(batch, scores, token_scores, rows["index"])
+        computed = {name: batch[key] for name, key in (("the old log-prob", "old_log_probs"), ("the value", "values"),
+                    ("the reference log-prob", "ref_log_prob"), ("the advantage", "advantages"),
+                    ("the return", "returns")) if key in batch}
+        if self._nonfinite(computed, "the model's outputs overflowed (lower the learning rates)"):
+            return self._step_metrics(metrics, batch, scores, timer, time.perf_counter() - start)
 
         if self.critic is not None:
             with timer("update_critic"):
-                critic_metrics = self.critic.update_critic(batch, cfg.critic.ppo_epochs, cfg.critic.mini_batch_size,
-                                                           cfg.critic.micro_batch_size, critic_tokens)
-            metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+                metrics.update(self._update("critic", self.critic.update_critic, batch, cfg.critic.ppo_epochs,
+                                            cfg.critic.mini_batch_size, cfg.critic.micro_batch_size, critic_tokens))
         with timer("update_actor"):
-            actor_metrics = self.actor.update_policy(batch, cfg.actor.ppo_epochs, cfg.actor.mini_batch_size, micro,
-                                                     actor_tokens)
-        metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
-
+            metrics.update(self._update("actor", self.actor.update_policy, batch, cfg.actor.ppo_epochs,
+                                        cfg.actor.mini_batch_size, micro, actor_tokens))
         return self._step_metrics(metrics, batch, scores, timer, time.perf_counter() - start)
 
     # --- stages ---------------------------------------------------------------------------------------
@@ -287,6 +337,7 @@ class PPOTrainer:
         lengths = batch["response_mask"].sum(dim=-1).float()
         tokens = batch["attention_mask"].sum().item()
         metrics.update({
+            "trainer/nonfinite_skipped": self.nonfinite_skipped,
             "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
             "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
             "perf/step_seconds": seconds, "perf/tokens_per_second": tokens / seconds,
@@ -303,6 +354,15 @@ def needs_reference(config: TrainConfig) -> bool:
     kl_loss = config.actor.loss.use_kl_loss and config.actor.loss.kl_loss_coef != 0
     kl_reward = config.algorithm.use_kl_in_reward and config.algorithm.kl_ctrl.kl_coef != 0
     return kl_loss or kl_reward
+
+
+def _nonfinite_rows(values: torch.Tensor) -> str:
+    """Which rows of `values` hold NaN/inf, for the error message."""
+    rows = (~torch.isfinite(values)).reshape(len(values), -1).any(dim=-1).nonzero().flatten().tolist()
+    if not rows:
+        return "on another rank"
+    first = values[rows[0]].flatten()
+    return f"{len(rows)} of {len(values)} rows, first row {rows[0]}: {first[~torch.isfinite(first)][0].item()}"
 
 
 def optimizer_steps(config: TrainConfig, role) -> int:

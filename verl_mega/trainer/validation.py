@@ -11,13 +11,17 @@ from typing import Callable
 
 from verl_mega.algorithms import ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from verl_mega.checkpoint.manifest import MANIFEST_NAME
+from transformers import AutoTokenizer
+
 from verl_mega.config import ConfigError, TrainConfig
-from verl_mega.data.prompts import TRUNCATION_SIDES, check_prompt_column
+from verl_mega.config.schema import NONFINITE_POLICIES
+from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.tables import read_rows
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_parallel_size, rollout_placement
 from verl_mega.roles.reward import get_reward_fn
+from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.factory import ENGINES
 
 PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp")}
@@ -42,6 +46,7 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
         need(value in choices, f"{key} '{value}' is unknown; known: {', '.join(choices)}")
 
     p, d, a, c, alg = config.parallel, config.data, config.actor, config.critic, config.algorithm
+    _check_counts(config, need)
     dp = check(lambda: data_parallel_size(world_size, p.tp, p.pp, p.ep, PARALLEL_NAMES))
     rollout_tp_fits = check(lambda: check_rollout_tp(p.tp, p.rollout_tp, PARALLEL_NAMES) or True)
     if dp is not None and rollout_tp_fits:
@@ -63,6 +68,11 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
     for key, value in (("algorithm.kl_penalty", alg.kl_penalty), ("actor.loss.kl_loss_type", a.loss.kl_loss_type)):
         known(key, value, KL_ESTIMATORS.names())
     known("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CONTROLLERS)
+    for role in ("actor", "critic"):
+        known(f"{role}.optim.lr_decay_style", getattr(config, role).optim.lr_decay_style, LR_DECAY_STYLES)
+    known("trainer.nonfinite", config.trainer.nonfinite, NONFINITE_POLICIES)
+    need(config.rollout.engine != "embedded" or p.rollout_tp == 1,
+         f"parallel.rollout_tp={p.rollout_tp} needs rollout.engine vllm (the embedded engine runs at rollout TP 1)")
     if config.reward.reward_model:
         need(not check_files or Path(config.reward.reward_model, "config.json").is_file(),
              f"reward.reward_model: {config.reward.reward_model}/config.json does not exist")
@@ -72,6 +82,29 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
         _check_files(config, world_size, check, need)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _check_counts(config: TrainConfig, need) -> None:
+    """Counts, sizes and ranges: a zero or negative one would train nothing, divide by zero or hang."""
+    d, r, t, alg = config.data, config.rollout, config.trainer, config.algorithm
+    at_least_one = {"trainer.total_steps": t.total_steps, "rollout.n": r.n, "data.batch_size": d.batch_size,
+                    "data.max_prompt_length": d.max_prompt_length, "data.max_response_length": d.max_response_length,
+                    "algorithm.kl_ctrl.horizon": alg.kl_ctrl.horizon}
+    for role, cfg in (("actor", config.actor), ("critic", config.critic)):
+        at_least_one.update({f"{role}.{key}": getattr(cfg, key) for key in ("ppo_epochs", "mini_batch_size")})
+    for key, value in at_least_one.items():
+        need(value >= 1, f"{key} must be >= 1, got {value}")
+    non_negative = {"trainer.save_every": t.save_every, "trainer.keep_last": t.keep_last,
+                    "rollout.temperature": r.temperature, "algorithm.kl_ctrl.kl_coef": alg.kl_ctrl.kl_coef,
+                    "actor.optim.lr": config.actor.optim.lr, "critic.optim.lr": config.critic.optim.lr}
+    for key, value in non_negative.items():
+        need(value >= 0, f"{key} must be >= 0, got {value}")
+    need(0 <= t.health_port <= 65535,
+         f"trainer.health_port must be a TCP port in 0..65535 (0: no endpoint), got {t.health_port}")
+    need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
+    for key in ("gamma", "lam"):
+        need(0 <= getattr(alg, key) <= 1, f"algorithm.{key} must be in [0, 1], got {getattr(alg, key)}")
 
 
 def _check_batch_sizes(config: TrainConfig, world_size: int, dp: int, need) -> None:
@@ -100,8 +133,14 @@ def _check_files(config: TrainConfig, world_size: int, check, need) -> None:
     has_model = Path(m.hf_path, "config.json").is_file()
     need(has_model, f"model.hf_path: {m.hf_path}/config.json does not exist; point it at an HF model folder")
     need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
-    for file in d.train_files:
-        check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file), "data.train_files: ")
+    readable = [check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file) or True, "data.train_files: ")
+                for file in d.train_files]
+    if has_model and d.truncation == "error" and d.max_prompt_length >= 1 and readable and all(readable):
+        # Every prompt's length, now rather than at the step that happens to sample a long one.
+        tokenizer = check(lambda: AutoTokenizer.from_pretrained(m.hf_path), "model.hf_path: ")
+        if tokenizer is not None:
+            check(lambda: PromptDataset(d.train_files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation),
+                  "data.train_files: ")
     for key, ckpt in (("model.actor_ckpt", m.actor_ckpt), ("model.critic_ckpt", m.critic_ckpt)):
         need(not ckpt or Path(ckpt, MANIFEST_NAME).is_file(), f"{key}: {ckpt} is not a verl_mega checkpoint")
     if has_model:
