@@ -12,7 +12,8 @@ import torch
 
 METRICS_FILE = "metrics.jsonl"
 CONSOLE_KEYS = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
-                "actor/entropy", "actor/grad_norm", "perf/step_seconds")
+                "actor/entropy", "actor/grad_norm", "sft/loss", "dpo/loss", "dpo/rewards/accuracy", "val/loss",
+                "perf/step_seconds")
 
 
 class StageTimer:
