@@ -1,7 +1,8 @@
 """What a launcher runs: a module and its arguments, shared by the local and the Slurm launchers.
 
-By default the payload is the trainer, `--config CONFIG overrides...` (`--job sft|dpo|ppo` sets its job); `--module` swaps in any other entry
-point (the converters, the exporter) and everything after `--` is passed to it verbatim.
+By default the payload is the trainer, `--config CONFIG overrides...` (`--job sft|dpo|ppo` sets its job);
+`--module` swaps in any other entry point (the converters, the exporter) and everything after `--` is passed to
+it verbatim.
 """
 from __future__ import annotations
 
