@@ -1,7 +1,7 @@
 """SFT and DPO steps of the tiny demo model at layouts (1,1,1) and (2,2,2): tokens/s and time per stage.
 
 Runs the real jobs (`examples/sft_demo.yaml`, `examples/dpo_demo.yaml`) for a few steps per layout and reports
-the last step (the first ones include warm-up). Usage: python -m bench.sft_dpo [--steps 4]
+the last step (the first ones include warm-up). Usage: python -m bench.sft_dpo [--steps 4] [--layouts 1,1,1 ...]
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import tempfile
 from pathlib import Path
 
-LAYOUTS = {(1, 1, 1): ["parallel.tp=1", "parallel.pp=1"], (2, 2, 2): ["parallel.tp=2", "parallel.pp=2"]}
+DEFAULT_LAYOUTS = ["1,1,1", "2,2,2"]
 
 
 def main() -> None:
@@ -21,7 +21,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4, help="the first steps include warm-up; the last is reported")
+    parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, help="TP,PP,DP of each run")
     args = parser.parse_args()
+    layouts = [tuple(int(size) for size in layout.split(",")) for layout in args.layouts]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         hf = make_tiny_hf_model(tmp / "hf", "qwen2", vocab_size=64)
@@ -30,11 +32,12 @@ def main() -> None:
                 "dpo": write_rows(preference_pairs(rows), tmp / "pairs.jsonl")}
         results = {}
         for job, files in data.items():
-            for (tp, pp, dp), overrides in LAYOUTS.items():
+            for tp, pp, dp in layouts:
                 run_dir = tmp / f"{job}_{tp}{pp}{dp}"
                 train(EXAMPLES / f"{job}_demo.yaml", tp * pp * dp, [
                     f"model.hf_path={hf}", f"data.train_files=[{files}]", f"trainer.run_dir={run_dir}",
-                    f"trainer.total_steps={args.steps}", "trainer.tensorboard=false", *overrides,
+                    f"trainer.total_steps={args.steps}", "trainer.tensorboard=false", f"parallel.tp={tp}",
+                    f"parallel.pp={pp}",
                 ])
                 results[(job, tp, pp, dp)] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     print(f"{'job (tp,pp,dp)':<18}{'tokens/s':>12}{'step (s)':>12}  stages (s)")
