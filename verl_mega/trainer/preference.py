@@ -71,6 +71,9 @@ class PreferenceTrainer(OfflineJob):
         """[B] summed response log-probs under `score(batch, micro_batch_size)` (a forward-only role call)."""
         return masked_sum(score(batch, self.micro_rows).cpu(), batch["response_mask"], dim=-1)
 
+    def policy_logps(self, batch: dict) -> torch.Tensor:
+        return self.sequence_logps(lambda rows, micro: self.actor.compute_log_prob(rows, micro)["log_probs"], batch)
+
     def kl_baseline(self, batch: dict) -> torch.Tensor:
         """z₀ from each prompt with the next row's completion (Ethayarajh et al.: mismatched pairs)."""
         rows = len(batch["desirable"])
@@ -82,8 +85,8 @@ class PreferenceTrainer(OfflineJob):
                        zip(batch["responses"][shifted], batch["response_mask"][shifted])]
         mismatched = build_rollout_batch(prompts, completions, batch["responses"].shape[1],
                                           self.tokenizer.pad_token_id)
-        policy = self.sequence_logps(lambda b, m: self.actor.compute_log_prob(b, m)["log_probs"], mismatched)
-        return kto_kl_baseline(policy, self.sequence_logps(self.reference.compute_ref_log_prob, mismatched))
+        return kto_kl_baseline(self.policy_logps(mismatched),
+                               self.sequence_logps(self.reference.compute_ref_log_prob, mismatched))
 
     def update(self, batch: dict, timer: StageTimer) -> dict[str, float]:
         a = self.config.actor
@@ -103,7 +106,7 @@ class PreferenceTrainer(OfflineJob):
         sums, total_rows = {}, 0
         for batch, rows in chunks:
             self.prepare(batch, StageTimer())
-            logps = self.sequence_logps(lambda b, m: self.actor.compute_log_prob(b, m)["log_probs"], batch)
+            logps = self.policy_logps(batch)
             real = {key: value[:rows] for key, value in batch.items()}
             if self.unpaired:
                 real["desirable_share"], real["undesirable_share"] = kto_shares(real["desirable"])
