@@ -44,7 +44,7 @@ class OfflineJob(TrainingJob):
         self.sampler = ResumableBatchSampler(len(self.train_examples), d.batch_size, seed=d.seed,
                                              lengths=[self.example_length(e) for e in self.train_examples],
                                              group_batches=d.length_group_batches)
-        self.actor = Actor(actor_ckpt, config.actor.optim,
+        self.actor = Actor(actor_ckpt, config.actor.optim, dtype=config.model.dtype,
                            schedule_steps=config.trainer.total_steps * (d.batch_size // config.actor.mini_batch_size))
 
     def start(self) -> None:
