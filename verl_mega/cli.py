@@ -1,8 +1,9 @@
-"""`verl-mega convert | export | train | plan | launch` — argument parsing only; the work is in the modules.
+"""`verl-mega convert | export | train | sft | dpo | plan | launch` — argument parsing only; the work is in the
+modules.
 
-`convert` and `export` are parsed here. `train`, `plan` and `launch slurm|local` parse their own arguments
-(they also run as `python -m` modules under torchrun and Slurm), so here they only appear in the help and
-hand the rest of the command line to their module.
+`convert` and `export` are parsed here. `train`, `sft`, `dpo`, `plan` and `launch slurm|local` parse their own
+arguments (they also run as `python -m` modules under torchrun and Slurm), so here they only appear in the help
+and hand the rest of the command line to their module.
 """
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ DTYPE_NAMES = list(DTYPES)
 
 # Subcommands whose module parses its own arguments: words -> ("module:function", help).
 DELEGATED = {
-    ("train",): ("verl_mega.trainer.main:main", "PPO / GRPO training from a YAML config (run under torchrun or srun)"),
+    ("train",): ("verl_mega.trainer.main:main", "PPO / GRPO training from a YAML config (run under torchrun or srun); "
+                                                "the config's `job` may name sft or dpo instead"),
+    ("sft",): ("verl_mega.trainer.main:sft_main", "supervised fine-tuning on chat or prompt/response rows (torchrun)"),
+    ("dpo",): ("verl_mega.trainer.main:dpo_main", "preference optimisation: algorithm.loss dpo | ipo | kto | simpo | "
+                                                  "orpo (torchrun)"),
     ("plan",): ("verl_mega.rollout.planner:main", "HybridEngine dry run: per-rank bytes of a training -> rollout "
                                                    "transition"),
     ("launch", "local"): ("verl_mega.launch.local:main", "torchrun on this machine"),

@@ -1,4 +1,4 @@
-"""PPO/GRPO math as pure tensor functions, with registries so configs can select estimators and losses by name."""
+"""PPO/GRPO and preference-optimisation math as pure tensor functions, with registries so configs can select estimators and losses by name."""
 
 from verl_mega.algorithms.advantages import (
     ADV_ESTIMATORS,
@@ -40,6 +40,16 @@ from verl_mega.algorithms.masked import (
     masked_whiten,
 )
 from verl_mega.algorithms.normalize import RunningMeanStd
+from verl_mega.algorithms.preference import (
+    PREFERENCE_LOSSES,
+    REFERENCE_FREE_LOSSES,
+    UNPAIRED_LOSSES,
+    PairLogps,
+    PairLoss,
+    get_preference_loss_fn,
+    kto_kl_baseline,
+    pair_metrics,
+)
 from verl_mega.algorithms.registry import Registry
 
 __all__ = [
@@ -48,6 +58,11 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
+    "REFERENCE_FREE_LOSSES",
+    "UNPAIRED_LOSSES",
+    "PairLogps",
+    "PairLoss",
     "AdaptiveKLController",
     "FixedKLController",
     "Registry",
@@ -68,11 +83,14 @@ __all__ = [
     "get_kl_controller",
     "get_kl_estimator",
     "get_policy_loss_fn",
+    "get_preference_loss_fn",
+    "kto_kl_baseline",
     "masked_mean",
     "masked_sum",
     "masked_sum_and_count",
     "masked_var",
     "masked_whiten",
+    "pair_metrics",
     "register_adv_est",
     "register_kl_estimator",
     "register_policy_loss",

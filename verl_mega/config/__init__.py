@@ -1,12 +1,12 @@
 """The run's config: typed dataclasses, YAML + dotted overrides. A leaf: it imports nothing of the package."""
 from .schema import (
-    ActorConfig, AlgorithmConfig, ConfigError, CriticConfig, DataConfig, KLControlConfig, ModelConfig, OptimConfig,
-    ParallelConfig, PolicyLossConfig, RewardConfig, RolloutConfig, TrainConfig, TrainerConfig, UpdateSchedule,
-    ValueLossConfig, load_config, to_dict, to_yaml,
+    JOBS, ActorConfig, AlgorithmConfig, ConfigError, CriticConfig, DataConfig, KLControlConfig, ModelConfig,
+    OptimConfig, ParallelConfig, PolicyLossConfig, RewardConfig, RolloutConfig, TrainConfig, TrainerConfig,
+    UpdateSchedule, ValueLossConfig, load_config, to_dict, to_yaml,
 )
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig",
-    "OptimConfig", "ParallelConfig", "PolicyLossConfig", "RewardConfig", "RolloutConfig", "TrainConfig",
-    "TrainerConfig", "UpdateSchedule", "ValueLossConfig", "load_config", "to_dict", "to_yaml",
+    "JOBS", "ActorConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "KLControlConfig",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "PolicyLossConfig", "RewardConfig", "RolloutConfig",
+    "TrainConfig", "TrainerConfig", "UpdateSchedule", "ValueLossConfig", "load_config", "to_dict", "to_yaml",
 ]

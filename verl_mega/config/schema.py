@@ -75,12 +75,16 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)  # sft / dpo: scored every trainer.val_every steps
     prompt_key: str = "prompt"
     max_prompt_length: int = 64
     max_response_length: int = 32
-    truncation: str = "left"
-    batch_size: int = 8  # prompts per step, over all data-parallel ranks
+    truncation: str = "left"  # sft / dpo: "error" refuses a too long prompt or response, naming file and row
+    batch_size: int = 8  # prompts (sft: conversations; dpo: pairs or KTO rows) per step, over all DP ranks
     seed: int = 1
+    # sft / dpo: rows of similar length share a batch (less padding); each group holds this many batches.
+    length_group_batches: int = 8
+    skip_invalid_rows: bool = False  # sft / dpo: skip (and count) bad rows instead of refusing the data file
 
 
 @dataclass
@@ -135,6 +139,13 @@ class AlgorithmConfig:
     kl_penalty: str = "k1"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     normalize_rewards: bool = False
+    # Preference job (job: dpo): a name registered in algorithms.PREFERENCE_LOSSES and its knobs.
+    loss: str = "dpo"
+    beta: float = 0.1  # DPO/IPO/KTO/SimPO temperature; ORPO's weight λ of the odds-ratio term
+    label_smoothing: float = 0.0  # cDPO / SimPO: probability that a preference label is flipped
+    simpo_gamma: float = 0.5  # SimPO's target reward margin γ
+    kto_desirable_weight: float = 1.0
+    kto_undesirable_weight: float = 1.0
 
 
 @dataclass
@@ -157,10 +168,15 @@ class TrainerConfig:
     # A NaN/inf reward, advantage or gradient: "error" stops the run before applying it; "skip" drops that
     # batch (or optimizer step) and counts it in the metrics (trainer/nonfinite_skipped).
     nonfinite: str = "error"
+    val_every: int = 0  # sft / dpo: steps between validation passes over data.val_files (0: only at the end)
+
+
+JOBS = ("ppo", "sft", "dpo")
 
 
 @dataclass
 class TrainConfig:
+    job: str = "ppo"  # ppo (PPO/GRPO and friends), sft (supervised fine-tuning), dpo (preference optimisation)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)

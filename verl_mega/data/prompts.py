@@ -65,7 +65,8 @@ class PromptDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         row = self.rows[index]
         prompt = row[self.prompt_key]
-        input_ids = self._truncate(self._encode(prompt, index))
+        input_ids = truncate_prompt(self._encode(prompt, index), self.max_prompt_length, self.truncation,
+                                    f"row {index}")
         metadata = {key: value for key, value in row.items() if key != self.prompt_key}
         return {"input_ids": input_ids, "raw_prompt": prompt, **metadata}
 
@@ -79,13 +80,19 @@ class PromptDataset(Dataset):
             )
         return self.tokenizer(prompt)["input_ids"]
 
-    def _truncate(self, input_ids: list[int]) -> list[int]:
-        # With truncation "error" every prompt was checked against the limit when the file was read.
-        if len(input_ids) <= self.max_prompt_length or self.truncation == "error":
-            return input_ids
-        if self.truncation == "left":
-            return input_ids[-self.max_prompt_length :]
-        return input_ids[: self.max_prompt_length]
+
+def truncate_prompt(input_ids: list[int], max_prompt_length: int, truncation: str, where: str) -> list[int]:
+    """`input_ids` cut to `max_prompt_length` on the `truncation` side; "error" refuses, naming `where`."""
+    if len(input_ids) <= max_prompt_length:
+        return input_ids
+    if truncation == "left":
+        return input_ids[-max_prompt_length:]
+    if truncation == "right":
+        return input_ids[:max_prompt_length]
+    raise ValueError(
+        f"{where}: prompt is {len(input_ids)} tokens, longer than max_prompt_length={max_prompt_length} "
+        "(set truncation to 'left' or 'right' to cut it)"
+    )
 
 
 def as_messages(prompt: str | list[dict]) -> list[dict]:

@@ -7,13 +7,17 @@ training step, and a checkpointed position would then skip the prefetched batche
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 
 class ResumableBatchSampler:
-    def __init__(self, num_samples: int, batch_size: int, seed: int = 0, drop_last: bool = True):
+    """With `lengths`, each epoch's shuffled order is cut into groups of `group_batches` batches, each group is
+    sorted by length and its batches are shuffled, so rows of similar length share a batch (less padding)."""
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int = 0, drop_last: bool = True,
+                 lengths: Sequence[int] | None = None, group_batches: int = 1):
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if num_samples < (batch_size if drop_last else 1):
@@ -21,6 +25,12 @@ class ResumableBatchSampler:
                 f"{num_samples} samples cannot fill one batch of {batch_size}"
                 + (" with drop_last=True" if drop_last else "")
             )
+        if lengths is not None and len(lengths) != num_samples:
+            raise ValueError(f"{len(lengths)} lengths for {num_samples} samples")
+        if group_batches < 1:
+            raise ValueError(f"group_batches must be positive, got {group_batches}")
+        self.lengths = lengths
+        self.group_batches = group_batches
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.seed = seed
@@ -36,7 +46,17 @@ class ResumableBatchSampler:
 
     def epoch_order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=generator).tolist()
+        order = torch.randperm(self.num_samples, generator=generator).tolist()
+        if self.lengths is None:
+            return order
+        group = self.batch_size * self.group_batches
+        grouped = [index for start in range(0, len(order), group)
+                   for index in sorted(order[start:start + group], key=lambda i: self.lengths[i])]
+        full = len(grouped) // self.batch_size
+        batches = [grouped[b * self.batch_size:(b + 1) * self.batch_size] for b in range(full)]
+        # The partial batch, if any, stays last, where drop_last finds it.
+        shuffled = [index for b in torch.randperm(full, generator=generator).tolist() for index in batches[b]]
+        return shuffled + grouped[full * self.batch_size:]
 
     def __iter__(self) -> Iterator[list[int]]:
         """Yields the rest of the current epoch, then moves on to the next epoch."""

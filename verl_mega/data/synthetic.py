@@ -55,3 +55,21 @@ def make_task_rows(task: str, num_rows: int, seed: int = 0, max_digits: int = 3,
 def sft_pairs(rows: list[dict]) -> list[dict]:
     """Prompt/correct-response pairs for a supervised warm-up before RL."""
     return [{"prompt": row["prompt"], "response": row["reward_model"]["ground_truth"]} for row in rows]
+
+
+def sft_conversations(rows: list[dict]) -> list[dict]:
+    """SFT rows in chat form: the prompt's messages followed by the correct answer as the assistant's turn."""
+    return [{"messages": [*row["prompt"], {"role": "assistant", "content": row["reward_model"]["ground_truth"]}]}
+            for row in rows]
+
+
+def preference_pairs(rows: list[dict], seed: int = 0) -> list[dict]:
+    """Preference rows: the correct answer chosen over a wrong one of the same length (each position's digit
+    shifted by a random non-zero amount), so a policy learns to prefer answers that follow the task's rule."""
+    rng = random.Random(seed)
+    pairs = []
+    for row in rows:
+        answer = row["reward_model"]["ground_truth"]
+        wrong = "".join(str((int(digit) + rng.randint(1, 9)) % 10) if digit.isdigit() else digit for digit in answer)
+        pairs.append({"prompt": row["prompt"], "chosen": answer, "rejected": wrong})
+    return pairs

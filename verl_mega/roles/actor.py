@@ -1,4 +1,4 @@
-"""The actor: a megatron-core policy that scores response tokens and takes PPO steps on them.
+"""The actor: a megatron-core policy that scores response tokens and takes PPO, supervised or preference steps.
 
 Batches follow `roles.batching` (every rank passes the same global batch; results cover the whole batch).
 """
@@ -16,6 +16,10 @@ from .batching import Batch, batch_size, response_window
 from .logprobs import vocab_parallel_logprobs
 from .megatron_step import MicroBatchShare, compute_per_token
 from .trainable import TrainableModel
+
+
+# One unit per row: every row of a sequence-level batch holds a non-empty completion.
+SEQUENCE_LOSS_AGG = "seq-mean-token-sum"
 
 
 def load_policy(ckpt_dir: str | Path, **config_overrides):
@@ -93,6 +97,31 @@ class Actor:
             names.append("kl_loss")
         return self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
                                         self.loss.loss_agg_mode, names, self._micro_batch_loss, max_tokens)
+
+    def update_sft(self, batch: Batch, mini_batch_size: int, micro_batch_size: int) -> dict:
+        """Supervised steps: the NLL of the `response_mask` tokens (the assistant's), averaged over the global
+        mini-batch's loss tokens (token-mean shares), so the update does not depend on the layout."""
+        return self.trainable.train_epochs(batch, 1, mini_batch_size, micro_batch_size, "token-mean", ["loss"],
+                                           self._sft_micro_batch_loss)
+
+    def _sft_micro_batch_loss(self, logits, micro_batch: Batch, share: MicroBatchShare):
+        log_prob = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=False)
+        nll = agg_loss(-log_prob, micro_batch["response_mask"].to(logits.device), "token-mean")
+        return nll * share.loss, {"loss": nll * share.loss}
+
+    def update_on_sequences(self, batch: Batch, mini_batch_size: int, micro_batch_size: int,
+                            metric_names: list[str], sequence_loss) -> dict:
+        """Steps on a loss of whole completions: `sequence_loss(logps, tokens, micro_batch, share)` gets each row's
+        summed response log-probs and token count [b] and returns what a `LossFn` returns. Every row holds one
+        completion, so a micro-batch's share is its fraction of the global rows."""
+
+        def micro_batch_loss(logits, micro_batch: Batch, share: MicroBatchShare):
+            mask = micro_batch["response_mask"].to(logits.device)
+            log_prob = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=False)
+            return sequence_loss((log_prob * mask).sum(dim=-1), mask.sum(dim=-1), micro_batch, share)
+
+        return self.trainable.train_epochs(batch, 1, mini_batch_size, micro_batch_size, SEQUENCE_LOSS_AGG,
+                                           metric_names, micro_batch_loss)
 
     def _micro_batch_loss(self, logits, micro_batch: Batch, share: MicroBatchShare):
         cfg = self.loss

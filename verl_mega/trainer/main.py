@@ -1,5 +1,8 @@
 """`verl-mega train --config FILE.yaml [key.sub=value ...]`, run under torchrun (or Slurm's srun + torchrun).
 
+The config's `job` picks the loop: ppo (default), sft or dpo; `verl-mega sft` and `verl-mega dpo` are `train`
+with the job set.
+
 The config is validated before any process group starts; the resolved config is saved in the run folder.
 A plain process (no torchrun) trains as a world of one.
 """
@@ -23,25 +26,39 @@ from verl_mega.parallel.state import destroy_parallel, init_parallel
 from .ppo import PPOTrainer
 from .preemption import StopRequest, requeue_slurm_job
 from .run_folder import INITIAL_ACTOR_PREFIX, claim_run_folder
+from .preference import PreferenceTrainer
+from .sft import SFTTrainer
 from .validation import validate
 
+OFFLINE_JOBS = {"sft": SFTTrainer, "dpo": PreferenceTrainer}
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-mega train")
+
+def main(argv: list[str] | None = None, job: str | None = None) -> int:
+    """`job`: run that job whatever the config names (`verl-mega sft` / `verl-mega dpo`)."""
+    command = f"verl-mega {job or 'train'}"
+    parser = argparse.ArgumentParser(prog=command)
     parser.add_argument("--config", help="YAML file (examples/ holds some)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20")
     args = parser.parse_args(argv)
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, [*args.overrides, *([f"job={job}"] if job else [])])
         validate(config, world_size)
         train(config)
     except UserError as err:  # anything else is a bug and keeps its traceback
-        print(f"verl-mega train: error: {err}", file=sys.stderr)
+        print(f"{command}: error: {err}", file=sys.stderr)
         report_to_launcher(str(err))
         return USER_ERROR_EXIT_CODE
     return 0
+
+
+def sft_main(argv: list[str] | None = None) -> int:
+    return main(argv, job="sft")
+
+
+def dpo_main(argv: list[str] | None = None) -> int:
+    return main(argv, job="dpo")
 
 
 def train(config) -> None:
@@ -53,11 +70,14 @@ def train(config) -> None:
     if layout.rank == 0:
         atomic_write_text(run_dir / "config.yaml", to_yaml(config))
     actor_ckpt = prepare_checkpoint(config, layout, run_dir)
-    critic_ckpt = Path(config.model.critic_ckpt) if config.model.critic_ckpt else None
     stop = StopRequest().install()
-    trainer = PPOTrainer(config, layout, actor_ckpt, critic_ckpt, stop_requested=stop)
-    finished = trainer.fit()
-    trainer.rollout.close()
+    if config.job == "ppo":
+        critic_ckpt = Path(config.model.critic_ckpt) if config.model.critic_ckpt else None
+        job = PPOTrainer(config, layout, actor_ckpt, critic_ckpt, stop_requested=stop)
+    else:
+        job = OFFLINE_JOBS[config.job](config, layout, actor_ckpt, stop_requested=stop)
+    finished = job.fit()
+    job.close()
     if not finished and layout.rank == 0:
         requeue_slurm_job()
     destroy_parallel()

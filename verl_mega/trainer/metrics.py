@@ -14,7 +14,8 @@ from verl_mega.checkpoint.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 CONSOLE_KEYS = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
-                "actor/entropy", "actor/grad_norm", "perf/step_seconds")
+                "actor/entropy", "actor/grad_norm", "sft/loss", "dpo/loss", "dpo/rewards/accuracy", "val/loss",
+                "perf/step_seconds")
 
 
 class StageTimer:

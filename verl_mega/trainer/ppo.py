@@ -11,21 +11,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
     RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
 )
-from verl_mega.checkpoint import run_checkpoints
-from verl_mega.checkpoint.role_weights import FINAL_ACTOR_DIR, FINAL_CRITIC_DIR, save_role_weights
-from verl_mega.config import TrainConfig, to_yaml
+from verl_mega.checkpoint.role_weights import FINAL_ACTOR_DIR, FINAL_CRITIC_DIR
+from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
 from verl_mega.data.prompts import PromptDataset
 from verl_mega.data.sampler import ResumableBatchSampler
-from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
-from verl_mega.parallel.agree import all_finite, any_rank
+from verl_mega.parallel.agree import all_finite
 from verl_mega.parallel.layout import rollout_placement
 from verl_mega.parallel.state import ParallelLayout
 from verl_mega.roles.actor import Actor, is_on_policy
@@ -37,19 +34,21 @@ from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.training_memory import training_memory_released
 
-from .health import HealthServer
-from .metrics import MetricsLogger, StageTimer, peak_memory_bytes
+from .job import TrainingJob
+from .metrics import StageTimer, peak_memory_bytes
 from .rollout_batch import build_rollout_batch
 
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
 
 
-class PPOTrainer:
+class PPOTrainer(TrainingJob):
+    name = "ppo"
+
     def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, critic_ckpt: Path | None,
                  stop_requested=lambda: False):
         """`stop_requested()`: whether a signal asked this rank to save and stop (preemption)."""
-        self.config, self.layout, self.actor_ckpt = config, layout, Path(actor_ckpt)
-        self.run_dir = Path(config.trainer.run_dir)
+        super().__init__(config, layout, stop_requested)
+        self.actor_ckpt = Path(actor_ckpt)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
         try:
             self.dataset = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
@@ -71,9 +70,8 @@ class PPOTrainer:
         self.reward = RuleReward(self.tokenizer, config.reward.function)
         self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
 
-        self.hf_config, family = load_hf_model_config(config.model.hf_path)
         rollout_dtype = resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, dtype)
-        self.hybrid = HybridEngine(self.actor.model, self.hf_config, family, config.parallel.rollout_tp,
+        self.hybrid = HybridEngine(self.actor.model, self.hf_config, self.family, config.parallel.rollout_tp,
                                    dtype=DTYPES[rollout_dtype])
         self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
                                            self.hybrid.feed, max_model_len=config.data.max_prompt_length
@@ -82,99 +80,35 @@ class PPOTrainer:
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
-        self.step = 0
-        self.nonfinite_skipped = 0  # batches and optimizer steps dropped under trainer.nonfinite=skip
-        self.fingerprint = run_checkpoints.model_fingerprint(self.hf_config.raw)
-        self.stop_requested = stop_requested
-        self.resume()
+        self.start()
         self._batches = iter(self.sampler)
-        self.logger = MetricsLogger(self.run_dir, enabled=layout.rank == 0, tensorboard=config.trainer.tensorboard,
-                                    wandb_project=config.trainer.wandb_project)
-        serve_health = layout.rank == 0 and config.trainer.health_port > 0
-        try:
-            self.health = HealthServer(config.trainer.health_port) if serve_health else None
-        except OSError as err:
-            raise UserError(f"trainer.health_port={config.trainer.health_port}: cannot listen there ({err}); "
-                            "pick a free port") from None
-        self._set_health("ready")
 
     @property
     def uses_critic(self) -> bool:
         return self.config.algorithm.adv_estimator == "gae" and self.config.critic.enable
 
-    # --- the loop -------------------------------------------------------------------------------------
-
-    def fit(self) -> bool:
-        """Train to `trainer.total_steps`; returns False if a stop was requested and the run saved early."""
-        cfg = self.config.trainer
-        progress = _progress(cfg.total_steps, self.step, self.layout.rank == 0 and cfg.progress_bar)
-        stopped = False
-        while self.step < cfg.total_steps and not stopped:
-            self._set_health("training")
-            metrics = self.train_step()
-            self.step += 1
-            self.logger.log(self.step, metrics)
-            progress.update(1)
-            stopped = self._any_rank_asked_to_stop()
-            due = cfg.save_every > 0 and self.step % cfg.save_every == 0
-            if stopped or due or self.step == cfg.total_steps:
-                self.save()
-        progress.close()
-        self.logger.close()
-        if not stopped:
-            self._set_health("saving")
-            self._check_weights_finite("the final model")
-            save_role_weights(self.actor.model, self.actor_ckpt, self.run_dir / FINAL_ACTOR_DIR, self.layout, self.step)
-            if self.critic is not None:
-                save_role_weights(self.critic.model, self.critic_ckpt, self.run_dir / FINAL_CRITIC_DIR, self.layout,
-                                  self.step, role="critic")
-        self._set_health("ready")
-        if self.health is not None:
-            self.health.close()
-        return not stopped
-
-    def _set_health(self, status: str) -> None:
-        if self.health is not None:
-            self.health.set(status, self.step)
-
     # --- checkpoints ----------------------------------------------------------------------------------
 
-    def _trainables(self) -> dict:
+    def trainables(self) -> dict:
         trainables = {"actor": self.actor.trainable}
         if self.critic is not None:
             trainables["critic"] = self.critic.trainable
         return trainables
 
-    def save(self) -> Path:
-        self._set_health("saving")
-        self._check_weights_finite("a checkpoint")
-        state = {"step": self.step, "nonfinite_skipped": self.nonfinite_skipped, "sampler": self.sampler.state_dict(),
-                 "kl_ctrl": self.kl_ctrl.state_dict(),
-                 "reward_normalizer": self.reward_normalizer.state_dict(), "model_fingerprint": self.fingerprint,
-                 "world_size": self.layout.world_size,
-                 "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}}
-        return run_checkpoints.save_checkpoint(self.run_dir, self.step, trainables=self._trainables(),
-                                               trainer_state=state, config_yaml=to_yaml(self.config),
-                                               rank=self.layout.rank, keep_last=self.config.trainer.keep_last)
+    def final_weights(self) -> list[tuple]:
+        weights = [(self.actor.model, self.actor_ckpt, FINAL_ACTOR_DIR, "actor")]
+        if self.critic is not None:
+            weights.append((self.critic.model, self.critic_ckpt, FINAL_CRITIC_DIR, "critic"))
+        return weights
 
-    def resume(self) -> None:
-        """Continue from the newest complete checkpoint of the run folder, if there is one."""
-        found = run_checkpoints.complete_checkpoints(self.run_dir)
-        if not found:
-            return
-        state = run_checkpoints.load_checkpoint(found[-1], trainables=self._trainables(), fingerprint=self.fingerprint,
-                                                rank=self.layout.rank, world_size=self.layout.world_size)
-        self.step = state["step"]
-        self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
+    def job_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "reward_normalizer": self.reward_normalizer.state_dict()}
+
+    def load_job_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.reward_normalizer.load_state_dict(state["reward_normalizer"])
-        if self.layout.rank == 0:
-            print(f"resumed from {found[-1]} at step {self.step}", flush=True)
-            MetricsLogger.truncate(self.run_dir, self.step)
-
-    def _any_rank_asked_to_stop(self) -> bool:
-        return any_rank(self.stop_requested())
 
     # --- non-finite values --------------------------------------------------------------------------------
 
@@ -203,11 +137,8 @@ class PPOTrainer:
             self._refuse_or_skip(f"{role} {err} (lower {role}.optim.lr)")
             return {}
 
-    def _check_weights_finite(self, what: str) -> None:
-        for role, model in (("actor", self.actor.model), ("critic", self.critic and self.critic.model)):
-            if model is not None and not all_finite(p for p in model.parameters()):
-                raise NonFiniteError(f"step {self.step}: the {role}'s weights are NaN/inf; {what} of them is not "
-                                     "written")
+    def close(self) -> None:
+        self.rollout.close()
 
     def train_step(self) -> dict[str, float]:
         cfg, timer = self.config, StageTimer()
@@ -369,17 +300,3 @@ def optimizer_steps(config: TrainConfig, role) -> int:
     """Optimizer steps a role takes over the run: the LR schedule's length (it steps once per mini-batch)."""
     sequences = config.data.batch_size * config.rollout.n
     return config.trainer.total_steps * role.ppo_epochs * (sequences // role.mini_batch_size)
-
-
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, initial: int, enabled: bool):
-    if not enabled:
-        return _NoProgress()
-    return tqdm(total=total, initial=initial, desc="ppo", unit="step", leave=False)

@@ -9,13 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from verl_mega.algorithms import ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-from verl_mega.checkpoint.manifest import MANIFEST_NAME
 from transformers import AutoTokenizer
 
-from verl_mega.config import ConfigError, TrainConfig
+from verl_mega.algorithms import (
+    ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, UNPAIRED_LOSSES,
+)
+from verl_mega.checkpoint.manifest import MANIFEST_NAME
+from verl_mega.config import JOBS, ConfigError, TrainConfig
 from verl_mega.config.schema import NONFINITE_POLICIES
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
+from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
@@ -45,15 +48,26 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
     def known(key: str, value: str, choices) -> None:
         need(value in choices, f"{key} '{value}' is unknown; known: {', '.join(choices)}")
 
-    p, d, a, c, alg = config.parallel, config.data, config.actor, config.critic, config.algorithm
+    p, d = config.parallel, config.data
+    known("job", config.job, JOBS)
     _check_counts(config, need)
     dp = check(lambda: data_parallel_size(world_size, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+    known("data.truncation", d.truncation, TRUNCATION_SIDES)
+    known("model.dtype", config.model.dtype, list(DTYPES))
+    if config.job in ("sft", "dpo"):
+        _check_offline(config, dp, check_files, check, need, known)
+    else:
+        _check_ppo(config, world_size, dp, check_files, check, need, known)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, check, need, known) -> None:
+    p, a, c, alg = config.parallel, config.actor, config.critic, config.algorithm
     rollout_tp_fits = check(lambda: check_rollout_tp(p.tp, p.rollout_tp, PARALLEL_NAMES) or True)
     if dp is not None and rollout_tp_fits:
         _check_batch_sizes(config, world_size, dp, need)
-    known("data.truncation", d.truncation, TRUNCATION_SIDES)
     known("rollout.engine", config.rollout.engine, ENGINES)
-    known("model.dtype", config.model.dtype, list(DTYPES))
     known("rollout.dtype", config.rollout.dtype, ["auto", *DTYPES])
     # The embedded engine generates with the very policy being trained: another dtype would only make the
     # samples drift from the log-probs the actor computes, without speeding anything up on CPU.
@@ -79,9 +93,17 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
     else:
         check(lambda: get_reward_fn(config.reward.function), "reward.function: ")
     if check_files:
-        _check_files(config, world_size, check, need)
-    if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+        _check_files(config, check, need)
+
+
+def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, known) -> None:
+    """SFT and preference jobs: no rollout, reward or critic; the data rows are checked one by one."""
+    if dp is not None:
+        _check_offline_batch_sizes(config, dp, need)
+    if config.job == "dpo":
+        _check_preference_knobs(config, known, need)
+    if check_files:
+        _check_offline_files(config, check, need)
 
 
 def _check_counts(config: TrainConfig, need) -> None:
@@ -128,22 +150,79 @@ def _check_batch_sizes(config: TrainConfig, world_size: int, dp: int, need) -> N
          f"(processes / parallel.rollout_tp), so each generates the same number of prompts")
 
 
-def _check_files(config: TrainConfig, world_size: int, check, need) -> None:
-    d, m, p = config.data, config.model, config.parallel
+def _check_offline_batch_sizes(config: TrainConfig, dp: int, need) -> None:
+    """SFT / preference: `data.batch_size` and the actor's batch sizes count examples (a pair is one)."""
+    d, a = config.data, config.actor
+    need(a.micro_batch_size >= 1, "actor.micro_batch_size must be >= 1")
+    need(a.mini_batch_size % (dp * max(a.micro_batch_size, 1)) == 0,
+         f"actor.mini_batch_size={a.mini_batch_size} must be divisible by data-parallel size {dp} x "
+         f"actor.micro_batch_size={a.micro_batch_size}")
+    need(d.batch_size % max(a.mini_batch_size, 1) == 0,
+         f"data.batch_size={d.batch_size} must be divisible by actor.mini_batch_size={a.mini_batch_size}")
+    need(d.length_group_batches >= 1, "data.length_group_batches must be >= 1")
+    need(config.trainer.val_every >= 0, "trainer.val_every must be >= 0 (0: validate at the end only)")
+
+
+def _check_preference_knobs(config: TrainConfig, known, need) -> None:
+    alg = config.algorithm
+    known("algorithm.loss", alg.loss, PREFERENCE_LOSSES.names())
+    need(alg.beta > 0, f"algorithm.beta must be > 0, got {alg.beta}")
+    need(0 <= alg.label_smoothing < 0.5, f"algorithm.label_smoothing must be in [0, 0.5), got {alg.label_smoothing}")
+    need(alg.kto_desirable_weight > 0 and alg.kto_undesirable_weight > 0,
+         "algorithm.kto_desirable_weight and algorithm.kto_undesirable_weight must be > 0")
+
+
+def _check_offline_files(config: TrainConfig, check, need) -> None:
+    """Every row of the SFT / preference files is tokenized and checked now, so a bad one (no assistant turn,
+    an empty response, chosen identical to rejected, too long a prompt under truncation=error) is refused
+    before start-up, naming the file and the row."""
+    d = config.data
+    has_model = _check_model(config, check, need)
+    need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
+    if not has_model:
+        return
+    tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
+    if tokenizer is None:
+        return
+    limits = Limits(d.max_prompt_length, d.max_response_length, d.truncation)
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        if not files:
+            continue
+        if config.job == "sft":
+            loaded = check(lambda: load_sft_examples(files, tokenizer, limits, d.prompt_key, d.skip_invalid_rows),
+                           f"{key}: ")
+        else:
+            loaded = check(lambda: load_preference_examples(
+                files, tokenizer, limits, unpaired=config.algorithm.loss in UNPAIRED_LOSSES, prompt_key=d.prompt_key,
+                skip_invalid=d.skip_invalid_rows), f"{key}: ")
+        if key == "data.train_files" and loaded is not None:
+            need(len(loaded.examples) >= d.batch_size, f"data.train_files: {len(loaded.examples)} usable rows "
+                 f"cannot fill one batch of data.batch_size={d.batch_size}")
+
+
+def _check_model(config: TrainConfig, check, need) -> bool:
+    """The model folder, the given checkpoints, and the layout against the model; whether the folder exists."""
+    m, p = config.model, config.parallel
     has_model = Path(m.hf_path, "config.json").is_file()
     need(has_model, f"model.hf_path: {m.hf_path}/config.json does not exist; point it at an HF model folder")
-    need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
-    readable = [check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file) or True, "data.train_files: ")
-                for file in d.train_files]
-    if has_model and d.truncation == "error" and d.max_prompt_length >= 1 and readable and all(readable):
-        # Every prompt's length, now rather than at the step that happens to sample a long one.
-        tokenizer = check(lambda: AutoTokenizer.from_pretrained(m.hf_path), "model.hf_path: ")
-        if tokenizer is not None:
-            check(lambda: PromptDataset(d.train_files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation),
-                  "data.train_files: ")
     for key, ckpt in (("model.actor_ckpt", m.actor_ckpt), ("model.critic_ckpt", m.critic_ckpt)):
         need(not ckpt or Path(ckpt, MANIFEST_NAME).is_file(), f"{key}: {ckpt} is not a verl_mega checkpoint")
     if has_model:
         model = check(lambda: load_hf_model_config(m.hf_path)[0], "model.hf_path: ")
         if model is not None:
             check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+    return has_model
+
+
+def _check_files(config: TrainConfig, check, need) -> None:
+    d = config.data
+    has_model = _check_model(config, check, need)
+    need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
+    readable = [check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file) or True, "data.train_files: ")
+                for file in d.train_files]
+    if has_model and d.truncation == "error" and d.max_prompt_length >= 1 and readable and all(readable):
+        # Every prompt's length, now rather than at the step that happens to sample a long one.
+        tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
+        if tokenizer is not None:
+            check(lambda: PromptDataset(d.train_files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation),
+                  "data.train_files: ")

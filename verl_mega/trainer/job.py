@@ -1,0 +1,158 @@
+"""What every training job (PPO, SFT, preference) shares around its step: the run folder, the step loop with
+preemption, step checkpoints and resume, metrics, the health endpoint and the final weights for export.
+
+A job subclass builds its roles, then calls `start()`; it implements `train_step()` and names what it saves.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from verl_mega.checkpoint import run_checkpoints
+from verl_mega.checkpoint.role_weights import save_role_weights
+from verl_mega.config import TrainConfig, to_yaml
+from verl_mega.config.errors import NonFiniteError, UserError
+from verl_mega.models import load_hf_model_config
+from verl_mega.parallel.agree import all_finite, any_rank
+from verl_mega.parallel.state import ParallelLayout
+
+from .health import HealthServer
+from .metrics import MetricsLogger
+
+
+class TrainingJob:
+    name = "train"  # the progress bar's label
+
+    def __init__(self, config: TrainConfig, layout: ParallelLayout, stop_requested=lambda: False):
+        """`stop_requested()`: whether a signal asked this rank to save and stop (preemption)."""
+        self.config, self.layout = config, layout
+        self.run_dir = Path(config.trainer.run_dir)
+        self.hf_config, self.family = load_hf_model_config(config.model.hf_path)
+        self.fingerprint = run_checkpoints.model_fingerprint(self.hf_config.raw)
+        self.stop_requested = stop_requested
+        self.step = 0
+        self.nonfinite_skipped = 0  # batches and optimizer steps dropped under trainer.nonfinite=skip
+        self.logger = self.health = None
+
+    def start(self) -> None:
+        """Resume from the run folder, then open the metrics log and the health endpoint."""
+        self.resume()
+        cfg = self.config.trainer
+        self.logger = MetricsLogger(self.run_dir, enabled=self.layout.rank == 0, tensorboard=cfg.tensorboard,
+                                    wandb_project=cfg.wandb_project)
+        try:
+            self.health = HealthServer(cfg.health_port) if self.layout.rank == 0 and cfg.health_port > 0 else None
+        except OSError as err:
+            raise UserError(f"trainer.health_port={cfg.health_port}: cannot listen there ({err}); pick a free "
+                            "port") from None
+        self._set_health("ready")
+
+    # --- what a job defines ---------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def trainables(self) -> dict:
+        """name -> TrainableModel saved in step checkpoints."""
+        raise NotImplementedError
+
+    def final_weights(self) -> list[tuple]:
+        """(model, source checkpoint, run sub-folder, role) of each role published for `verl-mega export`."""
+        raise NotImplementedError
+
+    def job_state(self) -> dict:
+        """The job's own resumable state (sampler position, controllers), JSON-serialisable."""
+        raise NotImplementedError
+
+    def load_job_state(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def after_step(self, metrics: dict[str, float]) -> None:
+        """Called with each step's metrics before they are logged (validation passes add theirs)."""
+
+    def close(self) -> None:
+        """Release what the job holds beyond the process group (engines, servers)."""
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    def fit(self) -> bool:
+        """Train to `trainer.total_steps`; returns False if a stop was requested and the run saved early."""
+        cfg = self.config.trainer
+        progress = _progress(cfg.total_steps, self.step, self.layout.rank == 0 and cfg.progress_bar, self.name)
+        stopped = False
+        while self.step < cfg.total_steps and not stopped:
+            self._set_health("training")
+            metrics = self.train_step()
+            self.step += 1
+            self.after_step(metrics)
+            self.logger.log(self.step, metrics)
+            progress.update(1)
+            stopped = self._any_rank_asked_to_stop()
+            due = cfg.save_every > 0 and self.step % cfg.save_every == 0
+            if stopped or due or self.step == cfg.total_steps:
+                self.save()
+        progress.close()
+        self.logger.close()
+        if not stopped:
+            self._set_health("saving")
+            self._check_weights_finite("the final model")
+            for model, source_ckpt, folder, role in self.final_weights():
+                save_role_weights(model, source_ckpt, self.run_dir / folder, self.layout, self.step, role=role)
+        self._set_health("ready")
+        if self.health is not None:
+            self.health.close()
+        return not stopped
+
+    def _set_health(self, status: str) -> None:
+        if self.health is not None:
+            self.health.set(status, self.step)
+
+    def _any_rank_asked_to_stop(self) -> bool:
+        return any_rank(self.stop_requested())
+
+    def _check_weights_finite(self, what: str) -> None:
+        for model, _, _, role in self.final_weights():
+            if not all_finite(p for p in model.parameters()):
+                raise NonFiniteError(f"step {self.step}: the {role}'s weights are NaN/inf; {what} of them is not "
+                                     "written")
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        self._set_health("saving")
+        self._check_weights_finite("a checkpoint")
+        state = {"step": self.step, "nonfinite_skipped": self.nonfinite_skipped,
+                 "model_fingerprint": self.fingerprint, "world_size": self.layout.world_size,
+                 "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}, **self.job_state()}
+        return run_checkpoints.save_checkpoint(self.run_dir, self.step, trainables=self.trainables(),
+                                               trainer_state=state, config_yaml=to_yaml(self.config),
+                                               rank=self.layout.rank, keep_last=self.config.trainer.keep_last)
+
+    def resume(self) -> None:
+        """Continue from the newest complete checkpoint of the run folder, if there is one."""
+        found = run_checkpoints.complete_checkpoints(self.run_dir)
+        if not found:
+            return
+        state = run_checkpoints.load_checkpoint(found[-1], trainables=self.trainables(), fingerprint=self.fingerprint,
+                                                rank=self.layout.rank, world_size=self.layout.world_size)
+        self.step = state["step"]
+        self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
+        self.load_job_state(state)
+        if self.layout.rank == 0:
+            print(f"resumed from {found[-1]} at step {self.step}", flush=True)
+            MetricsLogger.truncate(self.run_dir, self.step)
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, initial: int, enabled: bool, name: str):
+    if not enabled:
+        return _NoProgress()
+    return tqdm(total=total, initial=initial, desc=name, unit="step", leave=False)

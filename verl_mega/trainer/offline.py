@@ -1,0 +1,122 @@
+"""Jobs that train the policy on rows read from files (SFT, preference) rather than on its own generations.
+
+They share the loop, checkpoints and export of `TrainingJob`, the actor role and its megatron step; this adds
+the data: examples tokenized and checked up front, length-grouped resumable batches, and validation passes
+over `data.val_files` every `trainer.val_every` steps and at the end.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from verl_mega.checkpoint.role_weights import FINAL_ACTOR_DIR
+from verl_mega.config import TrainConfig
+from verl_mega.data.sampler import ResumableBatchSampler
+from verl_mega.data.supervised import Limits, LoadedRows
+from verl_mega.parallel.state import ParallelLayout
+from verl_mega.roles.actor import Actor
+
+from .job import TrainingJob
+from .metrics import StageTimer, peak_memory_bytes
+
+
+def limits(config: TrainConfig) -> Limits:
+    d = config.data
+    return Limits(d.max_prompt_length, d.max_response_length, d.truncation)
+
+
+class OfflineJob(TrainingJob):
+    # Batch rows per example: a preference pair is two rows (chosen, rejected).
+    rows_per_example = 1
+
+    def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, stop_requested=lambda: False):
+        super().__init__(config, layout, stop_requested)
+        self.actor_ckpt = Path(actor_ckpt)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
+        d = config.data
+        train = self.load_examples(d.train_files)
+        self.train_examples = train.examples
+        self.val_examples = self.load_examples(d.val_files).examples if d.val_files else []
+        if train.skipped and layout.rank == 0:
+            print(f"skipped {train.skipped} invalid rows of data.train_files (data.skip_invalid_rows)", flush=True)
+        self.sampler = ResumableBatchSampler(len(self.train_examples), d.batch_size, seed=d.seed,
+                                             lengths=[self.example_length(e) for e in self.train_examples],
+                                             group_batches=d.length_group_batches)
+        self.actor = Actor(actor_ckpt, config.actor.optim, dtype=config.model.dtype,
+                           schedule_steps=config.trainer.total_steps * (d.batch_size // config.actor.mini_batch_size))
+
+    def start(self) -> None:
+        super().start()
+        self._batches = iter(self.sampler)
+
+    # --- what a job defines ---------------------------------------------------------------------------
+
+    def load_examples(self, paths: list[str]) -> LoadedRows:
+        raise NotImplementedError
+
+    @staticmethod
+    def example_length(example) -> int:
+        raise NotImplementedError
+
+    def make_batch(self, examples: list):
+        raise NotImplementedError
+
+    def update(self, batch, timer: StageTimer) -> dict[str, float]:
+        raise NotImplementedError
+
+    def validation_metrics(self, chunks: list[tuple[dict, int]]) -> dict[str, float]:
+        """Metrics over the validation set, given as (batch, number of real rows) chunks."""
+        raise NotImplementedError
+
+    # --- the shared parts -----------------------------------------------------------------------------
+
+    @property
+    def micro_rows(self) -> int:
+        return self.config.actor.micro_batch_size * self.rows_per_example
+
+    def trainables(self) -> dict:
+        return {"actor": self.actor.trainable}
+
+    def final_weights(self) -> list[tuple]:
+        return [(self.actor.model, self.actor_ckpt, FINAL_ACTOR_DIR, "actor")]
+
+    def job_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_job_state(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+    def train_step(self) -> dict[str, float]:
+        timer, start = StageTimer(), time.perf_counter()
+        indices = next(self._batches, None)
+        if indices is None:  # the sampler moved on to the next epoch
+            self._batches = iter(self.sampler)
+            indices = next(self._batches)
+        batch = self.make_batch([self.train_examples[i] for i in indices])
+        metrics = self.update(batch, timer)
+        seconds = time.perf_counter() - start
+        metrics.update({
+            "perf/step_seconds": seconds, "perf/tokens_per_second": batch["attention_mask"].sum().item() / seconds,
+            "perf/peak_memory_gib": peak_memory_bytes() / 1024**3, "data/epoch": self.sampler.epoch,
+            **{f"timing/{stage}": value for stage, value in timer.seconds.items()},
+        })
+        return metrics
+
+    def after_step(self, metrics: dict[str, float]) -> None:
+        every, total = self.config.trainer.val_every, self.config.trainer.total_steps
+        if self.val_examples and ((every > 0 and self.step % every == 0) or self.step == total):
+            validation = self.validation_metrics(self._val_chunks())
+            metrics.update({f"val/{name}": value for name, value in validation.items()})
+
+    def _val_chunks(self) -> list[tuple[dict, int]]:
+        """The validation set in batches of `data.batch_size` examples; the last is filled up with copies of its
+        first example (every rank and micro-batch then gets whole rows) that the metrics leave out."""
+        size, examples = self.config.data.batch_size, self.val_examples
+        chunks = []
+        for start in range(0, len(examples), size):
+            chunk = examples[start:start + size]
+            chunks.append((self.make_batch(chunk + [chunk[0]] * (size - len(chunk))),
+                           len(chunk) * self.rows_per_example))
+        return chunks

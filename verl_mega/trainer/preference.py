@@ -1,0 +1,120 @@
+"""Preference optimisation (`algorithm.loss`: dpo, ipo, kto, simpo, orpo) through the actor's megatron step.
+
+Per batch: the frozen reference scores the completions (not for SimPO / ORPO), KTO's KL baseline is estimated
+on the batch's prompts paired with other rows' completions, then the actor takes its steps on the sequence
+loss. Metrics: loss, rewards of chosen / rejected (desirable / undesirable), margins, accuracy, log-probs.
+"""
+from __future__ import annotations
+
+import torch
+
+from verl_mega.algorithms import UNPAIRED_LOSSES, kto_kl_baseline, masked_sum
+from verl_mega.data.supervised import LoadedRows, PreferenceExample, load_preference_examples
+from verl_mega.roles.megatron_step import MicroBatchShare
+from verl_mega.roles.preference import (
+    KTO_METRICS, PAIR_METRICS, kto_sequence_loss, kto_shares, needs_reference, pair_sequence_loss,
+)
+from verl_mega.roles.reference import Reference
+
+from .metrics import StageTimer
+from .offline import OfflineJob, limits
+from .rollout_batch import build_rollout_batch
+
+
+def preference_batch(examples: list[PreferenceExample], pad_token_id: int) -> dict:
+    """One row per completion, a pair's chosen and rejected rows next to each other; KTO rows carry
+    `desirable` [B]."""
+    prompts = [example.prompt for example in examples for _ in example.completions]
+    completions = [completion for example in examples for completion in example.completions]
+    batch = build_rollout_batch(prompts, completions, max(map(len, completions)), pad_token_id)
+    batch["desirable"] = torch.tensor([example.desirable for example in examples for _ in example.completions])
+    return batch
+
+
+class PreferenceTrainer(OfflineJob):
+    name = "dpo"
+
+    def __init__(self, config, layout, actor_ckpt, stop_requested=lambda: False):
+        self.unpaired = config.algorithm.loss in UNPAIRED_LOSSES
+        self.rows_per_example = 1 if self.unpaired else 2
+        super().__init__(config, layout, actor_ckpt, stop_requested)
+        # The reference runs in the actor's dtype, as in PPO.
+        self.reference = (Reference(actor_ckpt, dtype=config.model.dtype) if needs_reference(config.algorithm.loss)
+                          else None)
+        algorithm = config.algorithm
+        self.sequence_loss = kto_sequence_loss(algorithm) if self.unpaired else pair_sequence_loss(algorithm)
+        self.metric_names = KTO_METRICS if self.unpaired else PAIR_METRICS
+        self.start()
+
+    def load_examples(self, paths: list[str]) -> LoadedRows:
+        d = self.config.data
+        return load_preference_examples(paths, self.tokenizer, limits(self.config), unpaired=self.unpaired,
+                                        prompt_key=d.prompt_key, skip_invalid=d.skip_invalid_rows)
+
+    @staticmethod
+    def example_length(example: PreferenceExample) -> int:
+        return len(example.prompt) + max(map(len, example.completions))
+
+    def make_batch(self, examples: list[PreferenceExample]) -> dict:
+        return preference_batch(examples, self.tokenizer.pad_token_id)
+
+    def prepare(self, batch: dict, timer: StageTimer) -> None:
+        """Add what the loss reads besides the policy's log-probs: reference log-probs, KTO's baseline and
+        per-kind shares (all over the global batch)."""
+        if self.reference is not None:
+            with timer("ref_log_prob"):
+                batch["ref_logps"] = self.sequence_logps(self.reference.compute_ref_log_prob, batch)
+        if self.unpaired:
+            with timer("kl_baseline"):
+                batch["kl_baseline"] = self.kl_baseline(batch).expand(len(batch["desirable"])).contiguous()
+            batch["desirable_share"], batch["undesirable_share"] = kto_shares(batch["desirable"])
+
+    def sequence_logps(self, score, batch: dict) -> torch.Tensor:
+        """[B] summed response log-probs under `score(batch, micro_batch_size)` (a forward-only role call)."""
+        return masked_sum(score(batch, self.micro_rows).cpu(), batch["response_mask"], dim=-1)
+
+    def policy_logps(self, batch: dict) -> torch.Tensor:
+        return self.sequence_logps(lambda rows, micro: self.actor.compute_log_prob(rows, micro)["log_probs"], batch)
+
+    def kl_baseline(self, batch: dict) -> torch.Tensor:
+        """z₀ from each prompt with the next row's completion (Ethayarajh et al.: mismatched pairs)."""
+        rows = len(batch["desirable"])
+        prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+        shifted = torch.roll(torch.arange(rows), -1)
+        prompts = [ids[mask.bool()].tolist() for ids, mask in
+                   zip(batch["input_ids"][:, :prompt_width], batch["attention_mask"][:, :prompt_width])]
+        completions = [ids[mask.bool()].tolist() for ids, mask in
+                       zip(batch["responses"][shifted], batch["response_mask"][shifted])]
+        mismatched = build_rollout_batch(prompts, completions, batch["responses"].shape[1],
+                                          self.tokenizer.pad_token_id)
+        return kto_kl_baseline(self.policy_logps(mismatched),
+                               self.sequence_logps(self.reference.compute_ref_log_prob, mismatched))
+
+    def update(self, batch: dict, timer: StageTimer) -> dict[str, float]:
+        a = self.config.actor
+        self.prepare(batch, timer)
+        with timer("update_actor"):
+            metrics = self.actor.update_on_sequences(batch, a.mini_batch_size * self.rows_per_example,
+                                                     self.micro_rows, self.metric_names, self.sequence_loss)
+        return {f"{self.name}/{name}": value for name, value in self._with_margins(metrics).items()}
+
+    def _with_margins(self, metrics: dict) -> dict:
+        if self.unpaired:
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        return metrics
+
+    def validation_metrics(self, chunks: list[tuple[dict, int]]) -> dict[str, float]:
+        """The loss and metrics on the validation set, each chunk's weighted by its real rows."""
+        sums, total_rows = {}, 0
+        for batch, rows in chunks:
+            self.prepare(batch, StageTimer())
+            logps = self.policy_logps(batch)
+            real = {key: value[:rows] for key, value in batch.items()}
+            if self.unpaired:
+                real["desirable_share"], real["undesirable_share"] = kto_shares(real["desirable"])
+            _, metrics = self.sequence_loss(logps[:rows], real["response_mask"].sum(dim=-1), real,
+                                            MicroBatchShare(loss=torch.tensor(1.0), tokens=torch.tensor(1.0)))
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + value.item() * rows
+            total_rows += rows
+        return self._with_margins({name: value / total_rows for name, value in sums.items()})
