@@ -47,7 +47,7 @@ class Parity:
 
     def describe(self) -> str:
         median = "" if self.judged == self.relative else f", median position {self.judged:.2e}"
-        return (f"{self.dtype}: max |Δ logit| {self.max_abs:.3e}, relative {self.relative:.2e} of the logits' RMS "
+        return (f"{self.dtype}: max |Δ logit| = {self.max_abs:.3e}, relative {self.relative:.2e} of the logits' RMS "
                 f"{self.scale:.3g}{median} (bound {self.bound:.2e}), top-1 agreement {self.top1_agreement:.2%}: "
                 f"{'OK' if self.passed else 'FAILED'}")
 
