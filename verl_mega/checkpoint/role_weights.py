@@ -33,7 +33,7 @@ def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayou
     model = unwrap_model(model)
     with collective_output_dir(out, layout.rank) as tmp:
         if layout.dp_rank == 0:
-            moe = family_for(source.hf_config).moe
+            moe = family_for(source.hf_config, source.family_spec, source_ckpt).moe
             state_dict = {to_canonical_name(name, moe): tensor.detach().cpu()
                           for name, tensor in model.state_dict().items() if not name.endswith("_extra_state")}
             coords = dict(tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, pp=layout.pp, ep_rank=layout.ep_rank,

@@ -14,7 +14,7 @@ spec use; `to_canonical_name` maps the local (non-TE) layer spec's names onto th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -25,6 +25,7 @@ LAYER = "{layer}"
 EXPERT = "{expert}"
 
 LM_HEAD = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 # transformer-engine fuses the pre-attention and (dense) pre-MLP norms into the following linear layer;
@@ -177,6 +178,8 @@ class FamilySpec:
     qkv_bias: bool = False  # always (Qwen2); otherwise from config `attention_bias`
     qk_norm: bool = False
     moe: bool = False
+    # "package.module:NAME" for a spec declared outside verl_mega (recorded in manifests); None: built in.
+    origin: str | None = field(default=None, compare=False)
 
     def has_qkv_bias(self, cfg: HFModelConfig) -> bool:
         return self.qkv_bias or cfg.attention_bias
@@ -198,7 +201,7 @@ _H = "model.layers.{layer}."
 
 def _embedding_rules() -> tuple[TensorRule, ...]:
     return (
-        TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0, vocab=True),
+        TensorRule(EMBEDDING, ("model.embed_tokens.weight",), tp_dim=0, vocab=True),
         TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
         TensorRule(LM_HEAD, ("lm_head.weight",), tp_dim=0, vocab=True, when="untied"),
     )
