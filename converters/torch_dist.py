@@ -39,7 +39,7 @@ def _write_rank(hf_dir: Path, root: Path) -> None:
                             pre_process=layout.is_first_stage, post_process=layout.is_last_stage)
     state_dict = hf_rank_state_dict(SafetensorsReader(hf_dir), cfg, family, manifest, layout.tp_rank,
                                     layout.pp_rank, layout.ep_rank)
-    load_canonical_state_dict(model, state_dict, family.moe, f"the converted shard of rank {layout.rank}")
+    load_canonical_state_dict(model, state_dict, f"the converted shard of rank {layout.rank}")
     out = root / DIST_DIR
     out.mkdir(exist_ok=True)
     torch.distributed.barrier()

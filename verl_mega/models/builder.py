@@ -41,7 +41,10 @@ def architecture(cfg: HFModelConfig, family: FamilySpec) -> dict:
     )
     if family.moe:
         shape.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_top_k,
-                     moe_ffn_hidden_size=cfg.ffn_hidden_size)
+                     moe_ffn_hidden_size=cfg.ffn_hidden_size,
+                     moe_layer_freq=[int(is_moe) for is_moe in family.moe_layer_pattern(cfg)])
+    if family.transformer_overrides is not None:
+        shape.update(family.transformer_overrides(cfg))
     return shape
 
 
@@ -89,12 +92,18 @@ def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, p
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(family: FamilySpec, implementation: str = "auto"):
-    """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`."""
+def layer_spec(family: FamilySpec, config, implementation: str = "auto"):
+    """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`.
+
+    One layer spec for every layer, or this pipeline stage's block of layer specs when the family mixes
+    dense and MoE layers (megatron reads which from `config.moe_layer_freq`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if implementation == "auto":
         implementation = "te" if _transformer_engine_available() else "local"
+    if family.moe and 0 in config.moe_layer_freq:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=implementation == "te",
+                                                          normalization="RMSNorm")
     num_experts = 1 if family.moe else None  # only its truthiness selects the MoE layer
     if implementation == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -120,7 +129,7 @@ def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vo
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(family, implementation),
+        transformer_layer_spec=layer_spec(family, config, implementation),
         vocab_size=padded_vocab,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
