@@ -92,7 +92,7 @@ def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, p
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(family: FamilySpec, config, implementation: str = "auto"):
+def layer_spec(family: FamilySpec, cfg: HFModelConfig, config, implementation: str = "auto"):
     """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`.
 
     One layer spec for every layer, or this pipeline stage's block of layer specs when the family mixes
@@ -101,6 +101,8 @@ def layer_spec(family: FamilySpec, config, implementation: str = "auto"):
 
     if implementation == "auto":
         implementation = "te" if _transformer_engine_available() else "local"
+    if family.block_spec is not None:
+        return family.block_spec(cfg, config, implementation == "te")
     if family.moe and 0 in config.moe_layer_freq:
         return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=implementation == "te",
                                                           normalization="RMSNorm")
@@ -129,7 +131,7 @@ def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vo
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(family, config, implementation),
+        transformer_layer_spec=layer_spec(family, cfg, config, implementation),
         vocab_size=padded_vocab,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
@@ -140,6 +142,8 @@ def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vo
         rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
     )
     model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(model.rotary_pos_emb.inv_freq.device)
+    if family.finish_model is not None:
+        family.finish_model(model, cfg)
     # megatron-core's local spec builds its norms with torch's default dtype (fp32) whatever params_dtype says,
     # while transformer-engine's spec and megatron's Float16Module put every parameter in the model dtype.
     # We follow the latter, so both specs hold the same tensors: no parameter stays fp32. Precision comes from

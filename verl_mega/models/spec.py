@@ -197,6 +197,11 @@ class FamilySpec:
     moe_layers: Callable[[HFModelConfig], list[bool]] | None = None
     # TransformerConfig fields the family reads from its own HF config keys.
     transformer_overrides: Callable[[HFModelConfig], dict[str, Any]] | None = None
+    # Families megatron's GPT layer cannot express bring their own decoder block spec:
+    # (HF config, TransformerConfig, use transformer-engine) -> TransformerBlockSubmodules.
+    block_spec: Callable[[HFModelConfig, Any, bool], Any] | None = None
+    # What the family adds around the layers of a built GPTModel (embedding scale, logit cap): (model, HF config).
+    finish_model: Callable[[Any, HFModelConfig], None] | None = None
     # "package.module:NAME" for a spec declared outside verl_mega (recorded in manifests); None: built in.
     origin: str | None = field(default=None, compare=False)
 
@@ -322,3 +327,16 @@ def qwen2_moe_rules() -> tuple[TensorRule, ...]:
         TensorRule(shared + "linear_fc2.weight", (mlp + "shared_expert.down_proj.weight",), tp_dim=1, when="moe_layer"),
         TensorRule(shared + "gate_weight", (mlp + "shared_expert_gate.weight",), when="moe_layer"),
     ) + _dense_mlp_rules(when="dense_layer")
+
+
+def gemma2_rules() -> tuple[TensorRule, ...]:
+    """Sandwich norms: the post-attention and post-feedforward norms sit on the row-parallel linears' outputs,
+    the pre-feedforward norm before the MLP."""
+    mlp = _H + "mlp."
+    return _embedding_rules() + _attention_rules() + (
+        TensorRule(_L + "self_attention.linear_proj.post_layernorm.weight", (_H + "post_attention_layernorm.weight",)),
+        TensorRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "pre_feedforward_layernorm.weight",)),
+        TensorRule(_L + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GATE_UP, tp_dim=0),
+        TensorRule(_L + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), tp_dim=1),
+        TensorRule(_L + "mlp.linear_fc2.post_layernorm.weight", (_H + "post_feedforward_layernorm.weight",)),
+    )
