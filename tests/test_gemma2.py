@@ -7,6 +7,11 @@ from verl_mega.models import HFModelConfig
 from verl_mega.models.families import gemma2
 from verl_mega.parallel.launch import run_torchrun
 
+# Means of old-minus-new log-prob differences (~3e-3 here): their error is that of the log-probs (~6 in
+# size, fp32 rounding ~1e-7 each summed in another order per layout), not a fraction of their own small size.
+LOGPROB_DIFFERENCES = ("ppo_kl", "kl_loss")
+LOGPROB_DIFFERENCE_ATOL = 1e-6
+
 BASE = dict(model_type="gemma2", hidden_size=16, num_attention_heads=2, num_hidden_layers=4, vocab_size=32,
             intermediate_size=32, head_dim=8, sliding_window=3)
 
@@ -39,3 +44,46 @@ def test_hybrid_engine_transition_and_greedy_rollout_equal_transformers(tiny_mod
     exported = convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "export")
     run_torchrun(4, "tests.hybrid_worker", ["--tp", "2", "--pp", "2", "--case", f"gemma2,{hf_dir},{tmp_path / 'ckpt'},1",
                                             "--greedy", f"gemma2={exported}"])
+
+
+@pytest.mark.slow
+def test_ppo_update_is_layout_invariant_and_log_probs_match_hf(tmp_path):
+    """roles_worker (see test_layout_invariance.py) on a 2-layer Gemma-2 with a window of 3 over 11 left-padded
+    tokens: (1,1), (2,1), (1,2) in one 2-process launch."""
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    from .test_layout_invariance import ACTOR_METRICS, REL_TOL, rel_diff
+
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", "gemma2", num_hidden_layers=2, sliding_window=3)
+    layouts = [(2, 1), (1, 2), (1, 1)]
+    for tp, pp in layouts:
+        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt" / f"tp{tp}pp{pp}", tp=tp, pp=pp)
+    (tmp_path / "out").mkdir()
+    tests_dir = str(Path(__file__).parent)
+    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
+    run_torchrun(2, "roles_worker", [str(tmp_path / "ckpt"), str(hf_dir), str(tmp_path / "out"),
+                                     *(f"{tp},{pp}" for tp, pp in layouts)], env=env)
+
+    def result(tp, pp):
+        stages = [torch.load(tmp_path / "out" / f"tp{tp}pp{pp}dp{2 // (tp * pp)}_stage{stage}.pt") for stage in range(pp)]
+        stages[-1]["weights"] = {name: t for stage in stages for name, t in stage["weights"].items()}
+        return stages[-1]
+
+    reference = result(1, 1)
+    for tp, pp in layouts:
+        got = result(tp, pp)
+        mask = got["response_mask"].bool()
+        torch.testing.assert_close(got["log_probs"][mask], got["hf_log_probs"][mask], rtol=0, atol=1e-5)
+        for name in ACTOR_METRICS:
+            got_value, want = got["actor_metrics"][name], reference["actor_metrics"][name]
+            if name in LOGPROB_DIFFERENCES:
+                assert abs(got_value - want) <= LOGPROB_DIFFERENCE_ATOL, (tp, pp, name, got_value, want)
+            else:
+                assert rel_diff(got_value, want) <= REL_TOL, (tp, pp, name)
+        assert max(rel_diff(got["weights"][n], reference["weights"][n]) for n in reference["weights"]) <= REL_TOL
