@@ -95,8 +95,8 @@ def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, p
 def layer_spec(family: FamilySpec, cfg: HFModelConfig, config, implementation: str = "auto"):
     """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`.
 
-    One layer spec for every layer, or this pipeline stage's block of layer specs when the family mixes
-    dense and MoE layers (megatron reads which from `config.moe_layer_freq`)."""
+    One layer spec for every layer; or this pipeline stage's block of layer specs: the family's own (Gemma-2),
+    or megatron's when the family mixes dense and MoE layers (which, from `config.moe_layer_freq`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if implementation == "auto":
