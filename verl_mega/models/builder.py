@@ -41,11 +41,17 @@ def architecture(cfg: HFModelConfig, family: FamilySpec) -> dict:
     )
     if family.moe:
         shape.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_top_k,
-                     moe_ffn_hidden_size=cfg.ffn_hidden_size,
-                     moe_layer_freq=[int(is_moe) for is_moe in family.moe_layer_pattern(cfg)])
+                     moe_ffn_hidden_size=cfg.ffn_hidden_size)
+    if _mixes_dense_and_moe_layers(cfg, family):
+        # Only then: a list makes megatron key each layer apart in dist checkpoints instead of stacking them.
+        shape.update(moe_layer_freq=[int(is_moe) for is_moe in family.moe_layer_pattern(cfg)])
     if family.transformer_overrides is not None:
         shape.update(family.transformer_overrides(cfg))
     return shape
+
+
+def _mixes_dense_and_moe_layers(cfg: HFModelConfig, family: FamilySpec) -> bool:
+    return family.moe and not all(family.moe_layer_pattern(cfg))
 
 
 def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -103,7 +109,7 @@ def layer_spec(family: FamilySpec, cfg: HFModelConfig, config, implementation: s
         implementation = "te" if _transformer_engine_available() else "local"
     if family.block_spec is not None:
         return family.block_spec(cfg, config, implementation == "te")
-    if family.moe and 0 in config.moe_layer_freq:
+    if _mixes_dense_and_moe_layers(cfg, family):
         return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=implementation == "te",
                                                           normalization="RMSNorm")
     num_experts = 1 if family.moe else None  # only its truthiness selects the MoE layer
