@@ -71,12 +71,18 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
 def check_pair(hf_dir: str | Path, ckpt_dir: str | Path, family_spec: str | None = None) -> None:
     """Refuse, before launching anything, an HF folder and a checkpoint that are not the same model."""
     manifest = Manifest.read(ckpt_dir, family_spec)
-    cfg, family = load_hf_model_config(hf_dir, manifest.family_spec)
+    stored = HFModelConfig.from_dict(manifest.hf_config)
+    # A family declared outside verl_mega may be checked against the HF architecture it mirrors (an
+    # InternLM2-style spec against Llama, which transformers loads without remote code): the HF folder is then
+    # read as its own model_type, and the two are compared by shape only.
+    raw = HFModelConfig.read_raw(hf_dir) if manifest.family_spec else None
+    raw_type = raw.get("model_type") if isinstance(raw, dict) else None
+    mirrored = manifest.family_spec is not None and raw_type != stored.model_type
+    cfg, family = load_hf_model_config(hf_dir, None if mirrored else manifest.family_spec)
     check_hf_tensors(SafetensorsReader(hf_dir), cfg, family)
     if manifest.role != "actor":
         raise ValueError(f"{ckpt_dir} holds the {manifest.role}'s weights; logit parity needs an actor checkpoint")
-    stored = HFModelConfig.from_dict(manifest.hf_config)
-    for field in ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    for field in ("model_type",) * (not mirrored) + ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "ffn_hidden_size", "vocab_size", "tie_word_embeddings"):
         if getattr(cfg, field) != getattr(stored, field):
             raise ValueError(f"{hf_dir} and {ckpt_dir} are different models: {field} is {getattr(cfg, field)} "

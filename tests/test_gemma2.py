@@ -1,19 +1,29 @@
 """Gemma-2 as a megatron-core spec: layer kinds and config refusals here; round trips and logit parity at
 (1,1), (2,1), (1,2), (2,2) on sequences of 16 past a window of 5 run with the other families in
 test_convert.py; the HybridEngine transition and the embedded engine's greedy generation below."""
-import pytest
+import os
+from pathlib import Path
 
+import pytest
+import torch
+
+from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
 from verl_mega.models import HFModelConfig
 from verl_mega.models.families import gemma2
+from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.parallel.launch import run_torchrun
+
+from .faults.convert_tools import edit_tensors
+from .test_layout_invariance import ACTOR_METRICS, LOGPROB_ATOL, REL_TOL, rel_diff
 
 # Means of old-minus-new log-prob differences (~3e-3 here): their error is that of the log-probs (~6 in
 # size, fp32 rounding ~1e-7 each summed in another order per layout), not a fraction of their own small size.
 LOGPROB_DIFFERENCES = ("ppo_kl", "kl_loss")
 LOGPROB_DIFFERENCE_ATOL = 1e-6
 
-BASE = dict(model_type="gemma2", hidden_size=16, num_attention_heads=2, num_hidden_layers=4, vocab_size=32,
-            intermediate_size=32, head_dim=8, sliding_window=3)
+BASE = dict(model_type="gemma2", hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=4,
+            vocab_size=32, intermediate_size=32, head_dim=8, sliding_window=3)
 
 
 def test_sliding_layers_follow_transformers_layer_types():
@@ -34,11 +44,22 @@ def test_unsupported_activation_is_refused():
         gemma2.transformer_overrides(cfg)
 
 
+@pytest.mark.parametrize("name, wrong, implied", [
+    ("model.layers.1.post_feedforward_layernorm.weight", (32,), [64]),  # sandwich norms: hidden_size
+    ("model.layers.0.post_attention_layernorm.weight", (24,), [64]),
+    ("model.layers.0.self_attn.o_proj.weight", (64, 64), [64, 96]),  # head_dim 24 x 4 heads, not hidden
+])
+def test_norms_and_head_dim_are_checked_against_config(tmp_path, name, wrong, implied):
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", "gemma2")
+    edit_tensors(hf_dir, lambda tensors: tensors.update({name: torch.zeros(wrong)}))
+    with pytest.raises(ValueError, match="does not match its config.json") as err:
+        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
+    assert f"tensor '{name}' has shape {list(wrong)}, config.json implies {implied}" in str(err.value)
+    assert not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.slow
 def test_hybrid_engine_transition_and_greedy_rollout_equal_transformers(tiny_models, tmp_path):
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
-
     hf_dir = tiny_models["gemma2"]
     convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", tp=2, pp=2)
     exported = convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "export")
@@ -50,16 +71,6 @@ def test_hybrid_engine_transition_and_greedy_rollout_equal_transformers(tiny_mod
 def test_ppo_update_is_layout_invariant_and_log_probs_match_hf(tmp_path):
     """roles_worker (see test_layout_invariance.py) on a 2-layer Gemma-2 with a window of 3 over 11 left-padded
     tokens: (1,1), (2,1), (1,2) in one 2-process launch."""
-    import os
-    from pathlib import Path
-
-    import torch
-
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.models.tiny import make_tiny_hf_model
-
-    from .test_layout_invariance import ACTOR_METRICS, REL_TOL, rel_diff
-
     hf_dir = make_tiny_hf_model(tmp_path / "hf", "gemma2", num_hidden_layers=2, sliding_window=3)
     layouts = [(2, 1), (1, 2), (1, 1)]
     for tp, pp in layouts:
@@ -79,8 +90,8 @@ def test_ppo_update_is_layout_invariant_and_log_probs_match_hf(tmp_path):
     for tp, pp in layouts:
         got = result(tp, pp)
         mask = got["response_mask"].bool()
-        torch.testing.assert_close(got["log_probs"][mask], got["hf_log_probs"][mask], rtol=0, atol=1e-5)
-        for name in ACTOR_METRICS:
+        torch.testing.assert_close(got["log_probs"][mask], got["hf_log_probs"][mask], rtol=0, atol=LOGPROB_ATOL)
+        for name in ACTOR_METRICS + tuple(name for name in LOGPROB_DIFFERENCES if name not in ACTOR_METRICS):
             got_value, want = got["actor_metrics"][name], reference["actor_metrics"][name]
             if name in LOGPROB_DIFFERENCES:
                 assert abs(got_value - want) <= LOGPROB_DIFFERENCE_ATOL, (tp, pp, name, got_value, want)

@@ -3,6 +3,7 @@
 Round trips and parity at (1,1), (2,1), (1,2), (2,2) run with the other families in test_convert.py.
 """
 import pytest
+import torch
 
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
@@ -11,6 +12,7 @@ from verl_mega.models import HFModelConfig
 from verl_mega.models.families import qwen2_moe
 from verl_mega.models.tiny import make_tiny_hf_model
 
+from .faults.convert_tools import edit_json, edit_tensors
 from .test_convert import assert_same_tensors
 
 # The other way round from the tiny model's defaults: renormalised top-k, every second layer MoE.
@@ -52,5 +54,32 @@ def test_logit_parity_at_expert_parallel_and_round_trip(tiny_models, tmp_path):
         convert_mcore_to_hf(tmp_path / name, tmp_path / f"{name}-hf")
         assert_same_tensors(hf_dir, tmp_path / f"{name}-hf")
         pairs.append((hf_dir, tmp_path / name))
-    for (name, _), diff in zip(sources.items(), verify_checkpoints(pairs)):
-        assert diff <= 1e-4, f"{name} at tp=2 ep=2: max |Δ logit| {diff}"
+    for (name, _), parity in zip(sources.items(), verify_checkpoints(pairs)):
+        assert parity.passed and parity.max_abs <= 1e-4, f"{name} at tp=2 ep=2: {parity.describe()}"
+
+
+# --- tensors checked against config.json (expected_shapes, from the spec's rules) ---------------------------
+
+
+@pytest.mark.parametrize("name, wrong, implied", [
+    ("model.layers.0.mlp.shared_expert.up_proj.weight", (32, 64), [64, 64]),  # shared_expert_intermediate_size
+    ("model.layers.0.mlp.shared_expert_gate.weight", (2, 64), [1, 64]),
+    ("model.layers.0.mlp.experts.1.down_proj.weight", (64, 16), [64, 32]),  # moe_intermediate_size
+])
+def test_shared_expert_and_experts_are_checked_against_config(tmp_path, name, wrong, implied):
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen2_moe")
+    edit_tensors(hf_dir, lambda tensors: tensors.update({name: torch.zeros(wrong)}))
+    with pytest.raises(ValueError, match="does not match its config.json") as err:
+        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
+    assert f"tensor '{name}' has shape {list(wrong)}, config.json implies {implied}" in str(err.value)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_missing_moe_size_is_a_config_error(tmp_path):
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen2_moe")
+    edit_json(hf_dir / "config.json", lambda config: {key: value for key, value in config.items()
+                                                      if key != "shared_expert_intermediate_size"})
+    with pytest.raises(ValueError) as err:
+        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
+    assert str(err.value) == (f"{hf_dir / 'config.json'}: model_type 'qwen2_moe' needs "
+                              "'shared_expert_intermediate_size' as a positive integer, got None")

@@ -164,7 +164,8 @@ class TensorRule:
     `hf` lists the logical sources in merge order; with `fusion`, `hf` has one name that holds them all.
     `tp_dim`: the dim each source is split along for TP (None: replicated). `vocab`: padded rows.
     `when`: a condition the tensor exists under: of the config ("qkv_bias", "untied") or of its layer
-    ("moe_layer", "dense_layer", for families mixing both).
+    ("moe_layer", "dense_layer", for families mixing both). `shape`: the whole (TP-merged) megatron tensor's
+    shape for a config, for tensors the shared names of `expected_shapes` do not cover (None: those names').
     """
 
     mcore: str
@@ -174,6 +175,7 @@ class TensorRule:
     vocab: bool = False
     fusion: Fusion | None = None
     when: str | None = None
+    shape: Callable[[HFModelConfig], tuple[int, ...]] | None = field(default=None, compare=False)
 
     @property
     def per_layer(self) -> bool:
@@ -310,22 +312,40 @@ def moe_family(name: str, model_types: tuple[str, ...], hf_architecture: str) ->
     )
 
 
+def config_size(cfg: HFModelConfig, key: str) -> int:
+    """A positive integer a family reads from config.json beyond the common fields."""
+    value = cfg.raw.get(key)
+    if type(value) is not int or value < 1:
+        raise ValueError(f"config.json: model_type '{cfg.model_type}' needs '{key}' as a positive integer, got {value!r}")
+    return value
+
+
 def qwen2_moe_rules() -> tuple[TensorRule, ...]:
     """Routed experts named like a dense MLP each, plus a shared expert whose output a sigmoid gate scales;
     the layers that are not MoE have a dense MLP."""
     mlp, shared = _H + "mlp.", _L + "mlp.shared_experts."
     expert = _L + "mlp.experts.local_experts.{expert}."
     hf_expert = mlp + "experts.{expert}."
+
+    def fc1(key):
+        return lambda cfg: (2 * config_size(cfg, key), cfg.hidden_size)
+
+    def fc2(key):
+        return lambda cfg: (cfg.hidden_size, config_size(cfg, key))
+
     return _embedding_rules() + _attention_rules() + (
         TensorRule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), when="moe_layer"),
         TensorRule(_L + "mlp.router.weight", (mlp + "gate.weight",), when="moe_layer"),
         TensorRule(expert + "linear_fc1.weight", (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"), GATE_UP,
-                   tp_dim=0, when="moe_layer"),
-        TensorRule(expert + "linear_fc2.weight", (hf_expert + "down_proj.weight",), tp_dim=1, when="moe_layer"),
+                   tp_dim=0, when="moe_layer", shape=fc1("moe_intermediate_size")),
+        TensorRule(expert + "linear_fc2.weight", (hf_expert + "down_proj.weight",), tp_dim=1, when="moe_layer",
+                   shape=fc2("moe_intermediate_size")),
         TensorRule(shared + "linear_fc1.weight", (mlp + "shared_expert.gate_proj.weight", mlp + "shared_expert.up_proj.weight"),
-                   GATE_UP, tp_dim=0, when="moe_layer"),
-        TensorRule(shared + "linear_fc2.weight", (mlp + "shared_expert.down_proj.weight",), tp_dim=1, when="moe_layer"),
-        TensorRule(shared + "gate_weight", (mlp + "shared_expert_gate.weight",), when="moe_layer"),
+                   GATE_UP, tp_dim=0, when="moe_layer", shape=fc1("shared_expert_intermediate_size")),
+        TensorRule(shared + "linear_fc2.weight", (mlp + "shared_expert.down_proj.weight",), tp_dim=1, when="moe_layer",
+                   shape=fc2("shared_expert_intermediate_size")),
+        TensorRule(shared + "gate_weight", (mlp + "shared_expert_gate.weight",), when="moe_layer",
+                   shape=lambda cfg: (1, cfg.hidden_size)),
     ) + _dense_mlp_rules(when="dense_layer")
 
 
@@ -334,9 +354,11 @@ def gemma2_rules() -> tuple[TensorRule, ...]:
     the pre-feedforward norm before the MLP."""
     mlp = _H + "mlp."
     return _embedding_rules() + _attention_rules() + (
-        TensorRule(_L + "self_attention.linear_proj.post_layernorm.weight", (_H + "post_attention_layernorm.weight",)),
+        TensorRule(_L + "self_attention.linear_proj.post_layernorm.weight", (_H + "post_attention_layernorm.weight",),
+                   shape=lambda cfg: (cfg.hidden_size,)),
         TensorRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "pre_feedforward_layernorm.weight",)),
         TensorRule(_L + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GATE_UP, tp_dim=0),
         TensorRule(_L + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), tp_dim=1),
-        TensorRule(_L + "mlp.linear_fc2.post_layernorm.weight", (_H + "post_feedforward_layernorm.weight",)),
+        TensorRule(_L + "mlp.linear_fc2.post_layernorm.weight", (_H + "post_feedforward_layernorm.weight",),
+                   shape=lambda cfg: (cfg.hidden_size,)),
     )

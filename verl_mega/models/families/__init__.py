@@ -49,6 +49,10 @@ def load_hf_model_config(hf_dir, family_spec: str | None = None) -> tuple[HFMode
             raise ValueError(f"must hold a JSON object, not a {type(raw).__name__}")
         family_for(raw, family_spec, hf_dir)
         config = HFModelConfig.from_dict(raw)
-        return config, family_for(config, family_spec, hf_dir)
+        family = family_for(config, family_spec, hf_dir)
+        for rule in family.rules:  # the sizes a family's own tensors read from config.json, checked here
+            if rule.shape is not None:
+                rule.shape(config)
+        return config, family
     except ValueError as err:
         raise ValueError(f"{Path(hf_dir) / 'config.json'}: {str(err).removeprefix('config.json: ')}") from None
