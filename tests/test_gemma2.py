@@ -14,7 +14,7 @@ from verl_mega.models.families import gemma2
 from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.parallel.launch import run_torchrun
 
-from .faults.convert_tools import edit_tensors
+from .faults.convert_tools import assert_wrong_shape_refused
 from .test_layout_invariance import ACTOR_METRICS, LOGPROB_ATOL, REL_TOL, rel_diff
 
 # Means of old-minus-new log-prob differences (~3e-3 here): their error is that of the log-probs (~6 in
@@ -50,12 +50,7 @@ def test_unsupported_activation_is_refused():
     ("model.layers.0.self_attn.o_proj.weight", (64, 64), [64, 96]),  # head_dim 24 x 4 heads, not hidden
 ])
 def test_norms_and_head_dim_are_checked_against_config(tmp_path, name, wrong, implied):
-    hf_dir = make_tiny_hf_model(tmp_path / "hf", "gemma2")
-    edit_tensors(hf_dir, lambda tensors: tensors.update({name: torch.zeros(wrong)}))
-    with pytest.raises(ValueError, match="does not match its config.json") as err:
-        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
-    assert f"tensor '{name}' has shape {list(wrong)}, config.json implies {implied}" in str(err.value)
-    assert not (tmp_path / "ckpt").exists()
+    assert_wrong_shape_refused(make_tiny_hf_model(tmp_path / "hf", "gemma2"), tmp_path / "ckpt", name, wrong, implied)
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@
 Round trips and parity at (1,1), (2,1), (1,2), (2,2) run with the other families in test_convert.py.
 """
 import pytest
-import torch
 
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
@@ -12,7 +11,7 @@ from verl_mega.models import HFModelConfig
 from verl_mega.models.families import qwen2_moe
 from verl_mega.models.tiny import make_tiny_hf_model
 
-from .faults.convert_tools import edit_json, edit_tensors
+from .faults.convert_tools import assert_wrong_shape_refused, edit_json
 from .test_convert import assert_same_tensors
 
 # The other way round from the tiny model's defaults: renormalised top-k, every second layer MoE.
@@ -67,12 +66,7 @@ def test_logit_parity_at_expert_parallel_and_round_trip(tiny_models, tmp_path):
     ("model.layers.0.mlp.experts.1.down_proj.weight", (64, 16), [64, 32]),  # moe_intermediate_size
 ])
 def test_shared_expert_and_experts_are_checked_against_config(tmp_path, name, wrong, implied):
-    hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen2_moe")
-    edit_tensors(hf_dir, lambda tensors: tensors.update({name: torch.zeros(wrong)}))
-    with pytest.raises(ValueError, match="does not match its config.json") as err:
-        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
-    assert f"tensor '{name}' has shape {list(wrong)}, config.json implies {implied}" in str(err.value)
-    assert not (tmp_path / "ckpt").exists()
+    assert_wrong_shape_refused(make_tiny_hf_model(tmp_path / "hf", "qwen2_moe"), tmp_path / "ckpt", name, wrong, implied)
 
 
 def test_missing_moe_size_is_a_config_error(tmp_path):
