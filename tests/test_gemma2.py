@@ -73,7 +73,7 @@ def test_ppo_update_is_layout_invariant_and_log_probs_match_hf(tmp_path):
     (tmp_path / "out").mkdir()
     tests_dir = str(Path(__file__).parent)
     env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
-    run_torchrun(2, "roles_worker", [str(tmp_path / "ckpt"), str(hf_dir), str(tmp_path / "out"),
+    run_torchrun(2, "roles_worker", [str(tmp_path / "ckpt"), str(hf_dir), str(tmp_path / "out"), "fp32",
                                      *(f"{tp},{pp}" for tp, pp in layouts)], env=env)
 
     def result(tp, pp):
