@@ -22,20 +22,21 @@ from .mcore_to_hf import convert_mcore_to_hf, write_hf_model
 
 
 def export_role(ckpt: str | Path, out: str | Path, *, role: str = "actor", step: int | None = None,
-                **options) -> Path:
-    """Write `role`'s weights from `ckpt` (any of the forms above) as an HF folder; returns what was read."""
+                family_spec: str | None = None, **options) -> Path:
+    """Write `role`'s weights from `ckpt` (any of the forms above) as an HF folder; returns what was read.
+    `family_spec` replaces the family spec the manifest records."""
     ckpt = Path(ckpt)
     weights = _final_weights(ckpt, role) if step is None else None
     if weights is not None:
-        held = Manifest.read(weights).role
+        held = Manifest.read(weights, family_spec).role
         if held != role:
             raise ValueError(f"{weights} holds the {held}'s weights, not the {role}'s: pass --role {held}, or the "
                              f"{role}'s checkpoint (a run folder's {FINAL_ROLE_DIRS[role]})")
-        convert_mcore_to_hf(weights, out, **options)
+        convert_mcore_to_hf(weights, out, family_spec=family_spec, **options)
         return weights
     state_dir = _training_state_dir(ckpt, role, step)
     source = _starting_checkpoint(state_dir.parent, role)
-    started = Manifest.read(source)
+    started = Manifest.read(source, family_spec)
     manifest = replace(started, format="torch_dist", role=role, tied_embeddings=started.tied_embeddings and role == "actor")
     write_hf_model(iter_torch_dist_hf_tensors(state_dir, manifest), manifest, source / HF_ASSETS_DIR, out,
                    sources=(state_dir, source), **options)

@@ -20,10 +20,12 @@ from .torch_dist import write_torch_dist
 
 def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
                         dtype: str = "fp32", fmt: str = "megatron_legacy", overwrite: bool = False,
-                        make_vocab_size_divisible_by: int = 128, keep_remote_code: bool = False) -> Manifest:
+                        make_vocab_size_divisible_by: int = 128, keep_remote_code: bool = False,
+                        family_spec: str | None = None) -> Manifest:
+    """`family_spec` ("package.module:SPEC") declares the family instead of the built-in ones and plugins."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    cfg, family = load_hf_model_config(hf_dir)
+    cfg, family = load_hf_model_config(hf_dir, family_spec)
     check_model_fit(cfg, tp, pp, ep, names={"tp": "--tp", "pp": "--pp", "ep": "--ep"})
     reader = SafetensorsReader(hf_dir)
     check_hf_tensors(reader, cfg, family)
@@ -31,7 +33,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     manifest = Manifest(
         family=family.name, hf_config=cfg.raw if keep_remote_code else without_remote_code(cfg.raw), format=fmt,
         tp=tp, pp=pp, ep=ep, dtype=dtype,
-        tied_embeddings=cfg.tie_word_embeddings, padded_vocab_size=padded_vocab,
+        tied_embeddings=cfg.tie_word_embeddings, padded_vocab_size=padded_vocab, family_spec=family.origin,
     )
     with atomic_output_dir(out_dir, overwrite, sources=(hf_dir,)) as tmp:
         if fmt == "megatron_legacy":

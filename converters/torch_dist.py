@@ -32,14 +32,14 @@ def _write_rank(hf_dir: Path, root: Path) -> None:
 
     manifest = Manifest.read(root)
     cfg = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(cfg)
+    family = family_for(cfg, manifest.family_spec, root)
     layout = init_parallel(manifest.tp, manifest.pp, manifest.ep)
     config = transformer_config(cfg, family, tp=layout.tp, pp=layout.pp, ep=layout.ep, dtype=manifest.dtype)
     model = build_gpt_model(cfg, family, config, padded_vocab=manifest.padded_vocab_size,
                             pre_process=layout.is_first_stage, post_process=layout.is_last_stage)
     state_dict = hf_rank_state_dict(SafetensorsReader(hf_dir), cfg, family, manifest, layout.tp_rank,
                                     layout.pp_rank, layout.ep_rank)
-    load_canonical_state_dict(model, state_dict, family.moe, f"the converted shard of rank {layout.rank}")
+    load_canonical_state_dict(model, state_dict, f"the converted shard of rank {layout.rank}")
     out = root / DIST_DIR
     out.mkdir(exist_ok=True)
     torch.distributed.barrier()

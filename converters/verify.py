@@ -36,23 +36,26 @@ def verify_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, **kwargs) -> Par
 
 
 def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | None = None, pp: int | None = None,
-                       seq_len: int = 16, batch: int = 2, seed: int = 0) -> list[Parity]:
+                       seq_len: int = 16, batch: int = 2, seed: int = 0,
+                       family_spec: str | None = None) -> list[Parity]:
     """Parity per (HF folder, checkpoint) pair, all run at one layout (default: the first checkpoint's).
-    Launches torchrun unless already inside a distributed job."""
+    Launches torchrun unless already inside a distributed job. `family_spec` replaces the family spec the
+    manifests record."""
     for hf_dir, ckpt_dir in pairs:
-        check_pair(hf_dir, ckpt_dir)
-    first = Manifest.read(pairs[0][1])
+        check_pair(hf_dir, ckpt_dir, family_spec)
+    first = Manifest.read(pairs[0][1], family_spec)
     tp, pp, ep = tp or first.tp, pp or first.pp, first.ep
     for name, size in (("--seq-len", seq_len), ("--batch", batch)):
         if type(size) is not int or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
     if in_distributed_job():
-        return _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed)
+        return _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec)
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "parity.json"
         args = [item for hf, ckpt in pairs for item in ("--pair", str(hf), str(ckpt))]
         args += ["--tp", str(tp), "--pp", str(pp), "--seq-len", str(seq_len), "--batch", str(batch),
                  "--seed", str(seed), "--result", str(result)]
+        args += ["--family-spec", family_spec] if family_spec else []
         try:
             completed = run_torchrun(tp * pp * ep, "verl_mega.converters.verify", args, capture_output=True)
         except subprocess.CalledProcessError as err:
@@ -65,28 +68,34 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
         return [Parity(**figures) for figures in json.loads(result.read_text())["parity"]]
 
 
-def check_pair(hf_dir: str | Path, ckpt_dir: str | Path) -> None:
+def check_pair(hf_dir: str | Path, ckpt_dir: str | Path, family_spec: str | None = None) -> None:
     """Refuse, before launching anything, an HF folder and a checkpoint that are not the same model."""
-    cfg, family = load_hf_model_config(hf_dir)
+    manifest = Manifest.read(ckpt_dir, family_spec)
+    stored = HFModelConfig.from_dict(manifest.hf_config)
+    # A family declared outside verl_mega may be checked against the HF architecture it mirrors (an
+    # InternLM2-style spec against Llama, which transformers loads without remote code): the HF folder is then
+    # read as its own model_type, and the two are compared by shape only.
+    raw = HFModelConfig.read_raw(hf_dir) if manifest.family_spec else None
+    raw_type = raw.get("model_type") if isinstance(raw, dict) else None
+    mirrored = manifest.family_spec is not None and raw_type != stored.model_type
+    cfg, family = load_hf_model_config(hf_dir, None if mirrored else manifest.family_spec)
     check_hf_tensors(SafetensorsReader(hf_dir), cfg, family)
-    manifest = Manifest.read(ckpt_dir)
     if manifest.role != "actor":
         raise ValueError(f"{ckpt_dir} holds the {manifest.role}'s weights; logit parity needs an actor checkpoint")
-    stored = HFModelConfig.from_dict(manifest.hf_config)
-    for field in ("model_type", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    for field in ("model_type",) * (not mirrored) + ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "ffn_hidden_size", "vocab_size", "tie_word_embeddings"):
         if getattr(cfg, field) != getattr(stored, field):
             raise ValueError(f"{hf_dir} and {ckpt_dir} are different models: {field} is {getattr(cfg, field)} "
                              f"in the HF config and {getattr(stored, field)} in the checkpoint")
 
 
-def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, result_file=None) -> list[Parity]:
+def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec=None, result_file=None) -> list[Parity]:
     from megatron.core import tensor_parallel
 
     results = []
     for hf_dir, ckpt_dir in pairs:
         layout = init_parallel(tp, pp, ep)
-        model, manifest, cfg, family = build_model_from_checkpoint(ckpt_dir)
+        model, manifest, cfg, family = build_model_from_checkpoint(ckpt_dir, family_spec=family_spec)
         model.eval()
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)
@@ -132,10 +141,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result")
+    parser.add_argument("--family-spec")
     args = parser.parse_args(argv)
     try:
-        ep = Manifest.read(args.pair[0][1]).ep
-        _verify_ranks(args.pair, args.tp, args.pp, ep, args.seq_len, args.batch, args.seed, args.result)
+        ep = Manifest.read(args.pair[0][1], args.family_spec).ep
+        _verify_ranks(args.pair, args.tp, args.pp, ep, args.seq_len, args.batch, args.seed, args.family_spec,
+                      args.result)
     except (ValueError, OSError) as err:  # bad input: one line for the launcher to show, exit 2
         print(f"verl-mega verify: error: {err}", file=sys.stderr)
         if args.result:

@@ -53,12 +53,12 @@ def gather_hf_weights(module, cfg, family) -> dict[str, torch.Tensor] | None:
     from megatron.core import parallel_state as ps
 
     from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
-    from verl_mega.models.spec import to_canonical_name
+    from verl_mega.models.spec import canonical_names
     from verl_mega.parallel.state import current_layout
 
     layout = current_layout()
-    local = {to_canonical_name(name, family.moe): tensor for name, tensor in module.state_dict().items()
-             if not name.endswith("_extra_state")}
+    state_dict = module.state_dict()
+    local = {canonical: state_dict[name] for name, canonical in canonical_names(state_dict).items()}
     weights = {}
     for slot in rank_slots(cfg, family, layout.pp_rank, layout.pp):
         if slot.is_tied_copy:

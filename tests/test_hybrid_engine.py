@@ -8,6 +8,7 @@ import pytest
 from verl_mega.parallel.launch import run_torchrun
 
 FAMILIES = ("llama", "qwen2", "mixtral")
+MOE_FAMILIES = ("mixtral", "qwen2_moe")
 # 8 heads over 4 query groups so that TP=4 holds whole groups and GQA is still exercised.
 TEST_SIZES = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
 
@@ -17,7 +18,7 @@ def hybrid_models(tmp_path_factory):
     from verl_mega.models.tiny import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("hybrid_models")
-    return {family: make_tiny_hf_model(root / family, family, **TEST_SIZES) for family in FAMILIES}
+    return {family: make_tiny_hf_model(root / family, family, **TEST_SIZES) for family in {*FAMILIES, *MOE_FAMILIES}}
 
 
 def _converted(hybrid_models, tmp_path, tp: int, pp: int, ep: int = 1, families=FAMILIES) -> list[str]:
@@ -46,5 +47,5 @@ def test_regroup_matches_checkpoint_slices(hybrid_models, tmp_path, tp, pp, dp):
 
 @pytest.mark.slow
 def test_regroup_gathers_experts_over_expert_parallel_ranks(hybrid_models, tmp_path):
-    args = ["--tp", "1", "--pp", "1", *_converted(hybrid_models, tmp_path, 1, 1, ep=2, families=("mixtral",))]
+    args = ["--tp", "1", "--pp", "1", *_converted(hybrid_models, tmp_path, 1, 1, ep=2, families=MOE_FAMILIES)]
     run_torchrun(2, "tests.hybrid_worker", args)

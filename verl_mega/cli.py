@@ -34,6 +34,10 @@ DELEGATED = {
     ("launch", "slurm"): ("verl_mega.launch.slurm:main", "render and submit an sbatch script"),
 }
 
+FAMILY_SPEC_HELP = ("package.module:SPEC naming the FamilySpec of a family declared outside verl_mega "
+                    "(recorded in the checkpoint's manifest)")
+FAMILY_SPEC_OVERRIDE_HELP = "package.module:SPEC to use instead of the family spec the manifest records"
+
 
 def _add_keep_remote_code(parser) -> None:
     parser.add_argument("--keep-remote-code", action="store_true",
@@ -57,6 +61,7 @@ def _add_convert(subparsers) -> None:
     to_mcore.add_argument("--verify", action="store_true", help="check logit parity against transformers after")
     to_mcore.add_argument("--tolerance", type=float,
                           help="with --verify: fail above this max |Δ logit| (default: the checkpoint dtype's rule)")
+    to_mcore.add_argument("--family-spec", help=FAMILY_SPEC_HELP)
 
     to_hf = kinds.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF folder")
     to_hf.add_argument("--ckpt", required=True)
@@ -64,6 +69,7 @@ def _add_convert(subparsers) -> None:
     to_hf.add_argument("--dtype", choices=DTYPE_NAMES, help="default: the checkpoint's")
     to_hf.add_argument("--overwrite", action="store_true")
     _add_keep_remote_code(to_hf)
+    to_hf.add_argument("--family-spec", help=FAMILY_SPEC_OVERRIDE_HELP)
 
     verify = kinds.add_parser("verify", help="logit parity: megatron-core from the shards vs transformers")
     verify.add_argument("--hf", required=True)
@@ -72,6 +78,7 @@ def _add_convert(subparsers) -> None:
     verify.add_argument("--batch", type=int, default=2)
     verify.add_argument("--tolerance", type=float,
                         help="fail above this max |Δ logit| (default: the checkpoint dtype's rule)")
+    verify.add_argument("--family-spec", help=FAMILY_SPEC_OVERRIDE_HELP)
 
 
 def _add_export(subparsers) -> None:
@@ -85,6 +92,7 @@ def _add_export(subparsers) -> None:
     export.add_argument("--dtype", choices=DTYPE_NAMES, help="default: the checkpoint's")
     export.add_argument("--overwrite", action="store_true")
     _add_keep_remote_code(export)
+    export.add_argument("--family-spec", help=FAMILY_SPEC_OVERRIDE_HELP)
 
 
 def _add_delegated(subparsers) -> None:
@@ -121,23 +129,25 @@ def _run_convert(args) -> int:
     if args.direction == "hf-to-mcore":
         manifest = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                                        fmt=args.format, overwrite=args.overwrite,
-                                       keep_remote_code=args.keep_remote_code)
+                                       keep_remote_code=args.keep_remote_code, family_spec=args.family_spec)
         print(f"wrote {manifest.family} {manifest.format} checkpoint tp={manifest.tp} pp={manifest.pp} "
               f"ep={manifest.ep} dtype={manifest.dtype} to {args.out}")
         if args.verify:
             return _check_parity(args.hf, args.out, args.tolerance)
     elif args.direction == "mcore-to-hf":
         convert_mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite,
-                            keep_remote_code=args.keep_remote_code)
+                            keep_remote_code=args.keep_remote_code, family_spec=args.family_spec)
         print(f"wrote HF model to {args.out}")
     else:
-        return _check_parity(args.hf, args.ckpt, args.tolerance, seq_len=args.seq_len, batch=args.batch)
+        return _check_parity(args.hf, args.ckpt, args.tolerance, seq_len=args.seq_len, batch=args.batch,
+                             family_spec=args.family_spec)
     return 0
 
 
 def _run_export(args) -> int:
     source = export_role(args.ckpt, args.out, role=args.role, step=args.step, dtype=args.dtype,
-                         overwrite=args.overwrite, keep_remote_code=args.keep_remote_code)
+                         overwrite=args.overwrite, keep_remote_code=args.keep_remote_code,
+                         family_spec=args.family_spec)
     print(f"exported the {args.role} of {source} to {args.out}")
     return 0
 

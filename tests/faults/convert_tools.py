@@ -9,8 +9,10 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 
 from verl_mega.cli import main as cli
+from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +99,16 @@ def write_safetensors(path: Path, header, data: bytes, length: int | None = None
     """A safetensors file with this header (any JSON, or raw bytes) and data; `length` overrides the prefix."""
     encoded = header if isinstance(header, bytes) else json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(encoded) if length is None else length) + encoded + data)
+
+
+def assert_wrong_shape_refused(hf_dir: Path, out: Path, name: str, wrong: tuple[int, ...], implied: list[int]) -> None:
+    """Give `name` the shape `wrong`: conversion refuses it, naming the shape config.json implies, writing nothing."""
+    edit_tensors(hf_dir, lambda tensors: tensors.update({name: torch.zeros(wrong)}))
+    try:
+        convert_hf_to_mcore(hf_dir, out)
+    except ValueError as err:
+        assert f"does not match its config.json: tensor '{name}' has shape {list(wrong)}, config.json implies " \
+               f"{implied}" in str(err), err
+    else:
+        raise AssertionError(f"a {list(wrong)} {name} was converted")
+    assert not out.exists()

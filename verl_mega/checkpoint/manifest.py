@@ -29,13 +29,16 @@ class Manifest:
     padded_vocab_size: int
     iteration: int = 0
     role: str = "actor"  # "critic": a value head instead of the LM head; absent from older manifests
+    family_spec: str | None = None  # "package.module:SPEC" of a family declared outside verl_mega
     extra: dict[str, Any] = field(default_factory=dict)
 
     def write(self, ckpt_dir: str | Path) -> None:
         (Path(ckpt_dir) / MANIFEST_NAME).write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
 
     @classmethod
-    def read(cls, ckpt_dir: str | Path) -> "Manifest":
+    def read(cls, ckpt_dir: str | Path, family_spec: str | None = None) -> "Manifest":
+        """The checkpoint's manifest, checked; `family_spec` replaces the family spec it records (e.g. after
+        the spec's module moved), before the family is checked against hf_config."""
         path = Path(ckpt_dir) / MANIFEST_NAME
         if not path.is_file():
             raise FileNotFoundError(
@@ -46,13 +49,15 @@ class Manifest:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from None
+        if family_spec is not None and isinstance(data, dict):
+            data = {**data, "family_spec": family_spec}
         try:
-            return cls(**_checked_fields(data))
+            return cls(**_checked_fields(data, Path(ckpt_dir)))
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
 
 
-def _checked_fields(data) -> dict[str, Any]:
+def _checked_fields(data, ckpt_dir: Path) -> dict[str, Any]:
     """The manifest's fields, each of the type and range the loaders rely on; anything else is refused by name."""
     if not isinstance(data, dict):
         raise ValueError(f"must hold a JSON object, not a {type(data).__name__}")
@@ -66,6 +71,8 @@ def _checked_fields(data) -> dict[str, Any]:
     hints = get_type_hints(Manifest)
     for name, value in data.items():
         wanted = get_origin(hints[name]) or hints[name]
+        if name == "family_spec":  # optional: absent, null, or a "package.module:SPEC" string
+            wanted = str if value is not None else type(None)
         if type(value) is not wanted:
             raise ValueError(f"key '{name}' must be of type {wanted.__name__}, got {value!r}")
     if data["format"] not in FORMATS:
@@ -80,7 +87,7 @@ def _checked_fields(data) -> dict[str, Any]:
         raise ValueError(f"key 'iteration' must be >= 0, got {data['iteration']}")
     try:
         cfg = HFModelConfig.from_dict(data["hf_config"])
-        family = family_for(cfg)
+        family = family_for(cfg, data.get("family_spec"), ckpt_dir)
     except ValueError as err:
         raise ValueError(f"key 'hf_config': {str(err).removeprefix('config.json: ')}") from None
     if data["family"] != family.name:

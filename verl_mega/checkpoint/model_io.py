@@ -7,7 +7,7 @@ from pathlib import Path
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES, build_gpt_model, transformer_config
 from verl_mega.models.sharding import merge_hf_to_mcore, rank_slots
-from verl_mega.models.spec import to_canonical_name
+from verl_mega.models.spec import canonical_names
 from verl_mega.parallel.state import current_layout
 
 from . import megatron_legacy
@@ -27,12 +27,14 @@ def hf_rank_state_dict(reader, cfg, family, manifest: Manifest, tp_rank: int, pp
 
 
 def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "auto", dtype: str | None = None,
-                                **config_overrides):
+                                family_spec: str | None = None, **config_overrides):
     """This rank's GPTModel with the checkpoint's weights, at the running job's (TP, PP, EP) layout, in `dtype`
-    (fp32, bf16 or fp16; default: the checkpoint's). Weights stored in another dtype are cast on load."""
-    manifest = Manifest.read(ckpt_dir)
+    (fp32, bf16 or fp16; default: the checkpoint's). Weights stored in another dtype are cast on load.
+
+    `family_spec` replaces the family spec the manifest records (e.g. after its module moved)."""
+    manifest = Manifest.read(ckpt_dir, family_spec)
     cfg = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(cfg)
+    family = family_for(cfg, manifest.family_spec, ckpt_dir)
     layout = current_layout()
     config = transformer_config(cfg, family, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                                 dtype=dtype or manifest.dtype, **config_overrides)
@@ -58,12 +60,12 @@ def load_legacy_shard(model, ckpt_dir: str | Path, manifest: Manifest) -> None:
     shard = megatron_legacy.read_shard(ckpt_dir, iteration, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
                                        pp=layout.pp, ep_rank=layout.ep_rank, ep=layout.ep)
     where = f"shard (tp_rank {layout.tp_rank}, pp_rank {layout.pp_rank}, ep_rank {layout.ep_rank}) of {ckpt_dir}"
-    load_canonical_state_dict(model, shard, family_for(manifest.hf_config).moe, where)
+    load_canonical_state_dict(model, shard, where)
 
 
-def load_canonical_state_dict(model, state_dict: dict, moe: bool, where: str) -> None:
+def load_canonical_state_dict(model, state_dict: dict, where: str) -> None:
     """Load tensors named canonically (transformer-engine names) into a model built with either spec."""
-    wanted = {name: to_canonical_name(name, moe) for name in model.state_dict() if not name.endswith("_extra_state")}
+    wanted = canonical_names(model.state_dict())
     missing = sorted(canonical for canonical in wanted.values() if canonical not in state_dict)
     unexpected = sorted(set(state_dict) - set(wanted.values()))
     if missing or unexpected:

@@ -5,9 +5,8 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from verl_mega.models import family_for
 from verl_mega.models.builder import dtype_name, unwrap_model
-from verl_mega.models.spec import to_canonical_name
+from verl_mega.models.spec import canonical_names
 from verl_mega.parallel.state import ParallelLayout
 
 from . import megatron_legacy
@@ -33,9 +32,8 @@ def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayou
     model = unwrap_model(model)
     with collective_output_dir(out, layout.rank) as tmp:
         if layout.dp_rank == 0:
-            moe = family_for(source.hf_config).moe
-            state_dict = {to_canonical_name(name, moe): tensor.detach().cpu()
-                          for name, tensor in model.state_dict().items() if not name.endswith("_extra_state")}
+            local = model.state_dict()
+            state_dict = {canonical: local[name].detach().cpu() for name, canonical in canonical_names(local).items()}
             coords = dict(tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, pp=layout.pp, ep_rank=layout.ep_rank,
                           ep=layout.ep)
             megatron_legacy.write_shard(tmp, iteration, coords, state_dict, args={})

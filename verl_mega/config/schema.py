@@ -62,6 +62,7 @@ class ModelConfig:
     # fp32 | bf16 | fp16: parameters and activations of actor, critic and reference (megatron mixed precision:
     # fp32 main weights, optimizer state and gradient reduction; fp16 with dynamic loss scaling).
     dtype: str = "fp32"
+    family_spec: str = ""  # package.module:SPEC of a family declared outside verl_mega; empty: by model_type
 
 
 @dataclass

@@ -42,7 +42,16 @@ def architecture(cfg: HFModelConfig, family: FamilySpec) -> dict:
     if family.moe:
         shape.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_top_k,
                      moe_ffn_hidden_size=cfg.ffn_hidden_size)
+    if _mixes_dense_and_moe_layers(cfg, family):
+        # Only then: a list makes megatron key each layer apart in dist checkpoints instead of stacking them.
+        shape.update(moe_layer_freq=[int(is_moe) for is_moe in family.moe_layer_pattern(cfg)])
+    if family.transformer_overrides is not None:
+        shape.update(family.transformer_overrides(cfg))
     return shape
+
+
+def _mixes_dense_and_moe_layers(cfg: HFModelConfig, family: FamilySpec) -> bool:
+    return family.moe and not all(family.moe_layer_pattern(cfg))
 
 
 def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -89,12 +98,20 @@ def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, p
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(family: FamilySpec, implementation: str = "auto"):
-    """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`."""
+def layer_spec(family: FamilySpec, cfg: HFModelConfig, config, implementation: str = "auto"):
+    """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`.
+
+    One layer spec for every layer; or this pipeline stage's block of layer specs: the family's own (Gemma-2),
+    or megatron's when the family mixes dense and MoE layers (which, from `config.moe_layer_freq`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if implementation == "auto":
         implementation = "te" if _transformer_engine_available() else "local"
+    if family.block_spec is not None:
+        return family.block_spec(cfg, config, implementation == "te")
+    if _mixes_dense_and_moe_layers(cfg, family):
+        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=implementation == "te",
+                                                          normalization="RMSNorm")
     num_experts = 1 if family.moe else None  # only its truthiness selects the MoE layer
     if implementation == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -120,7 +137,7 @@ def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vo
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(family, implementation),
+        transformer_layer_spec=layer_spec(family, cfg, config, implementation),
         vocab_size=padded_vocab,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
@@ -131,6 +148,8 @@ def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vo
         rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
     )
     model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(model.rotary_pos_emb.inv_freq.device)
+    if family.finish_model is not None:
+        family.finish_model(model, cfg)
     # megatron-core's local spec builds its norms with torch's default dtype (fp32) whatever params_dtype says,
     # while transformer-engine's spec and megatron's Float16Module put every parameter in the model dtype.
     # We follow the latter, so both specs hold the same tensors: no parameter stays fp32. Precision comes from

@@ -16,7 +16,10 @@ _EXPERT_PREFIX = f"mlp.experts.local_experts.{EXPERT}."
 
 
 def mcore_shape(rule: TensorRule, cfg: HFModelConfig) -> tuple[int, ...]:
-    """The whole (TP-merged) megatron tensor, vocabulary unpadded."""
+    """The whole (TP-merged) megatron tensor, vocabulary unpadded: the rule's own `shape` when it declares one
+    (a family's tensors beyond the shared names below), else the shape of its shared megatron name."""
+    if rule.shape is not None:
+        return tuple(rule.shape(cfg))
     hidden, head_dim, ffn = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size
     qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim
     if rule.mcore.startswith("output_layer.") and not rule.vocab:  # a head with one output (the critic's value)
@@ -39,7 +42,11 @@ def mcore_shape(rule: TensorRule, cfg: HFModelConfig) -> tuple[int, ...]:
         "linear_fc1.weight": (2 * ffn, hidden),
         "linear_fc2.weight": (hidden, ffn),
     }
-    return shapes[rule.mcore.removeprefix(_PER_LAYER_PREFIX).removeprefix(_EXPERT_PREFIX)]
+    name = rule.mcore.removeprefix(_PER_LAYER_PREFIX).removeprefix(_EXPERT_PREFIX)
+    if name not in shapes:
+        raise ValueError(f"the family spec's tensor '{rule.mcore}' has no known shape: give its TensorRule a "
+                         "`shape` (config -> shape)")
+    return shapes[name]
 
 
 def mcore_shard_shape(slot: TensorSlot, cfg: HFModelConfig, tp: int, padded_vocab: int) -> tuple[int, ...]:

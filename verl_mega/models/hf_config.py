@@ -198,3 +198,32 @@ def _llama3_scaled(inv_freq, scaling: dict[str, Any]):
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+# Model types that are encoders or encoder-decoders however their config.json is written.
+_NOT_DECODER_ONLY_TYPES = frozenset({
+    "albert", "bart", "bert", "camembert", "deberta", "deberta-v2", "distilbert", "electra", "ernie", "longformer",
+    "marian", "mbart", "modernbert", "mpnet", "mt5", "pegasus", "roberta", "t5", "umt5", "whisper", "xlm-roberta",
+})
+_NOT_DECODER_ONLY_ARCHITECTURES = ("ForMaskedLM", "ForConditionalGeneration", "ForPreTraining", "ForSeq2SeqLM",
+                                   "ForImageTextToText", "ForVision2Seq", "EncoderModel")
+_MULTIMODAL_KEYS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
+
+
+def check_decoder_only(raw: dict[str, Any]) -> None:
+    """Refuse encoders, encoder-decoders and vision-language models, whatever family spec claims them."""
+    model_type = raw.get("model_type")
+    architectures = [a for a in raw.get("architectures") or [] if isinstance(a, str)]
+    reason = None
+    if model_type in _NOT_DECODER_ONLY_TYPES:
+        reason = "an encoder or encoder-decoder model type"
+    elif raw.get("is_encoder_decoder"):
+        reason = "an encoder-decoder (is_encoder_decoder is true)"
+    elif any(isinstance(raw.get(key), dict) for key in _MULTIMODAL_KEYS):
+        key = next(key for key in _MULTIMODAL_KEYS if isinstance(raw.get(key), dict))
+        reason = f"a multimodal or encoder-decoder model (config.json has a '{key}' section)"
+    elif any(a.endswith(suffix) for a in architectures for suffix in _NOT_DECODER_ONLY_ARCHITECTURES):
+        reason = f"not a decoder-only language model (architectures: {', '.join(architectures)})"
+    if reason:
+        raise ValueError(f"model_type '{model_type}' is {reason}; only decoder-only language models are supported, "
+                         "whatever a family spec declares")

@@ -63,6 +63,8 @@ def rank_slots(cfg: HFModelConfig, family: FamilySpec, pp_rank: int = 0, pp: int
                 yield TensorSlot(rule, None, None, rule.mcore, rule.hf)
             continue
         for layer in layers:
+            if not family.rule_in_layer(rule, cfg, layer):
+                continue
             for expert in (experts if rule.per_expert else [None]):
                 local_expert = None if expert is None else expert - experts.start
                 yield TensorSlot(

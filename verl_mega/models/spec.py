@@ -14,8 +14,8 @@ spec use; `to_canonical_name` maps the local (non-TE) layer spec's names onto th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -23,8 +23,10 @@ from .hf_config import HFModelConfig
 
 LAYER = "{layer}"
 EXPERT = "{expert}"
+LAYER_CONDITIONS = ("moe_layer", "dense_layer")
 
 LM_HEAD = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 # transformer-engine fuses the pre-attention and (dense) pre-MLP norms into the following linear layer;
@@ -35,12 +37,25 @@ _LOCAL_TO_TE = {
 }
 
 
+_ROUTER = "mlp.router.weight"
+
+
 def to_canonical_name(name: str, moe: bool) -> str:
-    """The dist-checkpoint / transformer-engine name of a parameter named by the local layer spec."""
+    """The dist-checkpoint / transformer-engine name of a parameter named by the local layer spec;
+    `moe`: the parameter belongs to an MoE layer."""
     for local_suffix, te_suffix in _LOCAL_TO_TE.items():
         if name.endswith("." + local_suffix) and not (moe and local_suffix.startswith("pre_mlp")):
             return name[: -len(local_suffix)] + te_suffix
     return name
+
+
+def canonical_names(names: Iterable[str]) -> dict[str, str]:
+    """Local-spec name -> canonical name for every parameter of one model; a layer is MoE when it has a router
+    (families may mix dense and MoE layers)."""
+    names = [name for name in names if not name.endswith("_extra_state")]
+    moe_layer_prefixes = tuple(name.removesuffix(_ROUTER) for name in names if name.endswith("." + _ROUTER))
+    return {name: to_canonical_name(name, bool(moe_layer_prefixes) and name.startswith(moe_layer_prefixes))
+            for name in names}
 
 
 # --- row merges: HF tensors <-> one megatron tensor, valid on full tensors and on TP slices alike -----
@@ -148,7 +163,9 @@ class TensorRule:
 
     `hf` lists the logical sources in merge order; with `fusion`, `hf` has one name that holds them all.
     `tp_dim`: the dim each source is split along for TP (None: replicated). `vocab`: padded rows.
-    `when`: a config condition ("qkv_bias", "untied") the tensor exists under.
+    `when`: a condition the tensor exists under: of the config ("qkv_bias", "untied") or of its layer
+    ("moe_layer", "dense_layer", for families mixing both). `shape`: the whole (TP-merged) megatron tensor's
+    shape for a config, for tensors the shared names of `expected_shapes` do not cover (None: those names').
     """
 
     mcore: str
@@ -158,6 +175,7 @@ class TensorRule:
     vocab: bool = False
     fusion: Fusion | None = None
     when: str | None = None
+    shape: Callable[[HFModelConfig], tuple[int, ...]] | None = field(default=None, compare=False)
 
     @property
     def per_layer(self) -> bool:
@@ -177,14 +195,36 @@ class FamilySpec:
     qkv_bias: bool = False  # always (Qwen2); otherwise from config `attention_bias`
     qk_norm: bool = False
     moe: bool = False
+    # Which layers are MoE when the family mixes dense and MoE layers; None: all of them when `moe`.
+    moe_layers: Callable[[HFModelConfig], list[bool]] | None = None
+    # TransformerConfig fields the family reads from its own HF config keys.
+    transformer_overrides: Callable[[HFModelConfig], dict[str, Any]] | None = None
+    # Families megatron's GPT layer cannot express bring their own decoder block spec:
+    # (HF config, TransformerConfig, use transformer-engine) -> TransformerBlockSubmodules.
+    block_spec: Callable[[HFModelConfig, Any, bool], Any] | None = None
+    # What the family adds around the layers of a built GPTModel (embedding scale, logit cap): (model, HF config).
+    finish_model: Callable[[Any, HFModelConfig], None] | None = None
+    # "package.module:NAME" for a spec declared outside verl_mega (recorded in manifests); None: built in.
+    origin: str | None = field(default=None, compare=False)
 
     def has_qkv_bias(self, cfg: HFModelConfig) -> bool:
         return self.qkv_bias or cfg.attention_bias
 
+    def moe_layer_pattern(self, cfg: HFModelConfig) -> list[bool]:
+        if self.moe_layers is not None:
+            return self.moe_layers(cfg)
+        return [self.moe] * cfg.num_layers
+
+    def rule_in_layer(self, rule: TensorRule, cfg: HFModelConfig, layer: int) -> bool:
+        if rule.when not in LAYER_CONDITIONS:
+            return True
+        return self.moe_layer_pattern(cfg)[layer] == (rule.when == "moe_layer")
+
     def active_rules(self, cfg: HFModelConfig, head_rules: Sequence[TensorRule] | None = None) -> list[TensorRule]:
-        """The rules of the tensors `cfg` has; `head_rules` replace the LM head (None: keep it)."""
+        """The rules of the tensors `cfg` has; `head_rules` replace the LM head (None: keep it). Rules conditioned
+        on a layer's kind are kept (see `rule_in_layer`)."""
         conditions = {"qkv_bias": self.has_qkv_bias(cfg), "untied": not cfg.tie_word_embeddings}
-        rules = [r for r in self.rules if r.when is None or conditions[r.when]]
+        rules = [r for r in self.rules if r.when is None or r.when in LAYER_CONDITIONS or conditions[r.when]]
         if head_rules is None:
             return rules
         return [r for r in rules if r.mcore != LM_HEAD] + list(head_rules)
@@ -198,7 +238,7 @@ _H = "model.layers.{layer}."
 
 def _embedding_rules() -> tuple[TensorRule, ...]:
     return (
-        TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0, vocab=True),
+        TensorRule(EMBEDDING, ("model.embed_tokens.weight",), tp_dim=0, vocab=True),
         TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
         TensorRule(LM_HEAD, ("lm_head.weight",), tp_dim=0, vocab=True, when="untied"),
     )
@@ -227,14 +267,14 @@ def _attention_rules(fused_qkv: bool = False, qk_norm: bool = False) -> tuple[Te
     )
 
 
-def _dense_mlp_rules(fused_gate_up: bool = False) -> tuple[TensorRule, ...]:
+def _dense_mlp_rules(fused_gate_up: bool = False, when: str | None = None) -> tuple[TensorRule, ...]:
     mlp = _H + "mlp."
     fc1_sources = (mlp + "gate_up_proj.weight",) if fused_gate_up else (mlp + "gate_proj.weight", mlp + "up_proj.weight")
     return (
-        TensorRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",)),
+        TensorRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), when=when),
         TensorRule(_L + "mlp.linear_fc1.weight", fc1_sources, GATE_UP, tp_dim=0,
-                   fusion=FUSED_HALVES if fused_gate_up else None),
-        TensorRule(_L + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), tp_dim=1),
+                   fusion=FUSED_HALVES if fused_gate_up else None, when=when),
+        TensorRule(_L + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), tp_dim=1, when=when),
     )
 
 
@@ -269,4 +309,56 @@ def moe_family(name: str, model_types: tuple[str, ...], hf_architecture: str) ->
         hf_architecture=hf_architecture,
         rules=_embedding_rules() + _attention_rules() + _mixtral_moe_rules(),
         moe=True,
+    )
+
+
+def config_size(cfg: HFModelConfig, key: str) -> int:
+    """A positive integer a family reads from config.json beyond the common fields."""
+    value = cfg.raw.get(key)
+    if type(value) is not int or value < 1:
+        raise ValueError(f"config.json: model_type '{cfg.model_type}' needs '{key}' as a positive integer, got {value!r}")
+    return value
+
+
+def qwen2_moe_rules() -> tuple[TensorRule, ...]:
+    """Routed experts named like a dense MLP each, plus a shared expert whose output a sigmoid gate scales;
+    the layers that are not MoE have a dense MLP."""
+    mlp, shared = _H + "mlp.", _L + "mlp.shared_experts."
+    expert = _L + "mlp.experts.local_experts.{expert}."
+    hf_expert = mlp + "experts.{expert}."
+
+    def fc1(key):
+        return lambda cfg: (2 * config_size(cfg, key), cfg.hidden_size)
+
+    def fc2(key):
+        return lambda cfg: (cfg.hidden_size, config_size(cfg, key))
+
+    return _embedding_rules() + _attention_rules() + (
+        TensorRule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), when="moe_layer"),
+        TensorRule(_L + "mlp.router.weight", (mlp + "gate.weight",), when="moe_layer"),
+        TensorRule(expert + "linear_fc1.weight", (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"), GATE_UP,
+                   tp_dim=0, when="moe_layer", shape=fc1("moe_intermediate_size")),
+        TensorRule(expert + "linear_fc2.weight", (hf_expert + "down_proj.weight",), tp_dim=1, when="moe_layer",
+                   shape=fc2("moe_intermediate_size")),
+        TensorRule(shared + "linear_fc1.weight", (mlp + "shared_expert.gate_proj.weight", mlp + "shared_expert.up_proj.weight"),
+                   GATE_UP, tp_dim=0, when="moe_layer", shape=fc1("shared_expert_intermediate_size")),
+        TensorRule(shared + "linear_fc2.weight", (mlp + "shared_expert.down_proj.weight",), tp_dim=1, when="moe_layer",
+                   shape=fc2("shared_expert_intermediate_size")),
+        TensorRule(shared + "gate_weight", (mlp + "shared_expert_gate.weight",), when="moe_layer",
+                   shape=lambda cfg: (1, cfg.hidden_size)),
+    ) + _dense_mlp_rules(when="dense_layer")
+
+
+def gemma2_rules() -> tuple[TensorRule, ...]:
+    """Sandwich norms: the post-attention and post-feedforward norms sit on the row-parallel linears' outputs,
+    the pre-feedforward norm before the MLP."""
+    mlp = _H + "mlp."
+    return _embedding_rules() + _attention_rules() + (
+        TensorRule(_L + "self_attention.linear_proj.post_layernorm.weight", (_H + "post_attention_layernorm.weight",),
+                   shape=lambda cfg: (cfg.hidden_size,)),
+        TensorRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "pre_feedforward_layernorm.weight",)),
+        TensorRule(_L + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GATE_UP, tp_dim=0),
+        TensorRule(_L + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), tp_dim=1),
+        TensorRule(_L + "mlp.linear_fc2.post_layernorm.weight", (_H + "post_feedforward_layernorm.weight",),
+                   shape=lambda cfg: (cfg.hidden_size,)),
     )

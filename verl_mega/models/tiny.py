@@ -24,6 +24,12 @@ FAMILY_EXTRAS: dict[str, dict[str, Any]] = {
     "mistral": dict(sliding_window=None),
     "phi3": dict(),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # Layer 1 dense; the routed experts' top-2 weights not renormalised (the checkpoints' default).
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                      mlp_only_layers=[1], norm_topk_prob=False),
+    # head_dim 24 ≠ 64/4; a window of 5 tokens, so that sequences of 16 reach past it.
+    "gemma2": dict(head_dim=24, sliding_window=5, query_pre_attn_scalar=20, attn_logit_softcapping=4.0,
+                   final_logit_softcapping=6.0),
 }
 
 

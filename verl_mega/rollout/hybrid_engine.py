@@ -26,7 +26,7 @@ import torch.distributed as dist
 from verl_mega.models.builder import unwrap_model
 from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
-from verl_mega.models.spec import SAME, FamilySpec, TensorRule, to_canonical_name
+from verl_mega.models.spec import SAME, FamilySpec, TensorRule, canonical_names
 from verl_mega.parallel.layout import rollout_placement, rollout_vocab_rows
 from verl_mega.parallel.state import current_layout
 
@@ -101,7 +101,8 @@ class HybridEngine:
 
     def _own_shards(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         model = unwrap_model(model)
-        by_local = {to_canonical_name(name, self.family.moe): param for name, param in model.named_parameters()}
+        params = dict(model.named_parameters())
+        by_local = {canonical: params[name] for name, canonical in canonical_names(params).items()}
         layout = self.layout
         shards = {}
         for slot in rank_slots(self.cfg, self.family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep):

@@ -71,7 +71,7 @@ class Plan:
 
 
 def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: int, *, ep: int = 1,
-         dtype: str = "fp32", make_vocab_size_divisible_by: int = 128) -> Plan:
+         dtype: str = "fp32", make_vocab_size_divisible_by: int = 128, family_spec: str | None = None) -> Plan:
     """Per-rank bytes of the transition; raises ValueError naming the size that makes a layout impossible."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
@@ -80,7 +80,7 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     world_size = train_tp * train_pp * dp
     data_parallel_size(world_size, train_tp, train_pp, ep, names)
     check_rollout_tp(train_tp, rollout_tp, names)
-    cfg, family = load_hf_model_config(hf_dir)
+    cfg, family = load_hf_model_config(hf_dir, family_spec)
     check_model_fit(cfg, train_tp, train_pp, ep, names)
     placements = [rollout_placement(rank, world_size, train_tp, rollout_tp) for rank in range(world_size)]
     hf_shapes = expected_hf_shapes(cfg, family)
@@ -157,9 +157,11 @@ def main(argv=None) -> None:
     parser.add_argument("--rollout-tp", type=int, required=True)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--family-spec", help="package.module:SPEC of a family declared outside verl_mega")
     args = parser.parse_args(argv)
     try:
-        result = plan(args.hf, args.train_tp, args.train_pp, args.dp, args.rollout_tp, ep=args.ep, dtype=args.dtype)
+        result = plan(args.hf, args.train_tp, args.train_pp, args.dp, args.rollout_tp, ep=args.ep, dtype=args.dtype,
+                      family_spec=args.family_spec)
     except ValueError as err:
         parser.exit(2, f"verl-mega plan: impossible layout: {err}\n")
     except OSError as err:

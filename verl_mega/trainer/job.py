@@ -28,7 +28,7 @@ class TrainingJob:
         """`stop_requested()`: whether a signal asked this rank to save and stop (preemption)."""
         self.config, self.layout = config, layout
         self.run_dir = Path(config.trainer.run_dir)
-        self.hf_config, self.family = load_hf_model_config(config.model.hf_path)
+        self.hf_config, self.family = load_hf_model_config(config.model.hf_path, config.model.family_spec or None)
         self.fingerprint = run_checkpoints.model_fingerprint(self.hf_config.raw)
         self.stop_requested = stop_requested
         self.step = 0

@@ -66,7 +66,8 @@ def train(config) -> None:
     layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed)
     run_dir = Path(config.trainer.run_dir)
     # Before anything is written: a folder of a live run or of another model is refused untouched.
-    lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)), layout.rank)
+    lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)), layout.rank,
+                            config.model.family_spec or None)
     if layout.rank == 0:
         atomic_write_text(run_dir / "config.yaml", to_yaml(config))
     actor_ckpt = prepare_checkpoint(config, layout, run_dir)
@@ -94,7 +95,8 @@ def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
     # (claim_run_folder has checked that an existing one is of this model.)
     ckpt = run_dir / f"{INITIAL_ACTOR_PREFIX}tp{p.tp}_pp{p.pp}_ep{p.ep}"
     if not ckpt.exists() and layout.rank == 0:
-        convert_hf_to_mcore(config.model.hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype)
+        convert_hf_to_mcore(config.model.hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype,
+                            family_spec=config.model.family_spec or None)
     dist.barrier()
     return ckpt
 

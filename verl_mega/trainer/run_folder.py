@@ -67,11 +67,12 @@ def _read_holder(fd: int) -> str:
         return "host and pid not recorded yet"
 
 
-def ownership_problem(run_dir: Path, fingerprint: str) -> str | None:
-    """Why `run_dir` belongs to another model than the one with `fingerprint`, or None if it does not."""
+def ownership_problem(run_dir: Path, fingerprint: str, family_spec: str | None = None) -> str | None:
+    """Why `run_dir` belongs to another model than the one with `fingerprint`, or None if it does not
+    (`family_spec`: model.family_spec, read in place of the one the initial checkpoints record)."""
     for initial in sorted(run_dir.glob(f"{INITIAL_ACTOR_PREFIX}*")):
         try:
-            hf_config = Manifest.read(initial).hf_config
+            hf_config = Manifest.read(initial, family_spec).hf_config
         except (OSError, ValueError) as err:
             return f"{initial} is unreadable ({err}); remove it to convert the model again"
         if run_checkpoints.model_fingerprint(hf_config) != fingerprint:
@@ -88,14 +89,15 @@ def ownership_problem(run_dir: Path, fingerprint: str) -> str | None:
     return None
 
 
-def claim_run_folder(run_dir: Path, fingerprint: str, rank: int) -> RunFolderLock | None:
+def claim_run_folder(run_dir: Path, fingerprint: str, rank: int,
+                     family_spec: str | None = None) -> RunFolderLock | None:
     """Collective: rank 0 locks the folder and checks whose it is; every rank raises the same UserError
     if the run may not use it. Returns rank 0's lock (None elsewhere)."""
     lock, problem = None, None
     if rank == 0:
         try:
             lock = RunFolderLock(run_dir)
-            problem = ownership_problem(run_dir, fingerprint)
+            problem = ownership_problem(run_dir, fingerprint, family_spec)
             if problem is not None:
                 problem += "; point trainer.run_dir elsewhere, or model.hf_path at that run's model"
         except UserError as err:

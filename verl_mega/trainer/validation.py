@@ -22,6 +22,7 @@ from verl_mega.data.supervised import Limits, load_preference_examples, load_sft
 from verl_mega.data.tables import read_rows
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
+from verl_mega.models.external_families import import_family_spec
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_parallel_size, rollout_placement
 from verl_mega.roles.reward import get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
@@ -207,8 +208,9 @@ def _check_model(config: TrainConfig, check, need) -> bool:
     need(has_model, f"model.hf_path: {m.hf_path}/config.json does not exist; point it at an HF model folder")
     for key, ckpt in (("model.actor_ckpt", m.actor_ckpt), ("model.critic_ckpt", m.critic_ckpt)):
         need(not ckpt or Path(ckpt, MANIFEST_NAME).is_file(), f"{key}: {ckpt} is not a verl_mega checkpoint")
-    if has_model:
-        model = check(lambda: load_hf_model_config(m.hf_path)[0], "model.hf_path: ")
+    spec_importable = not m.family_spec or check(lambda: import_family_spec(m.family_spec), "model.family_spec: ")
+    if has_model and spec_importable:
+        model = check(lambda: load_hf_model_config(m.hf_path, m.family_spec or None)[0], "model.hf_path: ")
         if model is not None:
             check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
     return has_model

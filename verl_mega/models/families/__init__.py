@@ -1,26 +1,39 @@
-"""The supported model families, looked up by HF `model_type`."""
+"""The supported model families, looked up by HF `model_type`; others come from outside the package."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..hf_config import HFModelConfig
+from ..external_families import HOW_TO_DECLARE, import_family_spec, plugin_family
+from ..hf_config import HFModelConfig, check_decoder_only
 from ..spec import FamilySpec
-from . import llama, mistral, mixtral, phi3, qwen2, qwen3
+from . import gemma2, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3
 
-FAMILIES: tuple[FamilySpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC, phi3.SPEC, mixtral.SPEC)
+FAMILIES: tuple[FamilySpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC, phi3.SPEC, mixtral.SPEC,
+                                    qwen2_moe.SPEC, gemma2.SPEC)
 _BY_MODEL_TYPE = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(sorted(_BY_MODEL_TYPE))
 
 
-def family_for(config: HFModelConfig | dict) -> FamilySpec:
-    """The family spec of a config; anything else (encoders, encoder-decoders, VLMs) is refused up front."""
-    model_type = config.get("model_type") if isinstance(config, dict) else config.model_type
-    spec = _BY_MODEL_TYPE.get(model_type)
+def family_for(config: HFModelConfig | dict, family_spec: str | None = None,
+               data_dir: str | Path | None = None) -> FamilySpec:
+    """The family spec of a config: `family_spec` ("package.module:SPEC") when given (a manifest records it),
+    else the built-in family or an installed plugin for its model_type. Encoders, encoder-decoders and VLMs
+    are refused up front. `data_dir` is the folder the config came from; no spec is imported from it."""
+    raw = config if isinstance(config, dict) else config.raw
+    model_type = raw.get("model_type")
+    if family_spec is not None:
+        spec = import_family_spec(family_spec, data_dir)
+    else:
+        spec = _BY_MODEL_TYPE.get(model_type) or (plugin_family(model_type, data_dir) if isinstance(model_type, str) else None)
     if spec is None:
         raise ValueError(
             f"model_type '{model_type}' is not supported; supported decoder-only families: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}; for another decoder-only family, {HOW_TO_DECLARE}"
         )
+    if model_type not in spec.model_types:
+        raise ValueError(f"family spec '{family_spec}' declares model types {', '.join(spec.model_types)}, but "
+                         f"config.json says model_type '{model_type}'")
+    check_decoder_only(raw)
     if isinstance(config, dict):
         return spec
     if spec.moe != bool(config.num_experts):
@@ -28,14 +41,18 @@ def family_for(config: HFModelConfig | dict) -> FamilySpec:
     return spec
 
 
-def load_hf_model_config(hf_dir) -> tuple[HFModelConfig, FamilySpec]:
+def load_hf_model_config(hf_dir, family_spec: str | None = None) -> tuple[HFModelConfig, FamilySpec]:
     """Read `config.json`, refusing unsupported model types before looking at any other field."""
     raw = HFModelConfig.read_raw(hf_dir)
     try:
         if not isinstance(raw, dict):
             raise ValueError(f"must hold a JSON object, not a {type(raw).__name__}")
-        family_for(raw)
+        family_for(raw, family_spec, hf_dir)
         config = HFModelConfig.from_dict(raw)
-        return config, family_for(config)
+        family = family_for(config, family_spec, hf_dir)
+        for rule in family.rules:  # the sizes a family's own tensors read from config.json, checked here
+            if rule.shape is not None:
+                rule.shape(config)
+        return config, family
     except ValueError as err:
         raise ValueError(f"{Path(hf_dir) / 'config.json'}: {str(err).removeprefix('config.json: ')}") from None

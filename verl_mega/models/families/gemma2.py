@@ -1,0 +1,55 @@
+"""Gemma-2 (2B, 9B, 27B): soft-capped attention and final logits, sliding-window and global layers in turn,
+`query_pre_attn_scalar`, sandwich norms with x·(1+w), GeGLU (tanh GELU), embeddings × √hidden, tied
+embeddings, head_dim ≠ hidden/heads. Its decoder block is `gemma2_layers.gemma2_block_spec`."""
+import functools
+
+import torch.nn.functional as F
+
+from ..gemma2_layers import cap_final_logits, gemma2_block_spec, scale_embeddings
+from ..hf_config import HFModelConfig
+from ..spec import FamilySpec, gemma2_rules
+
+
+def sliding_layers(cfg: HFModelConfig) -> list[bool]:
+    """transformers' `layer_types`, or its default for older configs: even layers slide."""
+    layer_types = cfg.raw.get("layer_types") or ["sliding_attention" if layer % 2 == 0 else "full_attention"
+                                                 for layer in range(cfg.num_layers)]
+    return [kind == "sliding_attention" for kind in layer_types]
+
+
+def transformer_overrides(cfg: HFModelConfig) -> dict:
+    raw = cfg.raw
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"gemma2 config: hidden_activation '{activation}' is not supported (gelu_pytorch_tanh is)")
+    sliding = sliding_layers(cfg)
+    return dict(
+        activation_func=functools.partial(F.gelu, approximate="tanh"),
+        softmax_scale=raw.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5,
+        # megatron's window counts the earlier keys a query sees; transformers' includes the query itself.
+        window_size=(raw["sliding_window"] - 1, 0) if any(sliding) else None,
+        window_attn_skip_freq=[int(s) for s in sliding],
+        layernorm_zero_centered_gamma=True,
+    )
+
+
+def block_spec(cfg: HFModelConfig, config, use_transformer_engine: bool):
+    return gemma2_block_spec(config, cfg.raw.get("attn_logit_softcapping"), use_transformer_engine)
+
+
+def finish_model(model, cfg: HFModelConfig) -> None:
+    if model.pre_process:
+        scale_embeddings(model, cfg.hidden_size)
+    if model.post_process and cfg.raw.get("final_logit_softcapping"):
+        cap_final_logits(model, cfg.raw["final_logit_softcapping"])
+
+
+SPEC = FamilySpec(
+    name="gemma2",
+    model_types=("gemma2",),
+    hf_architecture="Gemma2ForCausalLM",
+    rules=gemma2_rules(),
+    transformer_overrides=transformer_overrides,
+    block_spec=block_spec,
+    finish_model=finish_model,
+)

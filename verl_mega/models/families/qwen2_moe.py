@@ -1,0 +1,32 @@
+"""Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): routed experts beside a shared expert with a sigmoid gate;
+dense layers where `mlp_only_layers` or `decoder_sparse_step` say so; always q/k/v biases."""
+from ..hf_config import HFModelConfig
+from ..spec import FamilySpec, qwen2_moe_rules
+
+
+def moe_layers(cfg: HFModelConfig) -> list[bool]:
+    dense = set(cfg.raw.get("mlp_only_layers") or [])
+    step = cfg.raw.get("decoder_sparse_step", 1)
+    return [layer not in dense and (layer + 1) % step == 0 for layer in range(cfg.num_layers)]
+
+
+def transformer_overrides(cfg: HFModelConfig) -> dict:
+    return dict(
+        moe_ffn_hidden_size=cfg.raw["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=cfg.raw["shared_expert_intermediate_size"],
+        moe_shared_expert_gate=True,
+        # norm_topk_prob false: the top-k of the softmax over all experts, not renormalised.
+        moe_router_pre_softmax=not cfg.raw.get("norm_topk_prob", False),
+    )
+
+
+SPEC = FamilySpec(
+    name="qwen2_moe",
+    model_types=("qwen2_moe",),
+    hf_architecture="Qwen2MoeForCausalLM",
+    rules=qwen2_moe_rules(),
+    qkv_bias=True,
+    moe=True,
+    moe_layers=moe_layers,
+    transformer_overrides=transformer_overrides,
+)
