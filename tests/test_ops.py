@@ -1,6 +1,6 @@
 """verl_mega.ops: compiled kernels against the PyTorch reference, gradients, the fallback, bad input.
 
-Kernel tests run on the CPU and, where a GPU is present (bench/gpu_kernels.sh), on CUDA as well.
+Kernel tests run on the CPU and, where a GPU is present (bench/gpu_check.sh), on CUDA as well.
 """
 import importlib
 import warnings
