@@ -1,7 +1,7 @@
-"""`verl-mega convert | export | train | sft | dpo | plan | launch` — argument parsing only; the work is in the
-modules.
+"""`verl-mega convert | export | plot | train | sft | dpo | plan | launch` — argument parsing only; the work is in
+the modules.
 
-`convert` and `export` are parsed here. `train`, `sft`, `dpo`, `plan` and `launch slurm|local` parse their own
+`convert`, `export` and `plot` are parsed here. `train`, `sft`, `dpo`, `plan` and `launch slurm|local` parse their own
 arguments (they also run as `python -m` modules under torchrun and Slurm), so here they only appear in the help
 and hand the rest of the command line to their module.
 """
@@ -18,6 +18,7 @@ from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
 from verl_mega.converters.verify import verify_checkpoint
 from verl_mega.models.builder import DTYPES
+from verl_mega.trainer.plot import PLOT_FILE, plot_run
 
 DTYPE_NAMES = list(DTYPES)
 
@@ -95,6 +96,12 @@ def _add_export(subparsers) -> None:
     export.add_argument("--family-spec", help=FAMILY_SPEC_OVERRIDE_HELP)
 
 
+def _add_plot(subparsers) -> None:
+    plot = subparsers.add_parser("plot", help="a PNG of a run's reward, KL, response length and time per stage")
+    plot.add_argument("run", help="the run folder (trainer.run_dir) holding metrics.jsonl")
+    plot.add_argument("--out", help=f"PNG to write (default: RUN/{PLOT_FILE})")
+
+
 def _add_delegated(subparsers) -> None:
     groups = {}
     for words, (_, help_text) in DELEGATED.items():
@@ -113,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_convert(subparsers)
     _add_export(subparsers)
+    _add_plot(subparsers)
     _add_delegated(subparsers)
     return parser
 
@@ -152,6 +160,11 @@ def _run_export(args) -> int:
     return 0
 
 
+def _run_plot(args) -> int:
+    print(f"wrote {plot_run(args.run, args.out)}")
+    return 0
+
+
 def _delegated(argv: list[str]):
     for words, (target, _) in DELEGATED.items():
         if tuple(argv[: len(words)]) == words:
@@ -167,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return delegated() or 0
     args = build_parser().parse_args(argv)
     try:
-        return {"convert": _run_convert, "export": _run_export}[args.command](args)
+        return {"convert": _run_convert, "export": _run_export, "plot": _run_plot}[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as err:
         print(f"verl-mega {args.command}: error: {err}", file=sys.stderr)
         return 2

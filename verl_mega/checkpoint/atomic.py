@@ -1,7 +1,8 @@
 """Outputs appear whole or not at all: everything is written under a temp name beside the target and
 renamed into place at the end. The one protocol for every file and folder the project writes.
 
-- `atomic_write_text`: one file (scripts, configs, small state files);
+- `atomic_write_text`: one file (scripts, configs, small state files); `atomic_file` the same for a writer
+  that takes a file name (profiler traces, plots);
 - `atomic_output_dir`: a folder written by one process (conversions, exports);
 - `collective_output_dir`: a folder written by every rank of a job (checkpoints, a role's final weights):
   rank 0 creates the temp folder, every rank writes into it, rank 0 publishes it once all are done.
@@ -41,20 +42,28 @@ def publish_dir(tmp: Path, out: Path) -> None:
         tmp.rename(out)
 
 
-def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> Path:
-    """Write `text` to `path` whole or not at all; `mode` sets the file's permission bits (default: the umask's)."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: int | None = None):
+    """A temp path beside `path` for a writer that takes a file name (a profiler's trace, a plot), renamed to
+    `path` when the block ends without an error; `mode` sets the permission bits (default: the umask's)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temp_name(path) + "-", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        yield Path(tmp)
         os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> Path:
+    """Write `text` to `path` whole or not at all; `mode` sets the file's permission bits (default: the umask's)."""
+    with atomic_file(path, mode) as tmp:
+        tmp.write_text(text)
+    return Path(path)
 
 
 @contextlib.contextmanager

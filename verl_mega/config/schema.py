@@ -76,7 +76,9 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)  # sft / dpo: scored every trainer.val_every steps
+    # Held-out rows scored every trainer.val_every steps and at the end (ppo: also before the first step):
+    # ppo/grpo: greedy generations' reward, overall and per data_source; sft / dpo: the loss on them.
+    val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     max_prompt_length: int = 64
     max_response_length: int = 32
@@ -169,7 +171,16 @@ class TrainerConfig:
     # A NaN/inf reward, advantage or gradient: "error" stops the run before applying it; "skip" drops that
     # batch (or optimizer step) and counts it in the metrics (trainer/nonfinite_skipped).
     nonfinite: str = "error"
-    val_every: int = 0  # sft / dpo: steps between validation passes over data.val_files (0: only at the end)
+    val_every: int = 0  # steps between validation passes over data.val_files (0: only at the end)
+    log_format: str = "text"  # text: one compact console line per step; json: the step's record as one JSON line
+    # ppo: every log_samples_every steps (0: never), log_samples prompt / response / score rows of the step's
+    # rollout to RUN/generations.jsonl (and TensorBoard text, a wandb table).
+    log_samples_every: int = 0
+    log_samples: int = 4
+    # torch.profiler traces of these steps (1-based) on these ranks, RUN/profile/step_NNNNNN_rankR.pt.trace.json:
+    # Chrome trace JSON, opened by Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin.
+    profile_steps: list[int] = field(default_factory=list)
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
 
 
 JOBS = ("ppo", "sft", "dpo")
@@ -190,6 +201,7 @@ class TrainConfig:
 
 
 NONFINITE_POLICIES = ("error", "skip")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(UserError):

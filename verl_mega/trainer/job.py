@@ -1,15 +1,20 @@
 """What every training job (PPO, SFT, preference) shares around its step: the run folder, the step loop with
-preemption, step checkpoints and resume, metrics, the health endpoint and the final weights for export.
+preemption, validation passes, profiled steps, step checkpoints and resume, metrics, the health endpoint and
+the final weights for export.
 
 A job subclass builds its roles, then calls `start()`; it implements `train_step()` and names what it saves.
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from verl_mega.checkpoint import run_checkpoints
+from verl_mega.checkpoint.atomic import atomic_file
 from verl_mega.checkpoint.role_weights import save_role_weights
 from verl_mega.config import TrainConfig, to_yaml
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -20,9 +25,18 @@ from verl_mega.parallel.state import ParallelLayout
 from .health import HealthServer
 from .metrics import MetricsLogger
 
+PROFILE_DIR = "profile"
+
+
+def profile_trace_path(run_dir: Path, step: int, rank: int) -> Path:
+    return run_dir / PROFILE_DIR / f"step_{step:06d}_rank{rank}.pt.trace.json"
+
 
 class TrainingJob:
     name = "train"  # the progress bar's label
+    # Whether a fresh run validates before its first step too (logged as step 0): the baseline the curve
+    # starts from. The offline jobs' first validation is after their first step.
+    validates_before_training = False
 
     def __init__(self, config: TrainConfig, layout: ParallelLayout, stop_requested=lambda: False):
         """`stop_requested()`: whether a signal asked this rank to save and stop (preemption)."""
@@ -40,7 +54,7 @@ class TrainingJob:
         self.resume()
         cfg = self.config.trainer
         self.logger = MetricsLogger(self.run_dir, enabled=self.layout.rank == 0, tensorboard=cfg.tensorboard,
-                                    wandb_project=cfg.wandb_project)
+                                    wandb_project=cfg.wandb_project, log_format=cfg.log_format)
         try:
             self.health = HealthServer(cfg.health_port) if self.layout.rank == 0 and cfg.health_port > 0 else None
         except OSError as err:
@@ -68,8 +82,10 @@ class TrainingJob:
     def load_job_state(self, state: dict) -> None:
         raise NotImplementedError
 
-    def after_step(self, metrics: dict[str, float]) -> None:
-        """Called with each step's metrics before they are logged (validation passes add theirs)."""
+    def validate(self) -> dict[str, float]:
+        """Metrics on data.val_files (logged under `val/`); {} when the job has nothing to validate on.
+        Collective: every rank calls it at the same steps."""
+        return {}
 
     def close(self) -> None:
         """Release what the job holds beyond the process group (engines, servers)."""
@@ -81,11 +97,17 @@ class TrainingJob:
         cfg = self.config.trainer
         progress = _progress(cfg.total_steps, self.step, self.layout.rank == 0 and cfg.progress_bar, self.name)
         stopped = False
+        if self.step == 0 and self.validates_before_training:
+            baseline = self._validation()
+            if baseline:
+                self.logger.log(0, baseline)
         while self.step < cfg.total_steps and not stopped:
             self._set_health("training")
-            metrics = self.train_step()
+            with self._profiled(self.step + 1):
+                metrics = self.train_step()
             self.step += 1
-            self.after_step(metrics)
+            if (cfg.val_every > 0 and self.step % cfg.val_every == 0) or self.step == cfg.total_steps:
+                metrics.update(self._validation())
             self.logger.log(self.step, metrics)
             progress.update(1)
             stopped = self._any_rank_asked_to_stop()
@@ -103,6 +125,30 @@ class TrainingJob:
         if self.health is not None:
             self.health.close()
         return not stopped
+
+    def _validation(self) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = self.validate()
+        if not metrics:
+            return {}
+        return {**{f"val/{name}": value for name, value in metrics.items()},
+                "val/seconds": time.perf_counter() - start}
+
+    @contextlib.contextmanager
+    def _profiled(self, step: int):
+        """torch.profiler over the step if trainer.profile_steps and profile_ranks name it and this rank; the
+        trace is written whole, as Chrome trace JSON."""
+        cfg = self.config.trainer
+        if step not in cfg.profile_steps or self.layout.rank not in cfg.profile_ranks:
+            yield
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
+            yield
+        with atomic_file(profile_trace_path(self.run_dir, step, self.layout.rank)) as partial:
+            profiler.export_chrome_trace(str(partial))
 
     def _set_health(self, status: str) -> None:
         if self.health is not None:

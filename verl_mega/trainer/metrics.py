@@ -1,10 +1,12 @@
-"""Per-step metrics: one compact console line, a JSONL file in the run folder, TensorBoard, wandb if set."""
+"""Per-step metrics: one compact console line (or one JSON line), a JSONL file in the run folder, TensorBoard,
+wandb if set; sample generations beside them."""
 from __future__ import annotations
 
 import contextlib
 import json
 import math
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import torch
 from verl_mega.checkpoint.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
-CONSOLE_KEYS = ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
+GENERATIONS_FILE = "generations.jsonl"
+CONSOLE_KEYS = ("reward/mean", "val/reward_mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
                 "actor/entropy", "actor/grad_norm", "sft/loss", "dpo/loss", "dpo/rewards/accuracy", "val/loss",
                 "perf/step_seconds")
 
@@ -40,16 +43,20 @@ def peak_memory_bytes() -> int:
 
 
 class MetricsLogger:
-    """Only rank 0 writes; `log(step, metrics)` appends one JSON line and prints one compact line."""
+    """Only rank 0 writes; `log(step, metrics)` appends one JSON line and prints one line: a compact one
+    (`log_format="text"`), or the record itself as JSON (`"json"`, for cluster log collectors; the only thing
+    printed on stdout per step, notes go to stderr)."""
 
     def __init__(self, run_dir: str | Path, *, enabled: bool, tensorboard: bool = True, wandb_project: str = "",
-                 config: dict | None = None):
+                 config: dict | None = None, log_format: str = "text"):
         self.enabled = enabled
+        self.log_format = log_format
         self._writer = self._wandb = None
         if not enabled:
             return
         run_dir = Path(run_dir)
         self.jsonl = run_dir / METRICS_FILE
+        self.generations = run_dir / GENERATIONS_FILE
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -61,11 +68,11 @@ class MetricsLogger:
 
     @staticmethod
     def truncate(run_dir: str | Path, step: int) -> None:
-        """Drop records after `step` (a resumed run logs those steps again)."""
-        path = Path(run_dir) / METRICS_FILE
-        if path.is_file():
-            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
-            atomic_write_text(path, "".join(line + "\n" for line in kept))
+        """Drop records and samples after `step` (a resumed run logs those steps again)."""
+        for path in (Path(run_dir) / METRICS_FILE, Path(run_dir) / GENERATIONS_FILE):
+            if path.is_file():
+                kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
+                atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -80,8 +87,36 @@ class MetricsLogger:
             self._writer.flush()
         if self._wandb is not None:
             self._wandb.log(record, step=step)
-        shown = " ".join(f"{key.split('/')[-1]}={_console(record[key])}" for key in CONSOLE_KEYS if key in record)
-        print(f"step {step}: {shown}", flush=True)
+        if self.log_format == "json":
+            print(json.dumps(record), flush=True)
+        else:
+            shown = " ".join(f"{key.split('/')[-1]}={_console(record[key])}" for key in CONSOLE_KEYS if key in record)
+            print(f"step {step}: {shown}", flush=True)
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Append `samples` (prompt / response / score rows) to generations.jsonl, each with its step; a table
+        in TensorBoard's text tab and in wandb."""
+        if not self.enabled or not samples:
+            return
+        rows = [{"step": step, **{key: _plain(value) for key, value in sample.items()}} for sample in samples]
+        with self.generations.open("a") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+        columns = list(rows[0])
+        if self._writer is not None:
+            header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+            lines = ["| " + " | ".join(_markdown_cell(row.get(column)) for column in columns) + " |" for row in rows]
+            self._writer.add_text("samples", header + "\n".join(lines), step)
+            self._writer.flush()
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=columns, data=[[row.get(column) for column in columns] for row in rows])
+            self._wandb.log({"samples": table}, step=step)
+
+    def note(self, step: int, message: str) -> None:
+        """A remark about a step (a skipped batch): on stdout beside the text lines, on stderr under json."""
+        if self.enabled:
+            print(f"step {step}: {message}", file=sys.stdout if self.log_format == "text" else sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._writer is not None:
@@ -96,6 +131,11 @@ def _plain(value):
     if isinstance(value, (int, float)):  # JSON has no NaN/inf: a skipped batch's NaN reward is logged as null
         return float(value) if math.isfinite(value) else None
     return value
+
+
+def _markdown_cell(value) -> str:
+    text = "" if value is None else str(value)
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>")
 
 
 def _console(value) -> str:

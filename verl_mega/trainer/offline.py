@@ -104,11 +104,8 @@ class OfflineJob(TrainingJob):
         })
         return metrics
 
-    def after_step(self, metrics: dict[str, float]) -> None:
-        every, total = self.config.trainer.val_every, self.config.trainer.total_steps
-        if self.val_examples and ((every > 0 and self.step % every == 0) or self.step == total):
-            validation = self.validation_metrics(self._val_chunks())
-            metrics.update({f"val/{name}": value for name, value in validation.items()})
+    def validate(self) -> dict[str, float]:
+        return self.validation_metrics(self._val_chunks()) if self.val_examples else {}
 
     def _val_chunks(self) -> list[tuple[dict, int]]:
         """The validation set in batches of `data.batch_size` examples; the last is filled up with copies of its

@@ -3,6 +3,9 @@ data-parallel slices, so the loop below reads like the dataflow it runs:
 
     sample prompts -> HybridEngine transition -> generate -> old/ref log-probs, values -> rewards
     -> advantages -> critic and actor updates -> metrics
+
+Validation (data.val_files) runs the same transition and engine, decoding greedily, and scores with the same
+reward; it starts before the first step, so the curve shows where training began.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
 
 class PPOTrainer(TrainingJob):
     name = "ppo"
+    validates_before_training = True
 
     def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, critic_ckpt: Path | None,
                  stop_requested=lambda: False):
@@ -55,6 +59,13 @@ class PPOTrainer(TrainingJob):
                                          config.data.prompt_key, config.data.truncation)
         except (OSError, ValueError) as err:  # every such problem is in the files the user listed
             raise UserError(f"data.train_files: {err}") from None
+        self.val_dataset = None
+        if config.data.val_files:
+            try:
+                self.val_dataset = PromptDataset(config.data.val_files, self.tokenizer, config.data.max_prompt_length,
+                                                 config.data.prompt_key, config.data.truncation)
+            except (OSError, ValueError) as err:
+                raise UserError(f"data.val_files: {err}") from None
         self.sampler = ResumableBatchSampler(len(self.dataset), config.data.batch_size, seed=config.data.seed)
 
         # The critic and the reference run in the actor's dtype, whatever their checkpoints were saved in.
@@ -123,8 +134,7 @@ class PPOTrainer(TrainingJob):
     def _refuse_or_skip(self, problem: str) -> bool:
         if self.config.trainer.nonfinite == "skip":
             self.nonfinite_skipped += 1
-            if self.layout.rank == 0:
-                print(f"step {self.step + 1}: skipped: {problem}", flush=True)
+            self.logger.note(self.step + 1, f"skipped: {problem}")
             return True
         raise NonFiniteError(f"step {self.step + 1}: {problem}; stopped before applying it, nothing saved "
                              "(trainer.nonfinite=skip drops such batches instead)")
@@ -146,9 +156,7 @@ class PPOTrainer(TrainingJob):
         prompts = self.next_prompts()
 
         with timer("transition"):
-            self.rollout.wake_up(["weights"])
-            self.rollout.load_weights(self.hybrid.stream())
-            self.rollout.wake_up(["kv_cache"])
+            self.sync_rollout_weights()
         with timer("rollout"), training_memory_released(self.actor.model, self.actor.trainable.optimizer):
             responses = self.generate(prompts["input_ids"])
             self.rollout.sleep()
@@ -172,6 +180,9 @@ class PPOTrainer(TrainingJob):
 
         with timer("reward"):
             scores, token_scores = self.score(batch, rows)
+        every = cfg.trainer.log_samples_every
+        if every > 0 and (self.step + 1) % every == 0 and self.layout.rank == 0:
+            self.logger.log_samples(self.step + 1, self.sample_rows(batch, rows, scores))
         source = "reward.model" if self.reward_model is not None else f"reward.function {cfg.reward.function!r}"
         if self._nonfinite({"the reward": scores}, f"{source} must return finite numbers"):
             return self._step_metrics({}, batch, scores, timer, time.perf_counter() - start)
@@ -192,6 +203,12 @@ class PPOTrainer(TrainingJob):
         return self._step_metrics(metrics, batch, scores, timer, time.perf_counter() - start)
 
     # --- stages ---------------------------------------------------------------------------------------
+
+    def sync_rollout_weights(self) -> None:
+        """The HybridEngine transition: the actor's current weights into the rollout engine, KV cache ready."""
+        self.rollout.wake_up(["weights"])
+        self.rollout.load_weights(self.hybrid.stream())
+        self.rollout.wake_up(["kv_cache"])
 
     def needs_old_log_probs(self, rows: int) -> bool:
         """A separate old-log-prob pass is redundant when the update is on-policy (the actor then takes them from
@@ -224,6 +241,58 @@ class PPOTrainer(TrainingJob):
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
         return [tokens for rep in range(replicas) for tokens in by_replica[rep]]
+
+    def sample_rows(self, batch: dict, rows: dict, scores: torch.Tensor) -> list[dict]:
+        """`trainer.log_samples` rows of the step for generations.jsonl: the first sample of as many prompts as
+        there are, then their second samples, ...; the prompt as the data file gives it, the response as the
+        reward saw it (special tokens dropped)."""
+        n, total = self.config.rollout.n, len(scores)
+        chosen = sorted(range(total), key=lambda row: (row % n, row))[:self.config.trainer.log_samples]
+        responses = self.reward.decode(batch["responses"][chosen], batch["response_mask"][chosen])
+        samples = []
+        for row, response in zip(chosen, responses):
+            source = rows["data_source"][row]
+            samples.append({"prompt": prompt_text(rows["raw_prompt"][row]), "response": response,
+                            "score": scores[row].item(), **({"data_source": str(source)} if source is not None else {})})
+        return samples
+
+    def validate(self) -> dict[str, float]:
+        """The mean reward of greedy generations on data.val_files, overall and per data_source, and their mean
+        length. Each rollout replica generates and scores its share (every replicas-th prompt, in batches of
+        data.batch_size); the sums are gathered from every replica's leader."""
+        if self.val_dataset is None:
+            return {}
+        cfg, layout = self.config, self.layout
+        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, cfg.parallel.rollout_tp)
+        mine = [self.val_dataset[i] for i in range(placement.replica, len(self.val_dataset), placement.replicas)]
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.data.max_response_length, seed=cfg.rollout.seed)
+        sums: dict[str | None, list[float]] = {}  # data_source -> [reward sum, rows, response tokens]
+        self.sync_rollout_weights()
+        with training_memory_released(self.actor.model, self.actor.trainable.optimizer):
+            for start in range(0, len(mine), cfg.data.batch_size):
+                items = mine[start:start + cfg.data.batch_size]
+                prompts = [item["input_ids"] for item in items]
+                responses = [response.token_ids for response in self.rollout.generate(prompts, greedy)]
+                batch = build_rollout_batch(prompts, responses, cfg.data.max_response_length,
+                                            self.tokenizer.pad_token_id)
+                rows = {key: [item.get(key) for item in items] for key in ("raw_prompt", "reward_model", "data_source")}
+                scores, _ = self.score(batch, rows)
+                lengths = batch["response_mask"].sum(dim=-1)
+                for source, score, length in zip(rows["data_source"], scores.tolist(), lengths.tolist()):
+                    entry = sums.setdefault(None if source is None else str(source), [0.0, 0, 0])
+                    entry[0], entry[1], entry[2] = entry[0] + score, entry[1] + 1, entry[2] + length
+            self.rollout.sleep()
+        gathered: list = [None] * layout.world_size
+        dist.all_gather_object(gathered, sums if placement.leads_replica else {})
+        totals: dict[str | None, list[float]] = {}
+        for rank_sums in gathered:
+            for source, values in rank_sums.items():
+                totals[source] = [a + b for a, b in zip(totals.get(source, [0.0, 0, 0]), values)]
+        reward, count, tokens = (sum(values[i] for values in totals.values()) for i in range(3))
+        metrics = {"reward_mean": reward / count, "response_length_mean": tokens / count}
+        for source in sorted(name for name in totals if name is not None):
+            metrics[f"reward_mean/{source}"] = totals[source][0] / totals[source][1]
+        return metrics
 
     def score(self, batch: dict, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence scores [B] and the same placed on each response's last token [B, R]."""
@@ -285,6 +354,13 @@ def needs_reference(config: TrainConfig) -> bool:
     kl_loss = config.actor.loss.use_kl_loss and config.actor.loss.kl_loss_coef != 0
     kl_reward = config.algorithm.use_kl_in_reward and config.algorithm.kl_ctrl.kl_coef != 0
     return kl_loss or kl_reward
+
+
+def prompt_text(prompt: str | list[dict]) -> str:
+    """A data row's prompt as one string: chat messages one per line, "role: content"."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{message['role']}: {message['content']}" for message in prompt)
 
 
 def _nonfinite_rows(values: torch.Tensor) -> str:

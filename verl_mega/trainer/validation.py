@@ -16,7 +16,7 @@ from verl_mega.algorithms import (
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME
 from verl_mega.config import JOBS, ConfigError, TrainConfig
-from verl_mega.config.schema import NONFINITE_POLICIES
+from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
@@ -55,6 +55,8 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
     dp = check(lambda: data_parallel_size(world_size, p.tp, p.pp, p.ep, PARALLEL_NAMES))
     known("data.truncation", d.truncation, TRUNCATION_SIDES)
     known("model.dtype", config.model.dtype, list(DTYPES))
+    known("trainer.log_format", config.trainer.log_format, LOG_FORMATS)
+    _check_profiling(config, world_size, need)
     if config.job in ("sft", "dpo"):
         _check_offline(config, dp, check_files, check, need, known)
     else:
@@ -117,6 +119,9 @@ def _check_counts(config: TrainConfig, need) -> None:
         at_least_one.update({f"{role}.{key}": getattr(cfg, key) for key in ("ppo_epochs", "mini_batch_size")})
     for key, value in at_least_one.items():
         need(value >= 1, f"{key} must be >= 1, got {value}")
+    need(t.val_every >= 0, f"trainer.val_every must be >= 0 (0: validate at the end only), got {t.val_every}")
+    need(t.log_samples_every >= 0, f"trainer.log_samples_every must be >= 0 (0: no samples), got {t.log_samples_every}")
+    need(t.log_samples >= 1, f"trainer.log_samples must be >= 1 (rows per logged step), got {t.log_samples}")
     non_negative = {"trainer.save_every": t.save_every, "trainer.keep_last": t.keep_last,
                     "rollout.temperature": r.temperature, "algorithm.kl_ctrl.kl_coef": alg.kl_ctrl.kl_coef,
                     "actor.optim.lr": config.actor.optim.lr, "critic.optim.lr": config.critic.optim.lr}
@@ -128,6 +133,15 @@ def _check_counts(config: TrainConfig, need) -> None:
     need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
     for key in ("gamma", "lam"):
         need(0 <= getattr(alg, key) <= 1, f"algorithm.{key} must be in [0, 1], got {getattr(alg, key)}")
+
+
+def _check_profiling(config: TrainConfig, world_size: int, need) -> None:
+    """Profiled steps and ranks that exist, so a typo does not silently profile nothing."""
+    t = config.trainer
+    steps = [step for step in t.profile_steps if not 1 <= step <= t.total_steps]
+    need(not steps, f"trainer.profile_steps {steps}: steps count from 1 to trainer.total_steps={t.total_steps}")
+    ranks = [rank for rank in t.profile_ranks if not 0 <= rank < world_size]
+    need(not ranks, f"trainer.profile_ranks {ranks}: ranks are 0..{world_size - 1} in a world of {world_size}")
 
 
 def _check_batch_sizes(config: TrainConfig, world_size: int, dp: int, need) -> None:
@@ -161,7 +175,6 @@ def _check_offline_batch_sizes(config: TrainConfig, dp: int, need) -> None:
     need(d.batch_size % max(a.mini_batch_size, 1) == 0,
          f"data.batch_size={d.batch_size} must be divisible by actor.mini_batch_size={a.mini_batch_size}")
     need(d.length_group_batches >= 1, "data.length_group_batches must be >= 1")
-    need(config.trainer.val_every >= 0, "trainer.val_every must be >= 0 (0: validate at the end only)")
 
 
 def _check_preference_knobs(config: TrainConfig, known, need) -> None:
@@ -220,11 +233,13 @@ def _check_files(config: TrainConfig, check, need) -> None:
     d = config.data
     has_model = _check_model(config, check, need)
     need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
-    readable = [check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file) or True, "data.train_files: ")
-                for file in d.train_files]
-    if has_model and d.truncation == "error" and d.max_prompt_length >= 1 and readable and all(readable):
+    prompt_files = {"data.train_files": d.train_files, "data.val_files": d.val_files}
+    readable = {key: files for key, files in prompt_files.items() if files and all(
+        [check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file) or True, f"{key}: ") for file in files])}
+    if has_model and d.truncation == "error" and d.max_prompt_length >= 1 and readable:
         # Every prompt's length, now rather than at the step that happens to sample a long one.
         tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
-        if tokenizer is not None:
-            check(lambda: PromptDataset(d.train_files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation),
-                  "data.train_files: ")
+        for key, files in readable.items():
+            if tokenizer is not None:
+                check(lambda: PromptDataset(files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation),
+                      f"{key}: ")

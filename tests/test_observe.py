@@ -1,0 +1,158 @@
+"""Seeing a run: PPO validation (greedy, per data_source, from step 0), sample generations, profiled steps,
+`trainer.log_format: json`, and `verl-mega plot`."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from verl_mega.demo import EXAMPLES
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def text_checksum_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """A reward that tells apart any two different texts a random model may produce (a rule like copy's scores
+    them all 0), so a baseline that matches it has decoded exactly the same tokens."""
+    return sum(map(ord, solution_str)) % 101 / 100
+
+
+def greedy_scores(hf_dir, rows, max_new_tokens) -> list[float]:
+    """transformers' greedy replies to `rows`, one at a time, scored by text_checksum_score."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_mega.data.prompts import as_messages, encode_chat
+
+    tokenizer, model = AutoTokenizer.from_pretrained(hf_dir), AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    scores = []
+    for row in rows:
+        prompt = encode_chat(tokenizer, as_messages(row["prompt"]), add_generation_prompt=True)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        reply = tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
+        scores.append(text_checksum_score(row["data_source"], reply, row["reward_model"]["ground_truth"]))
+    return scores
+
+
+def write_metrics(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def test_plot_writes_a_png_and_says_which_panels_a_run_does_not_log(tmp_path):
+    from verl_mega.trainer.plot import plot_run
+
+    # An SFT run: no reward, KL or response length; a last line cut short by a kill is left out.
+    write_metrics(tmp_path / "metrics.jsonl", [{"step": step, "sft/loss": 3.0 / step, "timing/update_actor": 0.1}
+                                               for step in range(1, 6)])
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "sft/lo')
+    out = plot_run(tmp_path, tmp_path / "plots" / "run.png")
+    assert out == tmp_path / "plots" / "run.png"
+    assert out.read_bytes().startswith(PNG_SIGNATURE)
+    assert [p.name for p in out.parent.iterdir()] == ["run.png"]  # no temp file left behind
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "metrics.jsonl does not exist"),
+    ('{"step": 1, "reward/mean": 0.5}\nnot json\n', "metrics.jsonl line 2 is not a step record"),
+    ('{"step": "one"}\n', "metrics.jsonl line 1 is not a step record"),
+    ("", "holds no step record yet"),
+])
+def test_plot_of_a_missing_or_corrupt_metrics_file_is_one_line_exit_2(tmp_path, capsys, content, message):
+    from verl_mega.cli import main as cli
+
+    if content is not None:
+        (tmp_path / "metrics.jsonl").write_text(content)
+    assert cli(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("verl-mega plot: error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "metrics.png").exists()
+
+
+def test_observability_keys_are_validated_naming_the_key(tiny_models, tmp_path):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.data.synthetic import make_task_rows
+    from verl_mega.data.tables import write_rows
+    from verl_mega.trainer.validation import validate
+
+    train = write_rows(make_task_rows("copy", 8), tmp_path / "train.jsonl")
+    val = write_rows([{"question": "no prompt column"}], tmp_path / "val.jsonl")
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{train}]",
+                                f"data.val_files=[{val}]", "trainer.log_format=yaml", "trainer.total_steps=4",
+                                "trainer.profile_steps=[0,2,5]", "trainer.profile_ranks=[0,2]",
+                                "trainer.log_samples_every=-1", "trainer.log_samples=0", "trainer.val_every=-2"])
+    with pytest.raises(ConfigError) as err:
+        validate(config, world_size=2)
+    for expected in ("trainer.log_format 'yaml' is unknown; known: text, json",
+                     "trainer.profile_steps [0, 5]: steps count from 1 to trainer.total_steps=4",
+                     "trainer.profile_ranks [2]: ranks are 0..1 in a world of 2",
+                     "trainer.log_samples_every must be >= 0", "trainer.log_samples must be >= 1",
+                     "trainer.val_every must be >= 0",
+                     f"data.val_files: prompt column 'prompt' not found in {val}"):
+        assert expected in str(err.value), str(err.value)
+
+
+@pytest.mark.slow
+def test_short_ppo_run_validates_logs_samples_profiles_and_prints_json(tmp_path):
+    """Two processes (DP 2), three steps: validation at steps 0, 2 and 3 over five held-out prompts of two
+    sources (an uneven share per rank), samples at step 2, a trace of step 2 on rank 0 only, JSON on stdout."""
+    from verl_mega.cli import main as cli
+    from verl_mega.data.synthetic import make_task_rows
+    from verl_mega.data.tables import write_rows
+    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.parallel.launch import run_torchrun
+    from verl_mega.trainer.job import profile_trace_path
+    from verl_mega.trainer.plot import plot_run
+
+    hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)
+    held_out = make_task_rows("copy", 3, seed=1, max_digits=2) + make_task_rows("add", 2, seed=1, max_digits=1)
+    train_file = write_rows(make_task_rows("copy", 32, seed=0, max_digits=2), tmp_path / "train.jsonl")
+    val_file = write_rows(held_out, tmp_path / "val.jsonl")
+    run_dir = tmp_path / "run"
+    result = run_torchrun(2, "verl_mega.trainer.main", [
+        "--config", str(EXAMPLES / "ppo_gae_demo.yaml"), f"model.hf_path={hf}", f"trainer.run_dir={run_dir}",
+        f"data.train_files=[{train_file}]", f"data.val_files=[{val_file}]", "parallel.tp=1", "parallel.pp=1",
+        "data.batch_size=4", "rollout.n=2", "actor.optim.lr=0.01", "actor.ppo_epochs=1", "critic.ppo_epochs=1",
+        *(f"{role}.{key}={value}" for role in ("actor", "critic")
+          for key, value in (("mini_batch_size", 8), ("micro_batch_size", 4))),
+        "trainer.total_steps=3", "trainer.val_every=2", "trainer.log_samples_every=2", "trainer.log_samples=3",
+        "trainer.profile_steps=[2]", "trainer.profile_ranks=[0]", "trainer.log_format=json",
+        "trainer.progress_bar=true", "reward.function=test_observe:text_checksum_score"], capture_output=True,
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))})
+
+    # stdout: one JSON object per logged step, nothing else; the same records as metrics.jsonl.
+    printed = [json.loads(line) for line in result.stdout.splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert printed == records
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    validated = {r["step"]: r for r in records if "val/reward_mean" in r}
+    assert sorted(validated) == [0, 2, 3]
+    assert "reward/mean" not in records[0]  # step 0 is the baseline, before any rollout
+    for record in validated.values():
+        assert {"val/reward_mean/copy", "val/reward_mean/add", "val/response_length_mean"} <= set(record)
+        assert record["val/reward_mean"] == pytest.approx(
+            (3 * record["val/reward_mean/copy"] + 2 * record["val/reward_mean/add"]) / 5)
+
+    # Greedy decoding as transformers does it, scored by the same function: of the untrained model at step 0
+    # (the baseline), of the trained actor at the end (the weights were synced before validating).
+    for step, hf_dir in ((0, hf), (3, tmp_path / "final_hf")):
+        if step == 3:
+            assert cli(["export", "--ckpt", str(run_dir), "--out", str(hf_dir)]) == 0
+        scores = greedy_scores(hf_dir, held_out, max_new_tokens=4)
+        assert len(set(scores)) > 1
+        assert validated[step]["val/reward_mean"] == pytest.approx(sum(scores) / 5, abs=1e-6)
+        assert validated[step]["val/reward_mean/add"] == pytest.approx(sum(scores[3:]) / 2, abs=1e-6)
+
+    samples = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2, 2, 2]
+    for sample in samples:
+        assert sample["prompt"].startswith("user: copy: ") and isinstance(sample["response"], str)
+        assert sample["data_source"] == "copy" and 0.0 <= sample["score"] <= 1.0
+
+    trace = profile_trace_path(run_dir, 2, 0)
+    assert "traceEvents" in json.loads(trace.read_text())
+    assert sorted(p.name for p in trace.parent.iterdir()) == [trace.name]  # not step 1 or 3, not rank 1
+
+    assert plot_run(run_dir).read_bytes().startswith(PNG_SIGNATURE)
