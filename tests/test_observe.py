@@ -92,6 +92,10 @@ def test_observability_keys_are_validated_naming_the_key(tiny_models, tmp_path):
                      "trainer.val_every must be >= 0",
                      f"data.val_files: prompt column 'prompt' not found in {val}"):
         assert expected in str(err.value), str(err.value)
+    config.job = "sft"
+    config.trainer.log_samples_every = 2
+    with pytest.raises(ConfigError, match="trainer.log_samples_every=2: job sft generates no samples to log"):
+        validate(config, world_size=2, check_files=False)
 
 
 @pytest.mark.slow
@@ -156,3 +160,24 @@ def test_short_ppo_run_validates_logs_samples_profiles_and_prints_json(tmp_path)
     assert sorted(p.name for p in trace.parent.iterdir()) == [trace.name]  # not step 1 or 3, not rank 1
 
     assert plot_run(run_dir).read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_json_log_format_keeps_stdout_to_one_record_per_step_and_resume_truncates_samples(tmp_path, capsys):
+    from verl_mega.trainer.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, log_format="json")
+    for step in (1, 2, 3):
+        logger.log_samples(step, [{"prompt": "copy: 1|2", "response": "1\n2", "score": float("nan")}])
+        logger.note(step, "skipped: the reward is NaN/inf")
+        logger.log(step, {"reward/mean": float("nan"), "actor/pg_loss": 0.5})
+    logger.close()
+    captured = capsys.readouterr()
+    assert [json.loads(line) for line in captured.out.splitlines()] == [
+        {"step": step, "actor/pg_loss": 0.5, "reward/mean": None} for step in (1, 2, 3)]
+    assert captured.err.count("skipped: the reward is NaN/inf") == 3
+
+    MetricsLogger.truncate(tmp_path, 2)  # resumed from the step-2 checkpoint
+    samples = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert samples == [{"step": step, "prompt": "copy: 1|2", "response": "1\n2", "score": None} for step in (1, 2)]
+    MetricsLogger.truncate(tmp_path, -1)  # a fresh start over an attempt killed before its first checkpoint
+    assert (tmp_path / "metrics.jsonl").read_text() == (tmp_path / "generations.jsonl").read_text() == ""

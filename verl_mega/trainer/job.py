@@ -179,6 +179,8 @@ class TrainingJob:
         """Continue from the newest complete checkpoint of the run folder, if there is one."""
         found = run_checkpoints.complete_checkpoints(self.run_dir)
         if not found:
+            if self.layout.rank == 0:  # a fresh start: what an attempt killed before its first checkpoint logged
+                MetricsLogger.truncate(self.run_dir, -1)
             return
         state = run_checkpoints.load_checkpoint(found[-1], trainables=self.trainables(), fingerprint=self.fingerprint,
                                                 rank=self.layout.rank, world_size=self.layout.world_size)

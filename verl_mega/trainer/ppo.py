@@ -273,6 +273,8 @@ class PPOTrainer(TrainingJob):
                 items = mine[start:start + cfg.data.batch_size]
                 prompts = [item["input_ids"] for item in items]
                 responses = [response.token_ids for response in self.rollout.generate(prompts, greedy)]
+                if not placement.leads_replica:  # its replica's leader scores the same responses
+                    continue
                 batch = build_rollout_batch(prompts, responses, cfg.data.max_response_length,
                                             self.tokenizer.pad_token_id)
                 rows = {key: [item.get(key) for item in items] for key in ("raw_prompt", "reward_model", "data_source")}
@@ -283,7 +285,7 @@ class PPOTrainer(TrainingJob):
                     entry[0], entry[1], entry[2] = entry[0] + score, entry[1] + 1, entry[2] + length
             self.rollout.sleep()
         gathered: list = [None] * layout.world_size
-        dist.all_gather_object(gathered, sums if placement.leads_replica else {})
+        dist.all_gather_object(gathered, sums)
         totals: dict[str | None, list[float]] = {}
         for rank_sums in gathered:
             for source, values in rank_sums.items():

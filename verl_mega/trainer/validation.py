@@ -103,6 +103,8 @@ def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, know
     """SFT and preference jobs: no rollout, reward or critic; the data rows are checked one by one."""
     if dp is not None:
         _check_offline_batch_sizes(config, dp, need)
+    need(config.trainer.log_samples_every == 0, f"trainer.log_samples_every={config.trainer.log_samples_every}: "
+         f"job {config.job} generates no samples to log; set it to 0")
     if config.job == "dpo":
         _check_preference_knobs(config, known, need)
     if check_files:
