@@ -249,11 +249,11 @@ class PPOTrainer(TrainingJob):
         n, total = self.config.rollout.n, len(scores)
         chosen = sorted(range(total), key=lambda row: (row % n, row))[:self.config.trainer.log_samples]
         responses = self.reward.decode(batch["responses"][chosen], batch["response_mask"][chosen])
-        samples = []
-        for row, response in zip(chosen, responses):
-            source = rows["data_source"][row]
-            samples.append({"prompt": prompt_text(rows["raw_prompt"][row]), "response": response,
-                            "score": scores[row].item(), **({"data_source": str(source)} if source is not None else {})})
+        samples = [{"prompt": prompt_text(rows["raw_prompt"][row]), "response": response, "score": scores[row].item()}
+                   for row, response in zip(chosen, responses)]
+        for row, sample in zip(chosen, samples):
+            if rows["data_source"][row] is not None:
+                sample["data_source"] = str(rows["data_source"][row])
         return samples
 
     def validate(self) -> dict[str, float]:
@@ -284,12 +284,7 @@ class PPOTrainer(TrainingJob):
                     entry = sums.setdefault(None if source is None else str(source), [0.0, 0, 0])
                     entry[0], entry[1], entry[2] = entry[0] + score, entry[1] + 1, entry[2] + length
             self.rollout.sleep()
-        gathered: list = [None] * layout.world_size
-        dist.all_gather_object(gathered, sums)
-        totals: dict[str | None, list[float]] = {}
-        for rank_sums in gathered:
-            for source, values in rank_sums.items():
-                totals[source] = [a + b for a, b in zip(totals.get(source, [0.0, 0, 0]), values)]
+        totals = _sum_over_ranks(sums, layout.world_size)
         reward, count, tokens = (sum(values[i] for values in totals.values()) for i in range(3))
         metrics = {"reward_mean": reward / count, "response_length_mean": tokens / count}
         for source in sorted(name for name in totals if name is not None):
@@ -356,6 +351,17 @@ def needs_reference(config: TrainConfig) -> bool:
     kl_loss = config.actor.loss.use_kl_loss and config.actor.loss.kl_loss_coef != 0
     kl_reward = config.algorithm.use_kl_in_reward and config.algorithm.kl_ctrl.kl_coef != 0
     return kl_loss or kl_reward
+
+
+def _sum_over_ranks(sums: dict, world_size: int) -> dict:
+    """Collective: every rank's {key: [numbers]} added up key by key and position by position."""
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, sums)
+    totals: dict = {}
+    for rank_sums in gathered:
+        for key, values in rank_sums.items():
+            totals[key] = [a + b for a, b in zip(totals.get(key, [0] * len(values)), values)]
+    return totals
 
 
 def prompt_text(prompt: str | list[dict]) -> str:

@@ -236,8 +236,9 @@ def _check_files(config: TrainConfig, check, need) -> None:
     has_model = _check_model(config, check, need)
     need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
     prompt_files = {"data.train_files": d.train_files, "data.val_files": d.val_files}
-    readable = {key: files for key, files in prompt_files.items() if files and all(
-        [check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file) or True, f"{key}: ") for file in files])}
+    readable = {key: files for key, files in prompt_files.items() if files and all([
+        check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file) or True, f"{key}: ")
+        for file in files])}
     if has_model and d.truncation == "error" and d.max_prompt_length >= 1 and readable:
         # Every prompt's length, now rather than at the step that happens to sample a long one.
         tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
