@@ -21,7 +21,7 @@ PANELS = (
     ("reward", ("reward/mean", "val/reward_mean"), "val/reward_mean/"),
     ("KL", ("actor/kl", "actor/ppo_kl"), None),
     ("response length (tokens)", ("response/length_mean", "val/response_length_mean"), None),
-    ("time per stage (s)", (), "timing/"),
+    ("time per stage (s)", ("val/seconds",), "timing/"),
 )
 
 
@@ -63,6 +63,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's PNG to `out` (default RUN/metrics.png) and return its path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
     records = read_metrics(run_dir / METRICS_FILE)
@@ -84,6 +85,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             plotted = True
         axes.set_title(title)
         axes.set_xlabel("step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         if plotted:
             axes.legend(fontsize="small")
         else:
