@@ -16,7 +16,7 @@ import json
 import random
 import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 import torch
@@ -43,8 +43,18 @@ def model_fingerprint(hf_config: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
 def step_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:06d}"
+    return Path(run_dir) / CHECKPOINTS_DIR / step_name(step)
+
+
+def checkpoint_step(path: PurePath) -> int | None:
+    """The step of a folder named `step_NNNNNN`, None for any other name."""
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -52,7 +62,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(step, p) for p in root.iterdir() if (step := checkpoint_step(p)) is not None and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 

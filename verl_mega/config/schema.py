@@ -164,6 +164,10 @@ class TrainerConfig:
     seed: int = 1
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
+    # s3://bucket/prefix: rank 0 uploads each step checkpoint there in the background (keep_last applies) and a
+    # run whose folder is empty or behind resumes from it; "" is off. Endpoint/credentials: boto3's (AWS_*).
+    checkpoint_mirror: str = ""
+    checkpoint_mirror_wait_s: float = 600.0  # at the run's end, how long to wait for uploads still running
     tensorboard: bool = True
     wandb_project: str = ""
     health_port: int = 0  # 0: no health endpoint

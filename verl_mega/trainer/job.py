@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
-from verl_mega.checkpoint import run_checkpoints
+from verl_mega.checkpoint import mirror, run_checkpoints
 from verl_mega.checkpoint.atomic import atomic_file
 from verl_mega.checkpoint.role_weights import save_role_weights
 from verl_mega.config import TrainConfig, to_yaml
@@ -48,11 +49,18 @@ class TrainingJob:
         self.step = 0
         self.nonfinite_skipped = 0  # batches and optimizer steps dropped under trainer.nonfinite=skip
         self.logger = self.health = None
+        self.mirror = None  # rank 0's checkpoint uploader when trainer.checkpoint_mirror is set
 
     def start(self) -> None:
-        """Resume from the run folder, then open the metrics log and the health endpoint."""
-        self.resume()
+        """Resume from the run folder (or the checkpoint mirror), then open the metrics log, the health endpoint
+        and the mirror's uploader."""
         cfg = self.config.trainer
+        if cfg.checkpoint_mirror:
+            self._fetch_from_mirror()
+        self.resume()
+        if cfg.checkpoint_mirror and self.layout.rank == 0:
+            self.mirror = mirror.CheckpointMirror(mirror.parse_mirror_url(cfg.checkpoint_mirror), self.run_dir,
+                                                  cfg.keep_last)
         self.logger = MetricsLogger(self.run_dir, enabled=self.layout.rank == 0, tensorboard=cfg.tensorboard,
                                     wandb_project=cfg.wandb_project, log_format=cfg.log_format)
         try:
@@ -121,6 +129,8 @@ class TrainingJob:
             self._check_weights_finite("the final model")
             for model, source_ckpt, folder, role in self.final_weights():
                 save_role_weights(model, source_ckpt, self.run_dir / folder, self.layout, self.step, role=role)
+        if self.mirror is not None:
+            self.mirror.finish(cfg.checkpoint_mirror_wait_s)
         self._set_health("ready")
         if self.health is not None:
             self.health.close()
@@ -171,9 +181,24 @@ class TrainingJob:
         state = {"step": self.step, "nonfinite_skipped": self.nonfinite_skipped,
                  "model_fingerprint": self.fingerprint, "world_size": self.layout.world_size,
                  "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}, **self.job_state()}
-        return run_checkpoints.save_checkpoint(self.run_dir, self.step, trainables=self.trainables(),
-                                               trainer_state=state, config_yaml=to_yaml(self.config),
-                                               rank=self.layout.rank, keep_last=self.config.trainer.keep_last)
+        saved = run_checkpoints.save_checkpoint(self.run_dir, self.step, trainables=self.trainables(),
+                                                trainer_state=state, config_yaml=to_yaml(self.config),
+                                                rank=self.layout.rank, keep_last=self.config.trainer.keep_last)
+        if self.mirror is not None:
+            self.mirror.submit(saved)
+        return saved
+
+    def _fetch_from_mirror(self) -> None:
+        """Collective: rank 0 downloads the mirror's newest complete checkpoint when the run folder has none
+        or an older one; the others wait, then every rank resumes from the run folder as usual."""
+        if self.layout.rank == 0:
+            location = mirror.parse_mirror_url(self.config.trainer.checkpoint_mirror)
+            local = run_checkpoints.complete_checkpoints(self.run_dir)
+            newest_local = run_checkpoints.checkpoint_step(local[-1]) if local else -1
+            fetched = mirror.fetch_newer(mirror.connect(location), location, self.run_dir, newest_local)
+            if fetched is not None:
+                print(f"fetched {fetched.name} from the checkpoint mirror {location}", flush=True)
+        dist.barrier()
 
     def resume(self) -> None:
         """Continue from the newest complete checkpoint of the run folder, if there is one."""

@@ -15,6 +15,7 @@ from verl_mega.algorithms import (
     ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, UNPAIRED_LOSSES,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME
+from verl_mega.checkpoint.mirror import parse_mirror_url, require_boto3
 from verl_mega.config import JOBS, ConfigError, TrainConfig
 from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
@@ -52,6 +53,7 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
     p, d = config.parallel, config.data
     known("job", config.job, JOBS)
     _check_counts(config, need)
+    _check_mirror(config, check, need)
     dp = check(lambda: data_parallel_size(world_size, p.tp, p.pp, p.ep, PARALLEL_NAMES))
     known("data.truncation", d.truncation, TRUNCATION_SIDES)
     known("model.dtype", config.model.dtype, list(DTYPES))
@@ -144,6 +146,15 @@ def _check_profiling(config: TrainConfig, world_size: int, need) -> None:
     need(not steps, f"trainer.profile_steps {steps}: steps count from 1 to trainer.total_steps={t.total_steps}")
     ranks = [rank for rank in t.profile_ranks if not 0 <= rank < world_size]
     need(not ranks, f"trainer.profile_ranks {ranks}: ranks are 0..{world_size - 1} in a world of {world_size}")
+
+
+def _check_mirror(config: TrainConfig, check, need) -> None:
+    t = config.trainer
+    if t.checkpoint_mirror:
+        check(lambda: parse_mirror_url(t.checkpoint_mirror), "trainer.checkpoint_mirror: ")
+        check(require_boto3, "trainer.checkpoint_mirror: ")
+    need(t.checkpoint_mirror_wait_s >= 0,
+         f"trainer.checkpoint_mirror_wait_s must be >= 0, got {t.checkpoint_mirror_wait_s}")
 
 
 def _check_batch_sizes(config: TrainConfig, world_size: int, dp: int, need) -> None:
