@@ -11,7 +11,7 @@ import time
 import pytest
 
 from verl_mega.checkpoint import mirror
-from verl_mega.checkpoint.run_checkpoints import complete_checkpoints, step_dir
+from verl_mega.checkpoint.run_checkpoints import step_dir
 from verl_mega.parallel.launch import free_port
 
 from test_resume import records, setup, train_command  # noqa: F401  (setup is a fixture)
@@ -204,27 +204,26 @@ def test_a_fresh_run_folder_resumes_from_the_mirror_with_the_same_metrics(setup,
     client.create_bucket(Bucket="trainer-runs")
     url = "s3://trainer-runs/ppo"
     location = mirror.parse_mirror_url(url)
-    one_rank = ["parallel.tp=1", "parallel.pp=1", "trainer.total_steps=3", "trainer.save_every=1",
-                "trainer.keep_last=2", f"trainer.checkpoint_mirror={url}", "trainer.progress_bar=false"]
+    one_rank = ["parallel.tp=1", "parallel.pp=1", "trainer.total_steps=2", "trainer.save_every=1",
+                f"trainer.checkpoint_mirror={url}", "trainer.progress_bar=false"]
     straight = tmp_path / "straight"
     result = subprocess.run(train_command(setup, straight, 1, *one_rank), capture_output=True, text=True,
                             env=run_env(server))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert mirror.list_steps(client, location) == [2, 3]  # keep_last pruned step 1 on the mirror too
-    for local in complete_checkpoints(straight):
-        step = int(local.name.split("_")[1])
-        assert mirror.read_marker(client, location, step) == mirror.file_entries(local)
+    assert mirror.list_steps(client, location) == [1, 2]
+    for step in (1, 2):
+        assert mirror.read_marker(client, location, step) == mirror.file_entries(step_dir(straight, step))
 
-    # Without its marker step 3 is an incomplete upload: the fresh run takes step 2 and trains step 3 again.
-    client.delete_object(Bucket=location.bucket, Key=location.key("step_000003", mirror.MARKER_NAME))
+    # Without its marker step 2 is an incomplete upload: the fresh run takes step 1 and trains step 2 again.
+    client.delete_object(Bucket=location.bucket, Key=location.key("step_000002", mirror.MARKER_NAME))
     fresh = tmp_path / "fresh"
     result = subprocess.run(train_command(setup, fresh, 1, *one_rank), capture_output=True, text=True,
                             env=run_env(server))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "fetched step_000002 from the checkpoint mirror" in result.stdout
-    assert f"resumed from {step_dir(fresh, 2)} at step 2" in result.stdout
-    assert records(fresh) == {3: records(straight)[3]}
-    assert mirror.read_marker(client, location, 3) == mirror.file_entries(step_dir(fresh, 3))
+    assert "fetched step_000001 from the checkpoint mirror" in result.stdout
+    assert f"resumed from {step_dir(fresh, 1)} at step 1" in result.stdout
+    assert records(fresh) == {2: records(straight)[2]}
+    assert mirror.read_marker(client, location, 2) == mirror.file_entries(step_dir(fresh, 2))
 
 
 @pytest.mark.slow
@@ -245,7 +244,7 @@ def test_training_goes_on_while_the_server_is_down_and_the_upload_completes_afte
         for line in process.stdout:
             lines.append(line)
             if line.startswith("step 1:"):
-                s3.kill()  # before or during step 1's upload
+                s3.kill()  # logged before its checkpoint is saved: the upload meets a dead server
             if "retrying in" in line:
                 break
         s3.start()  # empty again: moto keeps objects in memory
@@ -255,6 +254,7 @@ def test_training_goes_on_while_the_server_is_down_and_the_upload_completes_afte
         assert process.returncode == 0, output[-3000:]
         assert "not mirrored" not in output
         location = mirror.parse_mirror_url("s3://ckpts/run")
-        assert mirror.read_marker(client, location, 2) == mirror.file_entries(step_dir(run_dir, 2))
+        for step in (1, 2):  # step 1's upload retried, step 2's queued behind it
+            assert mirror.read_marker(client, location, step) == mirror.file_entries(step_dir(run_dir, step))
     finally:
         s3.kill()

@@ -55,6 +55,10 @@ def test_missing_required_key_is_named():
     ("algorithm.adv_estimator=ppo2", 4, "algorithm.adv_estimator 'ppo2' is unknown; known: dr_grpo, gae"),
     ("actor.loss.kl_loss_type=k9", 4, "actor.loss.kl_loss_type 'k9' is unknown"),
     ("parallel.tp=3", 4, "parallel.tp * parallel.pp = 3 must divide the number of processes (4)"),
+    ("trainer.checkpoint_mirror=bucket/prefix", 4, "trainer.checkpoint_mirror: 'bucket/prefix' must start with s3://"),
+    ("trainer.checkpoint_mirror=s3://Bad_Bucket/x", 4, "trainer.checkpoint_mirror: 's3://Bad_Bucket/x': 'Bad_Bucket' "
+     "is not an S3 bucket name"),
+    ("trainer.checkpoint_mirror_wait_s=-1", 4, "trainer.checkpoint_mirror_wait_s must be >= 0"),
 ])
 def test_validation_names_the_key(tiny_models, prompt_file, override, world, message):
     config = load_config(None, good_overrides(tiny_models, prompt_file) + [override])

@@ -154,7 +154,7 @@ class CheckpointMirror:
         snapshot = self.pending_root / ckpt.name
         shutil.rmtree(snapshot, ignore_errors=True)
         self.pending_root.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(ckpt, snapshot, copy_function=os.link)
+        shutil.copytree(ckpt, snapshot, copy_function=_link_or_copy)
         self._queue.put(snapshot)
 
     def finish(self, timeout_s: float) -> bool:
@@ -171,11 +171,13 @@ class CheckpointMirror:
     def _work(self) -> None:
         client = None
         while (snapshot := self._queue.get()) is not None:
-            delay = _FIRST_RETRY_S
+            delay, uploaded = _FIRST_RETRY_S, False
             while True:
                 try:
                     client = client or s3_client()
-                    upload_checkpoint(client, self.location, snapshot)
+                    if not uploaded:
+                        upload_checkpoint(client, self.location, snapshot)
+                        uploaded = True
                     prune(client, self.location, self.keep_last)
                     break
                 except Exception as err:  # botocore's errors share no base class with network failures
@@ -325,6 +327,14 @@ def _check_relative_path(path) -> None:
         raise ValueError(f"path {path!r} is not a plain relative path")
     if path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
         raise ValueError(f"path {path!r} leaves the checkpoint folder")
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    """Checkpoint files are never rewritten in place, so a hard link is a snapshot; a copy where links fail."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def _marker_exists(client, location: MirrorLocation, step: int) -> bool:
