@@ -68,10 +68,13 @@ def location(client):
     return mirror.parse_mirror_url(f"s3://{bucket}/runs/one")
 
 
-def fake_checkpoint(run_dir, step, big_bytes=1000):
+def fake_checkpoint(run_dir, step, rng_bytes=1000):
+    """Files are uploaded in path order: the model shard, then the RNG file, then the trainer state."""
     ckpt = step_dir(run_dir, step)
-    (ckpt / "actor" / "model").mkdir(parents=True)
-    (ckpt / "actor" / "model" / "shard.distcp").write_bytes(os.urandom(big_bytes))
+    for folder in ("actor/model", "rng"):
+        (ckpt / folder).mkdir(parents=True)
+    (ckpt / "actor" / "model" / "shard.distcp").write_bytes(os.urandom(1000))
+    (ckpt / "rng" / "rank_00000.safetensors").write_bytes(os.urandom(rng_bytes))
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
     return ckpt
 
@@ -85,7 +88,10 @@ def test_marker_lists_every_object_and_a_fetch_reproduces_the_checkpoint(client,
     ckpt = fake_checkpoint(tmp_path / "run", 4)
     mirror.upload_checkpoint(client, location, ckpt)
     assert object_keys(client, location) == [f"runs/one/step_000004/{name}" for name in (
-        "actor/model/shard.distcp", mirror.MARKER_NAME, "trainer_state.json")]
+        "actor/model/shard.distcp", mirror.MARKER_NAME, "rng/rank_00000.safetensors", "trainer_state.json")]
+    assert mirror.read_marker(client, location, 4) == mirror.file_entries(ckpt)
+    (ckpt / "trainer_state.json").write_text("{}")  # the same step saved again (a replayed step) replaces it
+    mirror.upload_checkpoint(client, location, ckpt)
     assert mirror.read_marker(client, location, 4) == mirror.file_entries(ckpt)
 
     fresh = tmp_path / "fresh"
@@ -157,12 +163,13 @@ def test_uploads_survive_the_server_going_away_mid_upload(tmp_path, monkeypatch,
         client.create_bucket(Bucket="ckpts")
         location = mirror.parse_mirror_url("s3://ckpts/run")
         uploader = mirror.CheckpointMirror(location, tmp_path, keep_last=2)
-        ckpt = fake_checkpoint(tmp_path, 3, big_bytes=48 * 2**20)
+        ckpt = fake_checkpoint(tmp_path, 3, rng_bytes=48 * 2**20)
         uploader.submit(ckpt)
         deadline = time.time() + 60
-        while not object_keys(client, location):  # the small state file goes first, the big shard after it
+        while not (uploaded := object_keys(client, location)):  # the small shard is up, the big RNG file next
             assert time.time() < deadline, "the upload never started"
             time.sleep(0.01)
+        assert uploaded == ["run/step_000003/actor/model/shard.distcp"]
         s3.kill()
         deadline = time.time() + 60
         while "retrying" not in (err := capfd.readouterr().err):
@@ -175,6 +182,18 @@ def test_uploads_survive_the_server_going_away_mid_upload(tmp_path, monkeypatch,
         assert not list(uploader.pending_root.iterdir())
     finally:
         s3.kill()
+
+
+def test_a_killed_runs_pending_uploads_are_taken_up_and_half_made_snapshots_dropped(client, location, tmp_path):
+    run_dir = tmp_path / "run"
+    pending = run_dir / mirror.PENDING_DIR
+    pending.mkdir(parents=True)
+    fake_checkpoint(tmp_path / "snapshots", 5).rename(pending / "step_000005")
+    (pending / ".step_000006.tmp").mkdir()
+    uploader = mirror.CheckpointMirror(location, run_dir, keep_last=2)
+    assert uploader.finish(timeout_s=60)
+    assert mirror.list_steps(client, location) == [5]
+    assert not list(pending.iterdir())
 
 
 def test_a_run_that_cannot_finish_uploading_warns_and_returns(server, monkeypatch, tmp_path, capfd):

@@ -7,9 +7,10 @@ A mirrored checkpoint exists only once its marker does, and a reader takes it on
 lists has the listed size and (on download) sha256: an upload cut short by a dead server, a kill or a deleted
 object is never taken for a checkpoint. Pruning deletes the marker first, then the objects.
 
-Uploads run in one background thread of rank 0 from a hard-linked snapshot of the published checkpoint (so
-`keep_last` pruning of the run folder cannot pull files from under an upload); failures are retried with
-backoff while training goes on. Endpoint and credentials come from boto3's standard sources
+Uploads run in one background thread of rank 0 from a hard-linked snapshot of the published checkpoint in
+RUN/.mirror_pending (so `keep_last` pruning of the run folder cannot pull files from under an upload, and a
+killed run's pending uploads are taken up by the next start); failures are retried with backoff while
+training goes on. Endpoint and credentials come from boto3's standard sources
 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ~/.aws, instance roles). Everything read from the
 bucket is hostile: paths are confined to the checkpoint folder, sizes bounded by the marker and free disk.
 """
@@ -29,7 +30,7 @@ from pathlib import Path, PurePosixPath
 
 from verl_mega.config.errors import UserError
 
-from .atomic import publish_dir
+from .atomic import publish_dir, temp_name
 from .run_checkpoints import checkpoint_step, step_dir, step_name
 
 MARKER_NAME = "mirror_complete.json"
@@ -106,9 +107,11 @@ def file_entries(ckpt: Path) -> list[dict]:
 
 
 def upload_checkpoint(client, location: MirrorLocation, ckpt: Path) -> None:
-    """Upload every file of the checkpoint folder `ckpt`, check the objects' sizes, then write the marker."""
+    """Upload every file of the checkpoint folder `ckpt`, check the objects' sizes, then write the marker. A
+    marker from an earlier upload of the same step goes first: it must never vouch for objects being replaced."""
     step = ckpt.name
     entries = file_entries(ckpt)
+    client.delete_object(Bucket=location.bucket, Key=location.key(step, MARKER_NAME))
     for entry in entries:
         client.upload_file(str(ckpt / entry["path"]), location.bucket, location.key(step, entry["path"]))
     for entry in entries:
@@ -144,17 +147,24 @@ class CheckpointMirror:
     def __init__(self, location: MirrorLocation, run_dir: Path, keep_last: int):
         self.location, self.keep_last = location, keep_last
         self.pending_root = Path(run_dir) / PENDING_DIR
-        shutil.rmtree(self.pending_root, ignore_errors=True)  # a killed run's snapshots; their steps are re-saved
         self._queue: queue.Queue[Path | None] = queue.Queue()
+        if self.pending_root.is_dir():  # a killed run's snapshots: whole ones are uploaded, half-made ones dropped
+            for path in sorted(self.pending_root.iterdir(), key=lambda p: checkpoint_step(p) or -1):
+                if checkpoint_step(path) is None:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    self._queue.put(path)
         self._thread = threading.Thread(target=self._work, name="checkpoint-mirror", daemon=True)
         self._thread.start()
 
     def submit(self, ckpt: Path) -> None:
         """Queue the published checkpoint folder `ckpt` for upload (a hard-linked snapshot: instant, no copy)."""
-        snapshot = self.pending_root / ckpt.name
-        shutil.rmtree(snapshot, ignore_errors=True)
+        tmp = self.pending_root / temp_name(ckpt)
+        shutil.rmtree(tmp, ignore_errors=True)
         self.pending_root.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(ckpt, snapshot, copy_function=_link_or_copy)
+        shutil.copytree(ckpt, tmp, copy_function=_link_or_copy)
+        snapshot = self.pending_root / ckpt.name
+        publish_dir(tmp, snapshot)
         self._queue.put(snapshot)
 
     def finish(self, timeout_s: float) -> bool:
@@ -163,8 +173,8 @@ class CheckpointMirror:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             left = sorted(p.name for p in self.pending_root.glob("step_*"))
-            _warn(f"{', '.join(left)} not mirrored to {self.location} within {timeout_s:.0f} s "
-                  "(trainer.checkpoint_mirror_wait_s); they stay in the run folder only")
+            _warn(f"{', '.join(left)} not mirrored to {self.location} within {timeout_s:.0f} s (trainer."
+                  f"checkpoint_mirror_wait_s); the next start of this run uploads them from {self.pending_root}")
             return False
         return True
 
