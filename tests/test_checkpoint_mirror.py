@@ -255,7 +255,7 @@ def test_training_goes_on_while_the_server_is_down_and_the_upload_completes_afte
             monkeypatch.setenv(key, value)
         mirror.s3_client().create_bucket(Bucket="ckpts")
         run_dir = tmp_path / "run"
-        command = train_command(setup, run_dir, 1, "parallel.tp=1", "parallel.pp=1",
+        command = train_command(setup, run_dir, 2, "parallel.tp=2", "parallel.pp=1",  # rank 0 mirrors alone
                                 "trainer.total_steps=2", "trainer.save_every=1", "trainer.progress_bar=false",
                                 "trainer.checkpoint_mirror=s3://ckpts/run", "trainer.checkpoint_mirror_wait_s=120")
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

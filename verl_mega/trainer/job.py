@@ -1,6 +1,6 @@
 """What every training job (PPO, SFT, preference) shares around its step: the run folder, the step loop with
-preemption, validation passes, profiled steps, step checkpoints and resume, metrics, the health endpoint and
-the final weights for export.
+preemption, validation passes, profiled steps, step checkpoints and resume (and their mirror in object
+storage), metrics, the health endpoint and the final weights for export.
 
 A job subclass builds its roles, then calls `start()`; it implements `train_step()` and names what it saves.
 """
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from verl_mega.checkpoint import mirror, run_checkpoints
@@ -190,15 +190,22 @@ class TrainingJob:
 
     def _fetch_from_mirror(self) -> None:
         """Collective: rank 0 downloads the mirror's newest complete checkpoint when the run folder has none
-        or an older one; the others wait, then every rank resumes from the run folder as usual."""
-        if self.layout.rank == 0:
-            location = mirror.parse_mirror_url(self.config.trainer.checkpoint_mirror)
-            local = run_checkpoints.complete_checkpoints(self.run_dir)
-            newest_local = run_checkpoints.checkpoint_step(local[-1]) if local else -1
-            fetched = mirror.fetch_newer(mirror.connect(location), location, self.run_dir, newest_local)
-            if fetched is not None:
-                print(f"fetched {fetched.name} from the checkpoint mirror {location}", flush=True)
-        dist.barrier()
+        or an older one, then every rank resumes from the run folder as usual. The ranks wait by agreeing every
+        half second, so a download may take longer than the process group's timeout."""
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            download = pool.submit(self._download_newer_checkpoint) if self.layout.rank == 0 else None
+            while any_rank(download is not None and not download.done()):
+                time.sleep(0.5)
+            if download is not None:
+                download.result()  # re-raises the download's error on rank 0
+
+    def _download_newer_checkpoint(self) -> None:
+        location = mirror.parse_mirror_url(self.config.trainer.checkpoint_mirror)
+        local = run_checkpoints.complete_checkpoints(self.run_dir)
+        newest_local = run_checkpoints.checkpoint_step(local[-1]) if local else -1
+        fetched = mirror.fetch_newer(mirror.connect(location), location, self.run_dir, newest_local)
+        if fetched is not None:
+            print(f"fetched {fetched.name} from the checkpoint mirror {location}", flush=True)
 
     def resume(self) -> None:
         """Continue from the newest complete checkpoint of the run folder, if there is one."""
