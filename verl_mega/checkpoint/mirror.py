@@ -79,7 +79,7 @@ def require_boto3() -> None:
     try:
         import boto3  # noqa: F401
     except ImportError:
-        raise ImportError("mirroring needs boto3: pip install -r requirements.txt") from None
+        raise ImportError("mirroring needs boto3: pip install 'verl_mega[mirror]'") from None
 
 
 def s3_client():
