@@ -12,6 +12,7 @@ import pytest
 
 from verl_mega.checkpoint import mirror
 from verl_mega.checkpoint.run_checkpoints import step_dir
+from verl_mega.config.errors import UserError
 from verl_mega.parallel.launch import free_port
 
 from test_resume import records, setup, train_command  # noqa: F401  (setup is a fixture)
@@ -204,6 +205,11 @@ def test_a_run_that_cannot_finish_uploading_warns_and_returns(server, monkeypatc
     uploader.submit(fake_checkpoint(tmp_path, 1))
     assert not uploader.finish(timeout_s=0.5)
     assert "step_000001 not mirrored to s3://ckpts/run" in capfd.readouterr().err
+
+
+def test_a_mirror_that_cannot_be_listed_at_start_is_an_error_naming_the_key(client):
+    with pytest.raises(UserError, match="trainer.checkpoint_mirror: cannot list s3://no-such-bucket/run"):
+        mirror.connect(mirror.parse_mirror_url("s3://no-such-bucket/run"))
 
 
 def test_bad_mirror_urls_name_the_problem():
