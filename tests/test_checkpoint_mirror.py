@@ -205,6 +205,8 @@ def test_a_run_that_cannot_finish_uploading_warns_and_returns(server, monkeypatc
     uploader.submit(fake_checkpoint(tmp_path, 1))
     assert not uploader.finish(timeout_s=0.5)
     assert "step_000001 not mirrored to s3://ckpts/run" in capfd.readouterr().err
+    uploader._thread.join(timeout=5)  # gives up at its next retry instead of retrying until the process exits
+    assert not uploader._thread.is_alive()
 
 
 def test_a_mirror_that_cannot_be_listed_at_start_is_an_error_naming_the_key(client):

@@ -154,6 +154,7 @@ class CheckpointMirror:
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     self._queue.put(path)
+        self._given_up = threading.Event()
         self._thread = threading.Thread(target=self._work, name="checkpoint-mirror", daemon=True)
         self._thread.start()
 
@@ -168,10 +169,12 @@ class CheckpointMirror:
         self._queue.put(snapshot)
 
     def finish(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for queued uploads; False (with a warning on stderr) if some did not finish."""
+        """Wait up to `timeout_s` for queued uploads; False (with a warning on stderr) if some did not finish:
+        those are given up at their next retry."""
         self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
+            self._given_up.set()
             left = sorted(p.name for p in self.pending_root.glob("step_*"))
             _warn(f"{', '.join(left)} not mirrored to {self.location} within {timeout_s:.0f} s (trainer."
                   f"checkpoint_mirror_wait_s); the next start of this run uploads them from {self.pending_root}")
@@ -193,7 +196,8 @@ class CheckpointMirror:
                 except Exception as err:  # botocore's errors share no base class with network failures
                     _warn(f"mirroring {snapshot.name} to {self.location} failed ({type(err).__name__}: "
                           f"{str(err)[:300]}); retrying in {delay:.0f} s")
-                    time.sleep(delay)
+                    if self._given_up.wait(delay):
+                        return
                     delay = min(2 * delay, _MAX_RETRY_S)
             shutil.rmtree(snapshot, ignore_errors=True)
             print(f"mirrored {snapshot.name} to {self.location}", flush=True)
