@@ -9,11 +9,13 @@ The layering, written down once: a package may import its own modules and packag
     4  converters                       HF <-> Megatron conversion, parity check (built on the core)
     5  trainer                          the job loops and their validation
     6  launch                           torchrun / Slurm launchers
-    7  cli                              the command line
+    7  cli, api                         the command line; the Python API (`verl_mega.Trainer`, `load_policy`)
     8  demo                             `make demo`, through the command line
 
 Project modules are imported at the top of a file; inside a function only optional heavy dependencies
-(vLLM, transformer-engine, wandb, megatron internals) are imported, so the graph below is the real one.
+(vLLM, transformer-engine, wandb, megatron internals) are imported, so the graph below is the real one. The one
+deferred project import is `verl_mega/__init__.py`'s re-export of the API on first attribute access, so that
+`import verl_mega` does not load torch and megatron for the launchers.
 """
 import ast
 from pathlib import Path
@@ -29,7 +31,7 @@ LAYERS = [
     {"converters"},
     {"trainer"},
     {"launch"},
-    {"cli"},
+    {"cli", "api"},
     {"demo"},
 ]
 LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}

@@ -1,9 +1,13 @@
 """verl_mega: Megatron-backed RL post-training (PPO, GRPO) with a 3D-HybridEngine.
 
+The Python API (`verl_mega.Trainer`, `verl_mega.load_policy`, see `verl_mega/api.py`) is imported on first
+use, so `import verl_mega` stays cheap for the command line and the launchers.
+
 The package calls megatron-core 0.16's internals (its optimizer's per-parameter state, its dist-checkpoint
 metadata, its CPU-unfriendly corners patched in `parallel/shims.py`), so another megatron-core is refused
 here, at import, with one line, rather than deep inside a training step.
 """
+import importlib
 import os
 import warnings
 from importlib.metadata import PackageNotFoundError, version
@@ -31,3 +35,15 @@ for _message in (r".*(Apex|Transformer Engine).* (is|are) not installed", r"full
                  r"`torch\.distributed\.all_gather_into_tensor` is deprecated"):
     warnings.filterwarnings("ignore", message=_message)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+API_NAMES = ("Trainer", "Policy", "load_policy")
+
+
+def __getattr__(name: str):
+    if name in API_NAMES:
+        return getattr(importlib.import_module("verl_mega.api"), name)
+    raise AttributeError(f"module 'verl_mega' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *API_NAMES])

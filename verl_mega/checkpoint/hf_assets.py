@@ -6,6 +6,7 @@ from the folder under `trust_remote_code`) are dropped, so a converted or export
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +14,25 @@ from typing import Any
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")
 REMOTE_CODE_KEY = "auto_map"
+_HASH_CHUNK_BYTES = 16 << 20
+
+
+def model_sha256(hf_dir: str | Path) -> str:
+    """The sha256 of an HF model's `config.json` and weight files (names and contents, in name order), read in
+    chunks so a model of any size costs its read time and little memory. Tokenizer files are left out: the
+    checksum names the weights a run started from."""
+    folder = Path(hf_dir)
+    files = sorted(path for path in folder.iterdir() if path.is_file()
+                   and (path.name == "config.json" or path.name.endswith(WEIGHT_SUFFIXES)))
+    if not any(path.name == "config.json" for path in files):
+        raise FileNotFoundError(f"{folder}/config.json does not exist; point at an HF model folder")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as handle:
+            while chunk := handle.read(_HASH_CHUNK_BYTES):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def without_remote_code(config: dict[str, Any]) -> dict[str, Any]:

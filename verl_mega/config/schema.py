@@ -58,11 +58,15 @@ class ValueLossConfig:
 class ModelConfig:
     hf_path: str = "???"  # HF folder: config, tokenizer (and the weights when `actor_ckpt` is empty)
     actor_ckpt: str = ""  # converted megatron checkpoint; empty: converted from hf_path into the run folder
-    critic_ckpt: str = ""  # empty: the critic starts from the actor's weights
+    critic_ckpt: str = ""  # converted megatron checkpoint; empty: critic_hf_path's weights, else the actor's
+    critic_hf_path: str = ""  # HF causal-LM folder the critic starts from (converted like the actor's weights)
     # fp32 | bf16 | fp16: parameters and activations of actor, critic and reference (megatron mixed precision:
     # fp32 main weights, optimizer state and gradient reduction; fp16 with dynamic loss scaling).
     dtype: str = "fp32"
     family_spec: str = ""  # package.module:SPEC of a family declared outside verl_mega; empty: by model_type
+    # A folder of converted checkpoints shared by runs, one per HF folder's sha256, layout and dtype; empty: the
+    # HF folders are converted into the run folder. Not used for a role whose *_ckpt is given.
+    conversion_cache: str = ""
 
 
 @dataclass
@@ -75,6 +79,7 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
+    # parquet or jsonl files, or folders written by HF datasets' `save_to_disk` (one split each)
     train_files: list[str] = field(default_factory=list)
     # Held-out rows scored every trainer.val_every steps and at the end (ppo: also before the first step):
     # ppo/grpo: greedy generations' reward, overall and per data_source; sft / dpo: the loss on them.
@@ -212,8 +217,9 @@ class ConfigError(UserError):
     """A config problem; the message names the key and what to do about it."""
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Typed defaults <- YAML file <- `key.sub=value` overrides. Unknown keys and wrong types are refused."""
+def load_config(path: str | Path | None, overrides: list[str] = (), values: dict[str, Any] | None = None) -> TrainConfig:
+    """Typed defaults <- YAML file <- `key.sub=value` overrides <- `values` ({"key.sub": value}, typed already,
+    as the Python API passes them). Unknown keys and wrong types are refused."""
     schema = OmegaConf.structured(TrainConfig)
     layers = [schema]
     if path is not None:
@@ -228,6 +234,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             raise ConfigError(f"override '{item}' must look like key.sub=value")
     layers.append(OmegaConf.from_dotlist(list(overrides)))
     try:
+        layers.append(_dotted_layer(values or {}))
         merged = OmegaConf.merge(*layers)
         config = OmegaConf.to_object(merged)
     except (ConfigKeyError, ValidationError) as err:
@@ -237,6 +244,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         key = getattr(err, "full_key", "")
         raise ConfigError(f"config key '{key}' is required: set it in the YAML file or as {key}=...") from None
     return config
+
+
+def _dotted_layer(values: dict[str, Any]):
+    layer = OmegaConf.create()
+    for key, value in values.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"config key {key!r} must be a dotted name such as 'trainer.total_steps'")
+        OmegaConf.update(layer, key, value, force_add=True)
+    return layer
 
 
 def to_yaml(config: TrainConfig) -> str:

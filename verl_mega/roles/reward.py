@@ -2,12 +2,14 @@
 
 Rule reward functions share verl's `compute_score` signature,
 `fn(data_source, solution_str, ground_truth, extra_info) -> float`, so verl reward files can be
-used unchanged through a "module:function" path. Sequence scores become token-level rewards at the
+used unchanged through a "module:function" path; the Python API hands the function itself. Sequence scores become token-level rewards at the
 last valid response token, where PPO/GRPO advantage estimation expects the outcome reward.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
+import inspect
 import numbers
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -59,8 +61,13 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 }
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    """A registered name, or "package.module:function" for a function defined elsewhere."""
+def get_reward_fn(spec: str | RewardFn) -> RewardFn:
+    """A registered name, "package.module:function" for a function defined elsewhere, or the function itself."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise UserError(f"reward function {spec!r} is neither a callable nor a name / 'module:function'")
+    name = spec
     if ":" in name:
         module_name, _, function_name = name.partition(":")
         try:
@@ -77,6 +84,30 @@ def get_reward_fn(name: str) -> RewardFn:
             "(or give 'module:function')"
         )
     return REWARD_FUNCTIONS[name]
+
+
+def reward_fn_name(spec: str | RewardFn) -> str:
+    """How a run names its reward function: the registered name or "module:function" as given, or a callable's
+    "module:qualname" (importable back when the function is defined at a module's top level)."""
+    if isinstance(spec, str):
+        return spec
+    module, qualname = getattr(spec, "__module__", None), getattr(spec, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else repr(spec)
+
+
+def reward_fn_provenance(spec: str | RewardFn) -> dict[str, str]:
+    """What scored a run: a registered function by its name (the package version pins its code); any other by
+    the sha256 of its source, so an edited reward file shows up as a different one."""
+    record = {"name": reward_fn_name(spec)}
+    if isinstance(spec, str) and spec in REWARD_FUNCTIONS:
+        return record
+    function = get_reward_fn(spec)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):  # a builtin, a functools.partial, a function typed into a REPL
+        source = None
+    record["source_sha256"] = hashlib.sha256(source.encode()).hexdigest() if source is not None else "unavailable"
+    return record
 
 
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -100,8 +131,8 @@ class RewardOutput(NamedTuple):
 class RuleReward:
     def __init__(self, tokenizer, reward_fn: str | RewardFn = "exact_match"):
         self.tokenizer = tokenizer
-        self.name = reward_fn if isinstance(reward_fn, str) else getattr(reward_fn, "__qualname__", repr(reward_fn))
-        self.reward_fn = get_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
+        self.name = reward_fn_name(reward_fn)
+        self.reward_fn = get_reward_fn(reward_fn)
 
     def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         valid_ids = [row[mask.bool()].tolist() for row, mask in zip(responses, response_mask)]

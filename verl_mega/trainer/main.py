@@ -3,12 +3,14 @@
 The config's `job` picks the loop: ppo (default), sft or dpo; `verl-mega sft` and `verl-mega dpo` are `train`
 with the job set.
 
-The config is validated before any process group starts; the resolved config is saved in the run folder.
-A plain process (no torchrun) trains as a world of one.
+The config is validated before any process group starts; the resolved config and the run's provenance are
+saved in the run folder. A plain process (no torchrun) trains as a world of one. `run` is the one way in for
+the command line and the Python API (`verl_mega.api`), which may hand a reward function itself.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -16,6 +18,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from verl_mega.checkpoint.atomic import atomic_write_text
+from verl_mega.checkpoint.hf_assets import model_sha256
+from verl_mega.checkpoint.manifest import MANIFEST_NAME
 from verl_mega.checkpoint.run_checkpoints import model_fingerprint
 from verl_mega.config import load_config, to_yaml
 from verl_mega.config.errors import USER_ERROR_EXIT_CODE, UserError, report_to_launcher
@@ -23,14 +27,16 @@ from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.models import HFModelConfig
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
-from .ppo import PPOTrainer
+from .ppo import PPOTrainer, uses_critic
 from .preemption import StopRequest, requeue_slurm_job
-from .run_folder import INITIAL_ACTOR_PREFIX, claim_run_folder
+from .run_folder import INITIAL_ACTOR_PREFIX, INITIAL_CRITIC_PREFIX, claim_run_folder
 from .preference import PreferenceTrainer
+from .provenance import write_provenance
 from .sft import SFTTrainer
 from .validation import validate
 
 OFFLINE_JOBS = {"sft": SFTTrainer, "dpo": PreferenceTrainer}
+INITIAL_PREFIXES = {"actor": INITIAL_ACTOR_PREFIX, "critic": INITIAL_CRITIC_PREFIX}
 
 
 def main(argv: list[str] | None = None, job: str | None = None) -> int:
@@ -41,11 +47,8 @@ def main(argv: list[str] | None = None, job: str | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=20")
     args = parser.parse_args(argv)
 
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
-        config = load_config(args.config, [*args.overrides, *([f"job={job}"] if job else [])])
-        validate(config, world_size)
-        train(config)
+        run(load_config(args.config, [*args.overrides, *([f"job={job}"] if job else [])]))
     except UserError as err:  # anything else is a bug and keeps its traceback
         print(f"{command}: error: {err}", file=sys.stderr)
         report_to_launcher(str(err))
@@ -61,22 +64,38 @@ def dpo_main(argv: list[str] | None = None) -> int:
     return main(argv, job="dpo")
 
 
-def train(config) -> None:
+def run(config, reward_fn=None) -> None:
+    """Validate `config` for this job's world size, then train. `reward_fn`: a callable scoring responses in
+    place of `reward.function` (PPO-style jobs only)."""
+    validate(config, int(os.environ.get("WORLD_SIZE", 1)), reward_fn=reward_fn)
+    train(config, reward_fn)
+
+
+def train(config, reward_fn=None) -> None:
     p = config.parallel
     layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed)
     run_dir = Path(config.trainer.run_dir)
     # Before anything is written: a folder of a live run or of another model is refused untouched.
     lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)), layout.rank,
                             config.model.family_spec or None)
+    # Read once per run, by rank 0: the weights' checksums, for the provenance record and the conversion cache.
+    checksums = [model_checksums(config) if layout.rank == 0 else None]
+    dist.broadcast_object_list(checksums, src=0)
+    checksums = checksums[0]
+    # The saved config names the converted checkpoints the run started from (`verl-mega export --step` reads it).
+    config.model.actor_ckpt = str(prepare_checkpoint(config, layout, run_dir, "actor", checksums["actor"]))
+    if "critic" in checksums:
+        config.model.critic_ckpt = str(prepare_checkpoint(config, layout, run_dir, "critic", checksums["critic"]))
     if layout.rank == 0:
         atomic_write_text(run_dir / "config.yaml", to_yaml(config))
-    actor_ckpt = prepare_checkpoint(config, layout, run_dir)
+        write_provenance(run_dir, config, checksums, reward_fn)
     stop = StopRequest().install()
     if config.job == "ppo":
         critic_ckpt = Path(config.model.critic_ckpt) if config.model.critic_ckpt else None
-        job = PPOTrainer(config, layout, actor_ckpt, critic_ckpt, stop_requested=stop)
+        job = PPOTrainer(config, layout, Path(config.model.actor_ckpt), critic_ckpt, stop_requested=stop,
+                         reward_fn=reward_fn)
     else:
-        job = OFFLINE_JOBS[config.job](config, layout, actor_ckpt, stop_requested=stop)
+        job = OFFLINE_JOBS[config.job](config, layout, Path(config.model.actor_ckpt), stop_requested=stop)
     finished = job.fit()
     job.close()
     if not finished and layout.rank == 0:
@@ -86,19 +105,47 @@ def train(config) -> None:
         lock.release()
 
 
-def prepare_checkpoint(config, layout, run_dir: Path) -> Path:
-    """The actor's converted checkpoint: given, or converted from the HF model by rank 0 once per layout."""
-    if config.model.actor_ckpt:
-        return Path(config.model.actor_ckpt)
-    p = config.parallel
-    # One conversion per layout: a run resumed at another layout needs its initial (reference) weights there.
-    # (claim_run_folder has checked that an existing one is of this model.)
-    ckpt = run_dir / f"{INITIAL_ACTOR_PREFIX}tp{p.tp}_pp{p.pp}_ep{p.ep}"
-    if not ckpt.exists() and layout.rank == 0:
-        convert_hf_to_mcore(config.model.hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype,
+def model_checksums(config) -> dict[str, str]:
+    """role -> sha256 of the HF folder it starts from (the critic's when model.critic_hf_path names one that the
+    job uses)."""
+    checksums = {"actor": model_sha256(config.model.hf_path)}
+    if config.model.critic_hf_path and uses_critic(config):
+        checksums["critic"] = model_sha256(config.model.critic_hf_path)
+    return checksums
+
+
+def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str) -> Path:
+    """`role`'s converted checkpoint: given (model.<role>_ckpt), or converted from its HF folder by rank 0 once
+    per layout, into model.conversion_cache under the folder's `checksum` when set, else into the run folder."""
+    given = getattr(config.model, f"{role}_ckpt")
+    if given:
+        return Path(given)
+    hf_path = config.model.hf_path if role == "actor" else config.model.critic_hf_path
+    ckpt = conversion_path(config, run_dir, role, checksum)
+    if layout.rank == 0 and ckpt.exists():
+        if not (ckpt / MANIFEST_NAME).is_file():  # conversions are published whole, so this is someone else's
+            raise UserError(f"{ckpt} exists but is no converted checkpoint (no {MANIFEST_NAME}); remove it")
+        print(f"using the converted {role} checkpoint {ckpt}", flush=True)
+    elif layout.rank == 0:
+        print(f"converting the {role}'s {hf_path} into {ckpt}", flush=True)
+        p = config.parallel
+        convert_hf_to_mcore(hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype,
                             family_spec=config.model.family_spec or None)
     dist.barrier()
     return ckpt
+
+
+def conversion_path(config, run_dir: Path, role: str, checksum: str) -> Path:
+    p = config.parallel
+    layout = f"tp{p.tp}_pp{p.pp}_ep{p.ep}"
+    if not config.model.conversion_cache:
+        # One conversion per layout: a run resumed at another layout needs its initial (reference) weights there.
+        # (claim_run_folder has checked that an existing actor conversion is of this model.)
+        return run_dir / f"{INITIAL_PREFIXES[role]}{layout}"
+    # The same weights converted at the same layout and dtype (and by the same family spec) are the same shards.
+    spec = config.model.family_spec
+    variant = f"{layout}_{config.model.dtype}" + (f"_{hashlib.sha256(spec.encode()).hexdigest()[:12]}" if spec else "")
+    return Path(config.model.conversion_cache) / checksum / variant
 
 
 if __name__ == "__main__":

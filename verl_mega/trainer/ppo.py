@@ -31,7 +31,7 @@ from verl_mega.parallel.state import ParallelLayout
 from verl_mega.roles.actor import Actor, is_on_policy
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
-from verl_mega.roles.reward import HFRewardModel, RuleReward, scores_to_token_rewards
+from verl_mega.roles.reward import HFRewardModel, RewardFn, RuleReward, scores_to_token_rewards
 from verl_mega.rollout.engine import SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -44,13 +44,18 @@ from .rollout_batch import build_rollout_batch
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
 
 
+def uses_critic(config: TrainConfig) -> bool:
+    return config.job == "ppo" and config.algorithm.adv_estimator == "gae" and config.critic.enable
+
+
 class PPOTrainer(TrainingJob):
     name = "ppo"
     validates_before_training = True
 
     def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, critic_ckpt: Path | None,
-                 stop_requested=lambda: False):
-        """`stop_requested()`: whether a signal asked this rank to save and stop (preemption)."""
+                 stop_requested=lambda: False, reward_fn: RewardFn | None = None):
+        """`stop_requested()`: whether a signal asked this rank to save and stop (preemption). `reward_fn`: a
+        callable in place of `reward.function` (the Python API's)."""
         super().__init__(config, layout, stop_requested)
         self.actor_ckpt = Path(actor_ckpt)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
@@ -78,7 +83,7 @@ class PPOTrainer(TrainingJob):
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
             self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss, dtype=dtype,
                                  schedule_steps=optimizer_steps(config, config.critic))
-        self.reward = RuleReward(self.tokenizer, config.reward.function)
+        self.reward = RuleReward(self.tokenizer, reward_fn or config.reward.function)
         self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
 
         rollout_dtype = resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, dtype)
@@ -96,7 +101,7 @@ class PPOTrainer(TrainingJob):
 
     @property
     def uses_critic(self) -> bool:
-        return self.config.algorithm.adv_estimator == "gae" and self.config.critic.enable
+        return uses_critic(self.config)
 
     # --- checkpoints ----------------------------------------------------------------------------------
 
@@ -183,7 +188,7 @@ class PPOTrainer(TrainingJob):
         every = cfg.trainer.log_samples_every
         if every > 0 and (self.step + 1) % every == 0 and self.layout.rank == 0:
             self.logger.log_samples(self.step + 1, self.sample_rows(batch, rows, scores))
-        source = "reward.model" if self.reward_model is not None else f"reward.function {cfg.reward.function!r}"
+        source = "reward.model" if self.reward_model is not None else f"reward.function {self.reward.name!r}"
         if self._nonfinite({"the reward": scores}, f"{source} must return finite numbers"):
             return self._step_metrics({}, batch, scores, timer, time.perf_counter() - start)
         metrics = self.compute_advantages(batch, scores, token_scores, rows["index"])

@@ -22,6 +22,7 @@ from verl_mega.config.errors import UserError
 
 LOCK_FILE = ".lock"
 INITIAL_ACTOR_PREFIX = "initial_actor_"
+INITIAL_CRITIC_PREFIX = "initial_critic_"  # model.critic_hf_path's conversion
 
 
 class RunFolderLock:

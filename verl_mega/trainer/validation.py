@@ -25,15 +25,16 @@ from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
 from verl_mega.models.external_families import import_family_spec
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_parallel_size, rollout_placement
-from verl_mega.roles.reward import get_reward_fn
+from verl_mega.roles.reward import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.factory import ENGINES
 
 PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp")}
 
 
-def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> None:
-    """Raise ConfigError listing every problem found (each naming its key and the fix)."""
+def validate(config: TrainConfig, world_size: int, check_files: bool = True, reward_fn: RewardFn | None = None) -> None:
+    """Raise ConfigError listing every problem found (each naming its key and the fix). `reward_fn`: a callable
+    handed to the job in place of `reward.function`."""
     problems: list[str] = []
 
     def check(run: Callable[[], object], prefix: str = "") -> object:
@@ -60,14 +61,15 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True) -> 
     known("trainer.log_format", config.trainer.log_format, LOG_FORMATS)
     _check_profiling(config, world_size, need)
     if config.job in ("sft", "dpo"):
+        need(reward_fn is None, f"reward_fn: the {config.job} job learns from its data, not from a reward function")
         _check_offline(config, dp, check_files, check, need, known)
     else:
-        _check_ppo(config, world_size, dp, check_files, check, need, known)
+        _check_ppo(config, world_size, dp, check_files, check, need, known, reward_fn)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
 
-def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, check, need, known) -> None:
+def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, check, need, known, reward_fn) -> None:
     p, a, c, alg = config.parallel, config.actor, config.critic, config.algorithm
     rollout_tp_fits = check(lambda: check_rollout_tp(p.tp, p.rollout_tp, PARALLEL_NAMES) or True)
     if dp is not None and rollout_tp_fits:
@@ -96,7 +98,8 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         need(not check_files or Path(config.reward.reward_model, "config.json").is_file(),
              f"reward.reward_model: {config.reward.reward_model}/config.json does not exist")
     else:
-        check(lambda: get_reward_fn(config.reward.function), "reward.function: ")
+        check(lambda: get_reward_fn(reward_fn or config.reward.function), "reward.function: ")
+        need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
     if check_files:
         _check_files(config, check, need)
 
@@ -205,7 +208,7 @@ def _check_offline_files(config: TrainConfig, check, need) -> None:
     before start-up, naming the file and the row."""
     d = config.data
     has_model = _check_model(config, check, need)
-    need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
+    need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file or datasets folder")
     if not has_model:
         return
     tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
@@ -234,6 +237,10 @@ def _check_model(config: TrainConfig, check, need) -> bool:
     need(has_model, f"model.hf_path: {m.hf_path}/config.json does not exist; point it at an HF model folder")
     for key, ckpt in (("model.actor_ckpt", m.actor_ckpt), ("model.critic_ckpt", m.critic_ckpt)):
         need(not ckpt or Path(ckpt, MANIFEST_NAME).is_file(), f"{key}: {ckpt} is not a verl_mega checkpoint")
+    need(not m.critic_hf_path or Path(m.critic_hf_path, "config.json").is_file(),
+         f"model.critic_hf_path: {m.critic_hf_path}/config.json does not exist; point it at an HF model folder")
+    need(not (m.critic_hf_path and m.critic_ckpt),
+         "model.critic_hf_path and model.critic_ckpt both name the critic's weights; set one of them")
     spec_importable = not m.family_spec or check(lambda: import_family_spec(m.family_spec), "model.family_spec: ")
     if has_model and spec_importable:
         model = check(lambda: load_hf_model_config(m.hf_path, m.family_spec or None)[0], "model.hf_path: ")
@@ -245,7 +252,7 @@ def _check_model(config: TrainConfig, check, need) -> bool:
 def _check_files(config: TrainConfig, check, need) -> None:
     d = config.data
     has_model = _check_model(config, check, need)
-    need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file")
+    need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file or datasets folder")
     prompt_files = {"data.train_files": d.train_files, "data.val_files": d.val_files}
     readable = {key: files for key, files in prompt_files.items() if files and all([
         check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file) or True, f"{key}: ")
