@@ -67,6 +67,7 @@ class ModelConfig:
     # A folder of converted checkpoints shared by runs, one per HF folder's sha256, layout and dtype; empty: the
     # HF folders are converted into the run folder. Not used for a role whose *_ckpt is given.
     conversion_cache: str = ""
+    sha256: str = ""  # expected sha256 of hf_path's config and weights (RUN/provenance.json's); empty: any
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .launch import free_port
 from .layout import data_parallel_size
 from .shims import apply_shims
 from .torchrun import exit_with_agent
@@ -63,7 +64,9 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
         world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        # A process of its own (a script, the Python API) picks a free port: no other rank has to find it, and
+        # a fixed one collides with any other job on the machine.
+        os.environ.setdefault("MASTER_PORT", str(free_port()) if world_size == 1 else "29500")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(

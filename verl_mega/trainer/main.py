@@ -10,6 +10,7 @@ the command line and the Python API (`verl_mega.api`), which may hand a reward f
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import os
 import sys
@@ -78,10 +79,24 @@ def train(config, reward_fn=None) -> None:
     # Before anything is written: a folder of a live run or of another model is refused untouched.
     lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)), layout.rank,
                             config.model.family_spec or None)
+    try:  # released on an error too, so that a script (the Python API) may fix its mistake and train again
+        finished = _run_job(copy.deepcopy(config), layout, run_dir, reward_fn)
+    finally:
+        if lock is not None:
+            lock.release()
+    if not finished and layout.rank == 0:
+        requeue_slurm_job()
+    destroy_parallel()
+
+
+def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
     # Read once per run, by rank 0: the weights' checksums, for the provenance record and the conversion cache.
     checksums = [model_checksums(config) if layout.rank == 0 else None]
     dist.broadcast_object_list(checksums, src=0)
     checksums = checksums[0]
+    if config.model.sha256 and checksums["actor"] != config.model.sha256.lower():
+        raise UserError(f"model.sha256: {config.model.hf_path} has sha256 {checksums['actor']}, not the expected "
+                        f"{config.model.sha256}; point model.hf_path at the expected model or update model.sha256")
     # The saved config names the converted checkpoints the run started from (`verl-mega export --step` reads it).
     config.model.actor_ckpt = str(prepare_checkpoint(config, layout, run_dir, "actor", checksums["actor"]))
     if "critic" in checksums:
@@ -98,11 +113,7 @@ def train(config, reward_fn=None) -> None:
         job = OFFLINE_JOBS[config.job](config, layout, Path(config.model.actor_ckpt), stop_requested=stop)
     finished = job.fit()
     job.close()
-    if not finished and layout.rank == 0:
-        requeue_slurm_job()
-    destroy_parallel()
-    if lock is not None:
-        lock.release()
+    return finished
 
 
 def model_checksums(config) -> dict[str, str]:

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The training image's entry point: train the HF model MODEL_ID on DATASET_PATH with the RL_CONFIG YAML.
+#
+#   MODEL_ID      HF model folder: config.json, weights, tokenizer
+#   DATASET_PATH  parquet or jsonl file, or a folder written by HF datasets' save_to_disk (one split)
+#   RL_CONFIG     training config (YAML, as examples/*.yaml); its job may be ppo (PPO, GRPO, ...), sft or dpo
+#   RUN_DIR       run folder: checkpoints, metrics, provenance.json (default /workspace/runs/<RL_CONFIG's name>);
+#                 a run started again on the same folder resumes
+#   CACHE_DIR     converted checkpoints shared by runs, one per model sha256, layout and dtype
+#                 (default /workspace/cache): the model is converted once and reused
+#   NPROC         processes on this node (default 1; torchrun when more than 1)
+#   MODEL_SHA256  refuse a model whose sha256 differs (the image may bake one in)
+#   PYTHON        the interpreter (default python)
+# Arguments are further dotted config overrides (trainer.total_steps=100 ...). A missing or bad variable
+# exits 2 naming it; so does any config problem the trainer finds.
+set -euo pipefail
+
+fail() {
+    echo "train.sh: $*" >&2
+    exit 2
+}
+
+# Values become OmegaConf overrides, where quotes, backslashes, brackets, commas and ${ are syntax.
+plain_path() {
+    local name=$1 value=$2
+    case "$value" in
+        *[\'\"\\,\[\]]* | *\$\{*) fail "$name=$value: use a path without quotes, backslashes, brackets, commas or \${" ;;
+    esac
+}
+
+[[ -n "${MODEL_ID:-}" ]] || fail "MODEL_ID is not set: point it at an HF model folder (config.json, weights, tokenizer)"
+[[ -f "$MODEL_ID/config.json" ]] || fail "MODEL_ID=$MODEL_ID has no config.json: point it at an HF model folder"
+[[ -n "${DATASET_PATH:-}" ]] || fail "DATASET_PATH is not set: point it at a parquet or jsonl file or a datasets folder"
+[[ -e "$DATASET_PATH" ]] || fail "DATASET_PATH=$DATASET_PATH does not exist"
+[[ -n "${RL_CONFIG:-}" ]] || fail "RL_CONFIG is not set: point it at a YAML training config"
+[[ -f "$RL_CONFIG" ]] || fail "RL_CONFIG=$RL_CONFIG is not a file"
+NPROC=${NPROC:-1}
+[[ "$NPROC" =~ ^[1-9][0-9]{0,3}$ ]] || fail "NPROC=$NPROC must be a number of processes (1 or more)"
+RUN_DIR=${RUN_DIR:-/workspace/runs/$(basename "$RL_CONFIG" .yaml)}
+CACHE_DIR=${CACHE_DIR:-/workspace/cache}
+MODEL_SHA256=${MODEL_SHA256:-}
+[[ -z "$MODEL_SHA256" || "$MODEL_SHA256" =~ ^[0-9a-fA-F]{64}$ ]] || fail "MODEL_SHA256=$MODEL_SHA256 is not a sha256 (64 hex digits)"
+PYTHON=${PYTHON:-python}
+for name in MODEL_ID DATASET_PATH RUN_DIR CACHE_DIR; do
+    plain_path "$name" "${!name}"
+done
+mkdir -p "$RUN_DIR" 2>/dev/null || fail "RUN_DIR=$RUN_DIR cannot be created"
+mkdir -p "$CACHE_DIR" 2>/dev/null || fail "CACHE_DIR=$CACHE_DIR cannot be created"
+
+overrides=(
+    "model.hf_path=$MODEL_ID"
+    "data.train_files=[$DATASET_PATH]"
+    "trainer.run_dir=$RUN_DIR"
+    "model.conversion_cache=$CACHE_DIR"
+    ${MODEL_SHA256:+"model.sha256=$MODEL_SHA256"}
+    "$@"
+)
+echo "train.sh: MODEL_ID=$MODEL_ID DATASET_PATH=$DATASET_PATH RL_CONFIG=$RL_CONFIG RUN_DIR=$RUN_DIR" \
+    "CACHE_DIR=$CACHE_DIR NPROC=$NPROC commit=${VERL_MEGA_COMMIT:-from the package}"
+# exec: the trainer (or torchrun) gets the container's signals itself, so a SIGTERM saves and stops cleanly.
+if ((NPROC > 1)); then
+    exec "$PYTHON" -m verl_mega.cli launch local --nproc "$NPROC" "$RL_CONFIG" "${overrides[@]}"
+fi
+exec "$PYTHON" -m verl_mega.cli train --config "$RL_CONFIG" "${overrides[@]}"

@@ -1,0 +1,121 @@
+"""docker/: the image cannot be built here (no registry), so `train.sh`, its entry point, runs directly on CPU
+and the Dockerfile and the script go through hadolint and shellcheck (pinned in requirements.txt)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_SH = ROOT / "docker" / "train.sh"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+TINY_GRPO = """\
+parallel: {tp: 1, pp: 1}
+data: {max_prompt_length: 16, max_response_length: 4, batch_size: 8, truncation: error}
+rollout: {n: 2}
+actor: {mini_batch_size: 16, micro_batch_size: 16}
+critic: {enable: false}
+algorithm: {adv_estimator: grpo}
+reward: {function: copy}
+trainer: {total_steps: 1, progress_bar: false}
+"""
+
+
+def linter(name: str) -> str:
+    """The linter installed beside this interpreter (the venv's bin, as requirements.txt installs it)."""
+    found = shutil.which(name, path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if found is None:
+        pytest.skip(f"{name} is not installed (pip install -r requirements.txt ships its binary)")
+    return found
+
+
+def test_hadolint_passes_the_dockerfile():
+    done = subprocess.run([linter("hadolint"), "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_train_sh_passes_bash_n_and_shellcheck():
+    subprocess.run(["bash", "-n", str(TRAIN_SH)], check=True)
+    done = subprocess.run([linter("shellcheck"), str(TRAIN_SH)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_image_bakes_the_commit_in_and_enters_through_train_sh():
+    text = DOCKERFILE.read_text()
+    assert "ARG VERL_MEGA_COMMIT" in text and "ENV VERL_MEGA_COMMIT=${VERL_MEGA_COMMIT}" in text
+    assert 'org.opencontainers.image.revision="${VERL_MEGA_COMMIT}"' in text
+    assert 'ENTRYPOINT ["/usr/local/bin/train.sh"]' in text
+    base = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("ARG BASE_IMAGE="))
+    assert ":" in base and not base.endswith(":latest"), base
+
+
+def run_train_sh(env: dict, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    full_env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1",
+                "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(TRAIN_SH), *overrides], env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    from verl_mega.data.synthetic import make_task_rows
+    from verl_mega.data.tables import write_dataset_folder
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("train_sh")
+    (root / "grpo.yaml").write_text(TINY_GRPO)
+    return {"MODEL_ID": str(make_tiny_hf_model(root / "model", "qwen2", vocab_size=64)),
+            "DATASET_PATH": write_dataset_folder(make_task_rows("copy", 32, max_digits=2), root / "copy"),
+            "RL_CONFIG": str(root / "grpo.yaml"), "RUN_DIR": str(root / "run"), "CACHE_DIR": str(root / "cache")}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"MODEL_ID": None}, "MODEL_ID is not set"),
+    ({"MODEL_ID": "/nonexistent/model"}, "MODEL_ID=/nonexistent/model has no config.json"),
+    ({"DATASET_PATH": None}, "DATASET_PATH is not set"),
+    ({"DATASET_PATH": "/nonexistent/data.parquet"}, "DATASET_PATH=/nonexistent/data.parquet does not exist"),
+    ({"RL_CONFIG": ""}, "RL_CONFIG is not set"),
+    ({"RL_CONFIG": "/nonexistent.yaml"}, "RL_CONFIG=/nonexistent.yaml is not a file"),
+    ({"NPROC": "two"}, "NPROC=two must be a number of processes"),
+    ({"NPROC": "0"}, "NPROC=0 must be a number of processes"),
+    ({"MODEL_SHA256": "abc"}, "MODEL_SHA256=abc is not a sha256"),
+    ({"RUN_DIR": "/tmp/run,${oops}"}, "RUN_DIR=/tmp/run,${oops}: use a path without"),
+    ({"CACHE_DIR": "/proc/no/cache"}, "CACHE_DIR=/proc/no/cache cannot be created"),
+])
+def test_missing_or_bad_variables_fail_naming_them(inputs, change, message):
+    env = {key: value for key, value in {**inputs, **change}.items() if value is not None}
+    done = run_train_sh(env)
+    assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
+    assert not Path(inputs["RUN_DIR"], "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_train_sh_trains_converts_once_and_records_provenance(inputs, tmp_path):
+    """Two runs of the same model: the first converts into the cache and trains, the second (another run folder,
+    the model's sha256 given as MODEL_SHA256) trains from the same conversion, untouched."""
+    from verl_mega.checkpoint.hf_assets import model_sha256
+
+    checksum = model_sha256(inputs["MODEL_ID"])
+    first = run_train_sh({**inputs, "VERL_MEGA_COMMIT": "0123abc"})
+    assert first.returncode == 0, first.stderr[-3000:]
+    (conversion,) = Path(inputs["CACHE_DIR"], checksum).iterdir()
+    assert conversion.name == "tp1_pp1_ep1_fp32"
+    assert f"converting the actor's {inputs['MODEL_ID']} into {conversion}" in first.stdout
+    provenance = json.loads(Path(inputs["RUN_DIR"], "provenance.json").read_text())
+    assert provenance["model"] == {"path": inputs["MODEL_ID"], "sha256": checksum}
+    assert provenance["verl_mega"]["commit"] == "0123abc" and provenance["reward"] == {"name": "copy"}
+    assert len(Path(inputs["RUN_DIR"], "metrics.jsonl").read_text().splitlines()) == 1
+
+    before = conversion.stat()
+    second_run = tmp_path / "run2"
+    second = run_train_sh({**inputs, "RUN_DIR": str(second_run), "MODEL_SHA256": checksum.upper()})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"using the converted actor checkpoint {conversion}" in second.stdout
+    assert "converting" not in second.stdout
+    after = conversion.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert json.loads((second_run / "provenance.json").read_text())["model"]["sha256"] == checksum
+    assert not list(second_run.glob("initial_actor_*"))
