@@ -82,17 +82,22 @@ def _available_steps(run_dir: Path) -> str:
 
 
 def _starting_checkpoint(step_folder: Path, role: str) -> Path:
-    """The converted checkpoint `role` started from: model.<role>_ckpt, else the actor's, else the run's own."""
+    """The converted checkpoint `role` started from: model.<role>_ckpt, else the run's own conversion for the
+    role (a critic's from model.critic_hf_path), else the actor's (model.actor_ckpt or the run's)."""
     config_file = step_folder / "config.yaml"
     try:
         config = yaml.safe_load(config_file.read_text())
         model, parallel = config["model"], config["parallel"]
-        named = (model.get("critic_ckpt") if role == "critic" else "") or model.get("actor_ckpt") or ""
+        named, actor_named = model.get(f"{role}_ckpt") or "", model.get("actor_ckpt") or ""
         layout = f"tp{parallel['tp']}_pp{parallel['pp']}_ep{parallel['ep']}"
     except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{config_file} is missing or unreadable ({err}): the step's model is unknown") from None
     run_dir = step_folder.parent.parent
-    candidate = Path(named) if named else run_dir / f"initial_actor_{layout}"
+    own = run_dir / f"initial_{role}_{layout}"
+    if named or own.is_dir():
+        candidate = Path(named) if named else own
+    else:
+        candidate = Path(actor_named) if actor_named else run_dir / f"initial_actor_{layout}"
     if not (candidate / MANIFEST_NAME).is_file():
         raise FileNotFoundError(f"the checkpoint the {role} of {step_folder} started from, {candidate}, is gone: "
                                 "it holds the model's config and tokenizer files the export needs")

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,31 @@ def test_readme_api_example_trains_records_provenance_and_generates(tmp_path):
     assert repr(from_run) == printed.group(1)
     assert cli(["export", "--ckpt", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
     assert vm.load_policy(tmp_path / "hf").generate(prompt, max_new_tokens=4) == from_run
+
+
+def test_conversions_go_to_the_run_folder_or_the_cache_by_checksum_layout_and_dtype(tmp_path):
+    from verl_mega.trainer.main import conversion_path
+
+    config = load_config(None, ["model.hf_path=m", "parallel.tp=2", "model.dtype=bf16"])
+    assert conversion_path(config, tmp_path, "actor", "ab12") == tmp_path / "initial_actor_tp2_pp1_ep1"
+    assert conversion_path(config, tmp_path, "critic", "cd34") == tmp_path / "initial_critic_tp2_pp1_ep1"
+    config.model.conversion_cache = str(tmp_path / "cache")
+    assert conversion_path(config, tmp_path, "critic", "cd34") == tmp_path / "cache" / "cd34" / "tp2_pp1_ep1_bf16"
+    config.model.family_spec = "pkg.mod:SPEC"
+    assert conversion_path(config, tmp_path, "actor", "ab12").name.startswith("tp2_pp1_ep1_bf16_")
+
+
+def test_step_export_finds_the_critic_s_own_conversion(tmp_path):
+    from verl_mega.checkpoint.manifest import MANIFEST_NAME
+    from verl_mega.converters.export import _starting_checkpoint
+
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    step.mkdir(parents=True)
+    (step / "config.yaml").write_text("model: {actor_ckpt: '', critic_ckpt: ''}\nparallel: {tp: 1, pp: 1, ep: 1}\n")
+    for name in ("initial_actor_tp1_pp1_ep1", "initial_critic_tp1_pp1_ep1"):
+        (tmp_path / "run" / name).mkdir()
+        (tmp_path / "run" / name / MANIFEST_NAME).write_text("{}")
+    assert _starting_checkpoint(step, "critic").name == "initial_critic_tp1_pp1_ep1"
+    assert _starting_checkpoint(step, "actor").name == "initial_actor_tp1_pp1_ep1"
+    shutil.rmtree(tmp_path / "run" / "initial_critic_tp1_pp1_ep1")
+    assert _starting_checkpoint(step, "critic").name == "initial_actor_tp1_pp1_ep1"

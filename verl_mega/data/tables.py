@@ -124,14 +124,23 @@ def _parse_json_line(line: str, path: str, line_number: int) -> dict:
 
 
 def write_rows(rows: list[dict], path: str | os.PathLike) -> str:
+    """Written under a temp name and renamed (checkpoint/atomic.py's protocol, which this leaf cannot import), so
+    a reader never sees half a file, even while every rank of a job writes the same rows at once."""
     path = os.fspath(path)
     extension = _extension(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if extension == ".parquet":
-        pyarrow = _import_pyarrow()
-        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
-    else:
-        with open(path, "w", encoding="utf-8") as file:
-            for row in rows:
-                file.write(json.dumps(row) + "\n")
+    folder, name = os.path.split(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    try:
+        if extension == ".parquet":
+            pyarrow = _import_pyarrow()
+            pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp)
+        else:
+            with open(tmp, "w", encoding="utf-8") as file:
+                for row in rows:
+                    file.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return path

@@ -97,20 +97,22 @@ def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
     if config.model.sha256 and checksums["actor"] != config.model.sha256.lower():
         raise UserError(f"model.sha256: {config.model.hf_path} has sha256 {checksums['actor']}, not the expected "
                         f"{config.model.sha256}; point model.hf_path at the expected model or update model.sha256")
-    # The saved config names the converted checkpoints the run started from (`verl-mega export --step` reads it).
-    config.model.actor_ckpt = str(prepare_checkpoint(config, layout, run_dir, "actor", checksums["actor"]))
-    if "critic" in checksums:
-        config.model.critic_ckpt = str(prepare_checkpoint(config, layout, run_dir, "critic", checksums["critic"]))
+    # The converted checkpoint each role starts from: given, or converted from its HF folder.
+    ckpts = {role: prepare_checkpoint(config, layout, run_dir, role, checksum) for role, checksum in checksums.items()}
+    if config.model.conversion_cache:
+        # The saved config names conversions outside the run folder (`verl-mega export --step` reads it); those
+        # inside are found by their names, wherever the run folder is moved.
+        for role, ckpt in ckpts.items():
+            setattr(config.model, f"{role}_ckpt", str(ckpt))
     if layout.rank == 0:
         atomic_write_text(run_dir / "config.yaml", to_yaml(config))
         write_provenance(run_dir, config, checksums, reward_fn)
     stop = StopRequest().install()
     if config.job == "ppo":
-        critic_ckpt = Path(config.model.critic_ckpt) if config.model.critic_ckpt else None
-        job = PPOTrainer(config, layout, Path(config.model.actor_ckpt), critic_ckpt, stop_requested=stop,
-                         reward_fn=reward_fn)
+        critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
+        job = PPOTrainer(config, layout, ckpts["actor"], critic_ckpt, stop_requested=stop, reward_fn=reward_fn)
     else:
-        job = OFFLINE_JOBS[config.job](config, layout, Path(config.model.actor_ckpt), stop_requested=stop)
+        job = OFFLINE_JOBS[config.job](config, layout, ckpts["actor"], stop_requested=stop)
     finished = job.fit()
     job.close()
     return finished
