@@ -226,3 +226,13 @@ def test_step_export_finds_the_critic_s_own_conversion(tmp_path):
     assert _starting_checkpoint(step, "actor").name == "initial_actor_tp1_pp1_ep1"
     shutil.rmtree(tmp_path / "run" / "initial_critic_tp1_pp1_ep1")
     assert _starting_checkpoint(step, "critic").name == "initial_actor_tp1_pp1_ep1"
+
+
+def test_the_commit_comes_from_the_image_else_from_git(monkeypatch):
+    from verl_mega.trainer.provenance import package_commit
+
+    monkeypatch.setenv("VERL_MEGA_COMMIT", "baked0123")
+    assert package_commit() == "baked0123"
+    monkeypatch.delenv("VERL_MEGA_COMMIT")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert package_commit().removesuffix("-dirty") == head.strip()

@@ -218,7 +218,8 @@ class ConfigError(UserError):
     """A config problem; the message names the key and what to do about it."""
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), values: dict[str, Any] | None = None) -> TrainConfig:
+def load_config(path: str | Path | None, overrides: list[str] = (),
+                values: dict[str, Any] | None = None) -> TrainConfig:
     """Typed defaults <- YAML file <- `key.sub=value` overrides <- `values` ({"key.sub": value}, typed already,
     as the Python API passes them). Unknown keys and wrong types are refused."""
     schema = OmegaConf.structured(TrainConfig)

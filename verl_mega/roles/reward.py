@@ -2,8 +2,9 @@
 
 Rule reward functions share verl's `compute_score` signature,
 `fn(data_source, solution_str, ground_truth, extra_info) -> float`, so verl reward files can be
-used unchanged through a "module:function" path; the Python API hands the function itself. Sequence scores become token-level rewards at the
-last valid response token, where PPO/GRPO advantage estimation expects the outcome reward.
+used unchanged through a "module:function" path (the Python API hands over the function itself).
+Sequence scores become token-level rewards at the last valid response token, where PPO/GRPO
+advantage estimation expects the outcome reward.
 """
 from __future__ import annotations
 

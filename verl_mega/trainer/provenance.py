@@ -67,8 +67,9 @@ def write_provenance(run_dir: Path, config: TrainConfig, checksums: dict[str, st
     record = {
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": {"path": config.model.hf_path, "sha256": checksums["actor"]},
-        **({"critic": {"path": config.model.critic_hf_path, "sha256": checksums["critic"]}} if "critic" in checksums else {}),
         "verl_mega": {"version": package_version(), "commit": package_commit()},
         "reward": reward_provenance(config, reward_fn),
     }
+    if "critic" in checksums:
+        record["critic"] = {"path": config.model.critic_hf_path, "sha256": checksums["critic"]}
     return atomic_write_text(Path(run_dir) / PROVENANCE_FILE, json.dumps(record, indent=2) + "\n")
