@@ -69,9 +69,9 @@ def test_trainer_builds_the_config_the_command_line_builds(tmp_path):
     assert trainer.reward_fn is score_by_length
     # A dict of dotted keys takes the place of the YAML file; the arguments win over it.
     trainer = vm.Trainer(algorithm="grpo", actor="m", train_data="x.jsonl", reward_fn="copy",
-                         config={"trainer.total_steps": 3, "model.hf_path": "ignored", "rollout.n": 4})
-    assert (trainer.config.trainer.total_steps, trainer.config.model.hf_path, trainer.config.rollout.n,
-            trainer.config.reward.function, trainer.reward_fn) == (3, "m", 4, "copy", None)
+                         config={"trainer.total_steps": 3, "model.hf_path": "ignored", "trainer.run_dir": "runs/mine"})
+    assert (trainer.config.trainer.total_steps, trainer.config.model.hf_path, trainer.run_dir,
+            trainer.config.reward.function, trainer.reward_fn) == (3, "m", Path("runs/mine"), "copy", None)
 
 
 @pytest.mark.parametrize("kwargs, message", [

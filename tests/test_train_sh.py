@@ -94,8 +94,8 @@ def test_missing_or_bad_variables_fail_naming_them(inputs, change, message):
 
 @pytest.mark.slow
 def test_train_sh_trains_converts_once_and_records_provenance(inputs, tmp_path):
-    """Two runs of the same model: the first converts into the cache and trains, the second (another run folder,
-    the model's sha256 given as MODEL_SHA256) trains from the same conversion, untouched."""
+    """Two runs of the same model: the first (GRPO) converts into the cache and trains, the second (PPO in another
+    run folder, the model's sha256 given as MODEL_SHA256) trains actor and critic from that conversion, untouched."""
     from verl_mega.checkpoint.hf_assets import model_sha256
 
     checksum = model_sha256(inputs["MODEL_ID"])
@@ -110,12 +110,21 @@ def test_train_sh_trains_converts_once_and_records_provenance(inputs, tmp_path):
     assert len(Path(inputs["RUN_DIR"], "metrics.jsonl").read_text().splitlines()) == 1
 
     before = conversion.stat()
+    # The second run also gives PPO's critic the same HF folder (arguments are config overrides): its conversion
+    # is the very same cache entry.
     second_run = tmp_path / "run2"
-    second = run_train_sh({**inputs, "RUN_DIR": str(second_run), "MODEL_SHA256": checksum.upper()})
+    second = run_train_sh({**inputs, "RUN_DIR": str(second_run), "MODEL_SHA256": checksum.upper()},
+                          "algorithm.adv_estimator=gae", "critic.enable=true",
+                          f"model.critic_hf_path={inputs['MODEL_ID']}")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"using the converted actor checkpoint {conversion}" in second.stdout
+    for role in ("actor", "critic"):
+        assert f"using the converted {role} checkpoint {conversion}" in second.stdout
     assert "converting" not in second.stdout
     after = conversion.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    assert json.loads((second_run / "provenance.json").read_text())["model"]["sha256"] == checksum
-    assert not list(second_run.glob("initial_actor_*"))
+    provenance = json.loads((second_run / "provenance.json").read_text())
+    assert provenance["model"]["sha256"] == provenance["critic"]["sha256"] == checksum
+    assert not list(second_run.glob("initial_*"))
+    assert (second_run / "final_critic").is_dir()
+    # `verl-mega export --step` finds the conversion a step started from through the run's config.
+    assert f"critic_ckpt: {conversion}" in (second_run / "config.yaml").read_text()

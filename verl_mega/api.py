@@ -49,14 +49,15 @@ class Trainer:
     Bad settings raise UserError naming the key, before any process group starts."""
 
     def __init__(self, algorithm: str = "grpo", *, actor: str | os.PathLike, train_data, critic=None,
-                 reward_fn: RewardFn | str | None = None, val_data=None, run_dir: str | os.PathLike = "runs/default",
+                 reward_fn: RewardFn | str | None = None, val_data=None, run_dir: str | os.PathLike | None = None,
                  config: str | os.PathLike | dict[str, Any] | None = None):
         if config is not None and not isinstance(config, (dict, str, os.PathLike)):
             raise UserError(f"config: {type(config).__name__} given; pass a YAML file or a dict of dotted keys")
         values = dict(config) if isinstance(config, dict) else {}
         values.update(algorithm_settings(algorithm))
-        values.update({"model.hf_path": os.fspath(actor), "data.train_files": _files(train_data, "train_data"),
-                       "trainer.run_dir": os.fspath(run_dir)})
+        values.update({"model.hf_path": os.fspath(actor), "data.train_files": _files(train_data, "train_data")})
+        if run_dir is not None:  # else the config's (trainer.run_dir, runs/default by default)
+            values["trainer.run_dir"] = os.fspath(run_dir)
         if critic is not None:
             values["model.critic_hf_path"] = os.fspath(critic)
         if val_data is not None:
