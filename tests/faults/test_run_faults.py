@@ -156,7 +156,7 @@ def test_non_finite_rewards_reach_the_trainer_as_such(inputs, function):
 @pytest.mark.parametrize("raised, code", [(KeyError("bug"), None), (ValueError("a bug's ValueError"), None),
                                           (UserError("data.seed: fix me"), 2)])
 def test_only_user_errors_become_exit_2_bugs_keep_their_traceback(capsys, monkeypatch, inputs, tmp_path, raised, code):
-    def train(config):
+    def train(config, reward_fn=None):
         raise raised
 
     monkeypatch.setattr(trainer_main, "train", train)
