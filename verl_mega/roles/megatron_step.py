@@ -14,19 +14,22 @@ import torch.distributed as dist
 
 from verl_mega.algorithms import agg_units
 from verl_mega.parallel.pipeline import forward_only_outputs
+from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout, device
 
 from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, micro_batches, pad_response_columns
 
 
 def stage_forward(stage_model, micro_batch: Batch) -> torch.Tensor:
-    """This pipeline stage's forward; the last stage returns [b, L, V/tp] logits (or the role's head output)."""
+    """This pipeline stage's forward; the last stage returns [b, L, V/tp] logits (or the role's head output).
+    The model's forward passes no literal CUDA device, so it runs without the CPU shims' per-op hook."""
     here = device()
-    return stage_model(
-        micro_batch["input_ids"].to(here),
-        micro_batch["position_ids"].to(here),
-        causal_padding_mask(micro_batch["attention_mask"].to(here)),
-    )
+    with cuda_device_rewrite_paused():
+        return stage_model(
+            micro_batch["input_ids"].to(here),
+            micro_batch["position_ids"].to(here),
+            causal_padding_mask(micro_batch["attention_mask"].to(here)),
+        )
 
 
 def shapes_may_vary(model) -> bool:
