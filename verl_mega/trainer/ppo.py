@@ -75,13 +75,16 @@ class PPOTrainer(TrainingJob):
 
         # The critic and the reference run in the actor's dtype, whatever their checkpoints were saved in.
         dtype = config.model.dtype
+        packed = config.actor.use_packed_sequences
         self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
-                           schedule_steps=optimizer_steps(config, config.actor))
-        self.reference = make_reference(actor_ckpt, use_kl=needs_reference(config), dtype=dtype)
+                           schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed)
+        self.reference = make_reference(actor_ckpt, use_kl=needs_reference(config), dtype=dtype,
+                                        packed_sequences=packed)
         self.critic = None
         if self.uses_critic:
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
             self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss, dtype=dtype,
+                                 packed_sequences=config.critic.use_packed_sequences,
                                  schedule_steps=optimizer_steps(config, config.critic))
         self.reward = RuleReward(self.tokenizer, reward_fn or config.reward.function)
         self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
