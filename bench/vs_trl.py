@@ -16,6 +16,9 @@ same number of tokens per step.
 
 Printed: per system the median step time over the steps after the first (warm-up), completion tokens/s,
 the per-stage breakdown and the time outside the steps (start-up and the final save), then the ratio.
+verl_mega's time outside the steps includes starting its process and importing torch, transformers and
+megatron-core, which TRL, running in this process, has done before its clock starts; the header prints
+what those imports take in a fresh interpreter on each side.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import os
 import random
 import statistics
 import string
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,6 +132,7 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
         use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to="none", save_strategy="no",
         seed=1, dataloader_num_workers=0, disable_dropout=True,
     )
+    start = time.perf_counter()  # like verl_mega's, TRL's time outside the steps includes loading the model
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=copy_reward, args=config, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(hf_dir))
@@ -156,7 +161,6 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
             stage_seconds[-1]["step"] = time.perf_counter() - stage_seconds[-1].pop("_start")
 
     trainer.add_callback(StepTimes())
-    start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     lengths = [record["completions/mean_length"] for record in trainer.state.log_history
@@ -201,6 +205,14 @@ trainer: {{total_steps: {steps}, seed: 1, progress_bar: false}}
     return summarise(stage_seconds, [record["response/length_mean"] for record in records], wall)
 
 
+def import_seconds(module: str, threads: int) -> float:
+    """Seconds a fresh interpreter takes to import `module` (and all it pulls in)."""
+    code = f"import time; start = time.perf_counter(); import {module}; print(time.perf_counter() - start)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return float(result.stdout.strip().splitlines()[-1])
+
+
 def summarise(stage_seconds: list[dict[str, float]], mean_lengths: list[float], wall: float) -> dict:
     """Medians over the steps after the first; tokens/s from the completion tokens of the same steps."""
     measured = stage_seconds[1:] or stage_seconds
@@ -240,6 +252,8 @@ def main(argv=None) -> int:
     rows = copy_rows(PROMPTS_PER_STEP * args.steps)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.steps} steps per system, "
           f"{PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, fp32, load average {os.getloadavg()[0]:.1f}")
+    print(f"imports in a fresh interpreter: trl {import_seconds('trl.trainer.grpo_trainer', args.threads):.1f} s, "
+          f"verl_mega's trainer {import_seconds('verl_mega.trainer.main', args.threads):.1f} s")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for scale in scales:
