@@ -116,7 +116,8 @@ class UpdateSchedule:
     # included) instead of micro_batch_size sequences, as verl's use_dynamic_bsz; the loss is the same.
     max_tokens_per_micro_batch: int = 0
     # Padding-free THD micro-batches (each row's tokens back to back, megatron's PackedSeqParams): auto (on with
-    # transformer-engine's layers, i.e. on a GPU with it installed) | true (refused without them) | false.
+    # transformer-engine's layers in bf16/fp16, i.e. on a GPU with it installed) | true (refused without
+    # transformer-engine) | false.
     use_packed_sequences: str = "auto"
 
 

@@ -79,8 +79,9 @@ def uses_transformer_engine(model) -> bool:
 
 def resolve_sequence_packing(setting: str, model, key: str) -> bool:
     """`setting` (auto | true | false, the config's `key`) -> whether this model's passes pack their rows.
-    auto: whenever the layers are transformer-engine's and micro-batches may vary in shape (packed rows differ
-    in length); true refuses a model where that does not hold."""
+    auto: whenever the layers are transformer-engine's, micro-batches may vary in shape (packed rows differ in
+    length) and the model is bf16/fp16, the dtypes of the flash and cuDNN attention kernels that take THD
+    input (in fp32 only some transformer-engine releases can); true refuses a model without the first two."""
     setting = str(setting).lower()
     if setting not in PACKING_SETTINGS:
         raise ConfigError(f"{key}={setting!r} must be one of {', '.join(PACKING_SETTINGS)}")
@@ -91,13 +92,20 @@ def resolve_sequence_packing(setting: str, model, key: str) -> bool:
         raise ConfigError(f"{key}=true needs transformer-engine's layers (THD packed attention, on a GPU with "
                           "transformer-engine installed); this model runs megatron's local layers: set it to "
                           "auto or false")
-    if possible and not shapes_may_vary(model):
+    if not possible:
+        return False
+    if not shapes_may_vary(model):
         if setting == "true":
             raise ConfigError(f"{key}=true needs micro-batches of varying shape, which this model's pipeline "
                               "cannot exchange (pipeline parallelism without variable_seq_lengths): set it to auto "
                               "or false")
         return False
-    return possible
+    if setting == "auto":
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(model)
+        return bool(config.bf16 or config.fp16)
+    return True
 
 
 def shapes_may_vary(model) -> bool:
