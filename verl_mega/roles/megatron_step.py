@@ -53,8 +53,8 @@ def _is_last_stage() -> bool:
 
 
 def _packed_run_multiple() -> int:
-    """Sequence parallelism splits the packed row over the tensor-parallel ranks: each run is padded to a
-    multiple of their number (transformer-engine's THD attention wants the runs, not only the row, aligned)."""
+    """Each run is padded to a multiple of the tensor-parallel size, so that under sequence parallelism the
+    packed row splits evenly over the TP ranks."""
     return current_layout().tp
 
 
