@@ -66,7 +66,7 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True, rew
         known(f"{role}.use_packed_sequences", packing, PACKING_SETTINGS)
         need(packing != "true" or transformer_engine_available(),
              f"{role}.use_packed_sequences=true needs transformer-engine on a GPU (THD packed attention); set it "
-             "to auto (packs where transformer-engine runs) or false")
+             "to auto (packs where transformer-engine runs in bf16/fp16) or false")
     if config.job in ("sft", "dpo"):
         need(reward_fn is None, f"reward_fn: the {config.job} job learns from its data, not from a reward function")
         _check_offline(config, dp, check_files, check, need, known)
