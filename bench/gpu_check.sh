@@ -7,7 +7,8 @@
 # $PYTHON's environment holds a CUDA build of torch and requirements.txt (megatron-core, transformers, ...);
 # transformer-engine and vLLM are used when installed (their checks SKIP otherwise). Nothing is installed.
 # Checks: the CUDA kernels build and equal the PyTorch reference, and their speed; logit parity with
-# transformers after conversion, with the transformer-engine layer spec; PPO steps over NCCL at (1,1,1) and,
+# transformers after conversion, with the transformer-engine layer spec; THD packed sequences against padded
+# ones (bench/gpu_packing_check.py); PPO steps over NCCL at (1,1,1) and,
 # with 2+ GPUs, TP2; vLLM rollout through the HybridEngine at rollout TP 1 (2 with 2+ GPUs), greedy tokens
 # equal to transformers'. Logs go to build/gpu-check/.
 set -uo pipefail
@@ -70,8 +71,11 @@ if has transformer_engine; then
         check "te-parity-$family" 120 "$PYTHON" -m verl_mega.cli convert hf-to-mcore --hf "$WORK/$family" \
             --out "$WORK/te_$family" --verify
     done
+    # THD packed micro-batches (actor.use_packed_sequences) against padded ones, and an update from them.
+    check te-packed-sequences 120 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 bench/gpu_packing_check.py "$WORK"
 else
     skip te-parity "transformer-engine is not installed"
+    skip te-packed-sequences "transformer-engine is not installed"
 fi
 
 # 3. PPO steps over NCCL: GRPO on the tiny copy task, 2 steps, at (1,1,1) and TP2.

@@ -14,8 +14,12 @@ Models are built here, nothing comes from a hub: `tiny` is the tests' tiny Qwen2
 `tokenizers` on generated text. Random weights generate until the length limit, so both systems decode the
 same number of tokens per step.
 
-Printed: per system the median step time over the steps after the first (warm-up), completion tokens/s,
+Printed: per system the median step time (wall, and the process's CPU time, which a busy shared machine
+disturbs much less) over the steps after the first (warm-up), completion tokens/s,
 the per-stage breakdown and the time outside the steps (start-up and the final save), then the ratio.
+verl_mega's time outside the steps includes starting its process and importing torch, transformers and
+megatron-core, which TRL, running in this process, has done before its clock starts; the header prints
+what verl_mega's imports take in a fresh interpreter.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import os
 import random
 import statistics
 import string
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,6 +133,7 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
         use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to="none", save_strategy="no",
         seed=1, dataloader_num_workers=0, disable_dropout=True,
     )
+    start = time.perf_counter()  # like verl_mega's, TRL's time outside the steps includes loading the model
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=copy_reward, args=config, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(hf_dir))
@@ -150,13 +156,13 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            stage_seconds.append({"_start": time.perf_counter()})
+            stage_seconds.append({"_start": time.perf_counter(), "_cpu_start": time.process_time()})
 
         def on_step_end(self, args, state, control, **kwargs):
             stage_seconds[-1]["step"] = time.perf_counter() - stage_seconds[-1].pop("_start")
+            stage_seconds[-1]["step_cpu"] = time.process_time() - stage_seconds[-1].pop("_cpu_start")
 
     trainer.add_callback(StepTimes())
-    start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     lengths = [record["completions/mean_length"] for record in trainer.state.log_history
@@ -195,19 +201,28 @@ trainer: {{total_steps: {steps}, seed: 1, progress_bar: false}}
     ], env={"OMP_NUM_THREADS": str(threads)})
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    stage_seconds = [{"step": record["perf/step_seconds"],
+    stage_seconds = [{"step": record["perf/step_seconds"], "step_cpu": record["perf/step_cpu_seconds"],
                       **{key[len("timing/"):]: value for key, value in record.items() if key.startswith("timing/")}}
                      for record in records]
     return summarise(stage_seconds, [record["response/length_mean"] for record in records], wall)
 
 
+def import_seconds(module: str, threads: int) -> float:
+    """Seconds a fresh interpreter takes to import `module` (and all it pulls in)."""
+    code = f"import time; start = time.perf_counter(); import {module}; print(time.perf_counter() - start)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return float(result.stdout.strip().splitlines()[-1])
+
+
 def summarise(stage_seconds: list[dict[str, float]], mean_lengths: list[float], wall: float) -> dict:
     """Medians over the steps after the first; tokens/s from the completion tokens of the same steps."""
     measured = stage_seconds[1:] or stage_seconds
-    stages = sorted({name for seconds in measured for name in seconds} - {"step"})
+    stages = sorted({name for seconds in measured for name in seconds} - {"step", "step_cpu"})
     step = statistics.median(seconds["step"] for seconds in measured)
+    step_cpu = statistics.median(seconds["step_cpu"] for seconds in measured)
     tokens = statistics.median(mean_lengths[1:] or mean_lengths) * SEQUENCES_PER_STEP
-    return {"step": step, "tokens_per_second": tokens / step, "completion_tokens": tokens,
+    return {"step": step, "step_cpu": step_cpu, "tokens_per_second": tokens / step, "completion_tokens": tokens,
             "stages": {name: statistics.median(seconds.get(name, 0.0) for seconds in measured) for name in stages},
             "outside_steps": wall - sum(seconds["step"] for seconds in stage_seconds)}
 
@@ -216,11 +231,13 @@ def report(scale: str, trl: dict, ours: dict) -> None:
     print(f"\n== {scale}: median of the steps after the first ==")
     for name, result in (("TRL GRPOTrainer", trl), ("verl_mega", ours)):
         stages = ", ".join(f"{stage} {seconds:.3f}" for stage, seconds in result["stages"].items())
-        print(f"{name:<16} step {result['step']:.3f} s, {result['completion_tokens']:.0f} completion tokens, "
+        print(f"{name:<16} step {result['step']:.3f} s (CPU {result['step_cpu']:.3f} s), "
+              f"{result['completion_tokens']:.0f} completion tokens, "
               f"{result['tokens_per_second']:.0f} tokens/s; outside the steps {result['outside_steps']:.1f} s")
         print(f"{'':<16} stages (s): {stages}")
     print(f"verl_mega / TRL: {trl['step'] / ours['step']:.2f}x steps/s, "
-          f"{ours['tokens_per_second'] / trl['tokens_per_second']:.2f}x completion tokens/s")
+          f"{ours['tokens_per_second'] / trl['tokens_per_second']:.2f}x completion tokens/s; "
+          f"{trl['step_cpu'] / ours['step_cpu']:.2f}x in CPU seconds per step (steadier when the machine is shared)")
 
 
 def main(argv=None) -> int:
@@ -240,6 +257,8 @@ def main(argv=None) -> int:
     rows = copy_rows(PROMPTS_PER_STEP * args.steps)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.steps} steps per system, "
           f"{PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, fp32, load average {os.getloadavg()[0]:.1f}")
+    print(f"verl_mega's trainer imports in {import_seconds('verl_mega.trainer.main', args.threads):.1f} s in a fresh "
+          "interpreter (inside its time outside the steps; TRL's imports precede its clock)")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for scale in scales:

@@ -12,6 +12,7 @@ saved (flattened ranges unsupported).
 """
 from __future__ import annotations
 
+import queue
 from pathlib import Path
 
 import torch
@@ -26,9 +27,21 @@ def save_training_state(trainable, directory: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     _ensure_optimizer_state(trainable.optimizer)
+    _collect_write_results_in_process()
     torch.distributed.barrier()  # the caller may have created `directory` on one rank only
     dist_checkpointing.save(_sharded_state(trainable, is_loading=False), str(directory))
     torch.distributed.barrier()
+
+
+def _collect_write_results_in_process() -> None:
+    """megatron's torch_dist writer hands its write results over a queue that it makes on first use through a
+    multiprocessing Manager started with "spawn": a fresh interpreter that re-imports the trainer's main module
+    (torch, megatron), 5-13 s of a run's first checkpoint on a tiny model. The saves here are synchronous, so
+    the results are put and taken in this process and a plain queue carries them."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_training_state(trainable, directory: str | Path) -> None:

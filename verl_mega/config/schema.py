@@ -115,6 +115,10 @@ class UpdateSchedule:
     # > 0: micro-batches of as many consecutive sequences as fit this many tokens (padding to the longest
     # included) instead of micro_batch_size sequences, as verl's use_dynamic_bsz; the loss is the same.
     max_tokens_per_micro_batch: int = 0
+    # Padding-free THD micro-batches (each row's tokens back to back, megatron's PackedSeqParams): auto (on with
+    # transformer-engine's layers in bf16/fp16, i.e. on a GPU with it installed) | true (refused without
+    # transformer-engine) | false.
+    use_packed_sequences: str = "auto"
 
 
 @dataclass

@@ -106,7 +106,7 @@ def layer_spec(family: FamilySpec, cfg: HFModelConfig, config, implementation: s
     from megatron.core.models.gpt import gpt_layer_specs
 
     if implementation == "auto":
-        implementation = "te" if _transformer_engine_available() else "local"
+        implementation = "te" if transformer_engine_available() else "local"
     if family.block_spec is not None:
         return family.block_spec(cfg, config, implementation == "te")
     if _mixes_dense_and_moe_layers(cfg, family):
@@ -122,7 +122,7 @@ def layer_spec(family: FamilySpec, cfg: HFModelConfig, config, implementation: s
     )
 
 
-def _transformer_engine_available() -> bool:
+def transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
     except ImportError:

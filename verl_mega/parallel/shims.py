@@ -14,6 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _applied = False
+_device_mode: TorchFunctionMode | None = None  # the process-wide mode below, once the CPU shims are applied
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):
@@ -87,7 +88,21 @@ def _apply_cpu_shims() -> None:
     megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
     _patch_optimizer_cuda_type_checks()
     # Literal "cuda" devices elsewhere: a function mode for the life of the process.
-    _CudaDeviceToCpu().__enter__()
+    global _device_mode
+    _device_mode = _CudaDeviceToCpu()
+    _device_mode.__enter__()
+
+
+@contextlib.contextmanager
+def cuda_device_rewrite_paused():
+    """Runs code that passes no literal CUDA device (transformers' `generate`) without the process-wide device
+    mode: its Python hook on every torch call doubled the embedded engine's decode time on the tiny model.
+    A no-op where the mode is not applied (GPU) or is not the innermost function mode."""
+    if _device_mode is None or torch.overrides._get_current_function_mode() is not _device_mode:
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
 
 
 def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):

@@ -14,7 +14,7 @@ from verl_mega.config import OptimConfig, PolicyLossConfig
 
 from .batching import Batch, batch_size, response_window
 from .logprobs import vocab_parallel_logprobs
-from .megatron_step import MicroBatchShare, compute_per_token
+from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
 from .trainable import TrainableModel
 
 
@@ -37,7 +37,8 @@ def response_logprobs(logits: torch.Tensor, micro_batch: Batch, vocab_size: int,
 
 
 def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_size: int,
-                              return_entropy: bool = False, max_tokens: int = 0) -> dict[str, torch.Tensor]:
+                              return_entropy: bool = False, max_tokens: int = 0, packed: bool = False
+                              ) -> dict[str, torch.Tensor]:
     """Forward-only {'log_probs'[, 'entropy']} [B, R] of the responses, on every rank (actor and reference)."""
     names = ("log_probs", "entropy") if return_entropy else ("log_probs",)
 
@@ -46,7 +47,7 @@ def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_
         return dict(zip(names, outputs if return_entropy else (outputs,)))
 
     model.eval()
-    return compute_per_token(model, batch, micro_batch_size, names, per_token, max_tokens)
+    return compute_per_token(model, batch, micro_batch_size, names, per_token, max_tokens, packed)
 
 
 def is_on_policy(ppo_epochs: int, mini_batch_size: int, rows: int) -> bool:
@@ -58,9 +59,11 @@ def is_on_policy(ppo_epochs: int, mini_batch_size: int, rows: int) -> bool:
 
 class Actor:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None, *,
-                 schedule_steps: int, **config_overrides):
+                 schedule_steps: int, packed_sequences: str = "auto", **config_overrides):
+        """`packed_sequences`: auto | true | false, `actor.use_packed_sequences` (see `resolve_sequence_packing`)."""
         module, self.vocab_size = load_policy(ckpt_dir, **config_overrides)
-        self.trainable = TrainableModel(module, optim, schedule_steps)
+        packed = resolve_sequence_packing(packed_sequences, module, "actor.use_packed_sequences")
+        self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or PolicyLossConfig()
         self._policy_loss = get_policy_loss_fn(self.loss.policy_loss)
 
@@ -72,7 +75,7 @@ class Actor:
                          max_tokens: int = 0):
         """{'log_probs'[, 'entropy']} of the response tokens, [B, R] float32 on every rank."""
         return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy,
-                                         max_tokens)
+                                         max_tokens, self.trainable.packed)
 
     @property
     def uses_kl_loss(self) -> bool:

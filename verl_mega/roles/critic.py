@@ -13,7 +13,7 @@ from verl_mega.config import OptimConfig, ValueLossConfig
 
 from .actor import load_policy
 from .batching import Batch, response_window
-from .megatron_step import MicroBatchShare, compute_per_token
+from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
 from .trainable import TrainableModel
 
 
@@ -49,10 +49,12 @@ def attach_value_head(model) -> None:
 
 class Critic:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: ValueLossConfig | None = None, *,
-                 schedule_steps: int, **config_overrides):
+                 schedule_steps: int, packed_sequences: str = "auto", **config_overrides):
+        """`packed_sequences`: auto | true | false, `critic.use_packed_sequences`."""
         module, _ = load_policy(ckpt_dir, **config_overrides)
         attach_value_head(module)
-        self.trainable = TrainableModel(module, optim, schedule_steps)
+        packed = resolve_sequence_packing(packed_sequences, module, "critic.use_packed_sequences")
+        self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or ValueLossConfig()
 
     @property
@@ -64,7 +66,7 @@ class Critic:
         self.model.eval()
         return compute_per_token(self.model, batch, micro_batch_size, ("values",),
                                  lambda output, micro_batch: {"values": _response_values(output, micro_batch)},
-                                 max_tokens)["values"]
+                                 max_tokens, self.trainable.packed)["values"]
 
     def update_critic(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
                       max_tokens: int = 0) -> dict:

@@ -7,26 +7,105 @@ the pipeline schedule, and bringing results from the last pipeline stage (and ev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from verl_mega.algorithms import agg_units
+from verl_mega.config import ConfigError
+from verl_mega.data.packing import PackedRows, pack, pack_layout, unpack
 from verl_mega.parallel.pipeline import forward_only_outputs
+from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout, device
 
 from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, micro_batches, pad_response_columns
 
 
-def stage_forward(stage_model, micro_batch: Batch) -> torch.Tensor:
-    """This pipeline stage's forward; the last stage returns [b, L, V/tp] logits (or the role's head output)."""
+def stage_forward(stage_model, micro_batch: Batch, packed: bool = False) -> torch.Tensor:
+    """This pipeline stage's forward; the last stage returns [b, L, V/tp] logits (or the role's head output).
+    `packed`: the rows go through as one padding-free THD row (transformer-engine layers only), and the last
+    stage's output comes back in the padded layout, so what consumes it does not change.
+    The model's forward passes no literal CUDA device, so it runs without the CPU shims' per-op hook."""
     here = device()
-    return stage_model(
-        micro_batch["input_ids"].to(here),
-        micro_batch["position_ids"].to(here),
-        causal_padding_mask(micro_batch["attention_mask"].to(here)),
-    )
+    with cuda_device_rewrite_paused():
+        if not packed:
+            return stage_model(
+                micro_batch["input_ids"].to(here),
+                micro_batch["position_ids"].to(here),
+                causal_padding_mask(micro_batch["attention_mask"].to(here)),
+            )
+        layout = pack_layout(micro_batch["attention_mask"], multiple_of=_packed_run_multiple())
+        output = stage_model(
+            pack(micro_batch["input_ids"], layout).to(here),
+            layout.position_ids().to(here),
+            None,
+            packed_seq_params=_packed_seq_params(layout, here),
+        )
+        return unpack(output, layout) if _is_last_stage() else output
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage()
+
+
+def _packed_run_multiple() -> int:
+    """Each run is padded to a multiple of the tensor-parallel size, so that under sequence parallelism the
+    packed row splits evenly over the TP ranks."""
+    return current_layout().tp
+
+
+def _packed_seq_params(layout: PackedRows, here):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = layout.cu_seqlens.to(here)
+    cu_seqlens_padded = layout.cu_seqlens_padded.to(here)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+                           max_seqlen_q=layout.max_seqlen, max_seqlen_kv=layout.max_seqlen)
+
+
+PACKING_SETTINGS = ("auto", "true", "false")
+
+
+def uses_transformer_engine(model) -> bool:
+    """Whether the model's layers are transformer-engine's (the GPU layer spec), which alone take THD input."""
+    return any(type(module).__module__.startswith("megatron.core.extensions.transformer_engine")
+               for module in model.modules())
+
+
+def resolve_sequence_packing(setting: str, model, key: str) -> bool:
+    """`setting` (auto | true | false, the config's `key`) -> whether this model's passes pack their rows.
+    auto: whenever the layers are transformer-engine's, micro-batches may vary in shape (packed rows differ in
+    length) and the model is bf16/fp16, the dtypes of the flash and cuDNN attention kernels that take THD
+    input (in fp32 only some transformer-engine releases can); true refuses a model without the first two."""
+    setting = str(setting).lower()
+    if setting not in PACKING_SETTINGS:
+        raise ConfigError(f"{key}={setting!r} must be one of {', '.join(PACKING_SETTINGS)}")
+    if setting == "false":
+        return False
+    possible = uses_transformer_engine(model)
+    if setting == "true" and not possible:
+        raise ConfigError(f"{key}=true needs transformer-engine's layers (THD packed attention, on a GPU with "
+                          "transformer-engine installed); this model runs megatron's local layers: set it to "
+                          "auto or false")
+    if not possible:
+        return False
+    if not shapes_may_vary(model):
+        if setting == "true":
+            raise ConfigError(f"{key}=true needs micro-batches of varying shape, which this model's pipeline "
+                              "cannot exchange (pipeline parallelism without variable_seq_lengths): set it to auto "
+                              "or false")
+        return False
+    if setting == "auto":
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(model)
+        return bool(config.bf16 or config.fp16)
+    return True
 
 
 def shapes_may_vary(model) -> bool:
@@ -38,17 +117,18 @@ def shapes_may_vary(model) -> bool:
 
 
 def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: Sequence[str],
-                      per_token: Callable[[torch.Tensor, Batch], dict[str, torch.Tensor]], max_tokens: int = 0
-                      ) -> dict[str, torch.Tensor]:
+                      per_token: Callable[[torch.Tensor, Batch], dict[str, torch.Tensor]], max_tokens: int = 0,
+                      packed: bool = False) -> dict[str, torch.Tensor]:
     """Forward-only: `per_token(last_stage_output, micro_batch)` gives float32 [b, r] tensors named
     `output_names` (r: the micro-batch's trimmed response width); returns them as [B, R] for the whole global
-    batch on every rank. `max_tokens`: a token budget per micro-batch instead of `micro_batch_size` rows."""
+    batch on every rank. `max_tokens`: a token budget per micro-batch instead of `micro_batch_size` rows.
+    `packed`: see `stage_forward`."""
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
     local = dp_slice(batch, layout.dp_rank, layout.dp)
     pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model))
-    outputs = forward_only_outputs(model, pieces, stage_forward, per_token)
+    outputs = forward_only_outputs(model, pieces, partial(stage_forward, packed=packed), per_token)
     shape = tuple(local["responses"].shape)
     results = {}
     for name in output_names:
@@ -87,7 +167,7 @@ LossFn = Callable[[torch.Tensor, Batch, MicroBatchShare], tuple[torch.Tensor, di
 
 
 def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_mode: str, metric_names: Sequence[str],
-                     loss_fn: LossFn, max_tokens: int = 0) -> dict[str, float]:
+                     loss_fn: LossFn, max_tokens: int = 0, packed: bool = False) -> dict[str, float]:
     """Accumulate the gradient of one global mini-batch's loss into `model`'s grad buffers.
 
     `mini_batch` is the global mini-batch; each DP rank takes its slice. `loss_fn(output, micro_batch, share)`
@@ -95,7 +175,7 @@ def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_m
     metrics already weighted by a share; contributions add up to the mini-batch values over micro-batches
     and DP ranks, so the loss, its gradient and the metrics do not depend on the layout or micro-batch size,
     nor on a token budget (`max_tokens`) grouping the rows instead, which may give DP ranks different numbers
-    of micro-batches. Returns the summed metrics on every rank.
+    of micro-batches. `packed`: see `stage_forward`. Returns the summed metrics on every rank.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -112,7 +192,7 @@ def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_m
 
     def forward_step(data_iterator, stage_model):
         micro_batch = next(data_iterator)
-        output = stage_forward(stage_model, micro_batch)
+        output = stage_forward(stage_model, micro_batch, packed)
 
         def loss_func(output_tensor):
             response_mask = micro_batch["response_mask"].to(output_tensor.device)

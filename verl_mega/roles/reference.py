@@ -7,22 +7,25 @@ import torch
 
 from .actor import compute_response_logprobs, load_policy
 from .batching import Batch
+from .megatron_step import resolve_sequence_packing
 
 
 class Reference:
     """No DDP and no optimizer: the pipeline schedules run the bare GPTModel forward-only."""
 
-    def __init__(self, ckpt_dir: str | Path, **config_overrides):
+    def __init__(self, ckpt_dir: str | Path, packed_sequences: str = "auto", **config_overrides):
+        """`packed_sequences`: the actor's `actor.use_packed_sequences`, whose model this is."""
         self.model, self.vocab_size = load_policy(ckpt_dir, **config_overrides)
+        self.packed = resolve_sequence_packing(packed_sequences, self.model, "actor.use_packed_sequences")
         self.model.requires_grad_(False)
         self.model.eval()
 
     def compute_ref_log_prob(self, batch: Batch, micro_batch_size: int, max_tokens: int = 0) -> torch.Tensor:
         """[B, R] float32 log-probs of the responses under the reference policy, on every rank."""
         return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size,
-                                         max_tokens=max_tokens)["log_probs"]
+                                         max_tokens=max_tokens, packed=self.packed)["log_probs"]
 
 
-def make_reference(ckpt_dir: str | Path, *, use_kl: bool, **config_overrides) -> Reference | None:
+def make_reference(ckpt_dir: str | Path, *, use_kl: bool, **options) -> Reference | None:
     """The reference when a KL term (in the reward or in the loss) needs it; None saves its memory otherwise."""
-    return Reference(ckpt_dir, **config_overrides) if use_kl else None
+    return Reference(ckpt_dir, **options) if use_kl else None

@@ -20,8 +20,9 @@ class TrainableModel:
     applies them, then clears the buffers for the next mini-batch.
     """
 
-    def __init__(self, module, optim: OptimConfig, schedule_steps: int):
-        """`schedule_steps`: the optimizer steps the role takes over the run, the LR schedule's length."""
+    def __init__(self, module, optim: OptimConfig, schedule_steps: int, packed: bool = False):
+        """`schedule_steps`: the optimizer steps the role takes over the run, the LR schedule's length.
+        `packed`: forward the micro-batches as padding-free THD rows (see `megatron_step.stage_forward`)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -29,6 +30,7 @@ class TrainableModel:
         if optim.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style must be one of {', '.join(LR_DECAY_STYLES)}, got '{optim.lr_decay_style}'")
         config = module.config
+        self.packed = packed
         self.model = DistributedDataParallel(
             config=config,
             ddp_config=DistributedDataParallelConfig(
@@ -74,7 +76,7 @@ class TrainableModel:
         for _ in range(ppo_epochs):
             for mini_batch in split_rows(batch, mini_batch_size, "mini_batch_size"):
                 metrics = forward_backward(self.model, mini_batch, micro_batch_size, loss_agg_mode, metric_names,
-                                           loss_fn, max_tokens)
+                                           loss_fn, max_tokens, self.packed)
                 metrics.update(self.step())
                 steps.append(metrics)
         return {name: sum(step[name] for step in steps) / len(steps) for name in steps[0]}

@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 import torch
 
 from verl_mega.data.padding import pad_rows
+from verl_mega.parallel.shims import cuda_device_rewrite_paused
 
 from .engine import Response, RolloutEngine, SamplingParams
 
@@ -71,7 +72,7 @@ class EmbeddedEngine(RolloutEngine):
             return_dict_in_generate=True,
         )
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), cuda_device_rewrite_paused():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,

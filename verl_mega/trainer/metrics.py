@@ -22,10 +22,17 @@ CONSOLE_KEYS = ("reward/mean", "val/reward_mean", "response/length_mean", "actor
 
 
 class StageTimer:
-    """Wall time of the named stages of one step (`with timer("rollout"): ...`)."""
+    """Wall time of the named stages of one step (`with timer("rollout"): ...`), and of the whole step since
+    the timer was made: wall and this process's CPU time (the latter barely moves when a shared machine is
+    busy, so it compares runs made under different loads)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self._wall_start, self._cpu_start = time.perf_counter(), time.process_time()
+
+    def elapsed(self) -> tuple[float, float]:
+        """(wall, CPU) seconds since the timer was made."""
+        return time.perf_counter() - self._wall_start, time.process_time() - self._cpu_start
 
     @contextlib.contextmanager
     def __call__(self, stage: str):

@@ -45,6 +45,7 @@ class OfflineJob(TrainingJob):
                                              lengths=[self.example_length(e) for e in self.train_examples],
                                              group_batches=d.length_group_batches)
         self.actor = Actor(actor_ckpt, config.actor.optim, dtype=config.model.dtype,
+                           packed_sequences=config.actor.use_packed_sequences,
                            schedule_steps=config.trainer.total_steps * (d.batch_size // config.actor.mini_batch_size))
 
     def start(self) -> None:

@@ -9,7 +9,6 @@ reward; it starts before the first step, so the curve shows where training began
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -75,13 +74,16 @@ class PPOTrainer(TrainingJob):
 
         # The critic and the reference run in the actor's dtype, whatever their checkpoints were saved in.
         dtype = config.model.dtype
+        packed = config.actor.use_packed_sequences
         self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
-                           schedule_steps=optimizer_steps(config, config.actor))
-        self.reference = make_reference(actor_ckpt, use_kl=needs_reference(config), dtype=dtype)
+                           schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed)
+        self.reference = make_reference(actor_ckpt, use_kl=needs_reference(config), dtype=dtype,
+                                        packed_sequences=packed)
         self.critic = None
         if self.uses_critic:
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
             self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss, dtype=dtype,
+                                 packed_sequences=config.critic.use_packed_sequences,
                                  schedule_steps=optimizer_steps(config, config.critic))
         self.reward = RuleReward(self.tokenizer, reward_fn or config.reward.function)
         self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
@@ -157,7 +159,6 @@ class PPOTrainer(TrainingJob):
 
     def train_step(self) -> dict[str, float]:
         cfg, timer = self.config, StageTimer()
-        start = time.perf_counter()
         prompts = self.next_prompts()
 
         with timer("transition"):
@@ -190,13 +191,13 @@ class PPOTrainer(TrainingJob):
             self.logger.log_samples(self.step + 1, self.sample_rows(batch, rows, scores))
         source = "reward.model" if self.reward_model is not None else f"reward.function {self.reward.name!r}"
         if self._nonfinite({"the reward": scores}, f"{source} must return finite numbers"):
-            return self._step_metrics({}, batch, scores, timer, time.perf_counter() - start)
+            return self._step_metrics({}, batch, scores, timer)
         metrics = self.compute_advantages(batch, scores, token_scores, rows["index"])
         computed = {name: batch[key] for name, key in (("the old log-prob", "old_log_probs"), ("the value", "values"),
                     ("the reference log-prob", "ref_log_prob"), ("the advantage", "advantages"),
                     ("the return", "returns")) if key in batch}
         if self._nonfinite(computed, "the model's outputs overflowed (lower the learning rates)"):
-            return self._step_metrics(metrics, batch, scores, timer, time.perf_counter() - start)
+            return self._step_metrics(metrics, batch, scores, timer)
 
         if self.critic is not None:
             with timer("update_critic"):
@@ -205,7 +206,7 @@ class PPOTrainer(TrainingJob):
         with timer("update_actor"):
             metrics.update(self._update("actor", self.actor.update_policy, batch, cfg.actor.ppo_epochs,
                                         cfg.actor.mini_batch_size, micro, actor_tokens))
-        return self._step_metrics(metrics, batch, scores, timer, time.perf_counter() - start)
+        return self._step_metrics(metrics, batch, scores, timer)
 
     # --- stages ---------------------------------------------------------------------------------------
 
@@ -334,15 +335,17 @@ class PPOTrainer(TrainingJob):
         batch["advantages"], batch["returns"] = advantages.float(), returns.float()
         return metrics
 
-    def _step_metrics(self, metrics: dict, batch: dict, scores: torch.Tensor, timer: StageTimer,
-                      seconds: float) -> dict[str, float]:
+    def _step_metrics(self, metrics: dict, batch: dict, scores: torch.Tensor, timer: StageTimer
+                      ) -> dict[str, float]:
+        seconds, cpu_seconds = timer.elapsed()
         lengths = batch["response_mask"].sum(dim=-1).float()
         tokens = batch["attention_mask"].sum().item()
         metrics.update({
             "trainer/nonfinite_skipped": self.nonfinite_skipped,
             "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
             "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
-            "perf/step_seconds": seconds, "perf/tokens_per_second": tokens / seconds,
+            "perf/step_seconds": seconds, "perf/step_cpu_seconds": cpu_seconds,
+            "perf/tokens_per_second": tokens / seconds,
             "perf/peak_memory_gib": peak_memory_bytes() / 1024**3,
             **{f"timing/{stage}": value for stage, value in timer.seconds.items()},
         })

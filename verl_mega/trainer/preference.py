@@ -39,8 +39,10 @@ class PreferenceTrainer(OfflineJob):
         self.rows_per_example = 1 if self.unpaired else 2
         super().__init__(config, layout, actor_ckpt, stop_requested)
         # The reference runs in the actor's dtype, as in PPO.
-        self.reference = (Reference(actor_ckpt, dtype=config.model.dtype) if needs_reference(config.algorithm.loss)
-                          else None)
+        self.reference = None
+        if needs_reference(config.algorithm.loss):
+            self.reference = Reference(actor_ckpt, dtype=config.model.dtype,
+                                       packed_sequences=config.actor.use_packed_sequences)
         algorithm = config.algorithm
         self.sequence_loss = kto_sequence_loss(algorithm) if self.unpaired else pair_sequence_loss(algorithm)
         self.metric_names = KTO_METRICS if self.unpaired else PAIR_METRICS

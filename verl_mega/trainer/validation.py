@@ -22,9 +22,10 @@ from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
 from verl_mega.models import load_hf_model_config
-from verl_mega.models.builder import DTYPES
+from verl_mega.models.builder import DTYPES, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_parallel_size, rollout_placement
+from verl_mega.roles.megatron_step import PACKING_SETTINGS
 from verl_mega.roles.reward import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.factory import ENGINES
@@ -60,6 +61,12 @@ def validate(config: TrainConfig, world_size: int, check_files: bool = True, rew
     known("model.dtype", config.model.dtype, list(DTYPES))
     known("trainer.log_format", config.trainer.log_format, LOG_FORMATS)
     _check_profiling(config, world_size, need)
+    for role in ("actor", "critic"):
+        packing = str(getattr(config, role).use_packed_sequences).lower()
+        known(f"{role}.use_packed_sequences", packing, PACKING_SETTINGS)
+        need(packing != "true" or transformer_engine_available(),
+             f"{role}.use_packed_sequences=true needs transformer-engine on a GPU (THD packed attention); set it "
+             "to auto (packs where transformer-engine runs in bf16/fp16) or false")
     if config.job in ("sft", "dpo"):
         need(reward_fn is None, f"reward_fn: the {config.job} job learns from its data, not from a reward function")
         _check_offline(config, dp, check_files, check, need, known)
