@@ -126,11 +126,42 @@ class SafetensorsReader:
             out[first:first + count] = buffer[:count, part * length:(part + 1) * length]
         return out
 
-    def _pread_into(self, entry: _Entry, offset: int, buffer) -> None:
+    def write_piece(self, piece, fd: int, offset: int) -> int:
+        """Writes the bytes of `piece` (a `sharding.HFRows`: rows of one tensor, or their column part) at
+        `offset` of the open file `fd` straight from the source file, never holding the tensor: whole rows are
+        one in-kernel copy, a column part goes through a few-MiB buffer. Returns the number of bytes written."""
+        entry = self._entry(piece.name)
+        if not entry.shape or piece.start < 0 or piece.rows < 0:
+            raise ValueError(f"'{piece.name}': rows {piece.start}..{piece.start + piece.rows} of a "
+                             f"{list(entry.shape)} tensor cannot be copied")
+        row_elements = math.prod(entry.shape[1:])
+        if row_elements % piece.parts:
+            raise ValueError(f"'{piece.name}' rows of {row_elements} elements do not split into {piece.parts} parts")
+        itemsize = entry.dtype.itemsize
+        row_bytes, part_bytes = row_elements * itemsize, row_elements // piece.parts * itemsize
+        present = max(0, min(piece.rows, entry.shape[0] - piece.start))
+        source = entry.offset + piece.start * row_bytes
+        if piece.parts == 1:
+            _copy_bytes(self._fd(entry), source, fd, offset, present * row_bytes, entry.path)
+        else:
+            chunk_rows = max(1, _COLUMN_READ_CHUNK_BYTES // row_bytes)
+            buffer = torch.empty((min(chunk_rows, max(present, 1)), row_bytes), dtype=torch.uint8)
+            columns = slice(piece.part * part_bytes, (piece.part + 1) * part_bytes)
+            for first in range(0, present, chunk_rows):
+                count = min(chunk_rows, present - first)
+                self._pread_into(entry, source + first * row_bytes, _bytes_of(buffer[:count]))
+                pwrite_all(fd, _bytes_of(buffer[:count, columns].contiguous()), offset + first * part_bytes)
+        _write_zeros(fd, offset + present * part_bytes, (piece.rows - present) * part_bytes)
+        return piece.rows * part_bytes
+
+    def _fd(self, entry: _Entry) -> int:
         fd = self._fds.get(entry.path)
         if fd is None:
             fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
-        if os.preadv(fd, [buffer], offset) != buffer.nbytes:
+        return fd
+
+    def _pread_into(self, entry: _Entry, offset: int, buffer) -> None:
+        if os.preadv(self._fd(entry), [buffer], offset) != buffer.nbytes:
             raise ValueError(f"{entry.path} ended early while reading a tensor: the file is truncated")
 
     def close(self) -> None:
@@ -145,6 +176,44 @@ class SafetensorsReader:
 
 def _bytes_of(tensor: torch.Tensor):
     return tensor.view(-1).view(torch.uint8).numpy()
+
+
+def _copy_bytes(source_fd: int, source_offset: int, fd: int, offset: int, count: int, source: Path) -> None:
+    """`count` bytes from `source_offset` of one open file to `offset` of another: in the kernel where it can
+    (copy_file_range), through a bounded buffer where it cannot (another file system, an older kernel)."""
+    done = 0
+    while done < count:
+        try:
+            copied = os.copy_file_range(source_fd, fd, count - done, source_offset + done, offset + done)
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            break
+        if copied == 0:
+            raise ValueError(f"{source} ended early while reading a tensor: the file is truncated")
+        done += copied
+    buffer = bytearray(min(_COLUMN_READ_CHUNK_BYTES, count - done))
+    while done < count:
+        view = memoryview(buffer)[:min(len(buffer), count - done)]
+        if os.preadv(source_fd, [view], source_offset + done) != len(view):
+            raise ValueError(f"{source} ended early while reading a tensor: the file is truncated")
+        pwrite_all(fd, view, offset + done)
+        done += len(view)
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """All of `data` (a buffer) at `offset` of the open file `fd`."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _write_zeros(fd: int, offset: int, count: int) -> None:
+    zeros = bytes(min(count, _COLUMN_READ_CHUNK_BYTES))
+    while count > 0:
+        pwrite_all(fd, zeros[:count], offset)
+        offset, count = offset + min(count, len(zeros)), count - len(zeros)
 
 
 # safetensors' own limit on the JSON header; a header length past it is a corrupt or hostile file.
