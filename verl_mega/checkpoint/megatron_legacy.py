@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import pickle
 import struct
 import zipfile
@@ -71,20 +72,21 @@ def _fill_records(path: Path, state_dict: dict, streamed: dict[str, Callable[[in
                          key=lambda info: int(info.filename.rsplit("/", 1)[1]))
     if len(records) != len(state_dict):
         raise RuntimeError(f"{path}: {len(records)} storage records for {len(state_dict)} tensors (shared storages?)")
-    with open(path, "r+b") as file:
-        fd = file.fileno()
+    fd = os.open(path, os.O_RDWR)
+    try:
         for info, (name, tensor) in zip(records, state_dict.items()):
             nbytes = tensor.numel() * tensor.element_size()
             if info.file_size != nbytes or tensor.untyped_storage().nbytes() != nbytes:
                 raise RuntimeError(f"{path}: tensor '{name}' does not own its storage record ({info.filename})")
             # The record's data follows its local header: 30 bytes, the name and the extra field (alignment).
-            file.seek(info.header_offset + 26)
-            name_length, extra_length = struct.unpack("<HH", file.read(4))
+            name_length, extra_length = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
             offset = info.header_offset + 30 + name_length + extra_length
             if name in streamed:
                 streamed[name](fd, offset)
             elif nbytes:
                 pwrite_all(fd, tensor.contiguous().view(-1).view(torch.uint8).numpy(), offset)
+    finally:
+        os.close(fd)
 
 
 def write_tracker(root: str | Path, iteration: int) -> None:
