@@ -8,7 +8,9 @@ Layer numbers inside a pipeline stage's file are local to the stage; expert numb
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import functools
 import os
 import pickle
 import struct
@@ -22,6 +24,8 @@ from torch.utils.serialization import config as serialization_config
 from .safetensors_io import pwrite_all
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
+# Threads filling one shard file's records.
+_FILL_THREADS = 2
 FILE_NAME = "model_optim_rng.pt"
 
 torch.serialization.add_safe_globals([argparse.Namespace])
@@ -74,6 +78,7 @@ def _fill_records(path: Path, state_dict: dict, streamed: dict[str, Callable[[in
         raise RuntimeError(f"{path}: {len(records)} storage records for {len(state_dict)} tensors (shared storages?)")
     fd = os.open(path, os.O_RDWR)
     try:
+        writes = []
         for info, (name, tensor) in zip(records, state_dict.items()):
             nbytes = tensor.numel() * tensor.element_size()
             if info.file_size != nbytes or tensor.untyped_storage().nbytes() != nbytes:
@@ -82,9 +87,15 @@ def _fill_records(path: Path, state_dict: dict, streamed: dict[str, Callable[[in
             name_length, extra_length = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
             offset = info.header_offset + 30 + name_length + extra_length
             if name in streamed:
-                streamed[name](fd, offset)
+                writes.append(functools.partial(streamed[name], fd, offset))
             elif nbytes:
-                pwrite_all(fd, tensor.contiguous().view(-1).view(torch.uint8).numpy(), offset)
+                data = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+                writes.append(functools.partial(pwrite_all, fd, data, offset))
+        # Records are disjoint and every write is positioned, so they run side by side: one thread's copy
+        # computes while another's waits on the disk.
+        with concurrent.futures.ThreadPoolExecutor(_FILL_THREADS) as pool:
+            for write in [pool.submit(write) for write in writes]:
+                write.result()
     finally:
         os.close(fd)
 

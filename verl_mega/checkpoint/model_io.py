@@ -40,8 +40,9 @@ def hf_rank_shard_plan(reader, cfg, family, manifest: Manifest, tp_rank: int, pp
         pieces = shard_pieces(slot, cfg, reader.shape, tp_rank, manifest.tp, manifest.padded_vocab_size)
         if pieces is None or any(reader.dtype(piece.name) != dtype for piece in pieces):
             tensor = merge_hf_to_mcore(slot, cfg, reader, tp_rank, manifest.tp, manifest.padded_vocab_size).to(dtype)
-            if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                tensor = tensor.clone(memory_format=torch.contiguous_format)  # a slice of an unfused tensor
+            owns_storage = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+            if not (owns_storage and tensor.is_contiguous()):  # a slice of an unfused tensor
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
             state_dict[slot.local_name] = tensor
             continue
         shape = [sum(piece.rows for piece in pieces), *reader.shape(pieces[0].name)[1:]]

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class SafetensorsReader:
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
         self._fds: dict[Path, int] = {}
+        self._fds_lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         index = self.dir / INDEX_NAME
         if index.is_file():
@@ -150,20 +152,20 @@ class SafetensorsReader:
             # few MiB at a time and this part's segments written in one gathering write.
             chunk_rows = min(max(1, _COLUMN_READ_CHUNK_BYTES // row_bytes), _MAX_WRITE_SEGMENTS)
             buffer = memoryview(bytearray(min(chunk_rows, present) * row_bytes))
+            segments = [buffer[row * row_bytes + piece.part * part_bytes:][:part_bytes] for row in range(chunk_rows)]
             for first in range(0, present, chunk_rows):
                 count = min(chunk_rows, present - first)
                 self._pread_into(entry, source + first * row_bytes, buffer[:count * row_bytes])
-                start = piece.part * part_bytes
-                segments = [buffer[row * row_bytes + start:row * row_bytes + start + part_bytes] for row in range(count)]
-                pwrite_all(fd, segments, offset + first * part_bytes)
+                pwrite_all(fd, segments[:count], offset + first * part_bytes)
         _write_zeros(fd, offset + present * part_bytes, (piece.rows - present) * part_bytes)
         return piece.rows * part_bytes
 
     def _fd(self, entry: _Entry) -> int:
-        fd = self._fds.get(entry.path)
-        if fd is None:
-            fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
-        return fd
+        with self._fds_lock:  # pieces are written from several threads
+            fd = self._fds.get(entry.path)
+            if fd is None:
+                fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
+            return fd
 
     def _pread_into(self, entry: _Entry, offset: int, buffer) -> None:
         if os.preadv(self._fd(entry), [buffer], offset) != buffer.nbytes:
