@@ -253,7 +253,7 @@ def test_gae_kernel_matches_reference(device, batch, steps, kind, dtype):
 def inputs_split_into_tasks():
     """Inputs large enough for the CPU kernels to split into tasks (csrc/cpu_helpers.h)."""
     logits, labels = random_logits(600, 1000), random_labels(600, vocab=1000)  # 10 tasks of 65 rows
-    shape = (1027, 1100)  # 1027 leaves sequences outside the SIMD groups
+    shape = (1027, 260)  # 5 tasks of 31 SIMD groups; 1027 leaves sequences outside the groups
     rewards, values = random_logits(*shape, scale=1.0), random_logits(*shape, seed=3)
     return logits, labels, rewards, values, random_mask(*shape, "multi_turn")
 
