@@ -157,18 +157,10 @@ def bench_logprobs(device):
               f"{ours_b / 2**20:.2f} MiB vs {theirs_b / 2**20:.1f} MiB = {100 * ours_b / theirs_b:.1f} %{goals}")
 
 
-def median_ms(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def thread_medians(label):
-    """Median GAE and log-prob forward calls on 1 and 2 threads, printed under `label`."""
+    """Median GAE and log-prob forward calls on 1 and 2 threads, printed under `label`. The thread counts
+    alternate call by call, so that a change in the machine's load while a row is measured (the machine is
+    shared) weighs on both medians alike rather than on whichever thread count ran second."""
     generator = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(*GAE_SHAPE, generator=generator), torch.randn(*GAE_SHAPE, generator=generator)
     mask = torch.rand(*GAE_SHAPE, generator=generator) > 0.2
@@ -182,12 +174,16 @@ def thread_medians(label):
     }
     threads_before = torch.get_num_threads()
     for name, (call, repeats) in calls.items():
-        medians = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            medians.append(median_ms(call, repeats))
-        print(f"{label:>5} {name}: median {medians[0]:.3f} ms on 1 thread, {medians[1]:.3f} ms on 2 "
-              f"({medians[1] / medians[0]:.2f}x)")
+        times = {1: [], 2: []}
+        for repeat in range(repeats + 1):
+            for threads in times:
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                call()
+                if repeat:  # the first round warms up
+                    times[threads].append(time.perf_counter() - start)
+        one, two = (statistics.median(times[threads]) * 1e3 for threads in times)
+        print(f"{label:>5} {name}: median {one:.3f} ms on 1 thread, {two:.3f} ms on 2 ({two / one:.2f}x)")
     torch.set_num_threads(threads_before)
 
 

@@ -9,7 +9,7 @@ from verl_mega.checkpoint import megatron_legacy
 from verl_mega.checkpoint.atomic import atomic_output_dir
 from verl_mega.checkpoint.hf_assets import copy_hf_assets, without_remote_code
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
-from verl_mega.checkpoint.model_io import hf_rank_state_dict
+from verl_mega.checkpoint.model_io import hf_rank_shard_plan
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, architecture, padded_vocab_size
@@ -52,9 +52,9 @@ def _write_legacy_shards(root: Path, reader, cfg, family, manifest: Manifest) ->
     for pp_rank in range(manifest.pp):
         for ep_rank in range(manifest.ep):
             for tp_rank in range(manifest.tp):
-                state_dict = hf_rank_state_dict(reader, cfg, family, manifest, tp_rank, pp_rank, ep_rank)
+                state_dict, streamed = hf_rank_shard_plan(reader, cfg, family, manifest, tp_rank, pp_rank, ep_rank)
                 coords = dict(tp_rank=tp_rank, pp_rank=pp_rank, pp=manifest.pp, ep_rank=ep_rank, ep=manifest.ep)
-                megatron_legacy.write_shard(root, manifest.iteration, coords, state_dict, args)
+                megatron_legacy.write_shard(root, manifest.iteration, coords, state_dict, args, streamed)
                 del state_dict
     megatron_legacy.write_tracker(root, manifest.iteration)
 

@@ -39,6 +39,37 @@ def test_round_trip_is_bit_exact(tiny_models, tmp_path, family, tp, pp):
     assert_same_tensors(tiny_models[family], tmp_path / "hf")
 
 
+def test_shards_hold_the_hf_bytes_without_in_kernel_copies(tiny_models, tmp_path, monkeypatch):
+    """Where copy_file_range cannot copy (another file system, an older kernel), shards are written through a
+    buffer: the same tensors, padded vocabulary rows zero, as the in-kernel copy gives."""
+    import errno
+    import os
+
+    from verl_mega.checkpoint import megatron_legacy
+
+    convert_hf_to_mcore(tiny_models["llama"], tmp_path / "kernel_copy", tp=2, pp=2)
+
+    def cannot_copy(*args):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", cannot_copy)
+    convert_hf_to_mcore(tiny_models["llama"], tmp_path / "buffered", tp=2, pp=2)
+    vocab = HFModelConfig.from_dict(json.loads((tiny_models["llama"] / "config.json").read_text())).vocab_size
+    for tp_rank in range(2):
+        for pp_rank in range(2):
+            coords = dict(tp_rank=tp_rank, pp_rank=pp_rank, pp=2)
+            want = megatron_legacy.read_shard(tmp_path / "kernel_copy", 0, **coords)
+            got = megatron_legacy.read_shard(tmp_path / "buffered", 0, **coords)
+            assert list(got) == list(want)
+            for name in want:
+                assert torch.equal(got[name], want[name]), name
+            if pp_rank == 0:
+                embedding = got["embedding.word_embeddings.weight"]
+                padding_rows = max(0, (tp_rank + 1) * embedding.shape[0] - vocab)
+                assert padding_rows > 0 or tp_rank == 0
+                assert (embedding[embedding.shape[0] - padding_rows:] == 0).all()
+
+
 def test_round_trip_from_sharded_checkpoint_with_index(tiny_models, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -8,13 +8,24 @@ Layer numbers inside a pipeline stage's file are local to the stage; expert numb
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import functools
+import os
 import pickle
+import struct
+import zipfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils.serialization import config as serialization_config
 
+from .safetensors_io import pwrite_all
+
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
+# Threads filling one shard file's records.
+_FILL_THREADS = 2
 FILE_NAME = "model_optim_rng.pt"
 
 torch.serialization.add_safe_globals([argparse.Namespace])
@@ -30,7 +41,12 @@ def shard_path(root: str | Path, iteration: int, tp_rank: int, pp_rank: int, pp:
     return Path(root) / f"iter_{iteration:07d}" / name / FILE_NAME
 
 
-def write_shard(root: str | Path, iteration: int, coords: dict[str, int], state_dict: dict, args: dict) -> None:
+def write_shard(root: str | Path, iteration: int, coords: dict[str, int], state_dict: dict, args: dict,
+                streamed: dict[str, Callable[[int, int], None]] | None = None) -> None:
+    """Writes one rank's file. With `streamed`, the tensors it names are placeholders (torch.empty, never
+    touched) whose bytes `streamed[name](fd, offset)` writes into the open file at their place: the file is
+    laid out first without any tensor bytes, then filled, so a converter can copy them from its sources
+    without building the tensors. Every tensor must then own its storage (one record each, in order)."""
     path = shard_path(root, iteration, **coords)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"model": state_dict, "checkpoint_version": 3.0, "iteration": iteration, "args": argparse.Namespace(**args)}
@@ -38,14 +54,50 @@ def write_shard(root: str | Path, iteration: int, coords: dict[str, int], state_
     # Through a Python file so that a failed write (disk full, quota) raises OSError naming the file, where
     # torch's own file writer reports "unexpected pos".
     try:
-        with serialization_config.patch({"save.compute_crc32": False}), open(path, "wb") as file:
+        with serialization_config.patch({"save.compute_crc32": False}), open(path, "wb") as file, \
+                (torch.serialization.skip_data() if streamed else contextlib.nullcontext()):
             torch.save(payload, file)
+        if streamed:
+            _fill_records(path, state_dict, streamed)
     except (OSError, RuntimeError) as err:
         # torch's zip writer, closing after a failed write, raises its own error over the OSError.
         failure = err if isinstance(err, OSError) else err.__context__
         if not isinstance(failure, OSError):
             raise
         raise OSError(failure.errno, failure.strerror, str(path)) from None
+
+
+def _fill_records(path: Path, state_dict: dict, streamed: dict[str, Callable[[int, int], None]]) -> None:
+    """Writes each tensor's bytes into the record torch.save left empty for it (skip_data): records are
+    numbered in pickling order, which is the state dict's order."""
+    with zipfile.ZipFile(path) as archive:
+        records = sorted((info for info in archive.infolist() if "/data/" in info.filename and
+                          info.filename.rsplit("/", 1)[1].isdigit()),
+                         key=lambda info: int(info.filename.rsplit("/", 1)[1]))
+    if len(records) != len(state_dict):
+        raise RuntimeError(f"{path}: {len(records)} storage records for {len(state_dict)} tensors (shared storages?)")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        writes = []
+        for info, (name, tensor) in zip(records, state_dict.items()):
+            nbytes = tensor.numel() * tensor.element_size()
+            if info.file_size != nbytes or tensor.untyped_storage().nbytes() != nbytes:
+                raise RuntimeError(f"{path}: tensor '{name}' does not own its storage record ({info.filename})")
+            # The record's data follows its local header: 30 bytes, the name and the extra field (alignment).
+            name_length, extra_length = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
+            offset = info.header_offset + 30 + name_length + extra_length
+            if name in streamed:
+                writes.append(functools.partial(streamed[name], fd, offset))
+            elif nbytes:
+                data = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+                writes.append(functools.partial(pwrite_all, fd, data, offset))
+        # Records are disjoint and every write is positioned, so they run side by side: one thread's copy
+        # computes while another's waits on the disk.
+        with concurrent.futures.ThreadPoolExecutor(_FILL_THREADS) as pool:
+            for write in [pool.submit(write) for write in writes]:
+                write.result()
+    finally:
+        os.close(fd)
 
 
 def write_tracker(root: str | Path, iteration: int) -> None:

@@ -2,11 +2,14 @@
 checkpoint (either format) into the model at the running job's layout."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+
+import torch
 
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES, build_gpt_model, transformer_config
-from verl_mega.models.sharding import merge_hf_to_mcore, rank_slots
+from verl_mega.models.sharding import merge_hf_to_mcore, rank_slots, shard_pieces
 from verl_mega.models.spec import canonical_names
 from verl_mega.parallel.state import current_layout
 
@@ -24,6 +27,35 @@ def hf_rank_state_dict(reader, cfg, family, manifest: Manifest, tp_rank: int, pp
         .to(dtype).contiguous()
         for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep)
     }
+
+
+def hf_rank_shard_plan(reader, cfg, family, manifest: Manifest, tp_rank: int, pp_rank: int,
+                       ep_rank: int) -> tuple[dict, dict]:
+    """`hf_rank_state_dict` for writing (see `megatron_legacy.write_shard`'s `streamed`): tensors whose shard is
+    HF row ranges already in the target dtype are placeholders, their bytes copied from the HF files when the
+    shard is written; the others (fused HF tensors, a dtype cast) are built here, each owning its storage."""
+    dtype = DTYPES[manifest.dtype]
+    state_dict, streamed = {}, {}
+    for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep):
+        pieces = shard_pieces(slot, cfg, reader.shape, tp_rank, manifest.tp, manifest.padded_vocab_size)
+        if pieces is None or any(reader.dtype(piece.name) != dtype for piece in pieces):
+            tensor = merge_hf_to_mcore(slot, cfg, reader, tp_rank, manifest.tp, manifest.padded_vocab_size).to(dtype)
+            owns_storage = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+            if not (owns_storage and tensor.is_contiguous()):  # a slice of an unfused tensor
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            state_dict[slot.local_name] = tensor
+            continue
+        shape = [sum(piece.rows for piece in pieces), *reader.shape(pieces[0].name)[1:]]
+        if pieces[0].parts > 1:
+            shape[1] //= pieces[0].parts
+        state_dict[slot.local_name] = torch.empty(shape, dtype=dtype)
+        streamed[slot.local_name] = functools.partial(_write_pieces, reader, pieces)
+    return state_dict, streamed
+
+
+def _write_pieces(reader, pieces, fd: int, offset: int) -> None:
+    for piece in pieces:
+        offset += reader.write_piece(piece, fd, offset)
 
 
 def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "auto", dtype: str | None = None,

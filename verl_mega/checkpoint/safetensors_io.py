@@ -7,6 +7,7 @@ import math
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "
 
 
 _COLUMN_READ_CHUNK_BYTES = 4 * 1024**2
+# Buffers one gathering write takes (Linux's IOV_MAX).
+_MAX_WRITE_SEGMENTS = 1024
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class SafetensorsReader:
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
         self._fds: dict[Path, int] = {}
+        self._fds_lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         index = self.dir / INDEX_NAME
         if index.is_file():
@@ -126,11 +130,45 @@ class SafetensorsReader:
             out[first:first + count] = buffer[:count, part * length:(part + 1) * length]
         return out
 
+    def write_piece(self, piece, fd: int, offset: int) -> int:
+        """Writes the bytes of `piece` (a `sharding.HFRows`: rows of one tensor, or their column part) at
+        `offset` of the open file `fd` straight from the source file, never holding the tensor: whole rows are
+        one in-kernel copy, a column part goes through a few-MiB buffer. Returns the number of bytes written."""
+        entry = self._entry(piece.name)
+        if not entry.shape or piece.start < 0 or piece.rows < 0:
+            raise ValueError(f"'{piece.name}': rows {piece.start}..{piece.start + piece.rows} of a "
+                             f"{list(entry.shape)} tensor cannot be copied")
+        row_elements = math.prod(entry.shape[1:])
+        if row_elements % piece.parts:
+            raise ValueError(f"'{piece.name}' rows of {row_elements} elements do not split into {piece.parts} parts")
+        itemsize = entry.dtype.itemsize
+        row_bytes, part_bytes = row_elements * itemsize, row_elements // piece.parts * itemsize
+        present = max(0, min(piece.rows, entry.shape[0] - piece.start))
+        source = entry.offset + piece.start * row_bytes
+        if piece.parts == 1:
+            _copy_bytes(self._fd(entry), source, fd, offset, present * row_bytes, entry.path)
+        else:
+            # Per-row in-kernel copies cost more in system calls than a read of every column: rows are read a
+            # few MiB at a time and this part's segments written in one gathering write.
+            chunk_rows = min(max(1, _COLUMN_READ_CHUNK_BYTES // row_bytes), _MAX_WRITE_SEGMENTS)
+            buffer = memoryview(bytearray(min(chunk_rows, present) * row_bytes))
+            segments = [buffer[row * row_bytes + piece.part * part_bytes:][:part_bytes] for row in range(chunk_rows)]
+            for first in range(0, present, chunk_rows):
+                count = min(chunk_rows, present - first)
+                self._pread_into(entry, source + first * row_bytes, buffer[:count * row_bytes])
+                pwrite_all(fd, segments[:count], offset + first * part_bytes)
+        _write_zeros(fd, offset + present * part_bytes, (piece.rows - present) * part_bytes)
+        return piece.rows * part_bytes
+
+    def _fd(self, entry: _Entry) -> int:
+        with self._fds_lock:  # pieces are written from several threads
+            fd = self._fds.get(entry.path)
+            if fd is None:
+                fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
+            return fd
+
     def _pread_into(self, entry: _Entry, offset: int, buffer) -> None:
-        fd = self._fds.get(entry.path)
-        if fd is None:
-            fd = self._fds[entry.path] = os.open(entry.path, os.O_RDONLY)
-        if os.preadv(fd, [buffer], offset) != buffer.nbytes:
+        if os.preadv(self._fd(entry), [buffer], offset) != buffer.nbytes:
             raise ValueError(f"{entry.path} ended early while reading a tensor: the file is truncated")
 
     def close(self) -> None:
@@ -145,6 +183,50 @@ class SafetensorsReader:
 
 def _bytes_of(tensor: torch.Tensor):
     return tensor.view(-1).view(torch.uint8).numpy()
+
+
+def _copy_bytes(source_fd: int, source_offset: int, fd: int, offset: int, count: int, source: Path) -> None:
+    """`count` bytes from `source_offset` of one open file to `offset` of another: in the kernel where it can
+    (copy_file_range), through a bounded buffer where it cannot (another file system, an older kernel)."""
+    done = 0
+    while done < count:
+        try:
+            copied = os.copy_file_range(source_fd, fd, count - done, source_offset + done, offset + done)
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            break
+        if copied == 0:
+            raise ValueError(f"{source} ended early while reading a tensor: the file is truncated")
+        done += copied
+    buffer = bytearray(min(_COLUMN_READ_CHUNK_BYTES, count - done))
+    while done < count:
+        view = memoryview(buffer)[:min(len(buffer), count - done)]
+        if os.preadv(source_fd, [view], source_offset + done) != len(view):
+            raise ValueError(f"{source} ended early while reading a tensor: the file is truncated")
+        pwrite_all(fd, view, offset + done)
+        done += len(view)
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """All of `data` (a buffer, or a list of byte memoryviews written one after the other) at `offset` of the
+    open file `fd`."""
+    segments = list(data) if isinstance(data, list) else [memoryview(data).cast("B")]
+    while segments:
+        written = os.pwritev(fd, segments, offset)
+        offset += written
+        while segments and written >= len(segments[0]):
+            written -= len(segments[0])
+            segments.pop(0)
+        if segments:
+            segments[0] = segments[0][written:]
+
+
+def _write_zeros(fd: int, offset: int, count: int) -> None:
+    zeros = bytes(min(count, _COLUMN_READ_CHUNK_BYTES))
+    while count > 0:
+        pwrite_all(fd, zeros[:count], offset)
+        offset, count = offset + min(count, len(zeros)), count - len(zeros)
 
 
 # safetensors' own limit on the JSON header; a header length past it is a corrupt or hostile file.

@@ -79,6 +79,37 @@ def tp_part(tensor: torch.Tensor, dim: int | None, part: int, parts: int) -> tor
     return tensor.chunk(parts, dim=dim)[part]
 
 
+@dataclass(frozen=True)
+class HFRows:
+    """Rows [start, start + rows) of HF tensor `name`, restricted to column part `part` of `parts` equal parts
+    (all columns when `parts` is 1); rows past the tensor's end are zeros (megatron's padded vocabulary)."""
+
+    name: str
+    start: int
+    rows: int
+    part: int = 0
+    parts: int = 1
+
+
+def shard_pieces(slot: TensorSlot, cfg: HFModelConfig, shape_of, tp_rank: int, tp: int,
+                 padded_vocab: int) -> list[HFRows] | None:
+    """This TP rank's shard of a megatron tensor as the HF row ranges it is made of, top to bottom, or None
+    where a fused HF tensor must be unfused first. `shape_of(hf_name)` gives an HF tensor's shape."""
+    rule = slot.rule
+    if rule.fusion is not None or any(not shape_of(name) for name in slot.hf_names):
+        return None
+    if rule.tp_dim == 0:
+        part_rows = [(padded_vocab if rule.vocab else shape_of(name)[0]) // tp for name in slot.hf_names]
+        first_row, part, parts = [tp_rank * rows for rows in part_rows], 0, 1
+    else:
+        part_rows = [shape_of(name)[0] for name in slot.hf_names]
+        first_row = [0] * len(part_rows)
+        part, parts = (tp_rank, tp) if rule.tp_dim == 1 else (0, 1)
+    blocks = sorted(rule.row_merge.blocks(part_rows, cfg), key=lambda b: b.merged_row)
+    return [HFRows(slot.hf_names[b.source], first_row[b.source] + b.source_row, b.rows, part, parts)
+            for b in blocks]
+
+
 def merge_hf_to_mcore(slot: TensorSlot, cfg: HFModelConfig, reader, tp_rank: int, tp: int,
                       padded_vocab: int) -> torch.Tensor:
     """This TP rank's shard of a megatron tensor, reading only its slices of the HF sources.
@@ -94,11 +125,13 @@ def merge_hf_to_mcore(slot: TensorSlot, cfg: HFModelConfig, reader, tp_rank: int
         return rule.row_merge.merge([reader.read(name) for name in slot.hf_names], cfg)
     if rule.tp_dim == 1:
         return rule.row_merge.merge([reader.read_part(name, 1, tp_rank, tp) for name in slot.hf_names], cfg)
-    part_rows = [(padded_vocab if rule.vocab else reader.shape(name)[0]) // tp for name in slot.hf_names]
-    merged = torch.empty((sum(part_rows), *reader.shape(slot.hf_names[0])[1:]), dtype=reader.dtype(slot.hf_names[0]))
-    for b in rule.row_merge.blocks(part_rows, cfg):
-        start = tp_rank * part_rows[b.source] + b.source_row
-        reader.read_rows(slot.hf_names[b.source], start, b.rows, out=merged[b.merged_row:b.merged_row + b.rows])
+    pieces = shard_pieces(slot, cfg, reader.shape, tp_rank, tp, padded_vocab)
+    first = slot.hf_names[0]
+    merged = torch.empty((sum(p.rows for p in pieces), *reader.shape(first)[1:]), dtype=reader.dtype(first))
+    row = 0
+    for piece in pieces:
+        reader.read_rows(piece.name, piece.start, piece.rows, out=merged[row:row + piece.rows])
+        row += piece.rows
     return merged
 
 
