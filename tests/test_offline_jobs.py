@@ -145,3 +145,44 @@ def test_sft_resumes_where_it_stopped_with_the_same_metrics(data, tmp_path):
                 f"trainer.total_steps={steps}")
     strip = lambda record: {k: v for k, v in record.items() if not k.startswith(NOT_COMPARED)}  # noqa: E731
     assert [strip(r) for r in records(tmp_path / "resumed")] == [strip(r) for r in records(tmp_path / "straight")]
+
+
+@pytest.mark.slow
+def test_cached_reference_logprobs_give_the_same_update_and_altered_caches_are_refused(data, tmp_path):
+    """With one pair per micro-batch the reference scores the same micro-batches whether it runs per batch or
+    once for the data set, so the cached run must reproduce every metric bit for bit; it builds no reference
+    for its steps, and its resume reuses the cache. One Python process for the three runs."""
+    from verl_mega.trainer.reference_cache import CACHE_NAME
+
+    common = [f"model.hf_path={data['hf']}", f"data.train_files=[{data['pairs']}]", "data.batch_size=8",
+              f"data.val_files=[{data['pairs_val']}]", "actor.mini_batch_size=4", "actor.micro_batch_size=1",
+              "trainer.tensorboard=false", "trainer.val_every=2"]
+    argv = lambda run_dir, *extra: ["--config", str(EXAMPLES / "dpo_demo.yaml"), *common,  # noqa: E731
+                                    f"trainer.run_dir={run_dir}", *extra]
+    cached_args = lambda steps: argv(tmp_path / "cached", f"trainer.total_steps={steps}",  # noqa: E731
+                                     "algorithm.cache_reference_logprobs=true")
+    cache = tmp_path / "cached" / CACHE_NAME
+    script = "\n".join([
+        "import os", "from verl_mega.trainer.main import dpo_main",
+        f"assert dpo_main({argv(tmp_path / 'per_batch', 'trainer.total_steps=3')!r}) == 0",
+        f"assert dpo_main({cached_args(2)!r}) == 0",
+        f"stamp = os.stat({str(cache)!r}).st_mtime_ns",
+        f"assert dpo_main({cached_args(3)!r}) == 0",
+        f"assert os.stat({str(cache)!r}).st_mtime_ns == stamp, 'the cache was rewritten'"])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "recomputing" not in result.stdout
+    strip = lambda record: {k: v for k, v in record.items() if not k.startswith(NOT_COMPARED)}  # noqa: E731
+    per_batch, cached = records(tmp_path / "per_batch"), records(tmp_path / "cached")
+    assert [strip(r) for r in cached] == [strip(r) for r in per_batch]
+    assert "val/rewards/margins" in cached[-1] and cached[-1]["dpo/rewards/margins"] != 0
+    assert "timing/ref_log_prob" in per_batch[-1] and "timing/ref_log_prob" not in cached[-1]
+
+    raw = bytearray(cache.read_bytes())
+    raw[-1] ^= 0x01
+    cache.write_bytes(bytes(raw))
+    result = subprocess.run([sys.executable, "-m", "verl_mega.cli", "dpo", *cached_args(4)], capture_output=True,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{cache}: not a valid reference log-prob cache (its values do not match their checksum)" in result.stderr
