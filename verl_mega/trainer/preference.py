@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import gc
 from dataclasses import replace
 
 import torch
@@ -39,6 +40,12 @@ def preference_batch(examples: list[PreferenceExample], pad_token_id: int) -> di
         batch["ref_logps"] = torch.tensor([logp for example in examples for logp in example.reference_logps],
                                           dtype=torch.float32)
     return batch
+
+
+def with_reference_logps(examples: list[PreferenceExample], values: torch.Tensor) -> list[PreferenceExample]:
+    """`examples` carrying their rows of `values` (one per completion, in batch-row order)."""
+    per_example = values.view(len(examples), -1).tolist() if examples else []
+    return [replace(example, reference_logps=tuple(logps)) for example, logps in zip(examples, per_example)]
 
 
 class PreferenceTrainer(OfflineJob):
@@ -73,13 +80,12 @@ class PreferenceTrainer(OfflineJob):
             self.reference = Reference(self.actor_ckpt, dtype=self.config.model.dtype)
             values = {split: self.reference_logps_of(examples) for split, examples in splits.items()}
             self.reference = None
+            gc.collect()  # its memory back now, not at the next cycle collection (module graphs hold cycles)
             if self.layout.rank == 0:
                 write_cache(path, key, values)
             dist.barrier()
-        self.train_examples, self.val_examples = (
-            [replace(example, reference_logps=tuple(values[split][i * self.rows_per_example:
-                                                                  (i + 1) * self.rows_per_example].tolist()))
-             for i, example in enumerate(splits[split])] for split in ("train", "val"))
+        self.train_examples = with_reference_logps(self.train_examples, values["train"])
+        self.val_examples = with_reference_logps(self.val_examples, values["val"])
 
     def reference_logps_of(self, examples: list[PreferenceExample]) -> torch.Tensor:
         """[rows] the reference's summed log-probs of `examples`' completions, scored in `data.batch_size` chunks
