@@ -65,7 +65,8 @@ def results(tmp_path_factory):
         loaded = [torch.load(stage) for stage in stages]
         last = loaded[-1]
         for job in ("sft", "dpo"):
-            last[f"{job}_weights"] = {key: tensor for stage in loaded for key, tensor in stage[f"{job}_weights"].items()}
+            last[f"{job}_weights"] = {key: tensor for stage in loaded
+                                      for key, tensor in stage[f"{job}_weights"].items()}
         merged[name] = last
     return merged
 

@@ -1,9 +1,9 @@
 """Preference optimisation (`algorithm.loss`: dpo, ipo, kto, simpo, orpo) through the actor's megatron step.
 
 Per batch: the frozen reference scores the completions (not for SimPO / ORPO; with
-`algorithm.cache_reference_logprobs` they are scored once for the whole data set and read from the run folder), KTO's KL baseline is estimated
-on the batch's prompts paired with other rows' completions, then the actor takes its steps on the sequence
-loss. Metrics: loss, rewards of chosen / rejected (desirable / undesirable), margins, accuracy, log-probs.
+`algorithm.cache_reference_logprobs` they are scored once for the whole data set and read from the run
+folder), KTO's KL baseline is estimated on the batch's prompts paired with other rows' completions, then the
+actor takes its steps on the sequence loss. Metrics: loss, rewards of chosen / rejected (desirable / undesirable), margins, accuracy, log-probs.
 """
 from __future__ import annotations
 
