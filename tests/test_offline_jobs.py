@@ -11,9 +11,7 @@ import pytest
 
 from verl_mega.demo import EXAMPLES
 
-from .test_resume import assert_resume_after_sigkill_is_bitwise
-
-NOT_COMPARED = ("timing/", "perf/")
+from .test_resume import NOT_COMPARED, assert_resume_after_sigkill_is_bitwise
 
 
 @pytest.fixture(scope="module")

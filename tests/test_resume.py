@@ -13,7 +13,7 @@ import torch
 from verl_mega.parallel.launch import free_port
 from verl_mega.checkpoint import run_checkpoints
 
-NOT_COMPARED = ("timing/", "perf/")
+NOT_COMPARED = ("timing/", "perf/", "val/seconds")  # wall-clock figures
 
 
 @pytest.fixture(scope="module")
