@@ -1,7 +1,8 @@
-"""torchrun worker for the SFT / preference layout tests: at each (TP, PP) layout given, one SFT update and one
-DPO update of the actor on fixed batches; saves the metrics and the updated weights (full, HF-named).
+"""torchrun worker for the SFT / preference layout tests: at each case given, one SFT update and one DPO update
+of the actor on fixed batches; saves the metrics and the updated weights (full, HF-named).
 
-Run by tests/test_offline_layout_invariance.py as `offline_roles_worker CKPT_ROOT OUT_DIR TP,PP [TP,PP ...]`.
+Run by tests/test_offline_layout_invariance.py as `offline_roles_worker CKPT_ROOT OUT_DIR CASE [CASE ...]`, a
+CASE being MODEL:DTYPE:TP,PP,EP (MODEL a folder name under CKPT_ROOT, converted to MODEL/tp{TP}pp{PP}ep{EP}).
 """
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ def sft_batch(vocab_size: int) -> dict[str, torch.Tensor]:
     return batch
 
 
-def run_layout(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
+def case_name(model: str, dtype: str, tp: int, pp: int, ep: int, dp: int) -> str:
+    return f"{model}_{dtype}_tp{tp}pp{pp}ep{ep}dp{dp}"
+
+
+def run_case(ckpt_root: Path, out_dir: Path, model: str, dtype: str, tp: int, pp: int, ep: int) -> None:
     from verl_mega.checkpoint.manifest import Manifest
     from verl_mega.config import AlgorithmConfig, OptimConfig
     from verl_mega.models import HFModelConfig, family_for
@@ -32,8 +37,8 @@ def run_layout(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
     from verl_mega.roles.preference import PAIR_METRICS, pair_sequence_loss
     from verl_mega.roles.reference import Reference
 
-    layout = init_parallel(tp, pp)
-    ckpt = ckpt_root / f"tp{tp}pp{pp}"
+    layout = init_parallel(tp, pp, ep)
+    ckpt = ckpt_root / model / f"tp{tp}pp{pp}ep{ep}"
     cfg = HFModelConfig.from_dict(Manifest.read(ckpt).hf_config)
     family = family_for(cfg)
     # Large eps: Adam's first step then follows the gradient's size, so gradient errors show in the weights.
@@ -41,31 +46,32 @@ def run_layout(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
                         use_distributed_optimizer=layout.dp > 1)
     result = {}
 
-    actor = Actor(ckpt, optim, schedule_steps=1)
+    actor = Actor(ckpt, optim, schedule_steps=1, dtype=dtype)
     result["sft_metrics"] = actor.update_sft(sft_batch(cfg.vocab_size), mini_batch_size=BATCH,
                                              micro_batch_size=MICRO_BATCH)
     result["sft_weights"] = gather_hf_weights(actor.model.module, cfg, family)
 
     # Rows 0, 1 are the first pair's chosen and rejected, and so on: micro-batches of 2 rows hold whole pairs.
     batch = fixed_batch(cfg.vocab_size, pad_id=0)
-    reference = Reference(ckpt)
+    reference = Reference(ckpt, dtype=dtype)
     batch["ref_logps"] = (reference.compute_ref_log_prob(batch, MICRO_BATCH).cpu() * batch["response_mask"]).sum(-1)
     # A reference other than the initial policy, so the DPO logits (and the metrics) are not all zero.
     batch["ref_logps"] = batch["ref_logps"] + torch.linspace(-1.0, 1.0, BATCH)
-    actor = Actor(ckpt, optim, schedule_steps=1)
+    actor = Actor(ckpt, optim, schedule_steps=1, dtype=dtype)
     result["dpo_metrics"] = actor.update_on_sequences(batch, BATCH, MICRO_BATCH, PAIR_METRICS,
                                                       pair_sequence_loss(AlgorithmConfig(loss="dpo", beta=0.5)))
     result["dpo_weights"] = gather_hf_weights(actor.model.module, cfg, family)
     if layout.tp_rank == 0 and layout.dp_rank == 0:
-        torch.save(result, out_dir / f"tp{tp}pp{pp}dp{layout.dp}_stage{layout.pp_rank}.pt")
+        torch.save(result, out_dir / f"{case_name(model, dtype, tp, pp, ep, layout.dp)}_stage{layout.pp_rank}.pt")
     dist.barrier()
 
 
 def main(argv: list[str]) -> None:
-    ckpt_root, out_dir, *layouts = argv
-    for layout in layouts:
-        tp, pp = (int(size) for size in layout.split(","))
-        run_layout(Path(ckpt_root), Path(out_dir), tp, pp)
+    ckpt_root, out_dir, *cases = argv
+    for case in cases:
+        model, dtype, sizes = case.split(":")
+        tp, pp, ep = (int(size) for size in sizes.split(","))
+        run_case(Path(ckpt_root), Path(out_dir), model, dtype, tp, pp, ep)
     from verl_mega.parallel.state import destroy_parallel
 
     destroy_parallel()

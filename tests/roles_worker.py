@@ -49,7 +49,7 @@ def hf_response_logprobs(hf_dir: Path, batch) -> torch.Tensor:
 
 
 def gather_hf_weights(module, cfg, family) -> dict[str, torch.Tensor] | None:
-    """This PP stage's weights as full HF tensors (on TP rank 0; None elsewhere)."""
+    """This PP stage's weights as full HF tensors, every expert's included (on TP rank 0; None elsewhere)."""
     from megatron.core import parallel_state as ps
 
     from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
@@ -60,7 +60,7 @@ def gather_hf_weights(module, cfg, family) -> dict[str, torch.Tensor] | None:
     state_dict = module.state_dict()
     local = {canonical: state_dict[name] for name, canonical in canonical_names(state_dict).items()}
     weights = {}
-    for slot in rank_slots(cfg, family, layout.pp_rank, layout.pp):
+    for slot in rank_slots(cfg, family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep):
         if slot.is_tied_copy:
             continue
         shard = local[slot.local_name].detach().float().contiguous()
@@ -68,6 +68,10 @@ def gather_hf_weights(module, cfg, family) -> dict[str, torch.Tensor] | None:
         dist.all_gather(shards, shard, group=ps.get_tensor_model_parallel_group())
         for name, tensor in split_mcore_to_hf(slot, cfg, shards):
             weights[name] = strip_vocab_padding(slot.rule, tensor, cfg.vocab_size).clone()
+    if layout.ep > 1:  # each expert-parallel rank holds its own experts (and copies of the rest)
+        parts = [None] * layout.ep
+        dist.all_gather_object(parts, weights, group=ps.get_expert_model_parallel_group())
+        weights = {name: tensor for part in parts for name, tensor in part.items()}
     return weights if layout.tp_rank == 0 else None
 
 

@@ -43,9 +43,10 @@ BF16_STEPS, BF16_LR = 2, 1e-2  # optimizer steps of roles_worker's update (BATCH
 BF16_SMOOTH_METRICS = ("entropy", "grad_norm")
 
 
-def bf16_weight_tol(reference: torch.Tensor) -> float:
+def bf16_weight_tol(reference: torch.Tensor, steps: int = BF16_STEPS) -> float:
+    """The relative difference a bf16 weight may show after `steps` optimizer steps at BF16_LR (see above)."""
     rms = reference.double().pow(2).mean().sqrt().item()
-    return 2.0**-7 + BF16_STEPS * BF16_LR * BF16_AGGREGATE_TOL / rms
+    return 2.0**-7 + steps * BF16_LR * BF16_AGGREGATE_TOL / rms
 
 
 def rel_diff(value, reference) -> float:

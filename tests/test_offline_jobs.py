@@ -1,6 +1,8 @@
 """`verl-mega sft` and `verl-mega dpo` end to end on the tiny model: refusals before start-up, SFT loss falling,
-export, DPO preference accuracy and margins rising on the copy rule, every preference loss running, resume."""
+export, DPO preference accuracy and margins rising on the copy rule, every preference loss running, bitwise resume
+after SIGKILL, the reference log-prob cache."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,7 +11,7 @@ import pytest
 
 from verl_mega.demo import EXAMPLES
 
-NOT_COMPARED = ("timing/", "perf/")
+from .test_resume import NOT_COMPARED, assert_resume_after_sigkill_is_bitwise
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,20 @@ def test_preference_config_errors_name_their_keys(data, tmp_path, capsys):
         assert expected in err
 
 
+@pytest.mark.parametrize("loss,reason", [("simpo", "needs no reference"),
+                                         ("kto", "scores each batch's mismatched pairs with the reference")])
+def test_reference_cache_is_refused_where_it_cannot_serve(data, tmp_path, capsys, loss, reason):
+    from verl_mega.cli import main as cli
+
+    files = data["kto"] if loss == "kto" else data["pairs"]
+    code = cli(["dpo", "--config", str(EXAMPLES / "dpo_demo.yaml"), f"model.hf_path={data['hf']}",
+                f"data.train_files=[{files}]", f"trainer.run_dir={tmp_path / 'run'}", f"algorithm.loss={loss}",
+                "algorithm.cache_reference_logprobs=true"])
+    assert code == 2
+    assert f"algorithm.cache_reference_logprobs: algorithm.loss={loss} {reason}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_sft_then_dpo_loss_falls_exports_and_preference_accuracy_rises(data):
     from transformers import AutoModelForCausalLM
@@ -99,10 +115,13 @@ def test_sft_then_dpo_loss_falls_exports_and_preference_accuracy_rises(data):
             f"data.train_files=[{data['pairs']}]", f"data.val_files=[{data['pairs_val']}]",
             f"trainer.run_dir={root / 'dpo'}", "trainer.total_steps=12", "trainer.val_every=6")
     dpo = records(root / "dpo")
-    for key in ("dpo/loss", "dpo/rewards/chosen", "dpo/rewards/rejected", "dpo/rewards/margins",
-                "dpo/rewards/accuracy", "dpo/logps/chosen", "dpo/logps/rejected", "dpo/grad_norm",
-                "timing/ref_log_prob", "perf/tokens_per_second"):
-        assert key in dpo[-1], key
+    pair_metrics = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy",
+                    "logps/chosen", "logps/rejected")
+    for key in (*(f"dpo/{name}" for name in pair_metrics), *(f"val/{name}" for name in pair_metrics),
+                "dpo/grad_norm", "timing/ref_log_prob", "perf/tokens_per_second"):
+        assert key in dpo[-1] and math.isfinite(dpo[-1][key]), key
+    assert dpo[-1]["dpo/rewards/margins"] == pytest.approx(dpo[-1]["dpo/rewards/chosen"]
+                                                           - dpo[-1]["dpo/rewards/rejected"], rel=1e-5, abs=1e-6)
     # The first step's policy is the reference: every implicit reward, hence the accuracy, is zero.
     assert dpo[0]["dpo/rewards/accuracy"] == 0.0 and dpo[0]["dpo/loss"] == pytest.approx(0.6931, abs=1e-4)
     train_losses = [r["dpo/loss"] for r in dpo]
@@ -135,13 +154,58 @@ def test_every_preference_loss_trains_in_one_process(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_resumes_where_it_stopped_with_the_same_metrics(data, tmp_path):
-    common = [f"model.hf_path={data['hf']}", f"data.train_files=[{data['sft']}]", "data.batch_size=8",
-              "actor.mini_batch_size=8", "actor.micro_batch_size=4", "trainer.save_every=2"]
-    run_job("sft", EXAMPLES / "sft_demo.yaml", *common, f"trainer.run_dir={tmp_path / 'straight'}",
-            "trainer.total_steps=4")
-    for steps in (2, 4):
-        run_job("sft", EXAMPLES / "sft_demo.yaml", *common, f"trainer.run_dir={tmp_path / 'resumed'}",
-                f"trainer.total_steps={steps}")
+@pytest.mark.parametrize("job", ["sft", "dpo"])
+def test_sigkill_then_resume_gives_the_same_metrics_and_weights(data, tmp_path, job):
+    """One process (test_resume's PPO case covers the distributed optimizer's sharded state at DP=2); two
+    optimizer steps per step, validation every 3 steps."""
+    train, val = {"sft": (data["sft"], data["sft_val"]), "dpo": (data["pairs"], data["pairs_val"])}[job]
+
+    def command_for(run_dir):
+        return [sys.executable, "-m", "verl_mega.trainer.main", "--config", str(EXAMPLES / f"{job}_demo.yaml"),
+                f"model.hf_path={data['hf']}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                f"trainer.run_dir={run_dir}", "data.batch_size=8", "actor.mini_batch_size=4",
+                "actor.micro_batch_size=2", "trainer.total_steps=5", "trainer.save_every=2", "trainer.val_every=3",
+                "trainer.tensorboard=false"]
+
+    assert_resume_after_sigkill_is_bitwise(command_for, tmp_path, total_steps=5, save_every=2)
+
+
+@pytest.mark.slow
+def test_cached_reference_logprobs_give_the_same_update_and_altered_caches_are_refused(data, tmp_path):
+    """With one pair per micro-batch the reference scores the same micro-batches whether it runs per batch or
+    once for the data set, so the cached run must reproduce every metric bit for bit; it builds no reference
+    for its steps, and its resume reuses the cache. One Python process for the three runs."""
+    from verl_mega.trainer.reference_cache import CACHE_NAME
+
+    common = [f"model.hf_path={data['hf']}", f"data.train_files=[{data['pairs']}]", "data.batch_size=8",
+              f"data.val_files=[{data['pairs_val']}]", "actor.mini_batch_size=4", "actor.micro_batch_size=1",
+              "trainer.tensorboard=false", "trainer.val_every=2"]
+    argv = lambda run_dir, *extra: ["--config", str(EXAMPLES / "dpo_demo.yaml"), *common,  # noqa: E731
+                                    f"trainer.run_dir={run_dir}", *extra]
+    cached_args = lambda steps: argv(tmp_path / "cached", f"trainer.total_steps={steps}",  # noqa: E731
+                                     "algorithm.cache_reference_logprobs=true")
+    cache = tmp_path / "cached" / CACHE_NAME
+    script = "\n".join([
+        "import os", "from verl_mega.trainer.main import dpo_main",
+        f"assert dpo_main({argv(tmp_path / 'per_batch', 'trainer.total_steps=3')!r}) == 0",
+        f"assert dpo_main({cached_args(2)!r}) == 0",
+        f"stamp = os.stat({str(cache)!r}).st_mtime_ns",
+        f"assert dpo_main({cached_args(3)!r}) == 0",
+        f"assert os.stat({str(cache)!r}).st_mtime_ns == stamp, 'the cache was rewritten'"])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "recomputing" not in result.stdout
     strip = lambda record: {k: v for k, v in record.items() if not k.startswith(NOT_COMPARED)}  # noqa: E731
-    assert [strip(r) for r in records(tmp_path / "resumed")] == [strip(r) for r in records(tmp_path / "straight")]
+    per_batch, cached = records(tmp_path / "per_batch"), records(tmp_path / "cached")
+    assert [strip(r) for r in cached] == [strip(r) for r in per_batch]
+    assert "val/rewards/margins" in cached[-1] and cached[-1]["dpo/rewards/margins"] != 0
+    assert "timing/ref_log_prob" in per_batch[-1] and "timing/ref_log_prob" not in cached[-1]
+
+    raw = bytearray(cache.read_bytes())
+    raw[-1] ^= 0x01
+    cache.write_bytes(bytes(raw))
+    result = subprocess.run([sys.executable, "-m", "verl_mega.cli", "dpo", *cached_args(4)], capture_output=True,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{cache}: not a valid reference log-prob cache (its values do not match their checksum)" in result.stderr

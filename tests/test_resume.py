@@ -8,11 +8,12 @@ import sys
 import time
 
 import pytest
+import torch
 
 from verl_mega.parallel.launch import free_port
 from verl_mega.checkpoint import run_checkpoints
 
-NOT_COMPARED = ("timing/", "perf/")
+NOT_COMPARED = ("timing/", "perf/", "val/seconds")  # wall-clock figures
 
 
 @pytest.fixture(scope="module")
@@ -49,32 +50,50 @@ def records(run_dir):
             for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(setup, tmp_path, dtype):
-    layout = ["parallel.tp=2", "parallel.pp=1", "trainer.total_steps=6", f"model.dtype={dtype}"]
-    run(train_command(setup, tmp_path / "straight", 4, *layout))
-    expected = records(tmp_path / "straight")
-    assert sorted(expected) == list(range(1, 7))
+def final_actor_weights(run_dir) -> dict:
+    """The run's final actor weights: shard folder/name -> tensor."""
+    return {f"{path.parent.name}/{name}": tensor
+            for path in sorted((run_dir / "final_actor").glob("iter_*/*/model_optim_rng.pt"))
+            for name, tensor in torch.load(path, map_location="cpu", weights_only=True)["model"].items()}
 
-    kill_after = random.randint(3, 5)
+
+def assert_resume_after_sigkill_is_bitwise(command_for, tmp_path, total_steps: int, save_every: int) -> None:
+    """`command_for(run_dir)` runs `total_steps` steps saving every `save_every`: straight through, then killed
+    with SIGKILL (its whole process group) at a random step after the first checkpoint and resumed; the resumed
+    run's metrics and final actor weights must equal the straight run's bit for bit."""
+    run(command_for(tmp_path / "straight"))
+    expected = records(tmp_path / "straight")
+    assert sorted(expected) == list(range(1, total_steps + 1))
+
+    kill_after = random.randint(save_every + 1, total_steps - 1)
     print(f"killing after step {kill_after}")
     interrupted = tmp_path / "interrupted"
-    process = subprocess.Popen(train_command(setup, interrupted, 4, *layout), start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = subprocess.Popen(command_for(interrupted), start_new_session=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     metrics = interrupted / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after):
         assert process.poll() is None and time.time() < deadline, "the run ended before it could be killed"
-        time.sleep(0.05)
+        time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert len(run_checkpoints.complete_checkpoints(interrupted)) >= 1
+    assert not (interrupted / "final_actor").exists(), "the run finished before the kill"
 
-    resumed = run(train_command(setup, interrupted, 4, *layout))
+    resumed = run(command_for(interrupted))
     assert "resumed from" in resumed.stdout
     assert records(interrupted) == expected
+    weights, expected_weights = final_actor_weights(interrupted), final_actor_weights(tmp_path / "straight")
+    assert weights.keys() == expected_weights.keys() and weights
+    assert all(torch.equal(weights[name], expected_weights[name]) for name in weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(setup, tmp_path, dtype):
+    layout = ["parallel.tp=2", "parallel.pp=1", "trainer.total_steps=6", f"model.dtype={dtype}"]
+    assert_resume_after_sigkill_is_bitwise(lambda run_dir: train_command(setup, run_dir, 4, *layout), tmp_path,
+                                           total_steps=6, save_every=2)
 
 
 @pytest.mark.slow

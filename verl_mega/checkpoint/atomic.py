@@ -1,8 +1,8 @@
 """Outputs appear whole or not at all: everything is written under a temp name beside the target and
 renamed into place at the end. The one protocol for every file and folder the project writes.
 
-- `atomic_write_text`: one file (scripts, configs, small state files); `atomic_file` the same for a writer
-  that takes a file name (profiler traces, plots);
+- `atomic_write_text` / `atomic_write_bytes`: one file (scripts, configs, small state files, caches);
+  `atomic_file` the same for a writer that takes a file name (profiler traces, plots);
 - `atomic_output_dir`: a folder written by one process (conversions, exports);
 - `collective_output_dir`: a folder written by every rank of a job (checkpoints, a role's final weights):
   rank 0 creates the temp folder, every rank writes into it, rank 0 publishes it once all are done.
@@ -63,6 +63,13 @@ def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> P
     """Write `text` to `path` whole or not at all; `mode` sets the file's permission bits (default: the umask's)."""
     with atomic_file(path, mode) as tmp:
         tmp.write_text(text)
+    return Path(path)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> Path:
+    """Write `data` to `path` whole or not at all; `mode` as for `atomic_write_text`."""
+    with atomic_file(path, mode) as tmp:
+        tmp.write_bytes(data)
     return Path(path)
 
 

@@ -159,6 +159,9 @@ class AlgorithmConfig:
     simpo_gamma: float = 0.5  # SimPO's target reward margin γ
     kto_desirable_weight: float = 1.0
     kto_undesirable_weight: float = 1.0
+    # dpo / ipo: score every train and validation row with the frozen reference once, keep the log-probs in the
+    # run folder (reused on resume) and build no reference model for the steps.
+    cache_reference_logprobs: bool = False
 
 
 @dataclass

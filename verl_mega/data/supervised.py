@@ -46,6 +46,9 @@ class PreferenceExample:
     prompt: list[int]
     completions: tuple[list[int], ...]
     desirable: bool = True
+    # The frozen reference's summed log-prob of each completion, when read from a cache instead of computed
+    # per batch (trainer/reference_cache.py).
+    reference_logps: tuple[float, ...] | None = None
 
 
 @dataclass

@@ -109,11 +109,16 @@ def resolve_sequence_packing(setting: str, model, key: str) -> bool:
 
 
 def shapes_may_vary(model) -> bool:
-    """Whether micro-batches may differ in shape: always without pipeline parallelism; across pipeline stages
-    only when megatron exchanges each tensor's shape first (`variable_seq_lengths`)."""
+    """Whether micro-batches may differ in shape: not under expert parallelism with the all-gather token
+    dispatcher (CPU's), which gathers equal-shaped tokens from every expert-parallel rank, each holding other
+    rows; otherwise always without pipeline parallelism, and across pipeline stages only when megatron
+    exchanges each tensor's shape first (`variable_seq_lengths`)."""
     from megatron.core.utils import get_model_config
 
-    return current_layout().pp == 1 or get_model_config(model).variable_seq_lengths
+    config, layout = get_model_config(model), current_layout()
+    if layout.ep > 1 and config.moe_token_dispatcher_type == "allgather":
+        return False
+    return layout.pp == 1 or config.variable_seq_lengths
 
 
 def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: Sequence[str],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from transformers import AutoTokenizer
 
@@ -67,7 +68,7 @@ class OfflineJob(TrainingJob):
     def update(self, batch, timer: StageTimer) -> dict[str, float]:
         raise NotImplementedError
 
-    def validation_metrics(self, chunks: list[tuple[dict, int]]) -> dict[str, float]:
+    def validation_metrics(self, chunks: Iterable[tuple[dict, int]]) -> dict[str, float]:
         """Metrics over the validation set, given as (batch, number of real rows) chunks."""
         raise NotImplementedError
 
@@ -106,15 +107,13 @@ class OfflineJob(TrainingJob):
         return metrics
 
     def validate(self) -> dict[str, float]:
-        return self.validation_metrics(self._val_chunks()) if self.val_examples else {}
+        return self.validation_metrics(self.chunks(self.val_examples)) if self.val_examples else {}
 
-    def _val_chunks(self) -> list[tuple[dict, int]]:
-        """The validation set in batches of `data.batch_size` examples; the last is filled up with copies of its
-        first example (every rank and micro-batch then gets whole rows) that the metrics leave out."""
-        size, examples = self.config.data.batch_size, self.val_examples
-        chunks = []
+    def chunks(self, examples: list) -> Iterator[tuple[dict, int]]:
+        """`examples` in batches of `data.batch_size` examples, with their number of real rows; the last is filled
+        up with copies of its first example (every rank and micro-batch then gets whole rows) that results leave
+        out."""
+        size = self.config.data.batch_size
         for start in range(0, len(examples), size):
             chunk = examples[start:start + size]
-            chunks.append((self.make_batch(chunk + [chunk[0]] * (size - len(chunk))),
-                           len(chunk) * self.rows_per_example))
-        return chunks
+            yield self.make_batch(chunk + [chunk[0]] * (size - len(chunk))), len(chunk) * self.rows_per_example

@@ -1,12 +1,19 @@
 """Preference optimisation (`algorithm.loss`: dpo, ipo, kto, simpo, orpo) through the actor's megatron step.
 
-Per batch: the frozen reference scores the completions (not for SimPO / ORPO), KTO's KL baseline is estimated
-on the batch's prompts paired with other rows' completions, then the actor takes its steps on the sequence
-loss. Metrics: loss, rewards of chosen / rejected (desirable / undesirable), margins, accuracy, log-probs.
+Per batch: the frozen reference scores the completions (not for SimPO / ORPO; with
+`algorithm.cache_reference_logprobs` they are scored once for the whole data set and read from the run
+folder), KTO's KL baseline is estimated on the batch's prompts paired with other rows' completions, then the
+actor takes its steps on the sequence loss. Metrics: loss, rewards of chosen / rejected (desirable / undesirable), margins, accuracy, log-probs.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
+import gc
+from dataclasses import replace
+
 import torch
+import torch.distributed as dist
 
 from verl_mega.algorithms import UNPAIRED_LOSSES, kto_kl_baseline, masked_sum
 from verl_mega.data.supervised import LoadedRows, PreferenceExample, load_preference_examples
@@ -18,6 +25,7 @@ from verl_mega.roles.reference import Reference
 
 from .metrics import StageTimer
 from .offline import OfflineJob, limits
+from .reference_cache import CACHE_NAME, cache_key, read_cache, write_cache
 from .rollout_batch import build_rollout_batch
 
 
@@ -28,7 +36,16 @@ def preference_batch(examples: list[PreferenceExample], pad_token_id: int) -> di
     completions = [completion for example in examples for completion in example.completions]
     batch = build_rollout_batch(prompts, completions, max(map(len, completions)), pad_token_id)
     batch["desirable"] = torch.tensor([example.desirable for example in examples for _ in example.completions])
+    if all(example.reference_logps is not None for example in examples):
+        batch["ref_logps"] = torch.tensor([logp for example in examples for logp in example.reference_logps],
+                                          dtype=torch.float32)
     return batch
+
+
+def with_reference_logps(examples: list[PreferenceExample], values: torch.Tensor) -> list[PreferenceExample]:
+    """`examples` carrying their rows of `values` (one per completion, in batch-row order)."""
+    per_example = values.view(len(examples), -1).tolist() if examples else []
+    return [replace(example, reference_logps=tuple(logps)) for example, logps in zip(examples, per_example)]
 
 
 class PreferenceTrainer(OfflineJob):
@@ -39,14 +56,45 @@ class PreferenceTrainer(OfflineJob):
         self.rows_per_example = 1 if self.unpaired else 2
         super().__init__(config, layout, actor_ckpt, stop_requested)
         # The reference runs in the actor's dtype, as in PPO.
-        self.reference = None
-        if needs_reference(config.algorithm.loss):
-            self.reference = Reference(actor_ckpt, dtype=config.model.dtype,
-                                       packed_sequences=config.actor.use_packed_sequences)
+        self.reference = (Reference(actor_ckpt, dtype=config.model.dtype,
+                                    packed_sequences=config.actor.use_packed_sequences)
+                          if needs_reference(config.algorithm.loss) and not config.algorithm.cache_reference_logprobs
+                          else None)
         algorithm = config.algorithm
         self.sequence_loss = kto_sequence_loss(algorithm) if self.unpaired else pair_sequence_loss(algorithm)
         self.metric_names = KTO_METRICS if self.unpaired else PAIR_METRICS
+        if algorithm.cache_reference_logprobs:
+            self.use_cached_reference_logps()
         self.start()
+
+    def use_cached_reference_logps(self) -> None:
+        """Attach the reference's log-probs to every example, read from the run folder's cache or, without a
+        valid one, computed once (the reference model is built for that only, then freed) and cached."""
+        path = self.run_dir / CACHE_NAME
+        d = self.config.data
+        splits = {"train": self.train_examples, "val": self.val_examples}
+        key = cache_key([*d.train_files, *d.val_files], splits, self.actor_ckpt, self.config.model.dtype)
+        rows = {split: len(examples) * self.rows_per_example for split, examples in splits.items()}
+        values = read_cache(path, key, rows)
+        if values is None:
+            if path.exists() and self.layout.rank == 0:
+                print(f"{path} was computed for other data, model or settings: recomputing it", flush=True)
+            self.reference = Reference(self.actor_ckpt, dtype=self.config.model.dtype)
+            values = {split: self.reference_logps_of(examples) for split, examples in splits.items()}
+            self.reference = None
+            gc.collect()  # its memory back now, not at the next cycle collection (module graphs hold cycles)
+            if self.layout.rank == 0:
+                write_cache(path, key, values)
+            dist.barrier()
+        self.train_examples = with_reference_logps(self.train_examples, values["train"])
+        self.val_examples = with_reference_logps(self.val_examples, values["val"])
+
+    def reference_logps_of(self, examples: list[PreferenceExample]) -> torch.Tensor:
+        """[rows] the reference's summed log-probs of `examples`' completions, scored in `data.batch_size` chunks
+        (each rank its data-parallel share)."""
+        scored = [self.sequence_logps(self.reference.compute_ref_log_prob, batch)[:rows]
+                  for batch, rows in self.chunks(examples)]
+        return torch.cat(scored) if scored else torch.zeros(0)
 
     def load_examples(self, paths: list[str]) -> LoadedRows:
         d = self.config.data
@@ -63,7 +111,7 @@ class PreferenceTrainer(OfflineJob):
     def prepare(self, batch: dict, timer: StageTimer) -> None:
         """Add what the loss reads besides the policy's log-probs: reference log-probs, KTO's baseline and
         per-kind shares (all over the global batch)."""
-        if self.reference is not None:
+        if self.reference is not None and "ref_logps" not in batch:
             with timer("ref_log_prob"):
                 batch["ref_logps"] = self.sequence_logps(self.reference.compute_ref_log_prob, batch)
         if self.unpaired:
@@ -105,7 +153,7 @@ class PreferenceTrainer(OfflineJob):
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         return metrics
 
-    def validation_metrics(self, chunks: list[tuple[dict, int]]) -> dict[str, float]:
+    def validation_metrics(self, chunks: Iterable[tuple[dict, int]]) -> dict[str, float]:
         """The loss and metrics on the validation set, each chunk's weighted by its real rows."""
         sums, total_rows = {}, 0
         for batch, rows in chunks:

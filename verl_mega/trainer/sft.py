@@ -2,6 +2,8 @@
 batch (across data-parallel ranks and micro-batches), through the actor's megatron step."""
 from __future__ import annotations
 
+from typing import Iterable
+
 from verl_mega.algorithms import masked_sum_and_count
 from verl_mega.data.padding import pad_rows
 from verl_mega.data.supervised import LoadedRows, SFTExample, load_sft_examples
@@ -45,7 +47,7 @@ class SFTTrainer(OfflineJob):
         return {**{f"sft/{name}": value for name, value in metrics.items()},
                 "sft/loss_tokens": batch["response_mask"].sum().item()}
 
-    def validation_metrics(self, chunks: list[tuple[dict, int]]) -> dict[str, float]:
+    def validation_metrics(self, chunks: Iterable[tuple[dict, int]]) -> dict[str, float]:
         total = count = 0.0
         for batch, rows in chunks:
             log_probs = self.actor.compute_log_prob(batch, self.micro_rows)["log_probs"]

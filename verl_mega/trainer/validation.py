@@ -12,7 +12,8 @@ from typing import Callable
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, UNPAIRED_LOSSES,
+    ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
+    REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME
 from verl_mega.checkpoint.mirror import parse_mirror_url, require_boto3
@@ -207,6 +208,11 @@ def _check_preference_knobs(config: TrainConfig, known, need) -> None:
     need(0 <= alg.label_smoothing < 0.5, f"algorithm.label_smoothing must be in [0, 0.5), got {alg.label_smoothing}")
     need(alg.kto_desirable_weight > 0 and alg.kto_undesirable_weight > 0,
          "algorithm.kto_desirable_weight and algorithm.kto_undesirable_weight must be > 0")
+    need(not alg.cache_reference_logprobs or alg.loss not in REFERENCE_FREE_LOSSES | UNPAIRED_LOSSES,
+         f"algorithm.cache_reference_logprobs: algorithm.loss={alg.loss} "
+         + ("needs no reference" if alg.loss in REFERENCE_FREE_LOSSES else
+            "scores each batch's mismatched pairs with the reference for its KL baseline, which no cache holds")
+         + "; unset it")
 
 
 def _check_offline_files(config: TrainConfig, check, need) -> None:
