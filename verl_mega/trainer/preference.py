@@ -55,17 +55,19 @@ class PreferenceTrainer(OfflineJob):
         self.unpaired = config.algorithm.loss in UNPAIRED_LOSSES
         self.rows_per_example = 1 if self.unpaired else 2
         super().__init__(config, layout, actor_ckpt, stop_requested)
-        # The reference runs in the actor's dtype, as in PPO.
-        self.reference = (Reference(actor_ckpt, dtype=config.model.dtype,
-                                    packed_sequences=config.actor.use_packed_sequences)
-                          if needs_reference(config.algorithm.loss) and not config.algorithm.cache_reference_logprobs
-                          else None)
+        self.reference = (self.build_reference(actor_ckpt) if needs_reference(config.algorithm.loss)
+                          and not config.algorithm.cache_reference_logprobs else None)
         algorithm = config.algorithm
         self.sequence_loss = kto_sequence_loss(algorithm) if self.unpaired else pair_sequence_loss(algorithm)
         self.metric_names = KTO_METRICS if self.unpaired else PAIR_METRICS
         if algorithm.cache_reference_logprobs:
             self.use_cached_reference_logps()
         self.start()
+
+    def build_reference(self, actor_ckpt) -> Reference:
+        """The frozen reference, in the actor's dtype and sequence layout, as in PPO."""
+        return Reference(actor_ckpt, dtype=self.config.model.dtype,
+                         packed_sequences=self.config.actor.use_packed_sequences)
 
     def use_cached_reference_logps(self) -> None:
         """Attach the reference's log-probs to every example, read from the run folder's cache or, without a
@@ -79,7 +81,7 @@ class PreferenceTrainer(OfflineJob):
         if values is None:
             if path.exists() and self.layout.rank == 0:
                 print(f"{path} was computed for other data, model or settings: recomputing it", flush=True)
-            self.reference = Reference(self.actor_ckpt, dtype=self.config.model.dtype)
+            self.reference = self.build_reference(self.actor_ckpt)
             values = {split: self.reference_logps_of(examples) for split, examples in splits.items()}
             self.reference = None
             gc.collect()  # its memory back now, not at the next cycle collection (module graphs hold cycles)
