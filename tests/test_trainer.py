@@ -32,21 +32,22 @@ def test_rollout_replicas_cover_every_rank_once_per_replica(tp, pp, dp, rollout_
 
 @pytest.mark.slow
 def test_short_ppo_run_reward_rises_and_exports(tmp_path):
-    """The demo's recipe at a small scale, one process: warm-up, then PPO; fixed seeds, deterministic on CPU."""
+    """The demo's recipe at a small scale, one process: warm-up, then PPO at the learning run's lr and samples per
+    prompt; fixed seeds, deterministic on CPU."""
     from verl_mega.cli import main as cli
-    from verl_mega.data.synthetic import make_task_rows
+    from verl_mega.data.synthetic import make_task_rows, sft_pairs
     from verl_mega.data.tables import write_rows
     from verl_mega.demo import EXAMPLES, sft_warmup, train
     from verl_mega.models.tiny import make_tiny_hf_model
 
-    rows = make_task_rows("copy", 256, seed=0, max_digits=2)
+    rows = make_task_rows("copy", 512, seed=0, max_digits=2)
     train_file = write_rows(rows, tmp_path / "copy.jsonl")
-    sft = sft_warmup(make_tiny_hf_model(tmp_path / "random", "qwen2", vocab_size=64), rows, tmp_path / "sft")
+    sft = sft_warmup(make_tiny_hf_model(tmp_path / "random", "qwen2", vocab_size=64), sft_pairs(rows), tmp_path / "sft")
     run_dir = tmp_path / "run"
     train(EXAMPLES / "ppo_gae_demo.yaml", 1, [
         f"model.hf_path={sft}", f"data.train_files=[{train_file}]", f"trainer.run_dir={run_dir}",
         "parallel.tp=1", "parallel.pp=1", "trainer.total_steps=16", "actor.micro_batch_size=16",
-        "critic.micro_batch_size=16",
+        "critic.micro_batch_size=16", "actor.optim.lr=1e-3", "rollout.n=8",
     ])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 17))
