@@ -200,7 +200,7 @@ class CheckpointMirror:
                         return
                     delay = min(2 * delay, _MAX_RETRY_S)
             shutil.rmtree(snapshot, ignore_errors=True)
-            print(f"mirrored {snapshot.name} to {self.location}", flush=True)
+            print(f"mirrored {snapshot.name} to {self.location}", file=sys.stderr, flush=True)
 
 
 # --- reading ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from verl_mega.parallel.agree import all_finite, any_rank
 from verl_mega.parallel.state import ParallelLayout
 
 from .health import HealthServer
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, print_note
 
 PROFILE_DIR = "profile"
 
@@ -205,7 +205,7 @@ class TrainingJob:
         newest_local = run_checkpoints.checkpoint_step(local[-1]) if local else -1
         fetched = mirror.fetch_newer(mirror.connect(location), location, self.run_dir, newest_local)
         if fetched is not None:
-            print(f"fetched {fetched.name} from the checkpoint mirror {location}", flush=True)
+            print_note(f"fetched {fetched.name} from the checkpoint mirror {location}", self.config.trainer.log_format)
 
     def resume(self) -> None:
         """Continue from the newest complete checkpoint of the run folder, if there is one."""
@@ -220,7 +220,7 @@ class TrainingJob:
         self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
         self.load_job_state(state)
         if self.layout.rank == 0:
-            print(f"resumed from {found[-1]} at step {self.step}", flush=True)
+            print_note(f"resumed from {found[-1]} at step {self.step}", self.config.trainer.log_format)
             MetricsLogger.truncate(self.run_dir, self.step)
 
 

@@ -28,6 +28,7 @@ from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.models import HFModelConfig
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
+from .metrics import print_note
 from .ppo import PPOTrainer, uses_critic
 from .preemption import StopRequest, requeue_slurm_job
 from .run_folder import INITIAL_ACTOR_PREFIX, INITIAL_CRITIC_PREFIX, claim_run_folder
@@ -85,7 +86,7 @@ def train(config, reward_fn=None) -> None:
         if lock is not None:
             lock.release()
     if not finished and layout.rank == 0:
-        requeue_slurm_job()
+        requeue_slurm_job(config.trainer.log_format)
     destroy_parallel()
 
 
@@ -138,9 +139,9 @@ def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str) 
     if layout.rank == 0 and ckpt.exists():
         if not (ckpt / MANIFEST_NAME).is_file():  # conversions are published whole, so this is someone else's
             raise UserError(f"{ckpt} exists but is no converted checkpoint (no {MANIFEST_NAME}); remove it")
-        print(f"using the converted {role} checkpoint {ckpt}", flush=True)
+        print_note(f"using the converted {role} checkpoint {ckpt}", config.trainer.log_format)
     elif layout.rank == 0:
-        print(f"converting the {role}'s {hf_path} into {ckpt}", flush=True)
+        print_note(f"converting the {role}'s {hf_path} into {ckpt}", config.trainer.log_format)
         p = config.parallel
         convert_hf_to_mcore(hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype,
                             family_spec=config.model.family_spec or None)

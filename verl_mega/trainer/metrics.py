@@ -49,6 +49,12 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+
+def print_note(message: str, log_format: str) -> None:
+    """A remark about the run (a conversion, a resume, a skipped batch): on stdout beside the text step lines; on
+    stderr under `trainer.log_format: json`, where stdout holds step records only."""
+    print(message, file=sys.stdout if log_format == "text" else sys.stderr, flush=True)
+
 class MetricsLogger:
     """Only rank 0 writes; `log(step, metrics)` appends one JSON line and prints one line: a compact one
     (`log_format="text"`), or the record itself as JSON (`"json"`, for cluster log collectors; the only thing
@@ -121,9 +127,9 @@ class MetricsLogger:
             self._wandb.log({"samples": table}, step=step)
 
     def note(self, step: int, message: str) -> None:
-        """A remark about a step (a skipped batch): on stdout beside the text lines, on stderr under json."""
+        """A remark about a step (a skipped batch)."""
         if self.enabled:
-            print(f"step {step}: {message}", file=sys.stdout if self.log_format == "text" else sys.stderr, flush=True)
+            print_note(f"step {step}: {message}", self.log_format)
 
     def close(self) -> None:
         if self._writer is not None:

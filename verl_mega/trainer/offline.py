@@ -20,7 +20,7 @@ from verl_mega.parallel.state import ParallelLayout
 from verl_mega.roles.actor import Actor
 
 from .job import TrainingJob
-from .metrics import StageTimer, peak_memory_bytes
+from .metrics import StageTimer, peak_memory_bytes, print_note
 
 
 def limits(config: TrainConfig) -> Limits:
@@ -41,7 +41,8 @@ class OfflineJob(TrainingJob):
         self.train_examples = train.examples
         self.val_examples = self.load_examples(d.val_files).examples if d.val_files else []
         if train.skipped and layout.rank == 0:
-            print(f"skipped {train.skipped} invalid rows of data.train_files (data.skip_invalid_rows)", flush=True)
+            print_note(f"skipped {train.skipped} invalid rows of data.train_files (data.skip_invalid_rows)",
+                       config.trainer.log_format)
         self.sampler = ResumableBatchSampler(len(self.train_examples), d.batch_size, seed=d.seed,
                                              lengths=[self.example_length(e) for e in self.train_examples],
                                              group_batches=d.length_group_batches)

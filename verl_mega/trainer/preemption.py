@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 
+from .metrics import print_note
+
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
@@ -27,12 +29,12 @@ class StopRequest:
         return self.received is not None
 
 
-def requeue_slurm_job() -> bool:
+def requeue_slurm_job(log_format: str) -> bool:
     """`scontrol requeue` this job when running under Slurm; Slurm ends the job's processes right after."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return False
-    print(f"requeueing Slurm job {job} after saving", flush=True)
+    print_note(f"requeueing Slurm job {job} after saving", log_format)
     # Its exit status is not checked: the requeue ends this very process group, scontrol included.
     subprocess.run(["scontrol", "requeue", job], check=False)
     return True

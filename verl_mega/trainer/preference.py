@@ -23,7 +23,7 @@ from verl_mega.roles.preference import (
 )
 from verl_mega.roles.reference import Reference
 
-from .metrics import StageTimer
+from .metrics import StageTimer, print_note
 from .offline import OfflineJob, limits
 from .reference_cache import CACHE_NAME, cache_key, read_cache, write_cache
 from .rollout_batch import build_rollout_batch
@@ -80,7 +80,8 @@ class PreferenceTrainer(OfflineJob):
         values = read_cache(path, key, rows)
         if values is None:
             if path.exists() and self.layout.rank == 0:
-                print(f"{path} was computed for other data, model or settings: recomputing it", flush=True)
+                print_note(f"{path} was computed for other data, model or settings: recomputing it",
+                           self.config.trainer.log_format)
             self.reference = self.build_reference(self.actor_ckpt)
             values = {split: self.reference_logps_of(examples) for split, examples in splits.items()}
             self.reference = None
