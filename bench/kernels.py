@@ -169,8 +169,8 @@ def thread_medians(label):
     calls = {
         f"GAE {GAE_SHAPE[0]}x{GAE_SHAPE[1]}": (lambda: gae(rewards, values, mask, 1.0, 0.95), 200),
         f"log-prob {THREADS_LOGPROB_SHAPE[0]}x{THREADS_LOGPROB_SHAPE[1]}": (
-            lambda: token_logprobs(logits, labels), 40),
-        "torch log_softmax, same logits": (lambda: torch.log_softmax(logits, dim=-1), 40),
+            lambda: token_logprobs(logits, labels), 150),
+        "torch log_softmax, same logits": (lambda: torch.log_softmax(logits, dim=-1), 150),
     }
     threads_before = torch.get_num_threads()
     for name, (call, repeats) in calls.items():

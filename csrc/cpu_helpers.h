@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -84,9 +85,11 @@ struct SharedTasks {
 
   // Claims and runs tasks until none is left. `run` is only followed once a task is claimed: while one is
   // unfinished, the caller is still waiting and `run` alive.
+  // Returns how many tasks this thread ran.
   template <typename Run>
-  void work(const Run* run) {
-    for (int64_t task = next++; task < count; task = next++) {
+  int64_t work(const Run* run) {
+    int64_t ran = 0;
+    for (int64_t task = next++; task < count; task = next++, ++ran) {
       try {
         (*run)(task);
       } catch (...) {
@@ -98,8 +101,46 @@ struct SharedTasks {
         all_finished.notify_all();
       }
     }
+    return ran;
   }
 };
+
+// After a call that found no idle core, or in which the caller waited on a helper for longer than its own
+// tasks take (the helper was descheduled mid-task: /proc/loadavg showed an idle core that a neighbour took
+// back), the next calls keep their work on the calling thread without looking: 1, 2, 4, ... up to
+// kMaxCallsAlone calls while it keeps happening, back to sharing at once after a call in which the helpers kept
+// up. A busy neighbour then costs one load reading or one late helper in up to kMaxCallsAlone calls, instead
+// of a reading in every call and a late helper in many.
+class HelperBackoff {
+ public:
+  static constexpr int64_t kMaxCallsAlone = 64;
+
+  bool stay_alone() {
+    int64_t left = calls_alone_.load(std::memory_order_relaxed);
+    while (left > 0 && !calls_alone_.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
+    }
+    return left > 0;
+  }
+
+  void after_call(bool helpers_kept_up) {
+    if (helpers_kept_up) {
+      next_run_alone_.store(1, std::memory_order_relaxed);
+      return;
+    }
+    const int64_t calls = next_run_alone_.load(std::memory_order_relaxed);
+    calls_alone_.store(calls, std::memory_order_relaxed);
+    next_run_alone_.store(std::min(2 * calls, kMaxCallsAlone), std::memory_order_relaxed);
+  }
+
+ private:
+  std::atomic<int64_t> calls_alone_{0};
+  std::atomic<int64_t> next_run_alone_{1};
+};
+
+inline HelperBackoff& helper_backoff() {
+  static HelperBackoff backoff;
+  return backoff;
+}
 
 }  // namespace detail
 
@@ -107,26 +148,40 @@ struct SharedTasks {
 // tasks itself; up to torch.get_num_threads() - 1 helpers, one per idle core, from torch's inter-op pool
 // (threads that sleep when idle, where OpenMP's spin) join in when they get a core. The call returns once every
 // task is done, waiting only for tasks a helper has started: a helper that never got a core delays nothing,
-// where a fork/join region waits at its barrier for every thread it forked, scheduled or not. Each row range
+// where a fork/join region waits at its barrier for every thread it forked, scheduled or not; a helper
+// descheduled mid-task makes the next calls run alone (HelperBackoff). Each row range
 // is computed by exactly one thread with the same code, so results do not depend on the number of threads.
 template <typename Body>
 void parallel_rows(int64_t rows, int64_t rows_per_task, const Body& body) {
   const int64_t tasks = (rows + rows_per_task - 1) / rows_per_task;
   const auto run = [&](int64_t task) { body(task * rows_per_task, std::min(rows, (task + 1) * rows_per_task)); };
   const int64_t wanted = std::min<int64_t>(at::get_num_threads() - 1, tasks - 1);
-  const int64_t helpers =
-      tasks < kMinTasksToShare || wanted < 1 || at::in_parallel_region() ? 0 : std::min(wanted, detail::idle_cores());
+  const bool share = tasks >= kMinTasksToShare && wanted >= 1 && !at::in_parallel_region() &&
+                     !detail::helper_backoff().stay_alone();
+  const int64_t helpers = share ? std::min(wanted, detail::idle_cores()) : 0;
+  if (share && helpers == 0) detail::helper_backoff().after_call(false);
   if (helpers == 0) {
     for (int64_t task = 0; task < tasks; ++task) run(task);
     return;
   }
+  using Clock = std::chrono::steady_clock;
   auto shared = std::make_shared<detail::SharedTasks>(tasks);
   for (int64_t i = 0; i < helpers; ++i) {
     at::launch([shared, run = &run] { shared->work(run); });
   }
-  shared->work(&run);
-  std::unique_lock<std::mutex> lock(shared->mutex);
-  shared->all_finished.wait(lock, [&] { return shared->finished.load() == tasks; });
+  const auto start = Clock::now();
+  const int64_t ran = shared->work(&run);
+  const auto own_tasks_done = Clock::now();
+  // A helper that kept up finishes its last task within about one task's time of the caller's last. Until then
+  // the caller keeps its core (sleeping would hand it to a neighbour and wait a time slice to get it back).
+  const auto kept_up = 2 * ((own_tasks_done - start) / std::max<int64_t>(ran, 1)) + std::chrono::microseconds(20);
+  while (shared->finished.load() != tasks && Clock::now() - own_tasks_done <= kept_up) {
+  }
+  if (shared->finished.load() != tasks) {
+    std::unique_lock<std::mutex> lock(shared->mutex);
+    shared->all_finished.wait(lock, [&] { return shared->finished.load() == tasks; });
+  }
+  detail::helper_backoff().after_call(Clock::now() - own_tasks_done <= kept_up);
   if (shared->error) std::rethrow_exception(shared->error);
 }
 
