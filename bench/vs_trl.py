@@ -1,7 +1,7 @@
 """verl_mega against TRL's GRPOTrainer, side by side, one after the other, on the same model, data and reward.
 
     pip install -e .[bench]      # TRL, pinned; a bench-only dependency
-    python -m bench.vs_trl [--scale tiny|llama100m|both] [--steps 5] [--threads 2]
+    python -m bench.vs_trl [--scale tiny|llama100m|both] [--steps 5] [--threads 2] [--rounds 2]
 
 Both run GRPO in fp32 on the CPU with equal settings: 8 prompts x 4 samples per step, the same maximum of new
 tokens, learning rate, clip ratio, temperature and chat template, no KL term, one optimizer step per trainer
@@ -16,7 +16,9 @@ same number of tokens per step.
 
 Printed: per system the median step time (wall, and the process's CPU time, which a busy shared machine
 disturbs much less) over the steps after the first (warm-up), completion tokens/s,
-the per-stage breakdown and the time outside the steps (start-up and the final save), then the ratio.
+the per-stage breakdown and the time outside the steps (start-up and the final save), then the ratio; with
+`--rounds` > 1 the pair runs again, and the median of the rounds' ratios closes the report (the speed of a
+shared machine drifts between runs by more than the two systems differ).
 verl_mega's time outside the steps includes starting its process and importing torch, transformers and
 megatron-core, which TRL, running in this process, has done before its clock starts; the header prints
 what verl_mega's imports take in a fresh interpreter.
@@ -227,17 +229,26 @@ def summarise(stage_seconds: list[dict[str, float]], mean_lengths: list[float], 
             "outside_steps": wall - sum(seconds["step"] for seconds in stage_seconds)}
 
 
-def report(scale: str, trl: dict, ours: dict) -> None:
-    print(f"\n== {scale}: median of the steps after the first ==")
-    for name, result in (("TRL GRPOTrainer", trl), ("verl_mega", ours)):
-        stages = ", ".join(f"{stage} {seconds:.3f}" for stage, seconds in result["stages"].items())
-        print(f"{name:<16} step {result['step']:.3f} s (CPU {result['step_cpu']:.3f} s), "
-              f"{result['completion_tokens']:.0f} completion tokens, "
-              f"{result['tokens_per_second']:.0f} tokens/s; outside the steps {result['outside_steps']:.1f} s")
-        print(f"{'':<16} stages (s): {stages}")
-    print(f"verl_mega / TRL: {trl['step'] / ours['step']:.2f}x steps/s, "
-          f"{ours['tokens_per_second'] / trl['tokens_per_second']:.2f}x completion tokens/s; "
-          f"{trl['step_cpu'] / ours['step_cpu']:.2f}x in CPU seconds per step (steadier when the machine is shared)")
+def report(scale: str, rounds: list[tuple[dict, dict]]) -> None:
+    """Each round's figures, then the median over rounds of the per-round ratios (a round runs TRL, then
+    verl_mega, so a change in the machine's speed between rounds weighs on both sides of its ratio alike)."""
+    for number, (trl, ours) in enumerate(rounds, 1):
+        print(f"\n== {scale}, round {number} of {len(rounds)}: median of the steps after the first ==")
+        for name, result in (("TRL GRPOTrainer", trl), ("verl_mega", ours)):
+            stages = ", ".join(f"{stage} {seconds:.3f}" for stage, seconds in result["stages"].items())
+            print(f"{name:<16} step {result['step']:.3f} s (CPU {result['step_cpu']:.3f} s), "
+                  f"{result['completion_tokens']:.0f} completion tokens, "
+                  f"{result['tokens_per_second']:.0f} tokens/s; outside the steps {result['outside_steps']:.1f} s")
+            print(f"{'':<16} stages (s): {stages}")
+        print(f"verl_mega / TRL: {trl['step'] / ours['step']:.2f}x steps/s, "
+              f"{ours['tokens_per_second'] / trl['tokens_per_second']:.2f}x completion tokens/s; "
+              f"{trl['step_cpu'] / ours['step_cpu']:.2f}x in CPU seconds per step (steadier when the machine is "
+              "shared)")
+    steps = [trl["step"] / ours["step"] for trl, ours in rounds]
+    cpu = [trl["step_cpu"] / ours["step_cpu"] for trl, ours in rounds]
+    print(f"\n{scale}: verl_mega / TRL steps/s over {len(rounds)} round(s): median {statistics.median(steps):.2f}x "
+          f"(rounds {', '.join(f'{ratio:.2f}' for ratio in steps)}); in CPU seconds per step: median "
+          f"{statistics.median(cpu):.2f}x (rounds {', '.join(f'{ratio:.2f}' for ratio in cpu)})")
 
 
 def main(argv=None) -> int:
@@ -245,9 +256,12 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", choices=[*SCALES, "both"], default="tiny")
     parser.add_argument("--steps", type=int, default=5, help="trainer steps per system; the first is warm-up")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both systems")
+    parser.add_argument("--rounds", type=int, default=2, help="TRL then verl_mega, this many times per scale")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2: the first step is warm-up and not measured")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -265,9 +279,11 @@ def main(argv=None) -> int:
             hf_dir = BUILDERS[scale](tmp / scale / "hf")
             params = sum(tensor.numel() for tensor in load_file(hf_dir / "model.safetensors").values())
             print(f"{scale}: {params / 1e6:.2f}M parameters, {SCALES[scale]['max_new_tokens']} max new tokens")
-            trl_result = run_trl(hf_dir, rows, SCALES[scale], args.steps, args.threads, tmp / scale / "trl")
-            ours = run_verl_mega(hf_dir, rows, SCALES[scale], args.steps, args.threads, tmp / scale / "verl_mega")
-            report(scale, trl_result, ours)
+            rounds = [(run_trl(hf_dir, rows, SCALES[scale], args.steps, args.threads, tmp / scale / f"trl{number}"),
+                       run_verl_mega(hf_dir, rows, SCALES[scale], args.steps, args.threads,
+                                     tmp / scale / f"verl_mega{number}"))
+                      for number in range(args.rounds)]
+            report(scale, rounds)
     return 0
 
 

@@ -35,7 +35,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         loaded = set()
-        with torch.no_grad():
+        with torch.no_grad(), cuda_device_rewrite_paused():
             for name, tensor in weights:
                 target = self._targets.get(name)
                 if target is None:

@@ -28,6 +28,7 @@ from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
 from verl_mega.models.spec import SAME, FamilySpec, TensorRule, canonical_names
 from verl_mega.parallel.layout import rollout_placement, rollout_vocab_rows
+from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout
 
 from .engine import WeightFeed
@@ -158,7 +159,8 @@ class HybridEngine:
         layout = self.layout
         self.tracker.reset_peak()
         for stage, ep_rank, slot in transfer_order(self.cfg, self.family, layout.pp, layout.ep):
-            with self.tracker:
+            # Buffers follow the parameters' device, so the CPU shims' per-op hook has nothing to rewrite here.
+            with self.tracker, cuda_device_rewrite_paused():
                 parts = [(name, self._real_vocab_rows(slot, tensor))
                          for name, tensor in self._hf_slices(slot, stage, ep_rank)]
             while parts:
