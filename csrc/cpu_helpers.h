@@ -107,34 +107,35 @@ struct SharedTasks {
 
 // After a call that found no idle core, or in which the caller waited on a helper for longer than its own
 // tasks take (the helper was descheduled mid-task: /proc/loadavg showed an idle core that a neighbour took
-// back), the next calls keep their work on the calling thread without looking: 1, 2, 4, ... up to
-// kMaxCallsAlone calls while it keeps happening, back to sharing at once after a call in which the helpers kept
-// up. A busy neighbour then costs one load reading or one late helper in up to kMaxCallsAlone calls, instead
-// of a reading in every call and a late helper in many.
+// back), calls keep their work on the calling thread without looking for a while: 1 ms, then 2, 4, ... up to
+// kLongestPause while it keeps happening, back to sharing at once after a call in which the helpers kept up.
+// A busy neighbour then costs one load reading or one late helper per pause, instead of a reading in every
+// call and a late helper in many; once the neighbour stops, sharing resumes within one pause.
 class HelperBackoff {
  public:
-  static constexpr int64_t kMaxCallsAlone = 64;
+  using Clock = std::chrono::steady_clock;
+  static constexpr int64_t kFirstPause = std::chrono::nanoseconds(std::chrono::milliseconds(1)).count();
+  static constexpr int64_t kLongestPause = std::chrono::nanoseconds(std::chrono::milliseconds(256)).count();
 
-  bool stay_alone() {
-    int64_t left = calls_alone_.load(std::memory_order_relaxed);
-    while (left > 0 && !calls_alone_.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
-    }
-    return left > 0;
-  }
+  bool stay_alone() const { return now() < alone_until_.load(std::memory_order_relaxed); }
 
   void after_call(bool helpers_kept_up) {
     if (helpers_kept_up) {
-      next_run_alone_.store(1, std::memory_order_relaxed);
+      next_pause_.store(kFirstPause, std::memory_order_relaxed);
       return;
     }
-    const int64_t calls = next_run_alone_.load(std::memory_order_relaxed);
-    calls_alone_.store(calls, std::memory_order_relaxed);
-    next_run_alone_.store(std::min(2 * calls, kMaxCallsAlone), std::memory_order_relaxed);
+    const int64_t pause = next_pause_.load(std::memory_order_relaxed);
+    alone_until_.store(now() + pause, std::memory_order_relaxed);
+    next_pause_.store(std::min(2 * pause, kLongestPause), std::memory_order_relaxed);
   }
 
  private:
-  std::atomic<int64_t> calls_alone_{0};
-  std::atomic<int64_t> next_run_alone_{1};
+  static int64_t now() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  }
+
+  std::atomic<int64_t> alone_until_{0};
+  std::atomic<int64_t> next_pause_{kFirstPause};
 };
 
 inline HelperBackoff& helper_backoff() {
