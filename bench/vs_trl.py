@@ -15,10 +15,10 @@ Models are built here, nothing comes from a hub: `tiny` is the tests' tiny Qwen2
 same number of tokens per step.
 
 Printed: per system the median step time (wall, and the process's CPU time, which a busy shared machine
-disturbs much less) over the steps after the first (warm-up), completion tokens/s,
-the per-stage breakdown and the time outside the steps (start-up and the final save), then the ratio; with
-`--rounds` > 1 the pair runs again, and the median of the rounds' ratios closes the report (the speed of a
-shared machine drifts between runs by more than the two systems differ).
+disturbs much less) over the steps after the first (warm-up), completion tokens/s, the per-stage breakdown
+and the time outside the steps (start-up and the checkpoint both write after the last step), then the ratio;
+with `--rounds` > 1 the pair runs again, and the median of the rounds' ratios closes the report (the speed of
+a shared machine drifts between runs by more than the two systems differ).
 verl_mega's time outside the steps includes starting its process and importing torch, transformers and
 megatron-core, which TRL, running in this process, has done before its clock starts; the header prints
 what verl_mega's imports take in a fresh interpreter.
@@ -132,8 +132,10 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
         num_generations=SAMPLES_PER_PROMPT, max_completion_length=settings["max_new_tokens"],
         learning_rate=settings["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, beta=0.0, epsilon=0.2, temperature=1.0, top_p=1.0, loss_type="dapo",
-        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to="none", save_strategy="no",
-        seed=1, dataloader_num_workers=0, disable_dropout=True,
+        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to="none", seed=1, dataloader_num_workers=0,
+        disable_dropout=True,
+        # A checkpoint (model and optimizer) after the last step, as verl_mega writes one.
+        save_strategy="steps", save_steps=steps,
     )
     start = time.perf_counter()  # like verl_mega's, TRL's time outside the steps includes loading the model
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
