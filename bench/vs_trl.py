@@ -1,11 +1,12 @@
 """verl_mega against TRL's GRPOTrainer, side by side, one after the other, on the same model, data and reward.
 
     pip install -e .[bench]      # TRL, pinned; a bench-only dependency
-    python -m bench.vs_trl [--scale tiny|llama100m|both] [--steps 5] [--threads 2] [--rounds 2]
+    python -m bench.vs_trl [--scale tiny|llama100m|both] [--steps 5] [--threads 2] [--rounds 2] [--trl-micro-batch 32]
 
 Both run GRPO in fp32 on the CPU with equal settings: 8 prompts x 4 samples per step, the same maximum of new
 tokens, learning rate, clip ratio, temperature and chat template, no KL term, one optimizer step per trainer
-step (one epoch over one mini-batch of all 32 samples, one forward/backward pass). The task is the synthetic
+step (one epoch over one mini-batch of all 32 samples, in one forward/backward pass; `--trl-micro-batch 8`
+gives TRL four passes of 8, its best setting on a real 135M model). The task is the synthetic
 copy task with its partial-credit rule reward. TRL runs in this process; verl_mega runs `verl-mega train`'s
 entry point under torchrun with one process (the same thread count for both).
 
@@ -111,7 +112,8 @@ def copy_rows(count: int) -> list[dict]:
     return make_task_rows("copy", count, seed=0, max_digits=6)
 
 
-def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path) -> dict:
+def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path,
+            micro_batch: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -127,8 +129,9 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
     dataset = Dataset.from_list([{"prompt": row["prompt"], "ground_truth": row["reward_model"]["ground_truth"]}
                                  for row in rows])
     config = GRPOConfig(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=SEQUENCES_PER_STEP,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        # All 32 sequences generated at once, then `micro_batch` of them per forward/backward: one optimizer step.
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=SEQUENCES_PER_STEP // micro_batch, num_iterations=1,
         num_generations=SAMPLES_PER_PROMPT, max_completion_length=settings["max_new_tokens"],
         learning_rate=settings["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, beta=0.0, epsilon=0.2, temperature=1.0, top_p=1.0, loss_type="dapo",
@@ -259,11 +262,16 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="trainer steps per system; the first is warm-up")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both systems")
     parser.add_argument("--rounds", type=int, default=2, help="TRL then verl_mega, this many times per scale")
+    parser.add_argument("--trl-micro-batch", type=int, default=SEQUENCES_PER_STEP,
+                        help=f"sequences per TRL forward/backward (a divisor of {SEQUENCES_PER_STEP}; 8 was its best "
+                             "on a real 135M model)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2: the first step is warm-up and not measured")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.trl_micro_batch < 1 or SEQUENCES_PER_STEP % args.trl_micro_batch:
+        parser.error(f"--trl-micro-batch must divide {SEQUENCES_PER_STEP}")
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -281,7 +289,8 @@ def main(argv=None) -> int:
             hf_dir = BUILDERS[scale](tmp / scale / "hf")
             params = sum(tensor.numel() for tensor in load_file(hf_dir / "model.safetensors").values())
             print(f"{scale}: {params / 1e6:.2f}M parameters, {SCALES[scale]['max_new_tokens']} max new tokens")
-            rounds = [(run_trl(hf_dir, rows, SCALES[scale], args.steps, args.threads, tmp / scale / f"trl{number}"),
+            rounds = [(run_trl(hf_dir, rows, SCALES[scale], args.steps, args.threads, tmp / scale / f"trl{number}",
+                               args.trl_micro_batch),
                        run_verl_mega(hf_dir, rows, SCALES[scale], args.steps, args.threads,
                                      tmp / scale / f"verl_mega{number}"))
                       for number in range(args.rounds)]
