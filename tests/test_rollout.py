@@ -125,3 +125,29 @@ def test_embedded_places_non_strided_checkpoint_tensors_by_index():
     assert param.tolist() == [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
     window = _locate(param, torch.arange(6).view(2, 3).t())
     assert window.flat_index is None and window.stride == (1, 3)
+
+
+def test_renamed_parameters_skip_the_probe_and_land_where_the_probe_puts_them(tiny_models):
+    """Every family's tiny model: the shortcut for parameters the reverse conversion only renames gives the same
+    checkpoint names and places as probing every parameter with element indices (fused MoE experts still probed)."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.rollout.embedded import _checkpoint_targets, _probed_targets
+
+    shortcut_taken = 0
+    for family, hf_dir in tiny_models.items():
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        probed = {}
+        for name, param in model.named_parameters():
+            probed.update(_probed_targets(model, name, param))
+        targets = _checkpoint_targets(model)
+        assert sorted(targets) == sorted(probed), family
+        for checkpoint_name, want in probed.items():
+            got = targets[checkpoint_name]
+            shortcut_taken += got is not want and got.flat_index is None and got.offset == 0
+            assert got.param.data_ptr() == want.param.data_ptr() and got.shape == want.shape, checkpoint_name
+            if want.flat_index is None:  # a size-1 dimension's stride steps nowhere: compare the others
+                strides = [(g, w) for g, w, size in zip(got.stride, want.stride, want.shape) if size > 1]
+                assert all(g == w for g, w in strides) and got.offset == want.offset, checkpoint_name
+            assert (got.flat_index is None) == (want.flat_index is None), checkpoint_name
+    assert shortcut_taken > 0
