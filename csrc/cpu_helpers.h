@@ -165,7 +165,7 @@ void parallel_rows(int64_t rows, int64_t rows_per_task, const Body& body) {
     for (int64_t task = 0; task < tasks; ++task) run(task);
     return;
   }
-  using Clock = std::chrono::steady_clock;
+  using Clock = detail::HelperBackoff::Clock;
   auto shared = std::make_shared<detail::SharedTasks>(tasks);
   for (int64_t i = 0; i < helpers; ++i) {
     at::launch([shared, run = &run] { shared->work(run); });

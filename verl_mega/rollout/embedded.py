@@ -125,9 +125,11 @@ def _checkpoint_targets(model: torch.nn.Module) -> dict[str, _Target]:
     """Checkpoint name -> its place in the model's parameters (tied lm_head appears once, as embed_tokens)."""
     targets = {}
     for name, param in model.named_parameters():
-        whole = _renamed_only(model, name, param)
-        targets.update({whole: _Target(param.data, param.shape, param.data.stride(), 0, None)} if whole
-                       else _probed_targets(model, name, param))
+        checkpoint_name = _renamed_only(model, name, param)
+        if checkpoint_name is None:
+            targets.update(_probed_targets(model, name, param))
+        else:
+            targets[checkpoint_name] = _Target(param.data, param.shape, param.data.stride(), 0, None)
     return targets
 
 
