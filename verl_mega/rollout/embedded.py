@@ -17,6 +17,7 @@ import torch
 from verl_mega.data.padding import pad_rows
 from verl_mega.parallel.shims import cuda_device_rewrite_paused
 
+from .decoding import decode
 from .engine import Response, RolloutEngine, SamplingParams
 
 
@@ -54,41 +55,15 @@ class EmbeddedEngine(RolloutEngine):
         return len(loaded)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Response]:
-        from transformers import GenerationConfig
-
         input_ids, attention_mask = self._left_padded(prompts)
-        generation = GenerationConfig(
-            do_sample=not params.greedy,
-            temperature=params.temperature if not params.greedy else None,
-            top_p=params.top_p if not params.greedy else None,
-            # 0, not None, when off: unset, transformers samples from its default top 50, which neither the
-            # config asked for nor the old log-probs (full softmax) assume.
-            top_k=None if params.greedy else max(params.top_k, 0),
-            max_new_tokens=params.max_new_tokens,
-            num_return_sequences=params.n,
-            eos_token_id=self._eos + list(params.stop_token_ids),
-            pad_token_id=self._pad,
-            output_logits=params.logprobs,
-            return_dict_in_generate=True,
-        )
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices), cuda_device_rewrite_paused():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                      generation_config=generation)
-        new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()
-        token_logprobs = None
-        if params.logprobs:
-            logits = torch.stack(out.logits, dim=1).float().cpu()
-            token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        stops = set(self._eos) | set(params.stop_token_ids)
-        responses = []
-        for row, tokens in enumerate(new_tokens.tolist()):
-            length = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
-            logprobs = token_logprobs[row, :length].tolist() if token_logprobs is not None else None
-            responses.append(Response(row // params.n, tokens[:length], logprobs))
-        return responses
+            decoded = decode(self.model, input_ids, attention_mask, params,
+                             set(self._eos) | set(params.stop_token_ids))
+        return [Response(row // params.n, tokens, None if decoded.logprobs is None else decoded.logprobs[row])
+                for row, tokens in enumerate(decoded.tokens)]
 
     def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         if not prompts or any(len(p) == 0 for p in prompts):
