@@ -127,7 +127,17 @@ def resume_phase(ckpt_root: Path, out_dir: Path, layouts: list[tuple[int, int]])
                     torch.save(refusal, out_dir / "wrong_model_refusal.pt")
             load_training_state(actor.trainable, state_dir(out_dir, kind, "actor"))
             load_training_state(critic.trainable, state_dir(out_dir, kind, "critic"))
+            assert_fused_adam(actor.trainable.optimizer)
             record(actor, critic, update(actor, critic, batch), cfg, family, out_dir / f"resumed_tp{tp}pp{pp}_{kind}")
+
+
+def assert_fused_adam(optimizer) -> None:
+    """Megatron's torch AdamW runs torch's fused kernel, also after a load restored the saved groups."""
+    for sub_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in sub_optimizer.optimizer.param_groups:
+            assert group["fused"], "torch's AdamW is not fused"
+            for param in group["params"]:
+                assert sub_optimizer.optimizer.state[param]["step"].device == param.device
 
 
 def main(argv: list[str]) -> None:

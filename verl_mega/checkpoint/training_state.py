@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from verl_mega.roles.trainable import use_fused_adam
+
 from .safe_unpickle import guard_dist_checkpoint_reads
 
 MAIN_STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")  # the distributed optimizer's per-parameter tensors
@@ -70,6 +72,7 @@ def load_training_state(trainable, directory: str | Path) -> None:
         for optimizer, state in zip(_sub_optimizers(trainable.optimizer), loaded["optimizer"]):
             _load_optimizer_state(optimizer, state)
         trainable.scheduler.load_state_dict(loaded["scheduler"])
+    use_fused_adam(trainable.optimizer)
 
 
 def _sharded_state(trainable, is_loading: bool) -> dict:
@@ -111,6 +114,7 @@ def _ensure_optimizer_state(optimizer) -> None:
         if not state:
             state.update(exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
                          step=torch.tensor(0.0, dtype=torch.float32))
+    use_fused_adam(optimizer)
 
 
 def _optimizer_sharded_state(optimizer, model_state: dict, is_loading: bool) -> dict:

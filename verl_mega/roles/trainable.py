@@ -52,6 +52,7 @@ class TrainableModel:
             ),
             [self.model],
         )
+        use_fused_adam(self.optimizer)
         # What megatron's training loop installs: the schedules call these after the last backward.
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
@@ -104,3 +105,23 @@ class TrainableModel:
             self.scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "lr": lr,
                 "update_successful": float(update_successful)}
+
+
+def use_fused_adam(optimizer) -> None:
+    """Run torch's fused Adam kernel where megatron fell back to torch's AdamW (no transformer-engine or apex).
+
+    Megatron builds it with torch's defaults, which loop over the tensors on the CPU: 0.36-0.54 s per step for
+    100M parameters against 0.07 s fused (2 threads). Idempotent: loading a checkpoint restores the groups'
+    saved settings and step counters, so it runs again after a load."""
+    import torch
+
+    for sub_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub_optimizer.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=False)
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if "step" in state:  # the fused kernel reads the counter on the parameter's device
+                    state["step"] = state["step"].to(param.device, torch.float32)
