@@ -23,7 +23,7 @@ DROP_FINISHED_AT = 0.25
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits [rows, vocab] scaled by the temperature, with entries outside top-k / top-p set to -inf."""
-    logits = logits.float() / params.temperature
+    logits = logits.float() if params.temperature == 1 else logits.float() / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
