@@ -19,16 +19,15 @@ def pad_rows(rows: Sequence[Sequence[int]], pad_token_id: int, *, side: str, wid
     if side not in SIDES:
         raise ValueError(f"side must be one of {SIDES}, got {side!r}")
     width = max((len(row) for row in rows), default=0) if width is None else width
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, row in enumerate(rows):
-        row = list(row)[-width:] if side == "left" else list(row)[:width]
-        if not row:
-            continue
-        columns = slice(width - len(row), width) if side == "left" else slice(0, len(row))
-        ids[index, columns] = torch.tensor(row, dtype=torch.long)
-        mask[index, columns] = 1
-    return ids, mask
+    # Padded as Python lists, then one tensor each: a slice assignment per row costs a tensor op per row.
+    ids, mask = [], []
+    for row in rows:
+        row = list(row)[-width:] if side == "left" and width else list(row)[:width]
+        padding = width - len(row)
+        ids.append([pad_token_id] * padding + row if side == "left" else row + [pad_token_id] * padding)
+        mask.append([0] * padding + [1] * len(row) if side == "left" else [1] * len(row) + [0] * padding)
+    shape = (len(rows), width)
+    return (torch.tensor(ids, dtype=torch.long).reshape(shape), torch.tensor(mask, dtype=torch.long).reshape(shape))
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

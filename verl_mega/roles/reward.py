@@ -136,7 +136,8 @@ class RuleReward:
         self.reward_fn = get_reward_fn(reward_fn)
 
     def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-        valid_ids = [row[mask.bool()].tolist() for row, mask in zip(responses, response_mask)]
+        valid_ids = [[token for token, valid in zip(row, mask) if valid]
+                     for row, mask in zip(responses.tolist(), response_mask.tolist())]
         return self.tokenizer.batch_decode(valid_ids, skip_special_tokens=True)
 
     def __call__(
