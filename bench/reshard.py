@@ -63,10 +63,10 @@ def worker(hf_dir: str, ckpt_dir: str, out: str) -> None:
     init_parallel(TP, PP)
     model, _, cfg, family = build_model_from_checkpoint(ckpt_dir)
     layout = current_layout()
-    naive = HybridEngine(model, cfg, family, rollout_tp=1)
+    naive = HybridEngine(model, cfg, family, rollout_tp=1, measure_peak=True)
     rows = []
     for rollout_tp in ROLLOUT_TPS:
-        hybrid = HybridEngine(model, cfg, family, rollout_tp)
+        hybrid = HybridEngine(model, cfg, family, rollout_tp, measure_peak=True)
 
         def consume_stream():
             return sum(tensor.numel() * tensor.element_size() for _, tensor in hybrid.stream())

@@ -126,11 +126,11 @@ def main() -> None:
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581").items():
         os.environ.setdefault(key, value)
     dtype = DTYPES[args.dtype]
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens,
-                            n=args.samples, seed=0)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens, n=args.samples, seed=0)
     rng = random.Random(0)
-    print(f"{args.prompts} prompts x {args.prompt_length} tokens, {args.samples} samples each, up to {args.new_tokens} new, temperature 1, "
-          f"{args.dtype}, torch threads {torch.get_num_threads()}, device {'cuda' if torch.cuda.is_available() else 'cpu'}")
+    print(f"{args.prompts} prompts x {args.prompt_length} tokens, {args.samples} samples each, up to "
+          f"{args.new_tokens} new, temperature 1, {args.dtype}, torch threads {torch.get_num_threads()}, "
+          f"device {'cuda' if torch.cuda.is_available() else 'cpu'}")
     with tempfile.TemporaryDirectory() as tmp:
         for label, sizes in MODELS.items():
             hf_dir = make_model(Path(tmp) / label.split()[0], sizes)
@@ -146,8 +146,8 @@ def main() -> None:
                 rates["embedded"].append(tokens_per_second(embedded, prompts, params, 1))
             generate_rate, embedded_rate = (statistics.median(rates[name]) for name in ("generate", "embedded"))
             del embedded, baseline
-            line = (f"{label:<30} transformers generate {generate_rate:8.1f} tok/s   embedded {embedded_rate:8.1f} tok/s"
-                    f" ({embedded_rate / generate_rate:4.2f}x)")
+            line = (f"{label:<30} transformers generate {generate_rate:8.1f} tok/s   "
+                    f"embedded {embedded_rate:8.1f} tok/s ({embedded_rate / generate_rate:4.2f}x)")
             if not args.no_vllm:
                 feed = WeightFeed(1, 0, raw["vocab_size"], raw["vocab_size"])
                 vllm = VLLMEngine(hf_dir, feed, max_model_len=args.prompt_length + args.new_tokens, dtype=dtype,

@@ -113,7 +113,8 @@ def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp:
     model, manifest, cfg, family = build_model_from_checkpoint(ckpt_dir)
     reader = SafetensorsReader(hf_dir)
     layout = current_layout()
-    engines = [HybridEngine(model, cfg, family, rollout_tp) for rollout_tp in range(1, tp + 1) if tp % rollout_tp == 0]
+    engines = [HybridEngine(model, cfg, family, rollout_tp, measure_peak=True)
+               for rollout_tp in range(1, tp + 1) if tp % rollout_tp == 0]
     for engine in engines:
         label = f"{family_name} tp={tp} pp={pp} dp={layout.dp} ep={ep} -> t_g={engine.rollout_tp}"
         check_transition(engine, reader, hf_dir, cfg, family, manifest.padded_vocab_size, 0.0, label)

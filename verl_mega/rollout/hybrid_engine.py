@@ -17,6 +17,7 @@ q/k/v or gate/up layout is undone), never the model; `planner.plan` gives the bo
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -67,13 +68,15 @@ class HybridEngine:
     Construct once per actor (it creates the micro-DP process groups, a collective call on every rank);
     call `stream()` on every rank at each transition and consume it fully. A yielded tensor is valid until
     the next one is requested and may be a view of the live training parameter: copy it, never write it.
-    `tracker.peak` is the measured most bytes the transition held at once (its buffers plus the tensor
-    the consumer is loading).
+    With `measure_peak`, `tracker.peak` is the measured most bytes the transition held at once (its buffers
+    plus the tensor the consumer is loading).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: HFModelConfig, family: FamilySpec, rollout_tp: int = 1,
-                 dtype: torch.dtype | None = None):
-        """`dtype`: what the rollout engine runs (default: the model's); the tensors are streamed in it."""
+                 dtype: torch.dtype | None = None, measure_peak: bool = False):
+        """`dtype`: what the rollout engine runs (default: the model's); the tensors are streamed in it.
+        `measure_peak`: track the transition's live bytes (tests, benchmarks). Off in training: the tracking
+        dispatch mode handles every op of the transition in Python, 40 % of a tiny model's transition."""
         from megatron.core import parallel_state as ps
 
         self.cfg, self.family, self.dtype = cfg, family, dtype
@@ -82,7 +85,7 @@ class HybridEngine:
         self.rollout_tp = rollout_tp
         self.micro_dp = placement.micro_dp
         self.rollout_tp_rank = placement.rollout_tp_rank
-        self.tracker = LiveBytes()
+        self.tracker = LiveBytes() if measure_peak else None
         self._params = self._own_shards(model)
 
         me = _Peer(self.layout.rank, self.layout.tp_rank, self.layout.pp_rank, self.layout.ep_rank,
@@ -157,10 +160,12 @@ class HybridEngine:
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor of this rank's rollout slice (vocabulary padding removed), one at a time."""
         layout = self.layout
-        self.tracker.reset_peak()
+        tracking = self.tracker if self.tracker is not None else contextlib.nullcontext()
+        if self.tracker is not None:
+            self.tracker.reset_peak()
         for stage, ep_rank, slot in transfer_order(self.cfg, self.family, layout.pp, layout.ep):
             # Buffers follow the parameters' device, so the CPU shims' per-op hook has nothing to rewrite here.
-            with self.tracker, cuda_device_rewrite_paused():
+            with tracking, cuda_device_rewrite_paused():
                 parts = [(name, self._real_vocab_rows(slot, tensor))
                          for name, tensor in self._hf_slices(slot, stage, ep_rank)]
             while parts:
