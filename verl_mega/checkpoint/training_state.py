@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from verl_mega.roles.trainable import use_fused_adam
+from verl_mega.parallel.shims import use_fused_adam
 
 from .safe_unpickle import guard_dist_checkpoint_reads
 

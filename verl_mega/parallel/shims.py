@@ -57,6 +57,24 @@ def apply_shims() -> None:
         _apply_cpu_shims()
 
 
+def use_fused_adam(optimizer) -> None:
+    """Megatron expects transformer-engine's or apex's fused Adam; without them it builds torch's AdamW with
+    torch's defaults, which loop over the tensors on the CPU (0.36-0.54 s per step for 100M parameters, against
+    0.07 s fused, 2 threads). This switches such an optimizer to torch's fused kernel, on any device.
+    Idempotent: loading a checkpoint restores the groups' saved settings and step counters, so it runs again
+    after a load."""
+    for sub_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub_optimizer.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=False)
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if "step" in state:  # the fused kernel reads the counter on the parameter's device
+                    state["step"] = state["step"].to(param.device, torch.float32)
+
+
 def _fix_moe_router_without_transformer_engine() -> None:
     # moe_utils leaves `te_general_gemm` undefined (not None) when transformer-engine is absent.
     from megatron.core.transformer.moe import moe_utils
