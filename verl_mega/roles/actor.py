@@ -12,7 +12,7 @@ from verl_mega.algorithms import agg_loss, compute_kl, get_policy_loss_fn
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.config import OptimConfig, PolicyLossConfig
 
-from .batching import Batch, batch_size, response_window
+from .batching import Batch, batch_size
 from .logprobs import vocab_parallel_logprobs
 from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
 from .trainable import TrainableModel
@@ -30,9 +30,9 @@ def load_policy(ckpt_dir: str | Path, **config_overrides):
 
 
 def response_logprobs(logits: torch.Tensor, micro_batch: Batch, vocab_size: int, return_entropy: bool):
-    """Log-probs (and entropy) of `responses` from a last stage's [b, L, V/tp] logits."""
+    """Log-probs (and entropy) of `responses` from a last stage's [b, R, V/tp] logits (see `stage_forward`)."""
     responses = micro_batch["responses"].to(logits.device)
-    return vocab_parallel_logprobs(response_window(logits, responses.shape[1]), responses,
+    return vocab_parallel_logprobs(logits, responses,
                                    vocab_size=vocab_size, return_entropy=return_entropy)
 
 

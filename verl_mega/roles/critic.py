@@ -12,7 +12,7 @@ from verl_mega.algorithms import compute_value_loss, masked_mean
 from verl_mega.config import OptimConfig, ValueLossConfig
 
 from .actor import load_policy
-from .batching import Batch, response_window
+from .batching import Batch
 from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
 from .trainable import TrainableModel
 
@@ -65,7 +65,7 @@ class Critic:
         """[B, R] float32 values of the states before each response token, on every rank."""
         self.model.eval()
         return compute_per_token(self.model, batch, micro_batch_size, ("values",),
-                                 lambda output, micro_batch: {"values": _response_values(output, micro_batch)},
+                                 lambda output, micro_batch: {"values": _response_values(output)},
                                  max_tokens, self.trainable.packed)["values"]
 
     def update_critic(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
@@ -79,7 +79,7 @@ class Critic:
     def _micro_batch_loss(self, output, micro_batch: Batch, share: MicroBatchShare):
         on = lambda key: micro_batch[key].to(output.device)  # noqa: E731
         mask = on("response_mask")
-        vpreds = _response_values(output, micro_batch)
+        vpreds = _response_values(output)
         vf_loss, vf_clipfrac = compute_value_loss(vpreds, on("values"), on("returns"), mask,
                                                   cliprange_value=self.loss.cliprange_value,
                                                   loss_agg_mode=self.loss.loss_agg_mode)
@@ -88,5 +88,6 @@ class Critic:
         return vf_loss * share.loss, metrics
 
 
-def _response_values(output: torch.Tensor, micro_batch: Batch) -> torch.Tensor:
-    return response_window(output, micro_batch["responses"].shape[1])[..., 0].float()
+def _response_values(output: torch.Tensor) -> torch.Tensor:
+    """[b, R] values from the value head's [b, R, 1] output at the response positions (see `stage_forward`)."""
+    return output[..., 0].float()

@@ -6,6 +6,7 @@ the pipeline schedule, and bringing results from the last pipeline stage (and ev
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
@@ -16,26 +17,31 @@ import torch.distributed as dist
 from verl_mega.algorithms import agg_units
 from verl_mega.config import ConfigError
 from verl_mega.data.packing import PackedRows, pack, pack_layout, unpack
+from verl_mega.models.builder import unwrap_model
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout, device
 
-from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, micro_batches, pad_response_columns
+from .batching import (Batch, causal_padding_mask, dp_slice, global_agg_units, micro_batches, pad_response_columns,
+                       response_window)
 
 
 def stage_forward(stage_model, micro_batch: Batch, packed: bool = False) -> torch.Tensor:
-    """This pipeline stage's forward; the last stage returns [b, L, V/tp] logits (or the role's head output).
+    """This pipeline stage's forward. The last stage returns only its outputs at the R positions that predict
+    the response tokens (R = the micro-batch's response width): [b, R, V/tp] logits, or the role's head output.
     `packed`: the rows go through as one padding-free THD row (transformer-engine layers only), and the last
     stage's output comes back in the padded layout, so what consumes it does not change.
     The model's forward passes no literal CUDA device, so it runs without the CPU shims' per-op hook."""
     here = device()
+    response_length = micro_batch["responses"].shape[1]
     with cuda_device_rewrite_paused():
         if not packed:
-            return stage_model(
-                micro_batch["input_ids"].to(here),
-                micro_batch["position_ids"].to(here),
-                causal_padding_mask(micro_batch["attention_mask"].to(here)),
-            )
+            with _output_layer_at_response_positions(stage_model, response_length):
+                return stage_model(
+                    micro_batch["input_ids"].to(here),
+                    micro_batch["position_ids"].to(here),
+                    causal_padding_mask(micro_batch["attention_mask"].to(here)),
+                )
         layout = pack_layout(micro_batch["attention_mask"], multiple_of=_packed_run_multiple())
         output = stage_model(
             pack(micro_batch["input_ids"], layout).to(here),
@@ -43,7 +49,27 @@ def stage_forward(stage_model, micro_batch: Batch, packed: bool = False) -> torc
             None,
             packed_seq_params=_packed_seq_params(layout, here),
         )
-        return unpack(output, layout) if _is_last_stage() else output
+        return response_window(unpack(output, layout), response_length) if _is_last_stage() else output
+
+
+@contextlib.contextmanager
+def _output_layer_at_response_positions(stage_model, response_length: int):
+    """The output layer (LM or value head) applied to the response window's hidden states only: the prompt's
+    outputs are never read, and on long prompts they are most of the [b, L, V] logits' time and memory."""
+    output_layer = getattr(unwrap_model(stage_model), "output_layer", None)
+    if output_layer is None:  # not the last pipeline stage
+        yield
+        return
+
+    def narrow(module, args, kwargs):
+        hidden_states = args[0]  # [s, b, h], megatron's sequence-first layout
+        return (response_window(hidden_states.transpose(0, 1), response_length).transpose(0, 1), *args[1:]), kwargs
+
+    handle = output_layer.register_forward_pre_hook(narrow, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _is_last_stage() -> bool:
