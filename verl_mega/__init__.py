@@ -35,11 +35,6 @@ for _message in (r".*(Apex|Transformer Engine).* (is|are) not installed", r"full
                  r"`torch\.distributed\.all_gather_into_tensor` is deprecated"):
     warnings.filterwarnings("ignore", message=_message)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-# Host tensors of 2 MB or more on transparent huge pages (torch's own switch, read at its first allocation, so
-# set before torch is imported; THP_MEM_ALLOC_ENABLE=0 turns it off). Each large CPU tensor is a fresh mapping
-# that the kernel faults in 4 KB at a time: one 64 MB tensor took 17 ms to fill against 8 ms on 2 MB pages, and
-# a 100M model's CPU training step made ~200k such faults. A GPU node's host buffers gain the same way.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 API_NAMES = ("Trainer", "Policy", "load_policy")
 
