@@ -6,6 +6,8 @@ micro-batches (tests/update_passes_worker.py under torchrun, 2 processes, tiny Q
   weights and metrics as a separate forward pass.
 - Micro-batches grouped by a token budget (DP2, the ranks then run different numbers of micro-batches) give
   the fixed-size micro-batches' log-probs, metrics and weight updates within fp32 rounding (RTOL below).
+- On the CPU every megatron linear layer adds its weight gradient into DDP's buffer inside the GEMM, and the
+  update equals megatron's unfused path within the same rounding.
 """
 import os
 from pathlib import Path
@@ -28,6 +30,10 @@ RTOL = 5e-5
 def rel_diff(value, reference) -> float:
     value, reference = torch.as_tensor(value, dtype=torch.float64), torch.as_tensor(reference, dtype=torch.float64)
     return ((value - reference).norm() / reference.norm().clamp_min(1e-12)).item()
+
+
+def whole_update(weights: dict, initial: dict) -> torch.Tensor:
+    return torch.cat([(weights[name] - initial[name]).flatten() for name in sorted(initial)])
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +67,16 @@ def test_old_log_probs_from_the_first_forward_give_the_same_update(results):
 
 
 @pytest.mark.slow
+def test_weight_gradients_added_in_the_gemm_give_the_unfused_update(results):
+    fused = results["fused_weight_gradients"]
+    assert fused["fused_flags"] and all(fused["fused_flags"])  # the CPU default, on every linear layer
+    # A micro-batch's gradient is added to the running sum inside the GEMM instead of after it: the same terms
+    # summed in another order. Measured on the whole update, as below.
+    initial = results["initial"]
+    assert rel_diff(whole_update(fused["fused"], initial), whole_update(fused["unfused"], initial)) <= RTOL
+
+
+@pytest.mark.slow
 def test_token_budget_update_equals_fixed_micro_batches(results):
     fixed, budget = results["token_budget"]["fixed"], results["token_budget"]["budget"]
     assert fixed["micro_batches"] == [2, 2] and budget["micro_batches"] == [3, 4]
@@ -72,8 +88,7 @@ def test_token_budget_update_equals_fixed_micro_batches(results):
     # (a norm weight, say) has a small update with the same absolute error, so the errors are measured
     # against the whole update, not tensor by tensor.
     initial = results["initial"]
-    updates = {run: torch.cat([(result["weights"][name] - initial[name]).flatten() for name in sorted(initial)])
-               for run, result in (("fixed", fixed), ("budget", budget))}
+    updates = {run: whole_update(result["weights"], initial) for run, result in (("fixed", fixed), ("budget", budget))}
     worst = {name: rel_diff(budget["weights"][name] - initial[name], fixed["weights"][name] - initial[name])
              for name in initial}
     print("token budget vs fixed micro-batches: rel diff of the whole update "

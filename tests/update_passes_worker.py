@@ -5,6 +5,8 @@ micro-batches compute them. `update_passes_worker CKPT_ROOT OUT_DIR`, with CKPT_
   from the update's own first forward (`skip_old_pass`); saves both results.
 - dp2: log-probs and two PPO steps with micro-batches of MICRO_BATCH rows, and again grouped by a token
   budget (`token_budget`), which gives the two DP ranks different numbers of micro-batches.
+- tp2: one PPO step over several micro-batches with each weight gradient added into DDP's buffer inside its
+  GEMM (the CPU default, `fused_weight_gradients`) and again as megatron's unfused path computes it.
 """
 from __future__ import annotations
 
@@ -97,12 +99,37 @@ def token_budget(ckpt_root: Path, out_dir: Path) -> None:
     dist.barrier()
 
 
+def fused_weight_gradients(ckpt_root: Path, out_dir: Path) -> None:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from verl_mega.parallel.state import current_layout, init_parallel
+
+    init_parallel(2, 1)
+    ckpt = ckpt_root / "tp2pp1"
+    cfg, family = load(ckpt)
+    batch = training_batch(ckpt, cfg)
+    batch["old_log_probs"] = -torch.rand(batch["responses"].shape, generator=torch.Generator().manual_seed(3))
+    result = {}
+    for name, fused in (("fused", True), ("unfused", False)):
+        actor = fresh_actor(ckpt, use_distributed_optimizer=False)
+        linears = [m for m in actor.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+        result[f"{name}_flags"] = [m.gradient_accumulation_fusion for m in linears]
+        for module in linears:
+            module.gradient_accumulation_fusion = fused
+        actor.update_policy(batch, ppo_epochs=1, mini_batch_size=BATCH, micro_batch_size=MICRO_BATCH)
+        result[name] = gather_hf_weights(actor.model.module, cfg, family)
+    if current_layout().rank == 0:
+        torch.save(result, out_dir / "fused_weight_gradients.pt")
+    dist.barrier()
+
+
 def main(argv: list[str]) -> None:
     from verl_mega.parallel.state import destroy_parallel
 
     ckpt_root, out_dir = (Path(arg) for arg in argv)
     skip_old_pass(ckpt_root, out_dir)
     token_budget(ckpt_root, out_dir)
+    fused_weight_gradients(ckpt_root, out_dir)
     destroy_parallel()
 
 

@@ -75,6 +75,34 @@ def use_fused_adam(optimizer) -> None:
                     state["step"] = state["step"].to(param.device, torch.float32)
 
 
+def accumulate_weight_gradients_in_place(model) -> None:
+    """Where the CPU shims are applied, the megatron linear layers of a DDP-wrapped `model` add each weight
+    gradient into DDP's gradient buffer inside the GEMM (megatron's gradient_accumulation_fusion, which on a
+    GPU needs apex's CUDA module). Unfused, every backward allocates a weight-sized gradient (the LM head's
+    alone is 50 MB for a 100M model, faulted in page by page) and DDP's hook adds it in a second pass.
+    Call after wrapping: the fused path writes to `main_grad`, which only DDP creates."""
+    if _device_mode is None:  # no CPU shims: a GPU keeps megatron's configured path
+        return
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            module.gradient_accumulation_fusion = True
+
+
+class _WeightGradientIntoMainGrad:
+    """apex's fused_weight_gradient_mlp_cuda, as megatron's linear backward calls it: main_grad += dY^T X."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        if total_input.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:  # bf16/fp16 activations into an fp32 buffer: the GEMM in their dtype, as the unfused path
+            main_grad.add_(grad_output.t() @ total_input)
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
 def _fix_moe_router_without_transformer_engine() -> None:
     # moe_utils leaves `te_general_gemm` undefined (not None) when transformer-engine is absent.
     from megatron.core.transformer.moe import moe_utils
@@ -86,6 +114,7 @@ def _fix_moe_router_without_transformer_engine() -> None:
 def _apply_cpu_shims() -> None:
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.tensor_parallel import layers as tensor_parallel_layers
     from megatron.core.tensor_parallel import random as mp_random
 
     # Used as a `device=` argument for rotary tables, pipeline receive buffers and TP buffers.
@@ -105,6 +134,8 @@ def _apply_cpu_shims() -> None:
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
     megatron_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
     _patch_optimizer_cuda_type_checks()
+    # Stands in for apex's fused wgrad kernel, which megatron's linear layers import by this name.
+    tensor_parallel_layers.fused_weight_gradient_mlp_cuda = _WeightGradientIntoMainGrad
     # Literal "cuda" devices elsewhere: a function mode for the life of the process.
     global _device_mode
     _device_mode = _CudaDeviceToCpu()

@@ -6,7 +6,7 @@ import math
 from verl_mega.config import OptimConfig
 from verl_mega.config.errors import NonFiniteError
 from verl_mega.parallel.agree import all_finite
-from verl_mega.parallel.shims import use_fused_adam
+from verl_mega.parallel.shims import accumulate_weight_gradients_in_place, use_fused_adam
 
 from .batching import Batch, batch_size, split_rows
 from .megatron_step import LossFn, forward_backward
@@ -39,6 +39,7 @@ class TrainableModel:
             ),
             module=module,
         )
+        accumulate_weight_gradients_in_place(self.model)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
