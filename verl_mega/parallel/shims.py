@@ -78,9 +78,10 @@ def use_fused_adam(optimizer) -> None:
 def accumulate_weight_gradients_in_place(model) -> None:
     """Where the CPU shims are applied, the megatron linear layers of a DDP-wrapped `model` add each weight
     gradient into DDP's gradient buffer inside the GEMM (megatron's gradient_accumulation_fusion, which on a
-    GPU needs apex's CUDA module). Unfused, every backward allocates a weight-sized gradient (the LM head's
-    alone is 50 MB for a 100M model, faulted in page by page) and DDP's hook adds it in a second pass.
-    Call after wrapping: the fused path writes to `main_grad`, which only DDP creates."""
+    GPU needs apex's CUDA module). Unfused, every backward writes a weight-sized gradient (the LM head's alone
+    is 50 MB for a 100M model, faulted in page by page) and DDP's hook adds it in a second pass; fused, autograd
+    gets an untouched placeholder. Call after wrapping: the fused path writes to `main_grad`, which only DDP
+    creates."""
     if _device_mode is None:  # no CPU shims: a GPU keeps megatron's configured path
         return
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
