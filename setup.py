@@ -31,7 +31,7 @@ def kernel_extensions():
     extensions = [
         cpp_extension.CppExtension(
             "verl_mega._kernels",
-            sources=["csrc/bindings.cpp", "csrc/token_logprobs.cpp", "csrc/gae.cpp"],
+            sources=["csrc/bindings.cpp", "csrc/token_logprobs.cpp", "csrc/gae.cpp", "csrc/rms_norm.cpp"],
             extra_compile_args=cxx_flags,
         )
     ]

@@ -32,4 +32,12 @@ at::Tensor logprob_backward(const at::Tensor& logits, const at::Tensor& labels, 
 std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
                                        const at::Tensor& mask, double gamma, double lam);
 
+// RMSNorm over the rows of [rows, hidden] (x and weight of one dtype): (y, rstd), rstd = 1 / sqrt(mean(x^2) + eps)
+// in float32 (float64 for float64), computed in that precision and y rounded once.
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// (grad_x, grad_weight) from the forward's x, weight and rstd; grad_weight is summed in the accumulation type.
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                     const at::Tensor& weight, const at::Tensor& rstd);
+
 }  // namespace verl_mega

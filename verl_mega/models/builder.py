@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from verl_mega.ops import FusedRMSNorm
+
 from .hf_config import HFModelConfig, rope_inv_freq
 from .spec import FamilySpec
 
@@ -122,6 +124,15 @@ def layer_spec(family: FamilySpec, cfg: HFModelConfig, config, implementation: s
     )
 
 
+def _fuse_rms_norm_backward(model) -> None:
+    """megatron's local spec norms are torch.nn.RMSNorm, whose CPU backward is autograd's decomposition (at a
+    100M model's [1312, 768], forward and backward 3.5 ms against 1.4 ms with verl_mega.ops' kernel, 2 threads).
+    Same parameters and state dict; on a GPU the subclass runs torch's own fused norm."""
+    for module in model.modules():
+        if type(module) is torch.nn.RMSNorm:
+            module.__class__ = FusedRMSNorm
+
+
 def transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -150,6 +161,7 @@ def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vo
     model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(model.rotary_pos_emb.inv_freq.device)
     if family.finish_model is not None:
         family.finish_model(model, cfg)
+    _fuse_rms_norm_backward(model)
     # megatron-core's local spec builds its norms with torch's default dtype (fp32) whatever params_dtype says,
     # while transformer-engine's spec and megatron's Float16Module put every parameter in the model dtype.
     # We follow the latter, so both specs hold the same tensors: no parameter stays fp32. Precision comes from

@@ -1,6 +1,7 @@
 """Which implementation of the kernels runs for a device: the compiled module, or the PyTorch reference.
 
-All three expose the same functions (`logprob_partials`, `logprob_backward`, `gae`) with the same signatures.
+All three expose the same functions (`logprob_partials`, `logprob_backward`, `gae`) with the same signatures;
+the CPU module and the reference also `rms_norm_forward` and `rms_norm_backward` (torch fuses RMSNorm on CUDA).
 """
 import functools
 import importlib

@@ -83,3 +83,20 @@ def gae(rewards, values, mask, gamma, lam):
         last_gae = torch.where(keep, candidate, last_gae)
         advantages[:, t] = torch.where(keep, last_gae, 0.0)
     return advantages, advantages + values
+
+
+def rms_norm_forward(x, weight, eps):
+    """(y, rstd) over the rows of [rows, hidden], computed in the accumulation dtype and y rounded once."""
+    acc = accumulation_dtype(x.dtype)
+    x_acc = x.to(acc)
+    rstd = torch.rsqrt(x_acc.square().mean(-1) + eps)
+    return (x_acc * rstd[:, None] * weight.to(acc)).to(x.dtype), rstd
+
+
+def rms_norm_backward(grad_y, x, weight, rstd):
+    acc = rstd.dtype
+    normed = x.to(acc) * rstd[:, None]
+    grad = grad_y.to(acc)
+    scaled = grad * weight.to(acc)
+    grad_x = rstd[:, None] * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
+    return grad_x.to(x.dtype), (grad * normed).sum(0).to(weight.dtype)
