@@ -12,7 +12,6 @@
 
 #include "cpu_helpers.h"
 #include "cpu_kernels.h"
-#include "tensor_checks.h"
 
 namespace verl_mega {
 namespace {
