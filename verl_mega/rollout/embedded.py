@@ -17,6 +17,7 @@ import torch
 from verl_mega.data.padding import pad_rows
 from verl_mega.parallel.shims import cuda_device_rewrite_paused
 
+from .decode_attention import use_decode_attention
 from .decoding import decode
 from .engine import Response, RolloutEngine, SamplingParams
 
@@ -29,6 +30,7 @@ class EmbeddedEngine(RolloutEngine):
         config = CONFIG_MAPPING[hf_config["model_type"]].from_dict(hf_config)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(self.device).eval()
+        use_decode_attention(self.model)
         self._targets = _checkpoint_targets(self.model)
         eos = config.eos_token_id
         self._eos = [eos] if isinstance(eos, int) else list(eos or [])
