@@ -24,22 +24,23 @@ def main(work: Path, dtype: str) -> None:
     params = [p for p in engine.model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
 
-    def fill_grads(poison: bool) -> None:
+    def fill_grads(poisoned=None) -> None:
         for param in params:
             param.main_grad.fill_(0.01)
-        if poison:
-            params[-1].main_grad.view(-1)[0] = float("nan")
+        if poisoned is not None:
+            poisoned.main_grad.view(-1)[-1] = float("nan")
 
-    fill_grads(poison=True)
-    try:
-        engine.step()
-        raise AssertionError("a NaN gradient was applied")
-    except NonFiniteError as err:
-        assert "gradients are NaN/inf" in str(err)
-    assert all(torch.equal(p, b) for p, b in zip(params, before)), "weights changed"
-    assert all(not p.main_grad.any() for p in params), "gradients not cleared"
+    for poisoned in (params[0], params[-1]):  # the two ends of DDP's gradient buffer
+        fill_grads(poisoned)
+        try:
+            engine.step()
+            raise AssertionError("a NaN gradient was applied")
+        except NonFiniteError as err:
+            assert "gradients are NaN/inf" in str(err)
+        assert all(torch.equal(p, b) for p, b in zip(params, before)), "weights changed"
+        assert all(not p.main_grad.any() for p in params), "gradients not cleared"
 
-    fill_grads(poison=False)
+    fill_grads()
     metrics = engine.step()
     assert metrics["update_successful"] == 1.0 and any(not torch.equal(p, b) for p, b in zip(params, before))
     print("gradients refused, weights unchanged")
