@@ -97,3 +97,33 @@ def test_finished_rows_leave_the_batch_and_the_rest_decode_unchanged(tiny_models
     assert all(len(r.logprobs) == len(r.token_ids) for r in responses)
     assert min(sizes) < len(PROMPTS), "a quarter of the rows finished: they must leave the batch"
     assert len(sizes) == max(len(tokens) for tokens in expected)
+
+
+def test_reserved_cache_layer_holds_what_concatenation_would_without_copying_it_per_token():
+    from transformers.cache_utils import DynamicLayer
+
+    from verl_mega.rollout.decoding import ReservedLayer
+
+    generator = torch.Generator().manual_seed(0)
+
+    def states(rows, tokens):
+        return [torch.randn(rows, 2, tokens, 8, generator=generator) for _ in range(2)]
+
+    reserved, dynamic = ReservedLayer(capacity=12), DynamicLayer()
+    steps = [("update", states(3, 5))] + [("update", states(3, 1))] * 2 + [("repeat", 2)] + \
+            [("update", states(6, 1))] * 2 + [("select", torch.tensor([0, 2, 5]))] + [("update", states(3, 1))] * 3
+    room_moves = 0
+    for action, argument in steps:
+        room = reserved.key_room
+        for layer in (reserved, dynamic):
+            if action == "update":
+                layer.update(*argument)
+            elif action == "repeat":
+                layer.batch_repeat_interleave(argument)
+            else:
+                layer.batch_select_indices(argument)
+        assert torch.equal(reserved.keys, dynamic.keys) and torch.equal(reserved.values, dynamic.values)
+        assert reserved.get_seq_length() == dynamic.get_seq_length()
+        room_moves += action == "update" and reserved.key_room is not room
+    # Room is taken at the prefill and after each change of rows, never for a decoded token.
+    assert room_moves == 3 and reserved.key_room.shape[-2] == 12

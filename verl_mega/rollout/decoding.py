@@ -1,11 +1,13 @@
 """Sampled decoding with a transformers model's forward and KV cache: the embedded engine's generation loop.
 
 transformers' `generate` is general (beam search, streamers, dozens of processors) and pays for it on every
-token. What a rollout needs is narrower, and three things make this loop cheaper:
+token. What a rollout needs is narrower, and four things make this loop cheaper:
 - Each prompt is prefilled once and its KV cache shared by its `n` samples (`generate` prefills every copy).
 - A draw is one uniform number per row, placed in the float64 cumulative distribution; `torch.multinomial`
   draws an exponential variate per vocabulary entry (15 % of a 100M model's decoding on the CPU).
 - Rows that have stopped leave the batch once a quarter of it has: no forward is spent on finished rows.
+- Each layer's KV cache is written into room reserved for the whole response, where transformers' dynamic
+  cache concatenates (copying the whole cache at every token: quadratic in the response length).
 Sampling follows `SamplingParams`: temperature, then top-k, then top-p (as transformers and vLLM order them).
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .engine import SamplingParams
 
@@ -58,10 +61,10 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
            stop_token_ids: set[int]) -> Decoded:
     """`params.n` continuations of each left-padded prompt row of `input_ids`, until a stop token or
     `params.max_new_tokens`; call under `torch.no_grad()`."""
-    from transformers import DynamicCache
-
     device, n = input_ids.device, params.n
     cache = DynamicCache(config=model.config)
+    capacity = input_ids.shape[1] + params.max_new_tokens
+    cache.layers = [ReservedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     cached = {_cache_argument(model): cache}
     positions = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cached,
@@ -99,6 +102,43 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
         logits = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=position, **cached,
                        use_cache=True).logits[:, -1]
     return Decoded(tokens, logprobs)
+
+
+class ReservedLayer(DynamicLayer):
+    """transformers' full-attention cache layer, writing new keys and values into room reserved for `capacity`
+    tokens; the cache it hands out is a prefix view of that room. Sliding-window layers keep their own class."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.key_room = self.value_room = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        # After batch_repeat_interleave or batch_select_indices (new tensors) the cache moves into new room.
+        if not (self._in_room(self.keys, self.key_room, end) and self._in_room(self.values, self.value_room, end)):
+            self.key_room = self._reserve(self.keys, key_states, length, end)
+            self.value_room = self._reserve(self.values, value_states, length, end)
+        self.key_room[..., length:end, :].copy_(key_states)
+        self.value_room[..., length:end, :].copy_(value_states)
+        self.keys, self.values = self.key_room[..., :end, :], self.value_room[..., :end, :]
+        return self.keys, self.values
+
+    @staticmethod
+    def _in_room(cached: torch.Tensor, room: torch.Tensor | None, end: int) -> bool:
+        return (room is not None and end <= room.shape[-2] and cached.shape[:2] == room.shape[:2]
+                and (cached.numel() == 0 or cached.data_ptr() == room.data_ptr()))
+
+    def _reserve(self, cached: torch.Tensor, new: torch.Tensor, length: int, end: int) -> torch.Tensor:
+        rows, heads, _, head_dim = new.shape
+        room = new.new_empty(rows, heads, max(self.capacity, end), head_dim)
+        if length:
+            room[..., :length, :].copy_(cached)
+        return room
 
 
 def _cache_argument(model) -> str:
