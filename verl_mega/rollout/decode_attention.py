@@ -4,8 +4,9 @@ A decode step asks each row's single query to attend over its KV cache. torch's 
 attention, blocked for long queries) took 100 us per call at the tiny test model's decode shapes on 2 threads
 (32 rows, 4 query heads over 2 KV heads, 40 cached tokens, head dim 16) against 25 us for the same arithmetic
 as two matmuls and a softmax; from 64 to 2048 cached tokens at head dims 16 to 128 it took 1.0-3.3x the
-matmuls' time on 2 threads, 0.9-1.1x on 1. A whole rollout of that tiny model (8 prompts x 4 samples, 16 new
-tokens) went from 31.9 to 26.3 ms; a 110M model's was unchanged within the machine's noise. The query heads
+matmuls' time on 2 threads, 0.9-1.1x on 1. A whole rollout of that tiny model (8 prompts of 18-30 tokens x 4
+samples, 16 new tokens) went from 31.9 to 26.3 ms, ~4 % of it with the trainer's 10-15-token copy prompts
+(SDPA's cost grows with the cache); a 110M model's was unchanged within the machine's noise. The query heads
 sharing a KV head are stacked as the rows of one matmul, so grouped-query attention copies no keys or values
 (transformers' eager path repeats them).
 
