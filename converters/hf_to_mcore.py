@@ -6,11 +6,11 @@ from pathlib import Path
 import torch
 
 from verl_mega.checkpoint import megatron_legacy
-from verl_mega.checkpoint.atomic import atomic_output_dir
 from verl_mega.checkpoint.hf_assets import copy_hf_assets, without_remote_code
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.checkpoint.model_io import hf_rank_shard_plan
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.files.atomic import atomic_output_dir
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, architecture, padded_vocab_size
 from verl_mega.models.expected_shapes import expected_hf_shapes

@@ -13,12 +13,12 @@ from typing import Iterator
 import torch
 
 from verl_mega.checkpoint import megatron_legacy
-from verl_mega.checkpoint.atomic import atomic_output_dir
 from verl_mega.checkpoint.hf_assets import copy_hf_assets, without_remote_code
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.checkpoint.roles import head_rules, hf_architecture
 from verl_mega.checkpoint.safetensors_io import SafetensorsWriter
 from verl_mega.checkpoint.torch_dist import DIST_DIR, iter_torch_dist_hf_tensors
+from verl_mega.files.atomic import atomic_output_dir
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES
 from verl_mega.models.expected_shapes import mcore_shard_shape

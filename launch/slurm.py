@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verl_mega.checkpoint.atomic import atomic_write_text
+from verl_mega.files.atomic import atomic_write_text
 
 from .payload import (
     Payload, add_payload_arguments, check_trainer_config, parse_env, payload_from_args, split_passthrough,

@@ -2,15 +2,19 @@
 
 The layering, written down once: a package may import its own modules and packages of lower layers only.
 
-    0  config, ops, parallel, data      leaves: the config schema, kernels, process groups, datasets
-    1  algorithms, models               PPO math (pure tensor functions); model families and the builder
-    2  checkpoint                       files on disk: shards, manifests, dist checkpoints, atomic outputs
-    3  roles, rollout                   actor / critic / reference / reward; rollout engines, HybridEngine
-    4  converters                       HF <-> Megatron conversion, parity check (built on the core)
-    5  trainer                          the job loops and their validation
-    6  launch                           torchrun / Slurm launchers
-    7  cli, api                         the command line; the Python API (`verl_mega.Trainer`, `load_policy`)
-    8  demo                             `make demo`, through the command line
+    0  files                            files on disk: the write-then-rename protocol, a file's sha256
+    1  config, ops, parallel, data      leaves: the config schema, kernels, process groups, datasets
+    2  algorithms, models               PPO math (pure tensor functions); model families and the builder
+    3  checkpoint                       model formats on disk: shards, manifests, dist checkpoints, HF assets
+    4  roles, rollout                   actor / critic / reference / reward; rollout engines, HybridEngine
+    5  run                              the run folder: its names (RunFolder), step checkpoints, final weights,
+                                        the mirror, provenance, the lock; above roles because the provenance
+                                        record names the reward function (roles.reward)
+    6  converters                       HF <-> Megatron conversion, parity check, export of a run's weights
+    7  trainer                          the job loops and their validation
+    8  launch                           torchrun / Slurm launchers
+    9  cli, api                         the command line; the Python API (`verl_mega.Trainer`, `load_policy`)
+    10 demo                             `make demo`, through the command line
 
 Project modules are imported at the top of a file; inside a function only optional heavy dependencies
 (vLLM, transformer-engine, wandb, megatron internals) are imported, so the graph below is the real one. The one
@@ -24,10 +28,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
+    {"files"},
     {"config", "ops", "parallel", "data"},
     {"algorithms", "models"},
     {"checkpoint"},
     {"roles", "rollout"},
+    {"run"},
     {"converters"},
     {"trainer"},
     {"launch"},
@@ -166,9 +172,12 @@ def test_project_modules_are_imported_at_the_top():
 
 
 @pytest.mark.parametrize("edge, expected", [
-    ({"verl_mega.config.schema": {"verl_mega.roles.actor"}, "verl_mega.roles.actor": set()}, "layer 0 (config)"),
+    ({"verl_mega.config.schema": {"verl_mega.roles.actor"}, "verl_mega.roles.actor": set()}, "layer 1 (config)"),
     ({"verl_mega.checkpoint.model_io": {"verl_mega.converters.torch_dist"},
-      "verl_mega.converters.torch_dist": {"verl_mega.checkpoint.model_io"}}, "layer 2 (checkpoint)"),
+      "verl_mega.converters.torch_dist": {"verl_mega.checkpoint.model_io"}}, "layer 3 (checkpoint)"),
+    ({"verl_mega.files.atomic": {"verl_mega.config.errors"}, "verl_mega.config.errors": set()}, "layer 0 (files)"),
+    ({"verl_mega.run.folder": {"verl_mega.converters.export"}, "verl_mega.converters.export": set()},
+     "layer 5 (run)"),
 ])
 def test_the_checks_catch_an_upward_import_and_a_cycle(edge, expected):
     assert any(expected in problem for problem in layering_violations(edge))

@@ -12,9 +12,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from verl_mega.files.digest import update_with_file
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json", ".msgpack", ".h5")
 REMOTE_CODE_KEY = "auto_map"
-_HASH_CHUNK_BYTES = 16 << 20
 
 
 def model_sha256(hf_dir: str | Path) -> str:
@@ -29,9 +30,7 @@ def model_sha256(hf_dir: str | Path) -> str:
     digest = hashlib.sha256()
     for path in files:
         digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
-        with open(path, "rb") as handle:
-            while chunk := handle.read(_HASH_CHUNK_BYTES):
-                digest.update(chunk)
+        update_with_file(digest, path)
     return digest.hexdigest()
 
 

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from verl_mega.config.errors import UserError
+from verl_mega.files.atomic import atomic_output_dir
+from verl_mega.files.digest import file_sha256
 
-from .atomic import publish_dir, temp_name
 from .run_checkpoints import checkpoint_step, step_dir, step_name
 
 MARKER_NAME = "mirror_complete.json"
@@ -97,12 +98,8 @@ def file_entries(ckpt: Path) -> list[dict]:
     """path (relative, posix), size and sha256 of every file under `ckpt`, sorted by path."""
     entries = []
     for path in sorted(p for p in ckpt.rglob("*") if p.is_file()):
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            while chunk := handle.read(_CHUNK):
-                digest.update(chunk)
         entries.append({"path": path.relative_to(ckpt).as_posix(), "size": path.stat().st_size,
-                        "sha256": digest.hexdigest()})
+                        "sha256": file_sha256(path)})
     return entries
 
 
@@ -160,12 +157,9 @@ class CheckpointMirror:
 
     def submit(self, ckpt: Path) -> None:
         """Queue the published checkpoint folder `ckpt` for upload (a hard-linked snapshot: instant, no copy)."""
-        tmp = self.pending_root / temp_name(ckpt)
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.pending_root.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(ckpt, tmp, copy_function=_link_or_copy)
         snapshot = self.pending_root / ckpt.name
-        publish_dir(tmp, snapshot)
+        with atomic_output_dir(snapshot, overwrite=True) as tmp:
+            shutil.copytree(ckpt, tmp, copy_function=_link_or_copy, dirs_exist_ok=True)
         self._queue.put(snapshot)
 
     def finish(self, timeout_s: float) -> bool:
@@ -281,22 +275,17 @@ def download_checkpoint(client, location: MirrorLocation, step: int, entries: li
     free = shutil.disk_usage(out.parent).free
     if total > free:
         raise MirrorError(f"{location.key(step_name(step))} needs {total} bytes; {out.parent} has {free} free")
-    tmp = out.with_name(f".{out.name}.mirror.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_output_dir(out, overwrite=True) as tmp:
         for entry in entries:
             target = tmp / entry["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
             _download_file(client, location, location.key(step_name(step), entry["path"]), target, entry)
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
 def _download_file(client, location: MirrorLocation, key: str, target: Path, entry: dict) -> None:
     body = client.get_object(Bucket=location.bucket, Key=key)["Body"]
+    # Hashed as the bytes arrive (not files/digest.py's read of a finished file): one pass over a large download.
     digest, written = hashlib.sha256(), 0
     with target.open("wb") as handle:
         while chunk := body.read(min(_CHUNK, entry["size"] - written + 1)):

@@ -10,7 +10,7 @@ from verl_mega.models.spec import canonical_names
 from verl_mega.parallel.state import ParallelLayout
 
 from . import megatron_legacy
-from .atomic import collective_output_dir
+from verl_mega.files.atomic import collective_output_dir
 from .manifest import HF_ASSETS_DIR, Manifest
 from .roles import check_role, has_lm_head
 

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from verl_mega.config.errors import UserError
 
-from .atomic import collective_output_dir
+from verl_mega.files.atomic import collective_output_dir
 from .training_state import load_training_state, save_training_state
 
 CHECKPOINTS_DIR = "checkpoints"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+from verl_mega.files.atomic import atomic_file
+
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 DATASET_STATE_FILE = "state.json"  # what `save_to_disk` writes beside the Arrow files of one split
 DATASET_DICT_FILE = "dataset_dict.json"  # a DatasetDict: one such folder per split
@@ -124,23 +126,16 @@ def _parse_json_line(line: str, path: str, line_number: int) -> dict:
 
 
 def write_rows(rows: list[dict], path: str | os.PathLike) -> str:
-    """Written under a temp name and renamed (checkpoint/atomic.py's protocol, which this leaf cannot import), so
-    a reader never sees half a file, even while every rank of a job writes the same rows at once."""
+    """Written whole or not at all (files/atomic.py's protocol), so a reader never sees half a file, even while
+    every rank of a job writes the same rows at once."""
     path = os.fspath(path)
     extension = _extension(path)
-    folder, name = os.path.split(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
-    try:
+    with atomic_file(path) as tmp:
         if extension == ".parquet":
             pyarrow = _import_pyarrow()
-            pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp)
+            pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), str(tmp))
         else:
             with open(tmp, "w", encoding="utf-8") as file:
                 for row in rows:
                     file.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path

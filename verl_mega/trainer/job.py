@@ -15,10 +15,10 @@ import torch
 from tqdm import tqdm
 
 from verl_mega.checkpoint import mirror, run_checkpoints
-from verl_mega.checkpoint.atomic import atomic_file
 from verl_mega.checkpoint.role_weights import save_role_weights
 from verl_mega.config import TrainConfig, to_yaml
 from verl_mega.config.errors import NonFiniteError, UserError
+from verl_mega.files.atomic import atomic_file
 from verl_mega.models import load_hf_model_config
 from verl_mega.parallel.agree import all_finite, any_rank
 from verl_mega.parallel.state import ParallelLayout

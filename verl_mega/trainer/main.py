@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from verl_mega.checkpoint.atomic import atomic_write_text
 from verl_mega.checkpoint.hf_assets import model_sha256
 from verl_mega.checkpoint.manifest import MANIFEST_NAME
 from verl_mega.checkpoint.run_checkpoints import model_fingerprint
 from verl_mega.config import load_config, to_yaml
 from verl_mega.config.errors import USER_ERROR_EXIT_CODE, UserError, report_to_launcher
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+from verl_mega.files.atomic import atomic_write_text
 from verl_mega.models import HFModelConfig
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 

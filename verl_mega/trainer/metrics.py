@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from verl_mega.checkpoint.atomic import atomic_write_text
+from verl_mega.files.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 GENERATIONS_FILE = "generations.jsonl"

@@ -10,8 +10,8 @@ import json
 import math
 from pathlib import Path
 
-from verl_mega.checkpoint.atomic import atomic_file
 from verl_mega.config.errors import UserError
+from verl_mega.files.atomic import atomic_file
 
 from .metrics import METRICS_FILE
 

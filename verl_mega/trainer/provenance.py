@@ -13,9 +13,9 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from verl_mega.checkpoint.atomic import atomic_write_text
 from verl_mega.checkpoint.hf_assets import model_sha256
 from verl_mega.config import TrainConfig
+from verl_mega.files.atomic import atomic_write_text
 from verl_mega.roles.reward import RewardFn, reward_fn_provenance
 
 PROVENANCE_FILE = "provenance.json"

@@ -17,24 +17,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from verl_mega.checkpoint.atomic import atomic_write_bytes
 from verl_mega.config.errors import UserError
+from verl_mega.files.atomic import atomic_write_bytes
+from verl_mega.files.digest import file_sha256
 
 CACHE_NAME = "reference_logprobs.safetensors"
 SPLITS = ("train", "val")
-_CHUNK_BYTES = 1 << 20
 
 
 def cache_key(data_files: list[str], examples: dict[str, list], reference_ckpt: Path, dtype: str) -> str:
     """sha256 of the inputs of the cached values; `examples`: split -> the examples as tokenized."""
     digest = hashlib.sha256()
     for path in data_files:
-        digest.update(_file_digest(Path(path)))
+        digest.update(bytes.fromhex(file_sha256(path)))
     for split in SPLITS:
         digest.update(json.dumps([[e.prompt, e.completions] for e in examples[split]]).encode())
     for path in sorted(p for p in Path(reference_ckpt).rglob("*") if p.is_file()):
         digest.update(str(path.relative_to(reference_ckpt)).encode())
-        digest.update(_file_digest(path))
+        digest.update(bytes.fromhex(file_sha256(path)))
     digest.update(dtype.encode())
     return digest.hexdigest()
 
@@ -77,10 +77,3 @@ def read_cache(path: Path, key: str, rows: dict[str, int]) -> dict[str, torch.Te
         raise UserError(refuse.format("its values do not match their checksum"))
     return values
 
-
-def _file_digest(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.digest()
