@@ -8,7 +8,6 @@ layout.  Usage: python -m bench.ppo_step [--steps 3] [--dtypes fp32 bf16]
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,8 @@ def main() -> None:
     from verl_mega.data.tables import write_rows
     from verl_mega.demo import EXAMPLES, train
     from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.run.folder import RunFolder
+    from verl_mega.trainer.plot import read_metrics
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3, help="the first steps include warm-up; the last is reported")
@@ -38,7 +39,7 @@ def main() -> None:
                     f"model.hf_path={hf}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
                     f"trainer.total_steps={args.steps}", f"model.dtype={dtype}", *overrides,
                 ])
-                results[((tp, pp, dp), dtype)] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+                results[((tp, pp, dp), dtype)] = read_metrics(RunFolder(run_dir).metrics)[-1]
     stages = sorted({key for record in results.values() for key in record if key.startswith("timing/")})
     print(f"{'stage (s)':<22}" + "".join(f"{f'{layout} {dtype}':>18}" for layout, dtype in results))
     for stage in stages:

@@ -6,7 +6,6 @@ the last step (the first ones include warm-up). Usage: python -m bench.sft_dpo [
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -18,6 +17,8 @@ def main() -> None:
     from verl_mega.data.tables import write_rows
     from verl_mega.demo import EXAMPLES, train
     from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.run.folder import RunFolder
+    from verl_mega.trainer.plot import read_metrics
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4, help="the first steps include warm-up; the last is reported")
@@ -39,7 +40,7 @@ def main() -> None:
                     f"trainer.total_steps={args.steps}", "trainer.tensorboard=false", f"parallel.tp={tp}",
                     f"parallel.pp={pp}",
                 ])
-                results[(job, tp, pp, dp)] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+                results[(job, tp, pp, dp)] = read_metrics(RunFolder(run_dir).metrics)[-1]
     print(f"{'job (tp,pp,dp)':<18}{'tokens/s':>12}{'step (s)':>12}  stages (s)")
     for (job, *layout), record in results.items():
         stages = " ".join(f"{key[len('timing/'):]}={value:.3f}" for key, value in sorted(record.items())

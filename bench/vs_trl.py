@@ -27,7 +27,6 @@ what verl_mega's imports take in a fresh interpreter.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -182,6 +181,8 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
 def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path) -> dict:
     from verl_mega.data.tables import write_rows
     from verl_mega.parallel.launch import run_torchrun
+    from verl_mega.run.folder import RunFolder
+    from verl_mega.trainer.plot import read_metrics
 
     data = write_rows(rows, out / "copy.jsonl")
     config = out / "grpo.yaml"
@@ -207,7 +208,7 @@ trainer: {{total_steps: {steps}, seed: 1, progress_bar: false}}
         "--config", str(config), f"model.hf_path={hf_dir}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
     ], env={"OMP_NUM_THREADS": str(threads)})
     wall = time.perf_counter() - start
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(RunFolder(run_dir).metrics)
     stage_seconds = [{"step": record["perf/step_seconds"], "step_cpu": record["perf/step_cpu_seconds"],
                       **{key[len("timing/"):]: value for key, value in record.items() if key.startswith("timing/")}}
                      for record in records]

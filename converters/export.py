@@ -14,9 +14,9 @@ from pathlib import Path
 import yaml
 
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, MANIFEST_NAME, Manifest
-from verl_mega.checkpoint.role_weights import FINAL_ROLE_DIRS
-from verl_mega.checkpoint.run_checkpoints import CHECKPOINTS_DIR, STATE_FILE, complete_checkpoints, step_dir
 from verl_mega.checkpoint.torch_dist import iter_torch_dist_hf_tensors
+from verl_mega.run.checkpoints import STATE_FILE, complete_checkpoints
+from verl_mega.run.folder import CONFIG_FILE, RunFolder, checkpoint_step, layout_name
 
 from .mcore_to_hf import convert_mcore_to_hf, write_hf_model
 
@@ -31,7 +31,7 @@ def export_role(ckpt: str | Path, out: str | Path, *, role: str = "actor", step:
         held = Manifest.read(weights, family_spec).role
         if held != role:
             raise ValueError(f"{weights} holds the {held}'s weights, not the {role}'s: pass --role {held}, or the "
-                             f"{role}'s checkpoint (a run folder's {FINAL_ROLE_DIRS[role]})")
+                             f"{role}'s checkpoint (a run folder's {RunFolder(ckpt).final_weights(role).name})")
         convert_mcore_to_hf(weights, out, family_spec=family_spec, **options)
         return weights
     state_dir = _training_state_dir(ckpt, role, step)
@@ -46,8 +46,9 @@ def export_role(ckpt: str | Path, out: str | Path, *, role: str = "actor", step:
 def _final_weights(ckpt: Path, role: str) -> Path | None:
     if (ckpt / MANIFEST_NAME).is_file():
         return ckpt
-    if (ckpt / FINAL_ROLE_DIRS[role] / MANIFEST_NAME).is_file():
-        return ckpt / FINAL_ROLE_DIRS[role]
+    final = RunFolder(ckpt).final_weights(role)
+    if (final / MANIFEST_NAME).is_file():
+        return final
     return None
 
 
@@ -56,7 +57,7 @@ def _training_state_dir(ckpt: Path, role: str, step: int | None) -> Path:
     if step is not None:
         if type(step) is not int or step < 0:
             raise ValueError(f"--step must be a step number, got {step!r}")
-        step_folder = step_dir(ckpt, step)
+        step_folder = RunFolder(ckpt).step(step)
         if not (step_folder / STATE_FILE).is_file():
             raise ValueError(f"{ckpt} has no complete checkpoint of step {step}; {_available_steps(ckpt)}")
     elif (ckpt / STATE_FILE).is_file():
@@ -65,39 +66,39 @@ def _training_state_dir(ckpt: Path, role: str, step: int | None) -> Path:
         if ckpt.name != role:
             raise ValueError(f"{ckpt} holds the {ckpt.name}'s training state, not the {role}'s: pass --role {ckpt.name}")
         step_folder = ckpt.parent
-    elif (ckpt / CHECKPOINTS_DIR).is_dir():
-        raise ValueError(f"{ckpt} has no {FINAL_ROLE_DIRS[role]} (the run did not finish, or trained no {role}); "
+    elif RunFolder(ckpt).checkpoints.is_dir():
+        raise ValueError(f"{ckpt} has no {RunFolder(ckpt).final_weights(role).name} (the run did not finish, or trained no {role}); "
                          f"export one of its step checkpoints with --step N: {_available_steps(ckpt)}")
     else:
         raise FileNotFoundError(f"{ckpt} is not a verl_mega checkpoint, run folder or step checkpoint (it has no "
-                                f"{MANIFEST_NAME}, {FINAL_ROLE_DIRS[role]}/ or {STATE_FILE})")
+                                f"{MANIFEST_NAME}, {RunFolder(ckpt).final_weights(role).name}/ or {STATE_FILE})")
     if not (step_folder / role).is_dir():
         raise ValueError(f"{step_folder} holds no {role} (the run trained without one)")
     return step_folder / role
 
 
 def _available_steps(run_dir: Path) -> str:
-    steps = [int(path.name.removeprefix("step_")) for path in complete_checkpoints(run_dir)]
+    steps = [checkpoint_step(path) for path in complete_checkpoints(run_dir)]
     return f"its complete steps: {', '.join(map(str, steps))}" if steps else "it has no complete step checkpoints"
 
 
 def _starting_checkpoint(step_folder: Path, role: str) -> Path:
     """The converted checkpoint `role` started from: model.<role>_ckpt, else the run's own conversion for the
     role (a critic's from model.critic_hf_path), else the actor's (model.actor_ckpt or the run's)."""
-    config_file = step_folder / "config.yaml"
+    config_file = step_folder / CONFIG_FILE
     try:
         config = yaml.safe_load(config_file.read_text())
         model, parallel = config["model"], config["parallel"]
         named, actor_named = model.get(f"{role}_ckpt") or "", model.get("actor_ckpt") or ""
-        layout = f"tp{parallel['tp']}_pp{parallel['pp']}_ep{parallel['ep']}"
+        layout = layout_name(parallel["tp"], parallel["pp"], parallel["ep"])
     except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{config_file} is missing or unreadable ({err}): the step's model is unknown") from None
-    run_dir = step_folder.parent.parent
-    own = run_dir / f"initial_{role}_{layout}"
+    run = RunFolder(step_folder.parent.parent)
+    own = run.initial_weights(role, layout)
     if named or own.is_dir():
         candidate = Path(named) if named else own
     else:
-        candidate = Path(actor_named) if actor_named else run_dir / f"initial_actor_{layout}"
+        candidate = Path(actor_named) if actor_named else run.initial_weights("actor", layout)
     if not (candidate / MANIFEST_NAME).is_file():
         raise FileNotFoundError(f"the checkpoint the {role} of {step_folder} started from, {candidate}, is gone: "
                                 "it holds the model's config and tokenizer files the export needs")

@@ -19,7 +19,7 @@ def train_and_save_critic(ckpt: Path, out: Path) -> None:
     from verl_mega.checkpoint.manifest import Manifest
     from verl_mega.parallel.state import current_layout
     from verl_mega.roles.critic import Critic
-    from verl_mega.checkpoint.role_weights import save_role_weights
+    from verl_mega.run.role_weights import save_role_weights
     from verl_mega.config import OptimConfig
 
     layout = current_layout()

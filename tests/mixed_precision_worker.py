@@ -35,7 +35,7 @@ def update(actor, batch) -> dict:
 
 def main_weights(actor) -> list[torch.Tensor]:
     """The fp32 copies megatron's optimizer steps on (this DP rank's ranges for the distributed one)."""
-    from verl_mega.checkpoint.training_state import _inner_states
+    from verl_mega.run.training_state import _inner_states
 
     return [param.detach().clone() for param, _ in _inner_states(actor.trainable.optimizer)]
 
@@ -45,7 +45,7 @@ def weights(actor) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str]) -> None:
-    from verl_mega.checkpoint.training_state import load_training_state, save_training_state
+    from verl_mega.run.training_state import load_training_state, save_training_state
     from verl_mega.parallel.state import destroy_parallel, init_parallel
 
     ckpt, out = Path(argv[0]), Path(argv[1])

@@ -229,7 +229,7 @@ def test_step_export_finds_the_critic_s_own_conversion(tmp_path):
 
 
 def test_the_commit_comes_from_the_image_else_from_git(monkeypatch):
-    from verl_mega.trainer.provenance import package_commit
+    from verl_mega.run.provenance import package_commit
 
     monkeypatch.setenv("VERL_MEGA_COMMIT", "baked0123")
     assert package_commit() == "baked0123"

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from verl_mega.checkpoint import mirror
-from verl_mega.checkpoint.run_checkpoints import step_dir
+from verl_mega.run import mirror
+from verl_mega.run.folder import RunFolder
 from verl_mega.config.errors import UserError
 from verl_mega.parallel.launch import free_port
 
@@ -71,7 +71,7 @@ def location(client):
 
 def fake_checkpoint(run_dir, step, rng_bytes=1000):
     """Files are uploaded in path order: the model shard, then the RNG file, then the trainer state."""
-    ckpt = step_dir(run_dir, step)
+    ckpt = RunFolder(run_dir).step(step)
     for folder in ("actor/model", "rng"):
         (ckpt / folder).mkdir(parents=True)
     (ckpt / "actor" / "model" / "shard.distcp").write_bytes(os.urandom(1000))
@@ -97,7 +97,7 @@ def test_marker_lists_every_object_and_a_fetch_reproduces_the_checkpoint(client,
 
     fresh = tmp_path / "fresh"
     fetched = mirror.fetch_newer(client, location, fresh, newer_than=-1)
-    assert fetched == step_dir(fresh, 4)
+    assert fetched == RunFolder(fresh).step(4)
     assert mirror.file_entries(fetched) == mirror.file_entries(ckpt)
     assert [p.name for p in fetched.parent.iterdir()] == ["step_000004"]  # no temp folder left
     assert mirror.fetch_newer(client, location, fresh, newer_than=4) is None
@@ -113,7 +113,7 @@ def test_missing_marker_truncated_or_tampered_objects_are_never_fetched(client, 
     client.put_object(Bucket=location.bucket, Key=location.key("step_000004", shard), Body=os.urandom(1000))
 
     fresh = tmp_path / "fresh"
-    assert mirror.fetch_newer(client, location, fresh, newer_than=-1) == step_dir(fresh, 2)
+    assert mirror.fetch_newer(client, location, fresh, newer_than=-1) == RunFolder(fresh).step(2)
     assert [p.name for p in (fresh / "checkpoints").iterdir()] == ["step_000002"]
     warnings = capfd.readouterr().err
     assert "step_000008 skipped" in warnings and "step_000006 skipped" in warnings
@@ -187,7 +187,7 @@ def test_uploads_survive_the_server_going_away_mid_upload(tmp_path, monkeypatch,
 
 def test_a_killed_runs_pending_uploads_are_taken_up_and_half_made_snapshots_dropped(client, location, tmp_path):
     run_dir = tmp_path / "run"
-    pending = run_dir / mirror.PENDING_DIR
+    pending = RunFolder(run_dir).mirror_pending
     pending.mkdir(parents=True)
     fake_checkpoint(tmp_path / "snapshots", 5).rename(pending / "step_000005")
     (pending / ".step_000006.tmp").mkdir()
@@ -239,7 +239,7 @@ def test_a_fresh_run_folder_resumes_from_the_mirror_with_the_same_metrics(setup,
     assert result.returncode == 0, result.stderr[-3000:]
     assert mirror.list_steps(client, location) == [1, 2]
     for step in (1, 2):
-        assert mirror.read_marker(client, location, step) == mirror.file_entries(step_dir(straight, step))
+        assert mirror.read_marker(client, location, step) == mirror.file_entries(RunFolder(straight).step(step))
 
     # Without its marker step 2 is an incomplete upload: the fresh run takes step 1 and trains step 2 again.
     client.delete_object(Bucket=location.bucket, Key=location.key("step_000002", mirror.MARKER_NAME))
@@ -248,9 +248,9 @@ def test_a_fresh_run_folder_resumes_from_the_mirror_with_the_same_metrics(setup,
                             env=run_env(server))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fetched step_000001 from the checkpoint mirror" in result.stdout
-    assert f"resumed from {step_dir(fresh, 1)} at step 1" in result.stdout
+    assert f"resumed from {RunFolder(fresh).step(1)} at step 1" in result.stdout
     assert records(fresh) == {2: records(straight)[2]}
-    assert mirror.read_marker(client, location, 2) == mirror.file_entries(step_dir(fresh, 2))
+    assert mirror.read_marker(client, location, 2) == mirror.file_entries(RunFolder(fresh).step(2))
 
 
 @pytest.mark.slow
@@ -282,6 +282,6 @@ def test_training_goes_on_while_the_server_is_down_and_the_upload_completes_afte
         assert "not mirrored" not in output
         location = mirror.parse_mirror_url("s3://ckpts/run")
         for step in (1, 2):  # step 1's upload retried, step 2's queued behind it
-            assert mirror.read_marker(client, location, step) == mirror.file_entries(step_dir(run_dir, step))
+            assert mirror.read_marker(client, location, step) == mirror.file_entries(RunFolder(run_dir).step(step))
     finally:
         s3.kill()

@@ -75,14 +75,14 @@ def exported(tmp_path_factory):
 @pytest.mark.slow
 def test_cli_exports_a_run_folders_final_critic_and_refuses_a_role_mismatch(exported, tmp_path, capsys):
     from verl_mega.cli import main as cli
-    from verl_mega.checkpoint.role_weights import FINAL_CRITIC_DIR
+    from verl_mega.run.folder import RunFolder
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / FINAL_CRITIC_DIR).symlink_to(exported["out"] / "qwen2" / "critic")
+    RunFolder(run_dir).final_weights("critic").symlink_to(exported["out"] / "qwen2" / "critic")
     assert cli(["export", "--ckpt", str(run_dir), "--role", "critic", "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [FAMILIES["qwen2"]]
-    assert cli(["export", "--ckpt", str(run_dir / FINAL_CRITIC_DIR), "--out", str(tmp_path / "hf_actor")]) == 2
+    assert cli(["export", "--ckpt", str(RunFolder(run_dir).final_weights("critic")), "--out", str(tmp_path / "hf_actor")]) == 2
     assert "pass --role critic" in capsys.readouterr().err
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from verl_mega.parallel.launch import run_torchrun
-from verl_mega.checkpoint import run_checkpoints
+from verl_mega.run import checkpoints as run_checkpoints
 
 from .test_resume import records, run, setup, train_command  # noqa: F401  (setup is a fixture)
 

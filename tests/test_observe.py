@@ -107,7 +107,7 @@ def test_short_ppo_run_validates_logs_samples_profiles_and_prints_json(tmp_path)
     from verl_mega.data.tables import write_rows
     from verl_mega.models.tiny import make_tiny_hf_model
     from verl_mega.parallel.launch import run_torchrun
-    from verl_mega.trainer.job import profile_trace_path
+    from verl_mega.run.folder import RunFolder
     from verl_mega.trainer.plot import plot_run
 
     hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)
@@ -155,7 +155,7 @@ def test_short_ppo_run_validates_logs_samples_profiles_and_prints_json(tmp_path)
         assert sample["prompt"].startswith("user: copy: ") and isinstance(sample["response"], str)
         assert sample["data_source"] == "copy" and 0.0 <= sample["score"] <= 1.0
 
-    trace = profile_trace_path(run_dir, 2, 0)
+    trace = RunFolder(run_dir).profile_trace(2, 0)
     assert "traceEvents" in json.loads(trace.read_text())
     assert sorted(p.name for p in trace.parent.iterdir()) == [trace.name]  # not step 1 or 3, not rank 1
 

@@ -175,7 +175,7 @@ def test_cached_reference_logprobs_give_the_same_update_and_altered_caches_are_r
     """With one pair per micro-batch the reference scores the same micro-batches whether it runs per batch or
     once for the data set, so the cached run must reproduce every metric bit for bit; it builds no reference
     for its steps, and its resume reuses the cache. One Python process for the three runs."""
-    from verl_mega.trainer.reference_cache import CACHE_NAME
+    from verl_mega.run.folder import RunFolder
 
     common = [f"model.hf_path={data['hf']}", f"data.train_files=[{data['pairs']}]", "data.batch_size=8",
               f"data.val_files=[{data['pairs_val']}]", "actor.mini_batch_size=4", "actor.micro_batch_size=1",
@@ -184,7 +184,7 @@ def test_cached_reference_logprobs_give_the_same_update_and_altered_caches_are_r
                                     f"trainer.run_dir={run_dir}", *extra]
     cached_args = lambda steps: argv(tmp_path / "cached", f"trainer.total_steps={steps}",  # noqa: E731
                                      "algorithm.cache_reference_logprobs=true")
-    cache = tmp_path / "cached" / CACHE_NAME
+    cache = RunFolder(tmp_path / "cached").reference_logprobs
     script = "\n".join([
         "import os", "from verl_mega.trainer.main import dpo_main",
         f"assert dpo_main({argv(tmp_path / 'per_batch', 'trainer.total_steps=3')!r}) == 0",

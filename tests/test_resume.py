@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from verl_mega.parallel.launch import free_port
-from verl_mega.checkpoint import run_checkpoints
+from verl_mega.run import checkpoints as run_checkpoints
 
 NOT_COMPARED = ("timing/", "perf/", "val/seconds")  # wall-clock figures
 

@@ -1,4 +1,4 @@
-"""Training-state checkpoints of the actor and critic (verl_mega.checkpoint.training_state).
+"""Training-state checkpoints of the actor and critic (verl_mega.run.training_state).
 
 Two torchrun launches of 8 processes on a 2-layer qwen2 with tied embeddings, for the plain and the
 distributed optimizer: the first runs update A at (TP, PP, DP) = (2, 2, 2), saves, runs update B; the second
@@ -97,7 +97,7 @@ def test_state_of_another_model_is_refused(runs):
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
-    from verl_mega.checkpoint.training_state import load_training_state
+    from verl_mega.run.training_state import load_training_state
 
     (tmp_path / "__0_0.distcp").write_bytes(b"")  # shard files written, metadata.json not yet
     with pytest.raises(FileNotFoundError, match="not a complete training-state checkpoint"):

@@ -96,7 +96,7 @@ def start_phase(ckpt_root: Path, tp: int, pp: int):
 
 
 def save_phase(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
-    from verl_mega.checkpoint.training_state import save_training_state
+    from verl_mega.run.training_state import save_training_state
 
     ckpt, cfg, family, batch = start_phase(ckpt_root, tp, pp)
     for kind, distributed in OPTIMIZER_KINDS.items():
@@ -111,7 +111,7 @@ def save_phase(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
 
 
 def resume_phase(ckpt_root: Path, out_dir: Path, layouts: list[tuple[int, int]]) -> None:
-    from verl_mega.checkpoint.training_state import load_training_state
+    from verl_mega.run.training_state import load_training_state
 
     for index, (tp, pp) in enumerate(layouts):
         ckpt, cfg, family, batch = start_phase(ckpt_root, tp, pp)

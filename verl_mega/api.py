@@ -21,6 +21,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.converters.export import export_role
 from verl_mega.data.prompts import as_messages, encode_chat
 from verl_mega.roles.reward import RewardFn, reward_fn_name
+from verl_mega.run.folder import RunFolder
 from verl_mega.trainer.main import run
 
 PPO = "ppo"  # PPO proper: GAE advantages from a learned critic
@@ -74,8 +75,13 @@ class Trainer:
         self.config: TrainConfig = load_config(yaml_file, values=values)
 
     @property
+    def run_folder(self) -> RunFolder:
+        """The paths of the run's folder: metrics, checkpoints, final weights, ..."""
+        return RunFolder(self.config.trainer.run_dir)
+
+    @property
     def run_dir(self) -> Path:
-        return Path(self.config.trainer.run_dir)
+        return self.run_folder.root
 
     def train(self) -> Path:
         """Train to trainer.total_steps (resuming from the run folder's newest checkpoint); returns the run folder."""

@@ -18,7 +18,8 @@ from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
 from verl_mega.converters.verify import verify_checkpoint
 from verl_mega.models.builder import DTYPES
-from verl_mega.trainer.plot import PLOT_FILE, plot_run
+from verl_mega.run.folder import RunFolder
+from verl_mega.trainer.plot import plot_run
 
 DTYPE_NAMES = list(DTYPES)
 
@@ -98,8 +99,8 @@ def _add_export(subparsers) -> None:
 
 def _add_plot(subparsers) -> None:
     plot = subparsers.add_parser("plot", help="a PNG of a run's reward, KL, response length and time per stage")
-    plot.add_argument("run", help="the run folder (trainer.run_dir) holding metrics.jsonl")
-    plot.add_argument("--out", help=f"PNG to write (default: RUN/{PLOT_FILE})")
+    plot.add_argument("run", help=f"the run folder (trainer.run_dir) holding {RunFolder('RUN').metrics.name}")
+    plot.add_argument("--out", help=f"PNG to write (default: {RunFolder('RUN').plot})")
 
 
 def _add_delegated(subparsers) -> None:

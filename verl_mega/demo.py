@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import random
 import statistics
 import tempfile
@@ -34,6 +33,8 @@ from verl_mega.data.tables import write_rows
 from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.parallel.launch import run_torchrun
 from verl_mega.roles.reward import get_reward_fn
+from verl_mega.run.folder import RunFolder
+from verl_mega.trainer.plot import read_metrics
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TASK = "copy"
@@ -86,7 +87,7 @@ def run(workdir: Path, steps: int, layout_steps: int) -> None:
             *([f"data.val_files=[{heldout_file}]", f"trainer.val_every={max(total_steps // 4, 1)}"]
               if name == "grpo" else []),
         ])
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(RunFolder(run_dir).metrics)
         rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
         print(f"[demo] {name.upper()} at tp={tp} pp={pp} dp={procs // (tp * pp)}, {total_steps} steps: "
               f"reward mean {reward_curve(rewards)}", flush=True)
@@ -119,7 +120,7 @@ def run_sft_dpo(workdir: Path, steps: int) -> None:
     train(EXAMPLES / "sft_demo.yaml", 2, [
         f"model.hf_path={hf}", f"data.train_files=[{files['sft_train']}]", f"data.val_files=[{files['sft_val']}]",
         f"trainer.run_dir={workdir / 'run_sft'}", f"trainer.total_steps={max(steps, 40)}"])
-    records = [json.loads(line) for line in (workdir / "run_sft" / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(RunFolder(workdir / "run_sft").metrics)
     val = [r["val/loss"] for r in records if "val/loss" in r]
     print(f"[demo] SFT at dp=2: train loss {records[0]['sft/loss']:.3f} -> {records[-1]['sft/loss']:.3f}, held-out "
           f"loss {val[0]:.3f} -> {val[-1]:.3f}", flush=True)
@@ -131,7 +132,7 @@ def run_sft_dpo(workdir: Path, steps: int) -> None:
         f"model.hf_path={workdir / 'sft_hf'}", f"data.train_files=[{files['pairs_train']}]",
         f"data.val_files=[{files['pairs_val']}]", f"trainer.run_dir={workdir / 'run_dpo'}", "parallel.tp=2",
         f"trainer.total_steps={steps}", f"trainer.val_every={max(steps // 4, 1)}"])
-    records = [json.loads(line) for line in (workdir / "run_dpo" / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(RunFolder(workdir / "run_dpo").metrics)
     accuracy = [r["dpo/rewards/accuracy"] for r in records]
     val = [r for r in records if "val/rewards/accuracy" in r]
     print(f"[demo] DPO at tp=2: preference accuracy over steps 2-6 {statistics.mean(accuracy[1:6]):.3f} -> last 5 "

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_mega.checkpoint import run_checkpoints
 from verl_mega.config.errors import UserError
 from verl_mega.parallel.launch import free_port
+from verl_mega.run import checkpoints as run_checkpoints
+from verl_mega.run.folder import RunFolder
+from verl_mega.run.lock import RunFolderLock, ownership_problem
 from verl_mega.trainer import main as trainer_main
-from verl_mega.trainer.run_folder import RunFolderLock, ownership_problem
 
 from .processes import survivors_after
 
@@ -228,25 +229,25 @@ def test_tampered_rng_state_is_refused_and_runs_nothing(tmp_path, monkeypatch, t
 
 
 def test_the_trainer_loads_nothing_with_pickle():
-    files = [*(REPO / "verl_mega" / "trainer").glob("*.py"), REPO / "verl_mega" / "checkpoint" / "run_checkpoints.py"]
+    files = [*(REPO / "verl_mega" / "trainer").glob("*.py"), *(REPO / "verl_mega" / "run").glob("*.py")]
     sources = "\n".join(p.read_text() for p in files)
     assert "weights_only=False" not in sources and "import pickle" not in sources and "torch.load(" not in sources
 
 
 @pytest.mark.parametrize("tail", ['{"step": 3, "reward/me', "garbage", '{"no_step": 1}', '{"step": "3"}'])
 def test_a_metrics_line_cut_short_by_a_kill_does_not_stop_the_resume(tmp_path, tail):
-    from verl_mega.trainer.metrics import METRICS_FILE, MetricsLogger
+    from verl_mega.trainer.metrics import MetricsLogger
 
-    (tmp_path / METRICS_FILE).write_text('{"step": 1}\n{"step": 2}\n' + tail)
+    RunFolder(tmp_path).metrics.write_text('{"step": 1}\n{"step": 2}\n' + tail)
     MetricsLogger.truncate(tmp_path, 2)
-    assert (tmp_path / METRICS_FILE).read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert RunFolder(tmp_path).metrics.read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
 def test_a_skipped_batchs_nan_is_logged_as_json_null(tmp_path, capsys):
-    from verl_mega.trainer.metrics import METRICS_FILE, MetricsLogger
+    from verl_mega.trainer.metrics import MetricsLogger
 
     MetricsLogger(tmp_path, enabled=True, tensorboard=False).log(1, {"reward/mean": float("nan"), "actor/kl": 0.5})
-    assert json.loads((tmp_path / METRICS_FILE).read_text()) == {"step": 1, "reward/mean": None, "actor/kl": 0.5}
+    assert json.loads(RunFolder(tmp_path).metrics.read_text()) == {"step": 1, "reward/mean": None, "actor/kl": 0.5}
     assert "mean=nan kl=0.5" in capsys.readouterr().out
 
 
@@ -272,7 +273,7 @@ def test_a_run_folder_that_cannot_be_one_is_named(tmp_path, blocker):
 
 def test_a_forked_helper_outliving_the_run_does_not_keep_its_lock(tmp_path):
     # As megatron's checkpoint writers do: the run forks, then dies while the child lingers.
-    code = ("import os, sys, time; from pathlib import Path; from verl_mega.trainer.run_folder import RunFolderLock; "
+    code = ("import os, sys, time; from pathlib import Path; from verl_mega.run.lock import RunFolderLock; "
             "lock = RunFolderLock(Path(sys.argv[1])); child = os.fork()\n"
             "if child == 0: os.close(1); os.close(2); time.sleep(60); os._exit(0)\n"
             "print(child)")
@@ -285,7 +286,7 @@ def test_a_forked_helper_outliving_the_run_does_not_keep_its_lock(tmp_path):
 
 
 def _checkpoint_of(run_dir: Path, fingerprint, text=None) -> Path:
-    step = run_checkpoints.step_dir(run_dir, 2)
+    step = RunFolder(run_dir).step(2)
     step.mkdir(parents=True)
     (step / run_checkpoints.STATE_FILE).write_text(text or json.dumps({"step": 2, "model_fingerprint": fingerprint}))
     return step
@@ -408,7 +409,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resumes(inputs,
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env=env, cwd=REPO)
-    first = run_checkpoints.step_dir(run_dir, 1)
+    first = RunFolder(run_dir).step(1)
     deadline = time.time() + 300
     while not first.is_dir():  # the first checkpoint is complete; now kill somewhere inside a later save
         assert process.poll() is None and time.time() < deadline, "the run ended before it could be killed"

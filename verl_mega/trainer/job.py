@@ -14,23 +14,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from verl_mega.checkpoint import mirror, run_checkpoints
-from verl_mega.checkpoint.role_weights import save_role_weights
 from verl_mega.config import TrainConfig, to_yaml
 from verl_mega.config.errors import NonFiniteError, UserError
 from verl_mega.files.atomic import atomic_file
 from verl_mega.models import load_hf_model_config
 from verl_mega.parallel.agree import all_finite, any_rank
 from verl_mega.parallel.state import ParallelLayout
+from verl_mega.run import checkpoints as run_checkpoints
+from verl_mega.run import mirror
+from verl_mega.run.folder import RunFolder, checkpoint_step
+from verl_mega.run.role_weights import save_role_weights
 
 from .health import HealthServer
 from .metrics import MetricsLogger, print_note
-
-PROFILE_DIR = "profile"
-
-
-def profile_trace_path(run_dir: Path, step: int, rank: int) -> Path:
-    return run_dir / PROFILE_DIR / f"step_{step:06d}_rank{rank}.pt.trace.json"
 
 
 class TrainingJob:
@@ -80,7 +76,7 @@ class TrainingJob:
         raise NotImplementedError
 
     def final_weights(self) -> list[tuple]:
-        """(model, source checkpoint, run sub-folder, role) of each role published for `verl-mega export`."""
+        """(model, source checkpoint, role) of each role published for `verl-mega export`."""
         raise NotImplementedError
 
     def job_state(self) -> dict:
@@ -127,8 +123,9 @@ class TrainingJob:
         if not stopped:
             self._set_health("saving")
             self._check_weights_finite("the final model")
-            for model, source_ckpt, folder, role in self.final_weights():
-                save_role_weights(model, source_ckpt, self.run_dir / folder, self.layout, self.step, role=role)
+            for model, source_ckpt, role in self.final_weights():
+                save_role_weights(model, source_ckpt, RunFolder(self.run_dir).final_weights(role), self.layout,
+                                  self.step, role=role)
         if self.mirror is not None:
             self.mirror.finish(cfg.checkpoint_mirror_wait_s)
         self._set_health("ready")
@@ -157,7 +154,7 @@ class TrainingJob:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
             yield
-        with atomic_file(profile_trace_path(self.run_dir, step, self.layout.rank)) as partial:
+        with atomic_file(RunFolder(self.run_dir).profile_trace(step, self.layout.rank)) as partial:
             profiler.export_chrome_trace(str(partial))
 
     def _set_health(self, status: str) -> None:
@@ -168,7 +165,7 @@ class TrainingJob:
         return any_rank(self.stop_requested())
 
     def _check_weights_finite(self, what: str) -> None:
-        for model, _, _, role in self.final_weights():
+        for model, _, role in self.final_weights():
             if not all_finite(p for p in model.parameters()):
                 raise NonFiniteError(f"step {self.step}: the {role}'s weights are NaN/inf; {what} of them is not "
                                      "written")
@@ -202,7 +199,7 @@ class TrainingJob:
     def _download_newer_checkpoint(self) -> None:
         location = mirror.parse_mirror_url(self.config.trainer.checkpoint_mirror)
         local = run_checkpoints.complete_checkpoints(self.run_dir)
-        newest_local = run_checkpoints.checkpoint_step(local[-1]) if local else -1
+        newest_local = checkpoint_step(local[-1]) if local else -1
         fetched = mirror.fetch_newer(mirror.connect(location), location, self.run_dir, newest_local)
         if fetched is not None:
             print_note(f"fetched {fetched.name} from the checkpoint mirror {location}", self.config.trainer.log_format)

@@ -20,25 +20,25 @@ import torch.distributed as dist
 
 from verl_mega.checkpoint.hf_assets import model_sha256
 from verl_mega.checkpoint.manifest import MANIFEST_NAME
-from verl_mega.checkpoint.run_checkpoints import model_fingerprint
 from verl_mega.config import load_config, to_yaml
 from verl_mega.config.errors import USER_ERROR_EXIT_CODE, UserError, report_to_launcher
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.files.atomic import atomic_write_text
 from verl_mega.models import HFModelConfig
 from verl_mega.parallel.state import destroy_parallel, init_parallel
+from verl_mega.run.checkpoints import model_fingerprint
+from verl_mega.run.folder import RunFolder, layout_name
+from verl_mega.run.lock import claim_run_folder
+from verl_mega.run.provenance import write_provenance
 
 from .metrics import print_note
 from .ppo import PPOTrainer, uses_critic
 from .preemption import StopRequest, requeue_slurm_job
-from .run_folder import INITIAL_ACTOR_PREFIX, INITIAL_CRITIC_PREFIX, claim_run_folder
 from .preference import PreferenceTrainer
-from .provenance import write_provenance
 from .sft import SFTTrainer
 from .validation import validate
 
 OFFLINE_JOBS = {"sft": SFTTrainer, "dpo": PreferenceTrainer}
-INITIAL_PREFIXES = {"actor": INITIAL_ACTOR_PREFIX, "critic": INITIAL_CRITIC_PREFIX}
 
 
 def main(argv: list[str] | None = None, job: str | None = None) -> int:
@@ -106,7 +106,7 @@ def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
         for role, ckpt in ckpts.items():
             setattr(config.model, f"{role}_ckpt", str(ckpt))
     if layout.rank == 0:
-        atomic_write_text(run_dir / "config.yaml", to_yaml(config))
+        atomic_write_text(RunFolder(run_dir).config, to_yaml(config))
         write_provenance(run_dir, config, checksums, reward_fn)
     stop = StopRequest().install()
     if config.job == "ppo":
@@ -151,11 +151,11 @@ def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str) 
 
 def conversion_path(config, run_dir: Path, role: str, checksum: str) -> Path:
     p = config.parallel
-    layout = f"tp{p.tp}_pp{p.pp}_ep{p.ep}"
+    layout = layout_name(p.tp, p.pp, p.ep)
     if not config.model.conversion_cache:
         # One conversion per layout: a run resumed at another layout needs its initial (reference) weights there.
         # (claim_run_folder has checked that an existing actor conversion is of this model.)
-        return run_dir / f"{INITIAL_PREFIXES[role]}{layout}"
+        return RunFolder(run_dir).initial_weights(role, layout)
     # The same weights converted at the same layout and dtype (and by the same family spec) are the same shards.
     spec = config.model.family_spec
     variant = f"{layout}_{config.model.dtype}" + (f"_{hashlib.sha256(spec.encode()).hexdigest()[:12]}" if spec else "")

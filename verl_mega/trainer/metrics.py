@@ -13,9 +13,7 @@ from pathlib import Path
 import torch
 
 from verl_mega.files.atomic import atomic_write_text
-
-METRICS_FILE = "metrics.jsonl"
-GENERATIONS_FILE = "generations.jsonl"
+from verl_mega.run.folder import RunFolder
 CONSOLE_KEYS = ("reward/mean", "val/reward_mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
                 "actor/entropy", "actor/grad_norm", "sft/loss", "dpo/loss", "dpo/rewards/accuracy", "val/loss",
                 "perf/step_seconds")
@@ -67,22 +65,22 @@ class MetricsLogger:
         self._writer = self._wandb = None
         if not enabled:
             return
-        run_dir = Path(run_dir)
-        self.jsonl = run_dir / METRICS_FILE
-        self.generations = run_dir / GENERATIONS_FILE
+        folder = RunFolder(run_dir)
+        self.jsonl, self.generations = folder.metrics, folder.generations
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(str(run_dir / "tensorboard"))
+            self._writer = SummaryWriter(str(folder.tensorboard))
         if wandb_project:
             import wandb
 
-            self._wandb = wandb.init(project=wandb_project, dir=str(run_dir), config=config)
+            self._wandb = wandb.init(project=wandb_project, dir=str(folder.root), config=config)
 
     @staticmethod
     def truncate(run_dir: str | Path, step: int) -> None:
         """Drop records and samples after `step` (a resumed run logs those steps again)."""
-        for path in (Path(run_dir) / METRICS_FILE, Path(run_dir) / GENERATIONS_FILE):
+        folder = RunFolder(run_dir)
+        for path in (folder.metrics, folder.generations):
             if path.is_file():
                 kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
                 atomic_write_text(path, "".join(line + "\n" for line in kept))

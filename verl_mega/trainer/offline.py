@@ -12,7 +12,6 @@ from typing import Iterable, Iterator
 
 from transformers import AutoTokenizer
 
-from verl_mega.checkpoint.role_weights import FINAL_ACTOR_DIR
 from verl_mega.config import TrainConfig
 from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.data.supervised import Limits, LoadedRows
@@ -83,7 +82,7 @@ class OfflineJob(TrainingJob):
         return {"actor": self.actor.trainable}
 
     def final_weights(self) -> list[tuple]:
-        return [(self.actor.model, self.actor_ckpt, FINAL_ACTOR_DIR, "actor")]
+        return [(self.actor.model, self.actor_ckpt, "actor")]
 
     def job_state(self) -> dict:
         return {"sampler": self.sampler.state_dict()}

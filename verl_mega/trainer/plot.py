@@ -12,10 +12,8 @@ from pathlib import Path
 
 from verl_mega.config.errors import UserError
 from verl_mega.files.atomic import atomic_file
+from verl_mega.run.folder import RunFolder
 
-from .metrics import METRICS_FILE
-
-PLOT_FILE = "metrics.png"
 # (title, metrics drawn as lines, a prefix whose every metric is drawn too); names as ppo.py / actor.py log them.
 PANELS = (
     ("reward", ("reward/mean", "val/reward_mean"), "val/reward_mean/"),
@@ -65,9 +63,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    run_dir = Path(run_dir)
-    records = read_metrics(run_dir / METRICS_FILE)
-    out = Path(out) if out is not None else run_dir / PLOT_FILE
+    folder = RunFolder(run_dir)
+    records = read_metrics(folder.metrics)
+    out = Path(out) if out is not None else folder.plot
     figure = Figure(figsize=(12, 8), layout="constrained")
     FigureCanvasAgg(figure)
     figure.suptitle(f"{run_dir} (steps {records[0]['step']}-{records[-1]['step']})")

@@ -18,7 +18,6 @@ from transformers import AutoTokenizer
 from verl_mega.algorithms import (
     RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
 )
-from verl_mega.checkpoint.role_weights import FINAL_ACTOR_DIR, FINAL_CRITIC_DIR
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
 from verl_mega.data.prompts import PromptDataset
@@ -114,9 +113,9 @@ class PPOTrainer(TrainingJob):
         return trainables
 
     def final_weights(self) -> list[tuple]:
-        weights = [(self.actor.model, self.actor_ckpt, FINAL_ACTOR_DIR, "actor")]
+        weights = [(self.actor.model, self.actor_ckpt, "actor")]
         if self.critic is not None:
-            weights.append((self.critic.model, self.critic_ckpt, FINAL_CRITIC_DIR, "critic"))
+            weights.append((self.critic.model, self.critic_ckpt, "critic"))
         return weights
 
     def job_state(self) -> dict:

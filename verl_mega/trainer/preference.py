@@ -22,10 +22,11 @@ from verl_mega.roles.preference import (
     KTO_METRICS, PAIR_METRICS, kto_sequence_loss, kto_shares, needs_reference, pair_sequence_loss,
 )
 from verl_mega.roles.reference import Reference
+from verl_mega.run.folder import RunFolder
 
 from .metrics import StageTimer, print_note
 from .offline import OfflineJob, limits
-from .reference_cache import CACHE_NAME, cache_key, read_cache, write_cache
+from .reference_cache import cache_key, read_cache, write_cache
 from .rollout_batch import build_rollout_batch
 
 
@@ -72,7 +73,7 @@ class PreferenceTrainer(OfflineJob):
     def use_cached_reference_logps(self) -> None:
         """Attach the reference's log-probs to every example, read from the run folder's cache or, without a
         valid one, computed once (the reference model is built for that only, then freed) and cached."""
-        path = self.run_dir / CACHE_NAME
+        path = RunFolder(self.run_dir).reference_logprobs
         d = self.config.data
         splits = {"train": self.train_examples, "val": self.val_examples}
         key = cache_key([*d.train_files, *d.val_files], splits, self.actor_ckpt, self.config.model.dtype)

@@ -21,7 +21,6 @@ from verl_mega.config.errors import UserError
 from verl_mega.files.atomic import atomic_write_bytes
 from verl_mega.files.digest import file_sha256
 
-CACHE_NAME = "reference_logprobs.safetensors"
 SPLITS = ("train", "val")
 
 

@@ -16,7 +16,6 @@ from verl_mega.algorithms import (
     REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME
-from verl_mega.checkpoint.mirror import parse_mirror_url, require_boto3
 from verl_mega.config import JOBS, ConfigError, TrainConfig
 from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
@@ -30,6 +29,7 @@ from verl_mega.roles.megatron_step import PACKING_SETTINGS
 from verl_mega.roles.reward import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.factory import ENGINES
+from verl_mega.run.mirror import parse_mirror_url, require_boto3
 
 PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp")}
 

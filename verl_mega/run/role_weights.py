@@ -5,19 +5,13 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from verl_mega.checkpoint import megatron_legacy
+from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
+from verl_mega.checkpoint.roles import check_role, has_lm_head
+from verl_mega.files.atomic import collective_output_dir
 from verl_mega.models.builder import dtype_name, unwrap_model
 from verl_mega.models.spec import canonical_names
 from verl_mega.parallel.state import ParallelLayout
-
-from . import megatron_legacy
-from verl_mega.files.atomic import collective_output_dir
-from .manifest import HF_ASSETS_DIR, Manifest
-from .roles import check_role, has_lm_head
-
-# Folders of a run that `verl-mega export --ckpt RUN --role ROLE` reads.
-FINAL_ACTOR_DIR = "final_actor"
-FINAL_CRITIC_DIR = "final_critic"
-FINAL_ROLE_DIRS = {"actor": FINAL_ACTOR_DIR, "critic": FINAL_CRITIC_DIR}
 
 
 def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayout, iteration: int,

@@ -32,7 +32,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.files.atomic import atomic_output_dir
 from verl_mega.files.digest import file_sha256
 
-from .run_checkpoints import checkpoint_step, step_dir, step_name
+from .folder import RunFolder, checkpoint_step, step_name
 
 MARKER_NAME = "mirror_complete.json"
 MARKER_FORMAT = 1
@@ -42,7 +42,6 @@ _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 2**20
 _FIRST_RETRY_S, _MAX_RETRY_S = 1.0, 30.0
-PENDING_DIR = ".mirror_pending"  # snapshots waiting for upload, beside the run's step checkpoints
 
 
 class MirrorError(Exception):
@@ -143,7 +142,7 @@ class CheckpointMirror:
 
     def __init__(self, location: MirrorLocation, run_dir: Path, keep_last: int):
         self.location, self.keep_last = location, keep_last
-        self.pending_root = Path(run_dir) / PENDING_DIR
+        self.pending_root = RunFolder(run_dir).mirror_pending
         self._queue: queue.Queue[Path | None] = queue.Queue()
         if self.pending_root.is_dir():  # a killed run's snapshots: whole ones are uploaded, half-made ones dropped
             for path in sorted(self.pending_root.iterdir(), key=lambda p: checkpoint_step(p) or -1):
@@ -246,7 +245,7 @@ def fetch_newer(client, location: MirrorLocation, run_dir: Path, newer_than: int
             break
         try:
             entries = read_marker(client, location, step)
-            return download_checkpoint(client, location, step, entries, step_dir(run_dir, step))
+            return download_checkpoint(client, location, step, entries, RunFolder(run_dir).step(step))
         except MirrorError as err:
             _warn(f"mirror checkpoint {step_name(step)} skipped: {err}")
     return None

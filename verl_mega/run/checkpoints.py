@@ -14,9 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 import shutil
-from pathlib import Path, PurePath
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,13 +24,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from verl_mega.config.errors import UserError
-
 from verl_mega.files.atomic import collective_output_dir
+
+from .folder import CONFIG_FILE, RunFolder, checkpoint_step
 from .training_state import load_training_state, save_training_state
 
-CHECKPOINTS_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
-_STEP_DIR = re.compile(r"^step_(\d{6,})$")
 _TRACKER_PREFIX = "model_parallel/"
 # Config fields that define the model's shapes; a checkpoint of another model is refused on them.
 _ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -43,23 +41,9 @@ def model_fingerprint(hf_config: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def step_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIR / step_name(step)
-
-
-def checkpoint_step(path: PurePath) -> int | None:
-    """The step of a folder named `step_NNNNNN`, None for any other name."""
-    match = _STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else None
-
-
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first (temp folders of interrupted saves are not listed)."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
+    root = RunFolder(run_dir).checkpoints
     if not root.is_dir():
         return []
     found = [(step, p) for p in root.iterdir() if (step := checkpoint_step(p)) is not None and p.is_dir()]
@@ -126,7 +110,7 @@ def load_rng_state(path: Path) -> None:
 def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state: dict, config_yaml: str, rank: int,
                     keep_last: int) -> Path:
     """Collective. `trainables`: name -> TrainableModel (actor, critic). Returns the checkpoint folder."""
-    final = step_dir(run_dir, step)
+    final = RunFolder(run_dir).step(step)
     with collective_output_dir(final, rank) as tmp:
         for name, trainable in trainables.items():
             (tmp / name).mkdir(exist_ok=True)
@@ -134,7 +118,7 @@ def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state
         (tmp / "rng").mkdir(exist_ok=True)
         save_rng_state(tmp / "rng" / _rng_file(rank))
         if rank == 0:
-            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / CONFIG_FILE).write_text(config_yaml)
             (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
     if rank == 0:
         for old in complete_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:

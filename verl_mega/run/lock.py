@@ -16,13 +16,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from verl_mega.checkpoint import run_checkpoints
 from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.config.errors import UserError
 
-LOCK_FILE = ".lock"
-INITIAL_ACTOR_PREFIX = "initial_actor_"
-INITIAL_CRITIC_PREFIX = "initial_critic_"  # model.critic_hf_path's conversion
+from . import checkpoints
+from .folder import RunFolder
 
 
 class RunFolderLock:
@@ -31,7 +29,7 @@ class RunFolderLock:
     def __init__(self, run_dir: Path):
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd = os.open(RunFolder(run_dir).lock, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise UserError(f"trainer.run_dir {run_dir} cannot be used as a run folder ({err.strerror}: "
                             f"{err.filename})") from None
@@ -71,16 +69,16 @@ def _read_holder(fd: int) -> str:
 def ownership_problem(run_dir: Path, fingerprint: str, family_spec: str | None = None) -> str | None:
     """Why `run_dir` belongs to another model than the one with `fingerprint`, or None if it does not
     (`family_spec`: model.family_spec, read in place of the one the initial checkpoints record)."""
-    for initial in sorted(run_dir.glob(f"{INITIAL_ACTOR_PREFIX}*")):
+    for initial in RunFolder(run_dir).initial_conversions("actor"):
         try:
             hf_config = Manifest.read(initial, family_spec).hf_config
         except (OSError, ValueError) as err:
             return f"{initial} is unreadable ({err}); remove it to convert the model again"
-        if run_checkpoints.model_fingerprint(hf_config) != fingerprint:
+        if checkpoints.model_fingerprint(hf_config) != fingerprint:
             return f"{run_dir} was written for another model ({initial.name} differs)"
-    found = run_checkpoints.complete_checkpoints(run_dir)
+    found = checkpoints.complete_checkpoints(run_dir)
     if found:
-        state_file = found[-1] / run_checkpoints.STATE_FILE
+        state_file = found[-1] / checkpoints.STATE_FILE
         try:
             written_for = json.loads(state_file.read_text()).get("model_fingerprint")
         except (OSError, ValueError, AttributeError):

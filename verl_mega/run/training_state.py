@@ -19,7 +19,7 @@ import torch
 
 from verl_mega.parallel.shims import use_fused_adam
 
-from .safe_unpickle import guard_dist_checkpoint_reads
+from verl_mega.checkpoint.safe_unpickle import guard_dist_checkpoint_reads
 
 MAIN_STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")  # the distributed optimizer's per-parameter tensors
 

@@ -18,9 +18,10 @@ from verl_mega.config import TrainConfig
 from verl_mega.files.atomic import atomic_write_text
 from verl_mega.roles.reward import RewardFn, reward_fn_provenance
 
-PROVENANCE_FILE = "provenance.json"
+from .folder import RunFolder
+
 COMMIT_ENV = "VERL_MEGA_COMMIT"
-# The checkout the package sits in when it is imported from one (an editable install): repo/verl_mega/trainer.
+# The checkout the package sits in when it is imported from one (an editable install): repo/verl_mega/run.
 _CHECKOUT = Path(__file__).resolve().parents[2]
 
 
@@ -72,4 +73,4 @@ def write_provenance(run_dir: Path, config: TrainConfig, checksums: dict[str, st
     }
     if "critic" in checksums:
         record["critic"] = {"path": config.model.critic_hf_path, "sha256": checksums["critic"]}
-    return atomic_write_text(Path(run_dir) / PROVENANCE_FILE, json.dumps(record, indent=2) + "\n")
+    return atomic_write_text(RunFolder(run_dir).provenance, json.dumps(record, indent=2) + "\n")
