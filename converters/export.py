@@ -54,10 +54,12 @@ def _final_weights(ckpt: Path, role: str) -> Path | None:
 
 def _training_state_dir(ckpt: Path, role: str, step: int | None) -> Path:
     """The role's folder of a step checkpoint, from a run folder and --step, a step folder, or the role folder."""
+    run = RunFolder(ckpt)
+    final = run.final_weights(role).name
     if step is not None:
         if type(step) is not int or step < 0:
             raise ValueError(f"--step must be a step number, got {step!r}")
-        step_folder = RunFolder(ckpt).step(step)
+        step_folder = run.step(step)
         if not (step_folder / STATE_FILE).is_file():
             raise ValueError(f"{ckpt} has no complete checkpoint of step {step}; {_available_steps(ckpt)}")
     elif (ckpt / STATE_FILE).is_file():
@@ -66,12 +68,12 @@ def _training_state_dir(ckpt: Path, role: str, step: int | None) -> Path:
         if ckpt.name != role:
             raise ValueError(f"{ckpt} holds the {ckpt.name}'s training state, not the {role}'s: pass --role {ckpt.name}")
         step_folder = ckpt.parent
-    elif RunFolder(ckpt).checkpoints.is_dir():
-        raise ValueError(f"{ckpt} has no {RunFolder(ckpt).final_weights(role).name} (the run did not finish, or trained no {role}); "
+    elif run.checkpoints.is_dir():
+        raise ValueError(f"{ckpt} has no {final} (the run did not finish, or trained no {role}); "
                          f"export one of its step checkpoints with --step N: {_available_steps(ckpt)}")
     else:
         raise FileNotFoundError(f"{ckpt} is not a verl_mega checkpoint, run folder or step checkpoint (it has no "
-                                f"{MANIFEST_NAME}, {RunFolder(ckpt).final_weights(role).name}/ or {STATE_FILE})")
+                                f"{MANIFEST_NAME}, {final}/ or {STATE_FILE})")
     if not (step_folder / role).is_dir():
         raise ValueError(f"{step_folder} holds no {role} (the run trained without one)")
     return step_folder / role

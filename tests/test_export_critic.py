@@ -82,7 +82,8 @@ def test_cli_exports_a_run_folders_final_critic_and_refuses_a_role_mismatch(expo
     RunFolder(run_dir).final_weights("critic").symlink_to(exported["out"] / "qwen2" / "critic")
     assert cli(["export", "--ckpt", str(run_dir), "--role", "critic", "--out", str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [FAMILIES["qwen2"]]
-    assert cli(["export", "--ckpt", str(RunFolder(run_dir).final_weights("critic")), "--out", str(tmp_path / "hf_actor")]) == 2
+    final_critic = RunFolder(run_dir).final_weights("critic")
+    assert cli(["export", "--ckpt", str(final_critic), "--out", str(tmp_path / "hf_actor")]) == 2
     assert "pass --role critic" in capsys.readouterr().err
 
 

@@ -77,10 +77,11 @@ def test_a_real_run_writes_only_what_run_folder_names(tmp_path):
         result = subprocess.run(command, capture_output=True, text=True, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
 
+    initial = folder.initial_weights("actor", layout_name(1, 1, 1))
     expected = {folder.config, folder.provenance, folder.lock, folder.metrics, folder.plot, folder.tensorboard,
-                folder.checkpoints, folder.final_weights("actor"), folder.initial_weights("actor", layout_name(1, 1, 1)),
-                folder.profile_trace(1, 0).parent, folder.reference_logprobs}
+                folder.checkpoints, folder.final_weights("actor"), initial, folder.profile_trace(1, 0).parent,
+                folder.reference_logprobs}
     assert set(folder.root.iterdir()) == expected
     assert sorted(folder.checkpoints.iterdir()) == [folder.step(1), folder.step(2)]
     assert list(folder.profile_trace(1, 0).parent.iterdir()) == [folder.profile_trace(1, 0)]
-    assert folder.initial_conversions("actor") == [folder.initial_weights("actor", layout_name(1, 1, 1))]
+    assert folder.initial_conversions("actor") == [initial]
