@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     if args.worker:
         worker(*args.worker, out=args.out)
         return
-    from verl_mega.parallel.launch import run_torchrun
+    from verl_mega.parallel.spawn import run_torchrun
 
     hf_dir, ckpt_dir = prepare(Path(args.work), args.hidden, args.layers, args.ffn, args.vocab)
     run_torchrun(TP * PP * DP, "bench.reshard",

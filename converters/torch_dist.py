@@ -16,7 +16,7 @@ from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.checkpoint.torch_dist import DIST_DIR
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import build_gpt_model, transformer_config
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
 

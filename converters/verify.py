@@ -22,7 +22,7 @@ from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.models.builder import DTYPES
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import HFModelConfig, load_hf_model_config
-from verl_mega.parallel.launch import in_distributed_job, run_torchrun
+from verl_mega.parallel.spawn import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 

@@ -7,7 +7,7 @@ The layering, written down once: a package may import its own modules and packag
     2  checkpoint                       files on disk: shards, manifests, dist checkpoints, atomic outputs
     3  roles, rollout                   actor / critic / reference / reward; rollout engines, HybridEngine
     4  converters                       HF <-> Megatron conversion, parity check (built on the core)
-    5  trainer                          the job loops and their validation
+    5  trainer                          the job loops and their pre-flight check
     6  launch                           torchrun / Slurm launchers
     7  cli, api                         the command line; the Python API (`verl_mega.Trainer`, `load_policy`)
     8  demo                             `make demo`, through the command line

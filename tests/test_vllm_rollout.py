@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 
 # vLLM's CPU attention takes head_dim 32, 64, ... (the shared tiny models have 16): 128 / 4 heads.
 VLLM_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -18,7 +18,7 @@ import torch
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.expected_shapes import mcore_shape
 from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
-from verl_mega.parallel.launch import free_port
+from verl_mega.parallel.spawn import free_port
 
 from .manifest import Manifest
 from .roles import head_rules

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .launch import free_port
+from .spawn import free_port
 from .layout import data_parallel_size
 from .shims import apply_shims
 from .torchrun import exit_with_agent

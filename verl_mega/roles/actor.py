@@ -22,7 +22,7 @@ from .trainable import TrainableModel
 SEQUENCE_LOSS_AGG = "seq-mean-token-sum"
 
 
-def load_policy(ckpt_dir: str | Path, **config_overrides):
+def load_gpt_model(ckpt_dir: str | Path, **config_overrides):
     """This rank's GPTModel from a converted checkpoint, and the true (unpadded) vocabulary size.
     `dtype=` (fp32, bf16, fp16) trains in another dtype than the checkpoint's."""
     model, _, cfg, _ = build_model_from_checkpoint(ckpt_dir, **config_overrides)
@@ -61,7 +61,7 @@ class Actor:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None, *,
                  schedule_steps: int, packed_sequences: str = "auto", **config_overrides):
         """`packed_sequences`: auto | true | false, `actor.use_packed_sequences` (see `resolve_sequence_packing`)."""
-        module, self.vocab_size = load_policy(ckpt_dir, **config_overrides)
+        module, self.vocab_size = load_gpt_model(ckpt_dir, **config_overrides)
         packed = resolve_sequence_packing(packed_sequences, module, "actor.use_packed_sequences")
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or PolicyLossConfig()

@@ -11,7 +11,7 @@ import torch
 from verl_mega.algorithms import compute_value_loss, masked_mean
 from verl_mega.config import OptimConfig, ValueLossConfig
 
-from .actor import load_policy
+from .actor import load_gpt_model
 from .batching import Batch
 from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
 from .trainable import TrainableModel
@@ -51,7 +51,7 @@ class Critic:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: ValueLossConfig | None = None, *,
                  schedule_steps: int, packed_sequences: str = "auto", **config_overrides):
         """`packed_sequences`: auto | true | false, `critic.use_packed_sequences`."""
-        module, _ = load_policy(ckpt_dir, **config_overrides)
+        module, _ = load_gpt_model(ckpt_dir, **config_overrides)
         attach_value_head(module)
         packed = resolve_sequence_packing(packed_sequences, module, "critic.use_packed_sequences")
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)

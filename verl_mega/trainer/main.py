@@ -3,9 +3,9 @@
 The config's `job` picks the loop: ppo (default), sft or dpo; `verl-mega sft` and `verl-mega dpo` are `train`
 with the job set.
 
-The config is validated before any process group starts; the resolved config and the run's provenance are
-saved in the run folder. A plain process (no torchrun) trains as a world of one. `run` is the one way in for
-the command line and the Python API (`verl_mega.api`), which may hand a reward function itself.
+The config passes the pre-flight check before any process group starts; the resolved config and the run's
+provenance are saved in the run folder. A plain process (no torchrun) trains as a world of one. `run` is the one
+way in for the command line and the Python API (`verl_mega.api`), which may hand a reward function itself.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from .run_folder import INITIAL_ACTOR_PREFIX, INITIAL_CRITIC_PREFIX, claim_run_f
 from .preference import PreferenceTrainer
 from .provenance import write_provenance
 from .sft import SFTTrainer
-from .validation import validate
+from .preflight import preflight_check
 
 OFFLINE_JOBS = {"sft": SFTTrainer, "dpo": PreferenceTrainer}
 INITIAL_PREFIXES = {"actor": INITIAL_ACTOR_PREFIX, "critic": INITIAL_CRITIC_PREFIX}
@@ -69,7 +69,7 @@ def dpo_main(argv: list[str] | None = None) -> int:
 def run(config, reward_fn=None) -> None:
     """Validate `config` for this job's world size, then train. `reward_fn`: a callable scoring responses in
     place of `reward.function` (PPO-style jobs only)."""
-    validate(config, int(os.environ.get("WORLD_SIZE", 1)), reward_fn=reward_fn)
+    preflight_check(config, int(os.environ.get("WORLD_SIZE", 1)), reward_fn=reward_fn)
     train(config, reward_fn)
 
 
