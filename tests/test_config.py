@@ -79,9 +79,19 @@ def test_bad_dataset_is_refused_before_training(tiny_models, tmp_path, prompt_fi
             preflight_check(load_config(None, overrides), world_size=4)
 
 
+# A world of 4 as torchrun describes it, and as Slurm does for tasks that `srun` starts without torchrun: the
+# pre-flight check sizes the config by the world that `init_parallel` would build.
+@pytest.mark.parametrize("world", [
+    {"WORLD_SIZE": "4"},
+    {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4", "SLURM_NODELIST": "gpu[01-02]",
+     "SLURM_JOB_ID": "7"},
+], ids=["torchrun", "srun"])
 def test_train_command_exits_2_with_the_problem_before_any_process_group(tiny_models, prompt_file, capsys,
-                                                                           monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
+                                                                           monkeypatch, world):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in world.items():
+        monkeypatch.setenv(name, value)
     code = train_main(good_overrides(tiny_models, prompt_file) + ["actor.micro_batch_size=3"])
     assert code == 2
     assert "actor.mini_batch_size=4 must be divisible by data-parallel size 2 x actor.micro_batch_size=3" in \

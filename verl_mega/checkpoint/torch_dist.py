@@ -9,7 +9,6 @@ one layout loads into a model at any other, and reads back to HF key by key with
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +17,7 @@ import torch
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.expected_shapes import mcore_shape
 from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
-from verl_mega.parallel.spawn import free_port
+from verl_mega.parallel.world import single_process_world
 
 from .manifest import Manifest
 from .roles import head_rules
@@ -98,9 +97,8 @@ def _process_group():
     if torch.distributed.is_initialized():
         yield
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    world = single_process_world()
+    torch.distributed.init_process_group("gloo", init_method=world.init_method, rank=world.rank, world_size=world.size)
     try:
         yield
     finally:

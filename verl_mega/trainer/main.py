@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from verl_mega.config.errors import USER_ERROR_EXIT_CODE, UserError, report_to_l
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.models import HFModelConfig
 from verl_mega.parallel.state import destroy_parallel, init_parallel
+from verl_mega.parallel.world import read_world
 
 from .metrics import print_note
 from .ppo import PPOTrainer, uses_critic
@@ -69,7 +69,7 @@ def dpo_main(argv: list[str] | None = None) -> int:
 def run(config, reward_fn=None) -> None:
     """Validate `config` for this job's world size, then train. `reward_fn`: a callable scoring responses in
     place of `reward.function` (PPO-style jobs only)."""
-    preflight_check(config, int(os.environ.get("WORLD_SIZE", 1)), reward_fn=reward_fn)
+    preflight_check(config, read_world().size, reward_fn=reward_fn)
     train(config, reward_fn)
 
 
