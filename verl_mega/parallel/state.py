@@ -12,26 +12,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .layout import data_parallel_size
+from .layout import RankCoordinates, data_parallel_size
 from .shims import apply_shims
 from .torchrun import exit_with_agent
 from .world import World, read_world
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """Sizes and this process's coordinates in megatron's (TP, PP, DP[, EP]) grid."""
+class ParallelLayout(RankCoordinates):
+    """This process's coordinates (`layout.RankCoordinates`) and the sizes of megatron's (TP, PP, DP[, EP]) grid."""
 
     tp: int
     pp: int
     dp: int
     ep: int
-    rank: int
     world_size: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    ep_rank: int
 
     @property
     def is_first_stage(self) -> bool:

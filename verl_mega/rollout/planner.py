@@ -19,8 +19,8 @@ from verl_mega.models.builder import DTYPES, padded_vocab_size
 from verl_mega.models.expected_shapes import expected_hf_shapes
 from verl_mega.models.sharding import rank_slots
 from verl_mega.parallel.layout import (
-    check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates, rollout_placement,
-    rollout_vocab_rows,
+    RankCoordinates, check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates,
+    rollout_placement, rollout_vocab_rows,
 )
 
 from .hybrid_engine import slice_is_gathered_shards, transfer_order
@@ -28,11 +28,7 @@ from .hybrid_engine import slice_is_gathered_shards, transfer_order
 
 @dataclass(frozen=True)
 class RankPlan:
-    rank: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    ep_rank: int
+    coordinates: RankCoordinates  # where the rank sits in the training grid
     rollout_tp_rank: int
     train_bytes: int  # this rank's training shards (vocabulary padded)
     rollout_bytes: int  # the rollout slice the engine ends up holding
@@ -62,8 +58,9 @@ class Plan:
             f"{'peak xfer MiB':>14} {'send MiB':>9} {'recv MiB':>9}",
         ]
         for r in self.ranks:
+            at = r.coordinates
             lines.append(
-                f"{r.rank:>4} {r.tp_rank:>3} {r.pp_rank:>3} {r.dp_rank:>3} {r.ep_rank:>3} {r.rollout_tp_rank:>3} "
+                f"{at.rank:>4} {at.tp_rank:>3} {at.pp_rank:>3} {at.dp_rank:>3} {at.ep_rank:>3} {r.rollout_tp_rank:>3} "
                 f"{r.train_bytes / mib:>10.2f} {r.rollout_bytes / mib:>12.2f} {r.transition_peak_bytes / mib:>14.2f} "
                 f"{r.send_bytes / mib:>9.2f} {r.recv_bytes / mib:>9.2f}"
             )
@@ -102,7 +99,7 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     ranks = []
     for rank, placement in enumerate(placements):
         at = rank_coordinates(rank, train_tp, train_pp, dp, ep)
-        tp_rank, dp_rank, pp_rank, ep_rank = at.tp_rank, at.dp_rank, at.pp_rank, at.ep_rank
+        pp_rank, ep_rank = at.pp_rank, at.ep_rank
         rollout_tp_rank = placement.rollout_tp_rank
         # Training holds the last stage's copy of a tied embedding too, which the transition skips.
         train = sum(shard_bytes(slot) for slot in rank_slots(cfg, family, pp_rank, train_pp, ep_rank, ep))
@@ -130,8 +127,7 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
             peak = max(peak, buffers)
             largest_output = max(largest_output, slice_bytes)
         # The consumer still holds the previous tensor while the next one is being assembled.
-        ranks.append(RankPlan(rank, tp_rank, pp_rank, dp_rank, ep_rank, rollout_tp_rank, train, rollout,
-                              peak + largest_output, send, recv))
+        ranks.append(RankPlan(at, rollout_tp_rank, train, rollout, peak + largest_output, send, recv))
     return Plan(train_tp, train_pp, dp, ep, rollout_tp, model_bytes, largest, tuple(ranks))
 
 
