@@ -47,10 +47,10 @@ def resolve_rollout_dtype(engine: str, dtype: str, model_dtype: str) -> str:
     return "bf16" if resolve_engine(engine) == "vllm" else model_dtype
 
 
-def make_rollout_engine(engine: str, hf_dir: str | Path, hf_config: dict, feed: WeightFeed, *, max_model_len: int,
+def make_rollout_engine(engine: str, hf_dir: str | Path, raw_hf_config: dict, feed: WeightFeed, *, max_model_len: int,
                         dtype: torch.dtype = torch.float32) -> RolloutEngine:
     """`dtype`: what the engine runs, the HybridEngine's stream dtype (`resolve_rollout_dtype`'s name, converted
     once by the caller for both)."""
     if resolve_engine(engine, feed.rollout_tp) == "vllm":
         return VLLMEngine(hf_dir, feed, max_model_len=max_model_len, dtype=dtype)
-    return EmbeddedEngine(hf_config, dtype=dtype)
+    return EmbeddedEngine(raw_hf_config, dtype=dtype)

@@ -77,22 +77,22 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     world_size = train_tp * train_pp * dp
     data_parallel_size(world_size, train_tp, train_pp, ep, names)
     check_rollout_tp(train_tp, rollout_tp, names)
-    cfg, family = load_hf_model_config(hf_dir, family_spec)
-    check_model_fit(cfg, train_tp, train_pp, ep, names)
+    hf_config, family = load_hf_model_config(hf_dir, family_spec)
+    check_model_fit(hf_config, train_tp, train_pp, ep, names)
     placements = [rollout_placement(rank, world_size, train_tp, rollout_tp) for rank in range(world_size)]
-    hf_shapes = expected_hf_shapes(cfg, family)
+    hf_shapes = expected_hf_shapes(hf_config, family)
     item = DTYPES[dtype].itemsize
-    padded_vocab = padded_vocab_size(cfg.vocab_size, train_tp, make_vocab_size_divisible_by)
+    padded_vocab = padded_vocab_size(hf_config.vocab_size, train_tp, make_vocab_size_divisible_by)
     micro_dp = placements[0].micro_dp
 
     def shard_bytes(slot) -> int:
         numel = sum(math.prod(hf_shapes[name]) for name in slot.hf_names)
         if slot.rule.vocab:
-            numel = numel // cfg.vocab_size * padded_vocab
+            numel = numel // hf_config.vocab_size * padded_vocab
         return numel * item // (train_tp if slot.rule.tp_dim is not None else 1)
 
     transfers = [(stage, owner_ep, slot, shard_bytes(slot))
-                 for stage, owner_ep, slot in transfer_order(cfg, family, train_pp, ep)]
+                 for stage, owner_ep, slot in transfer_order(hf_config, family, train_pp, ep)]
     model_bytes = sum(math.prod(hf_shapes[n]) for _, _, slot, _ in transfers for n in slot.hf_names) * item
     largest = max(math.prod(hf_shapes[n]) for _, _, slot, _ in transfers for n in slot.hf_names) * item
 
@@ -102,13 +102,13 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
         pp_rank, ep_rank = at.pp_rank, at.ep_rank
         rollout_tp_rank = placement.rollout_tp_rank
         # Training holds the last stage's copy of a tied embedding too, which the transition skips.
-        train = sum(shard_bytes(slot) for slot in rank_slots(cfg, family, pp_rank, train_pp, ep_rank, ep))
+        train = sum(shard_bytes(slot) for slot in rank_slots(hf_config, family, pp_rank, train_pp, ep_rank, ep))
         rollout = peak = send = recv = largest_output = 0
         for stage, owner_ep, slot, shard in transfers:
             split = slot.rule.tp_dim is not None
             slice_bytes = shard * micro_dp if split else shard
             if slot.rule.vocab:
-                rows = rollout_vocab_rows(padded_vocab, cfg.vocab_size, rollout_tp_rank, rollout_tp)
+                rows = rollout_vocab_rows(padded_vocab, hf_config.vocab_size, rollout_tp_rank, rollout_tp)
                 rollout += slice_bytes // (padded_vocab // rollout_tp) * len(rows)
             else:
                 rollout += slice_bytes
