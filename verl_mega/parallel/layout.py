@@ -1,6 +1,6 @@
 """Layout arithmetic, in one place: which sizes must divide which, and which rank holds which slice.
 
-Pure integer functions (no process groups), so the config validator, `init_parallel`, the converters,
+Pure integer functions (no process groups), so the pre-flight check, `init_parallel`, the converters,
 the HybridEngine, the planner and the trainer all ask the same questions the same way. Every failure is a
 ValueError naming the sizes that do not fit, by the names the caller's user knows them (`names`: e.g.
 {"tp": "parallel.tp"} for a config, {"tp": "--tp"} for a command line).
