@@ -26,10 +26,11 @@ NEW_TOKENS = 16
 
 def main(work: str, rollout_tp: int) -> None:
     layout = init_parallel(tp=int(os.environ["WORLD_SIZE"]))
-    model, _, cfg, family = build_model_from_checkpoint(f"{work}/ckpt_tp{layout.tp}")
-    hybrid = HybridEngine(model, cfg, family, rollout_tp=rollout_tp, measure_peak=True)
+    model, _, hf_config, family = build_model_from_checkpoint(f"{work}/ckpt_tp{layout.tp}")
+    hybrid = HybridEngine(model, hf_config, family, rollout_tp=rollout_tp, measure_peak=True)
     # fp32 on both sides, so greedy tokens can be compared with fp32 transformers.
-    rollout = make_rollout_engine("vllm", f"{work}/hf", cfg.raw, hybrid.feed, max_model_len=64, dtype="fp32")
+    rollout = make_rollout_engine("vllm", f"{work}/hf", hf_config.raw, hybrid.feed, max_model_len=64,
+                                  dtype=torch.float32)
     params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS)
     original = [p.detach().clone() for p in model.parameters()]
 

@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from verl_mega.ops import _backend, gae, reference, rms_norm, token_logprobs
+from verl_mega.ops import _backend, gae, fallback, rms_norm, token_logprobs
 
 GAE_SHAPE = (256, 1024)
 RMS_NORM_SHAPES = [(41 * 32, 768), (41 * 32, 64)]
@@ -91,7 +91,7 @@ def peak_extra_bytes(fn, device):
 
 def backend_name(device):
     module = _backend.kernels_for(device)
-    return "PyTorch reference (kernels not built or disabled)" if module is reference else module.__name__
+    return "PyTorch fallback (kernels not built or disabled)" if module is fallback else module.__name__
 
 
 def verl_gae_loop(token_level_rewards, values, response_mask, gamma, lam):
@@ -119,7 +119,7 @@ def bench_gae(device):
     float_mask = mask.float()  # verl's masks are float
     kernel = best_seconds(lambda: gae(rewards, values, mask, 1.0, 0.95), device, repeats=20)
     verl = best_seconds(lambda: verl_gae_loop(rewards, values, float_mask, 1.0, 0.95), device, repeats=3)
-    ours = best_seconds(lambda: reference.gae(rewards, values, mask, 1.0, 0.95), device, repeats=3)
+    ours = best_seconds(lambda: fallback.gae(rewards, values, mask, 1.0, 0.95), device, repeats=3)
     print(f"GAE B={GAE_SHAPE[0]} T={GAE_SHAPE[1]}: kernel {kernel * 1e3:.3f} ms; verl's loop {verl * 1e3:.1f} ms "
           f"-> {verl / kernel:.0f}x faster (goal >= 100x); reference loop {ours * 1e3:.1f} ms -> {ours / kernel:.0f}x")
 

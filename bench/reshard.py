@@ -61,12 +61,12 @@ def worker(hf_dir: str, ckpt_dir: str, out: str) -> None:
     from verl_mega.rollout.planner import plan
 
     init_parallel(TP, PP)
-    model, _, cfg, family = build_model_from_checkpoint(ckpt_dir)
+    model, _, hf_config, family = build_model_from_checkpoint(ckpt_dir)
     layout = current_layout()
-    naive = HybridEngine(model, cfg, family, rollout_tp=1, measure_peak=True)
+    naive = HybridEngine(model, hf_config, family, rollout_tp=1, measure_peak=True)
     rows = []
     for rollout_tp in ROLLOUT_TPS:
-        hybrid = HybridEngine(model, cfg, family, rollout_tp, measure_peak=True)
+        hybrid = HybridEngine(model, hf_config, family, rollout_tp, measure_peak=True)
 
         def consume_stream():
             return sum(tensor.numel() * tensor.element_size() for _, tensor in hybrid.stream())
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     if args.worker:
         worker(*args.worker, out=args.out)
         return
-    from verl_mega.parallel.launch import run_torchrun
+    from verl_mega.parallel.spawn import run_torchrun
 
     hf_dir, ckpt_dir = prepare(Path(args.work), args.hidden, args.layers, args.ffn, args.vocab)
     run_torchrun(TP * PP * DP, "bench.reshard",

@@ -30,7 +30,6 @@ MODELS = {
                                         num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
                                         max_position_embeddings=512),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def bpe_tokenizer(out: Path):
@@ -108,7 +107,9 @@ def tokens_per_second(engine, prompts, params, repeats: int) -> float:
 
 
 def main() -> None:
+    from verl_mega.models.builder import DTYPES
     from verl_mega.models.hf_config import HFModelConfig
+    from verl_mega.parallel.world import read_world
     from verl_mega.rollout.embedded import EmbeddedEngine
     from verl_mega.rollout.engine import SamplingParams, WeightFeed
     from verl_mega.rollout.vllm_engine import VLLMEngine
@@ -123,8 +124,7 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true", help="only the embedded engine and its baseline")
     args = parser.parse_args()
     # vLLM's external launcher reads a torchrun environment; a single process is a world of one.
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581").items():
-        os.environ.setdefault(key, value)
+    os.environ.update(read_world().torchrun_environment())
     dtype = DTYPES[args.dtype]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens, n=args.samples, seed=0)
     rng = random.Random(0)

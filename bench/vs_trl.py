@@ -180,7 +180,7 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
 
 def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path) -> dict:
     from verl_mega.data.tables import write_rows
-    from verl_mega.parallel.launch import run_torchrun
+    from verl_mega.parallel.spawn import run_torchrun
     from verl_mega.run.folder import RunFolder
     from verl_mega.trainer.plot import read_metrics
 

@@ -25,19 +25,20 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     """`family_spec` ("package.module:SPEC") declares the family instead of the built-in ones and plugins."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    cfg, family = load_hf_model_config(hf_dir, family_spec)
-    check_model_fit(cfg, tp, pp, ep, names={"tp": "--tp", "pp": "--pp", "ep": "--ep"})
+    hf_config, family = load_hf_model_config(hf_dir, family_spec)
+    check_model_fit(hf_config, tp, pp, ep, names={"tp": "--tp", "pp": "--pp", "ep": "--ep"})
     reader = SafetensorsReader(hf_dir)
-    check_hf_tensors(reader, cfg, family)
-    padded_vocab = padded_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by)
+    check_hf_tensors(reader, hf_config, family)
+    padded_vocab = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
     manifest = Manifest(
-        family=family.name, hf_config=cfg.raw if keep_remote_code else without_remote_code(cfg.raw), format=fmt,
+        family=family.name, hf_config=hf_config.raw if keep_remote_code else without_remote_code(hf_config.raw),
+        format=fmt,
         tp=tp, pp=pp, ep=ep, dtype=dtype,
-        tied_embeddings=cfg.tie_word_embeddings, padded_vocab_size=padded_vocab, family_spec=family.origin,
+        tied_embeddings=hf_config.tie_word_embeddings, padded_vocab_size=padded_vocab, family_spec=family.origin,
     )
     with atomic_output_dir(out_dir, overwrite, sources=(hf_dir,)) as tmp:
         if fmt == "megatron_legacy":
-            _write_legacy_shards(tmp, reader, cfg, family, manifest)
+            _write_legacy_shards(tmp, reader, hf_config, family, manifest)
         elif fmt == "torch_dist":
             write_torch_dist(tmp, hf_dir, manifest)
         else:
@@ -47,12 +48,13 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     return manifest
 
 
-def _write_legacy_shards(root: Path, reader, cfg, family, manifest: Manifest) -> None:
-    args = megatron_args(cfg, family, manifest)
+def _write_legacy_shards(root: Path, reader, hf_config, family, manifest: Manifest) -> None:
+    args = megatron_args(hf_config, family, manifest)
     for pp_rank in range(manifest.pp):
         for ep_rank in range(manifest.ep):
             for tp_rank in range(manifest.tp):
-                state_dict, streamed = hf_rank_shard_plan(reader, cfg, family, manifest, tp_rank, pp_rank, ep_rank)
+                state_dict, streamed = hf_rank_shard_plan(reader, hf_config, family, manifest, tp_rank, pp_rank,
+                                                          ep_rank)
                 coords = dict(tp_rank=tp_rank, pp_rank=pp_rank, pp=manifest.pp, ep_rank=ep_rank, ep=manifest.ep)
                 megatron_legacy.write_shard(root, manifest.iteration, coords, state_dict, args, streamed)
                 del state_dict
@@ -66,30 +68,30 @@ _RECORDED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "moe_router_topk")
 
 
-def megatron_args(cfg, family, manifest: Manifest) -> dict:
+def megatron_args(hf_config, family, manifest: Manifest) -> dict:
     """The subset of Megatron-LM's arguments its loader checks against the running job."""
-    shape = architecture(cfg, family)
+    shape = architecture(hf_config, family)
     return dict(
         {_MEGATRON_LM_NAMES.get(name, name): shape[name] for name in _RECORDED if name in shape},
         tensor_model_parallel_size=manifest.tp, pipeline_model_parallel_size=manifest.pp,
-        expert_model_parallel_size=manifest.ep, group_query_attention=cfg.num_kv_heads != cfg.num_heads,
-        max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=manifest.padded_vocab_size,
-        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, position_embedding_type="rope",
-        rotary_base=cfg.rope_theta, params_dtype=manifest.dtype,
+        expert_model_parallel_size=manifest.ep, group_query_attention=hf_config.num_kv_heads != hf_config.num_heads,
+        max_position_embeddings=hf_config.max_position_embeddings, padded_vocab_size=manifest.padded_vocab_size,
+        untie_embeddings_and_output_weights=not hf_config.tie_word_embeddings, position_embedding_type="rope",
+        rotary_base=hf_config.rope_theta, params_dtype=manifest.dtype,
     )
 
 
-def check_hf_tensors(reader: SafetensorsReader, cfg, family) -> None:
+def check_hf_tensors(reader: SafetensorsReader, hf_config, family) -> None:
     """Refuse, before anything is written, a checkpoint whose tensors are not those its config.json implies."""
-    expected = expected_hf_shapes(cfg, family)
+    expected = expected_hf_shapes(hf_config, family)
     problems = [f"tensor '{name}' is missing" for name in expected if name not in reader]
     problems += [f"tensor '{name}' has shape {list(reader.shape(name))}, config.json implies {list(shape)}"
                  for name, shape in expected.items() if name in reader and tuple(reader.shape(name)) != shape]
     problems += [f"tensor '{name}' has dtype {reader.dtype(name)}, not a floating-point type"
                  for name in expected if name in reader and not reader.dtype(name).is_floating_point]
     problems += [f"tensor '{name}' is not part of a {family.name} model with this config"
-                 for name in reader.names() if name not in expected and not _unread_extra(name, cfg)]
-    if cfg.tie_word_embeddings and "lm_head.weight" in reader and "model.embed_tokens.weight" in expected \
+                 for name in reader.names() if name not in expected and not _unread_extra(name, hf_config)]
+    if hf_config.tie_word_embeddings and "lm_head.weight" in reader and "model.embed_tokens.weight" in expected \
             and reader.shape("lm_head.weight") == reader.shape("model.embed_tokens.weight") \
             and not torch.equal(reader.read("lm_head.weight"), reader.read("model.embed_tokens.weight")):
         problems.append("tensor 'lm_head.weight' differs from the embedding, but config.json says "
@@ -99,7 +101,7 @@ def check_hf_tensors(reader: SafetensorsReader, cfg, family) -> None:
         raise ValueError(f"the checkpoint at {reader.dir} does not match its config.json: {problems[0]}{more}")
 
 
-def _unread_extra(name: str, cfg) -> bool:
+def _unread_extra(name: str, hf_config) -> bool:
     """Tensors some HF checkpoints carry that the model does not read: a tied LM head stored anyway, and the
     RoPE frequencies older transformers versions saved as a buffer (recomputed from the config here)."""
-    return (cfg.tie_word_embeddings and name == "lm_head.weight") or name.endswith(".rotary_emb.inv_freq")
+    return (hf_config.tie_word_embeddings and name == "lm_head.weight") or name.endswith(".rotary_emb.inv_freq")

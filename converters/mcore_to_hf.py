@@ -59,8 +59,8 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], manifest: Manife
 
 def iter_legacy_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every tensor, holding one pipeline stage's files memory-mapped."""
-    cfg = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(cfg, manifest.family_spec, ckpt_dir)
+    hf_config = HFModelConfig.from_dict(manifest.hf_config)
+    family = family_for(hf_config, manifest.family_spec, ckpt_dir)
     iteration = megatron_legacy.checked_iteration(ckpt_dir, manifest.iteration, manifest.tp, manifest.pp, manifest.ep)
     for pp_rank in range(manifest.pp):
         for ep_rank in range(manifest.ep):
@@ -69,23 +69,23 @@ def iter_legacy_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator
                                            ep_rank=ep_rank, ep=manifest.ep)
                 for tp_rank in range(manifest.tp)
             ]
-            slots = list(rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep,
+            slots = list(rank_slots(hf_config, family, pp_rank, manifest.pp, ep_rank, manifest.ep,
                                     head_rules(manifest.role)))
             for tp_rank, shard in enumerate(shards):
                 where = f"the shard of tp_rank {tp_rank}, pp_rank {pp_rank}, ep_rank {ep_rank} in {ckpt_dir}"
-                _check_shard(shard, slots, cfg, manifest, where)
+                _check_shard(shard, slots, hf_config, manifest, where)
             for slot in slots:
                 if slot.is_tied_copy or (ep_rank > 0 and not slot.rule.per_expert):
                     continue
-                for name, tensor in split_mcore_to_hf(slot, cfg, [shard[slot.local_name] for shard in shards]):
-                    yield name, strip_vocab_padding(slot.rule, tensor, cfg.vocab_size)
+                for name, tensor in split_mcore_to_hf(slot, hf_config, [shard[slot.local_name] for shard in shards]):
+                    yield name, strip_vocab_padding(slot.rule, tensor, hf_config.vocab_size)
             del shards
 
 
-def _check_shard(shard: dict, slots, cfg, manifest: Manifest, where: str) -> None:
+def _check_shard(shard: dict, slots, hf_config, manifest: Manifest, where: str) -> None:
     """Refuse a shard whose tensors are not those the manifest's config and layout imply (a manifest that
     disagrees with the files would otherwise export tensors of the wrong size)."""
-    expected = {slot.local_name: mcore_shard_shape(slot, cfg, manifest.tp, manifest.padded_vocab_size)
+    expected = {slot.local_name: mcore_shard_shape(slot, hf_config, manifest.tp, manifest.padded_vocab_size)
                 for slot in slots}
     for name, shape in expected.items():
         if name not in shard:

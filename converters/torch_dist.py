@@ -16,7 +16,7 @@ from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.checkpoint.torch_dist import DIST_DIR
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import build_gpt_model, transformer_config
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
 
@@ -31,13 +31,13 @@ def _write_rank(hf_dir: Path, root: Path) -> None:
     from megatron.core import dist_checkpointing
 
     manifest = Manifest.read(root)
-    cfg = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(cfg, manifest.family_spec, root)
+    hf_config = HFModelConfig.from_dict(manifest.hf_config)
+    family = family_for(hf_config, manifest.family_spec, root)
     layout = init_parallel(manifest.tp, manifest.pp, manifest.ep)
-    config = transformer_config(cfg, family, tp=layout.tp, pp=layout.pp, ep=layout.ep, dtype=manifest.dtype)
-    model = build_gpt_model(cfg, family, config, padded_vocab=manifest.padded_vocab_size,
+    config = transformer_config(hf_config, family, tp=layout.tp, pp=layout.pp, ep=layout.ep, dtype=manifest.dtype)
+    model = build_gpt_model(hf_config, family, config, padded_vocab=manifest.padded_vocab_size,
                             pre_process=layout.is_first_stage, post_process=layout.is_last_stage)
-    state_dict = hf_rank_state_dict(SafetensorsReader(hf_dir), cfg, family, manifest, layout.tp_rank,
+    state_dict = hf_rank_state_dict(SafetensorsReader(hf_dir), hf_config, family, manifest, layout.tp_rank,
                                     layout.pp_rank, layout.ep_rank)
     load_canonical_state_dict(model, state_dict, f"the converted shard of rank {layout.rank}")
     out = root / DIST_DIR

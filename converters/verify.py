@@ -22,7 +22,7 @@ from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.models.builder import DTYPES
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import HFModelConfig, load_hf_model_config
-from verl_mega.parallel.launch import in_distributed_job, run_torchrun
+from verl_mega.parallel.spawn import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
@@ -78,14 +78,14 @@ def check_pair(hf_dir: str | Path, ckpt_dir: str | Path, family_spec: str | None
     raw = HFModelConfig.read_raw(hf_dir) if manifest.family_spec else None
     raw_type = raw.get("model_type") if isinstance(raw, dict) else None
     mirrored = manifest.family_spec is not None and raw_type != stored.model_type
-    cfg, family = load_hf_model_config(hf_dir, None if mirrored else manifest.family_spec)
-    check_hf_tensors(SafetensorsReader(hf_dir), cfg, family)
+    hf_config, family = load_hf_model_config(hf_dir, None if mirrored else manifest.family_spec)
+    check_hf_tensors(SafetensorsReader(hf_dir), hf_config, family)
     if manifest.role != "actor":
         raise ValueError(f"{ckpt_dir} holds the {manifest.role}'s weights; logit parity needs an actor checkpoint")
     for field in ("model_type",) * (not mirrored) + ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                   "ffn_hidden_size", "vocab_size", "tie_word_embeddings"):
-        if getattr(cfg, field) != getattr(stored, field):
-            raise ValueError(f"{hf_dir} and {ckpt_dir} are different models: {field} is {getattr(cfg, field)} "
+        if getattr(hf_config, field) != getattr(stored, field):
+            raise ValueError(f"{hf_dir} and {ckpt_dir} are different models: {field} is {getattr(hf_config, field)} "
                              f"in the HF config and {getattr(stored, field)} in the checkpoint")
 
 
@@ -95,10 +95,10 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec=None, res
     results = []
     for hf_dir, ckpt_dir in pairs:
         layout = init_parallel(tp, pp, ep)
-        model, manifest, cfg, family = build_model_from_checkpoint(ckpt_dir, family_spec=family_spec)
+        model, manifest, hf_config, family = build_model_from_checkpoint(ckpt_dir, family_spec=family_spec)
         model.eval()
         generator = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)
+        tokens = torch.randint(0, hf_config.vocab_size, (batch, seq_len), generator=generator)
         positions = torch.arange(seq_len).expand(batch, seq_len)
         model_device = next(model.parameters()).device
 
@@ -107,7 +107,8 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec=None, res
             return stage_model(*(tensor.to(model_device) for tensor in inputs), None)
 
         def collect(output, micro_batch):
-            return tensor_parallel.gather_from_tensor_model_parallel_region(output)[..., : cfg.vocab_size].float().cpu()
+            gathered = tensor_parallel.gather_from_tensor_model_parallel_region(output)
+            return gathered[..., : hf_config.vocab_size].float().cpu()
 
         outputs = forward_only_outputs(model, [{"input_ids": tokens, "position_ids": positions}], step, collect)
         parity = None
@@ -115,15 +116,15 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec=None, res
             reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[manifest.dtype])
             with torch.no_grad():
                 parity = logit_parity(outputs[0], reference(tokens).logits.float(), manifest.dtype,
-                                      num_layers=cfg.num_layers, moe=family.moe,
-                                      reduction_length=max(cfg.hidden_size, cfg.ffn_hidden_size))
+                                      num_layers=hf_config.num_layers, moe=family.moe,
+                                      reduction_length=max(hf_config.hidden_size, hf_config.ffn_hidden_size))
         # Every rank learns the last stage's figures.
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, parity)
         parity = next(figures for figures in gathered if figures is not None)
         results.append(parity)
         if layout.rank == 0:
-            print(f"logit parity {cfg.model_type} {ckpt_dir} at tp={tp} pp={pp} ep={ep}, {parity.describe()}",
+            print(f"logit parity {hf_config.model_type} {ckpt_dir} at tp={tp} pp={pp} ep={ep}, {parity.describe()}",
                   flush=True)
         del model
     if result_file and torch.distributed.get_rank() == 0:

@@ -1,5 +1,5 @@
 // verl_mega._kernels: Python bindings of the CPU kernels (signatures shared with verl_mega._kernels_cuda,
-// RMSNorm's excepted, and with the reference in verl_mega/ops/reference.py).
+// RMSNorm's excepted, and with the reference in verl_mega/ops/fallback.py).
 #include <torch/csrc/utils/pybind.h>
 
 #include "cpu_kernels.h"

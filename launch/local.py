@@ -5,7 +5,7 @@ import argparse
 import subprocess
 import sys
 
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 
 from .payload import add_payload_arguments, check_trainer_config, parse_env, payload_from_args, split_passthrough
 

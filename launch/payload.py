@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verl_mega.config import JOBS, load_config
-from verl_mega.trainer.validation import validate
+from verl_mega.trainer.preflight import preflight_check
 
 TRAINER_MODULE = "verl_mega.trainer.main"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -62,11 +62,11 @@ def payload_from_args(args: argparse.Namespace, passthrough: list[str]) -> Paylo
 
 
 def check_trainer_config(args: argparse.Namespace, passthrough: list[str], world_size: int) -> None:
-    """For the trainer: the validation it runs itself at start-up, here and now with the job's world size, so a
+    """For the trainer: the pre-flight check it runs itself at start-up, here and now with the job's world size, so a
     bad config is refused before anything is queued or started. Raises ConfigError (a ValueError)."""
     if args.module != TRAINER_MODULE or args.config is None:
         return
-    validate(load_config(args.config, [*args.overrides, *passthrough]), world_size)
+    preflight_check(load_config(args.config, [*args.overrides, *passthrough]), world_size)
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

@@ -61,7 +61,8 @@ def check_transition(engine: HybridEngine, reader, hf_dir: str, cfg, family, pad
             f"{label} rank {layout.rank}: '{name}' differs (shape {tuple(got.shape)} vs {tuple(want.shape)})")
     check_feed_describes_stream(engine, received, reader, cfg, family, label)
     figures = plan(hf_dir, layout.tp, layout.pp, layout.dp, engine.rollout_tp, ep=layout.ep).ranks[layout.rank]
-    coords = (figures.tp_rank, figures.pp_rank, figures.dp_rank, figures.ep_rank, figures.rollout_tp_rank)
+    at = figures.coordinates
+    coords = (at.tp_rank, at.pp_rank, at.dp_rank, at.ep_rank, figures.rollout_tp_rank)
     assert coords == (layout.tp_rank, layout.pp_rank, layout.dp_rank, layout.ep_rank, engine.rollout_tp_rank), (
         f"{label}: planner places rank {layout.rank} at {coords}")
     held = sum(t.numel() * t.element_size() for t in received.values())

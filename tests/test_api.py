@@ -20,7 +20,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.data.synthetic import make_task_rows
 from verl_mega.data.tables import read_rows, write_dataset_folder
 from verl_mega.roles.reward import reward_fn_provenance
-from verl_mega.trainer.validation import validate
+from verl_mega.trainer.preflight import preflight_check
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "python_api.py"
@@ -89,7 +89,7 @@ def test_trainer_refuses_bad_arguments_naming_them(kwargs, message):
 def test_a_reward_function_is_refused_for_jobs_without_rewards():
     trainer = vm.Trainer(algorithm="sft", actor="m", train_data="x.jsonl")
     with pytest.raises(ConfigError, match="reward_fn: the sft job learns from its data"):
-        validate(trainer.config, world_size=1, check_files=False, reward_fn=score_by_length)
+        preflight_check(trainer.config, world_size=1, check_files=False, reward_fn=score_by_length)
 
 
 def test_reward_provenance_names_registered_functions_and_hashes_the_source_of_others():

@@ -13,7 +13,7 @@ import pytest
 from verl_mega.run import mirror
 from verl_mega.run.folder import RunFolder
 from verl_mega.config.errors import UserError
-from verl_mega.parallel.launch import free_port
+from verl_mega.parallel.spawn import free_port
 
 from test_resume import records, setup, train_command  # noqa: F401  (setup is a fixture)
 

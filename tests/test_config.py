@@ -4,7 +4,7 @@ import json
 import pytest
 
 from verl_mega.config import ConfigError, load_config, to_yaml
-from verl_mega.trainer.validation import validate
+from verl_mega.trainer.preflight import preflight_check
 from verl_mega.trainer.main import main as train_main
 
 
@@ -26,7 +26,7 @@ def test_yaml_and_overrides_merge_onto_defaults(tmp_path, tiny_models, prompt_fi
     yaml.write_text("actor:\n  optim: {lr: 0.5}\n  ppo_epochs: 3\nparallel: {tp: 2}\n")
     config = load_config(yaml, good_overrides(tiny_models, prompt_file) + ["actor.optim.lr=0.25"])
     assert config.actor.optim.lr == 0.25 and config.actor.ppo_epochs == 3 and config.critic.optim.lr == 1e-5
-    validate(config, world_size=4)
+    preflight_check(config, world_size=4)
     (tmp_path / "resolved.yaml").write_text(to_yaml(config))
     assert load_config(tmp_path / "resolved.yaml") == config
 
@@ -60,10 +60,10 @@ def test_missing_required_key_is_named():
      "is not an S3 bucket name"),
     ("trainer.checkpoint_mirror_wait_s=-1", 4, "trainer.checkpoint_mirror_wait_s must be >= 0"),
 ])
-def test_validation_names_the_key(tiny_models, prompt_file, override, world, message):
+def test_preflight_check_names_the_key(tiny_models, prompt_file, override, world, message):
     config = load_config(None, good_overrides(tiny_models, prompt_file) + [override])
     with pytest.raises(ConfigError) as err:
-        validate(config, world_size=world)
+        preflight_check(config, world_size=world)
     assert message in str(err.value)
 
 
@@ -76,12 +76,22 @@ def test_bad_dataset_is_refused_before_training(tiny_models, tmp_path, prompt_fi
                           (tmp_path / "absent.jsonl", "data file not found")):
         overrides = good_overrides(tiny_models, prompt_file) + [f"data.train_files=[{path}]"]
         with pytest.raises(ConfigError, match=f"data.train_files: {message}"):
-            validate(load_config(None, overrides), world_size=4)
+            preflight_check(load_config(None, overrides), world_size=4)
 
 
+# A world of 4 as torchrun describes it, and as Slurm does for tasks that `srun` starts without torchrun: the
+# pre-flight check sizes the config by the world that `init_parallel` would build.
+@pytest.mark.parametrize("world", [
+    {"WORLD_SIZE": "4"},
+    {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4", "SLURM_NODELIST": "gpu[01-02]",
+     "SLURM_JOB_ID": "7"},
+], ids=["torchrun", "srun"])
 def test_train_command_exits_2_with_the_problem_before_any_process_group(tiny_models, prompt_file, capsys,
-                                                                           monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
+                                                                           monkeypatch, world):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in world.items():
+        monkeypatch.setenv(name, value)
     code = train_main(good_overrides(tiny_models, prompt_file) + ["actor.micro_batch_size=3"])
     assert code == 2
     assert "actor.mini_batch_size=4 must be divisible by data-parallel size 2 x actor.micro_batch_size=3" in \
@@ -98,7 +108,7 @@ def test_train_command_exits_2_with_the_problem_before_any_process_group(tiny_mo
 def test_reward_function_is_checked(tiny_models, prompt_file, function, message):
     config = load_config(None, good_overrides(tiny_models, prompt_file) + [f"reward.function={function}"])
     with pytest.raises(ConfigError, match=message):
-        validate(config, world_size=4)
+        preflight_check(config, world_size=4)
 
 
 def test_invalid_yaml_is_refused_with_the_file_named(tmp_path):

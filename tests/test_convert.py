@@ -249,7 +249,7 @@ def test_layout_mismatch_on_load_is_refused(tiny_models, tmp_path):
     import subprocess
     import sys
 
-    from verl_mega.parallel.launch import free_port
+    from verl_mega.parallel.spawn import free_port
 
     convert_hf_to_mcore(tiny_models["llama"], tmp_path / "ckpt", tp=2, pp=1)
     run = subprocess.run(

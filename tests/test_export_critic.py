@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 
 TP, PP = 2, 2
 FAMILIES = {"qwen2": "Qwen2ForTokenClassification", "llama": "LlamaForTokenClassification"}

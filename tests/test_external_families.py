@@ -191,7 +191,7 @@ def test_non_decoders_are_refused_whatever_the_spec_says(internlm2_dir, tmp_path
 
 def test_training_config_names_the_family_spec_key(internlm2_dir, tmp_path):
     from verl_mega.config import ConfigError, load_config
-    from verl_mega.trainer.validation import validate
+    from verl_mega.trainer.preflight import preflight_check
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "copy: 1", "reward_model": {"ground_truth": "1"}}) + "\n")
@@ -199,4 +199,4 @@ def test_training_config_names_the_family_spec_key(internlm2_dir, tmp_path):
                                 "model.family_spec=moved_away:SPEC", "data.batch_size=2", "actor.mini_batch_size=2",
                                 "critic.mini_batch_size=2"])
     with pytest.raises(ConfigError, match="model.family_spec: family spec 'moved_away:SPEC' cannot be imported"):
-        validate(config, world_size=1)
+        preflight_check(config, world_size=1)

@@ -12,7 +12,7 @@ from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
 from verl_mega.models import HFModelConfig
 from verl_mega.models.families import gemma2
 from verl_mega.models.tiny import make_tiny_hf_model
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 
 from .faults.convert_tools import assert_wrong_shape_refused
 from .test_layout_invariance import ACTOR_METRICS, LOGPROB_ATOL, REL_TOL, rel_diff

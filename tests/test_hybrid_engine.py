@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 
 FAMILIES = ("llama", "qwen2", "mixtral")
 MOE_FAMILIES = ("mixtral", "qwen2_moe")

@@ -11,7 +11,7 @@ The layering, written down once: a package may import its own modules and packag
                                         the mirror, provenance, the lock; above roles because the provenance
                                         record names the reward function (roles.reward)
     6  converters                       HF <-> Megatron conversion, parity check, export of a run's weights
-    7  trainer                          the job loops and their validation
+    7  trainer                          the job loops and their pre-flight check
     8  launch                           torchrun / Slurm launchers
     9  cli, api                         the command line; the Python API (`verl_mega.Trainer`, `load_policy`)
     10 demo                             `make demo`, through the command line

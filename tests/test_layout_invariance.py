@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from verl_mega.converters.parity import ROUNDING_SITES
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 
 pytestmark = pytest.mark.slow
 

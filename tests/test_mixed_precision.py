@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 from verl_mega.run import checkpoints as run_checkpoints
 
 from .test_resume import records, run, setup, train_command  # noqa: F401  (setup is a fixture)
@@ -125,11 +125,11 @@ def _finite(value) -> bool:
 ])
 def test_impossible_dtype_settings_are_refused_before_start_up(overrides, message):
     from verl_mega.config import ConfigError, load_config
-    from verl_mega.trainer.validation import validate
+    from verl_mega.trainer.preflight import preflight_check
 
     config = load_config(None, ["model.hf_path=unused", *overrides])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate(config, world_size=1, check_files=False)
+        preflight_check(config, world_size=1, check_files=False)
 
 
 @pytest.mark.parametrize("engine, dtype, model_dtype, expected", [
@@ -147,10 +147,10 @@ def test_a_library_error_is_a_bug_with_a_traceback_and_ours_a_user_error():
     Only UserError becomes a one-line exit 2 (trainer.main); a library's ValueError is not one."""
     from verl_mega.config import load_config
     from verl_mega.config.errors import UserError
-    from verl_mega.trainer.validation import validate
+    from verl_mega.trainer.preflight import preflight_check
 
     with pytest.raises(ValueError) as library:
         json.loads("{")
     assert not isinstance(library.value, UserError)
     with pytest.raises(UserError):
-        validate(load_config(None, ["model.hf_path=unused", "model.dtype=fp8"]), world_size=1, check_files=False)
+        preflight_check(load_config(None, ["model.hf_path=unused", "model.dtype=fp8"]), world_size=1, check_files=False)

@@ -71,11 +71,11 @@ def test_plot_of_a_missing_or_corrupt_metrics_file_is_one_line_exit_2(tmp_path, 
     assert not (tmp_path / "metrics.png").exists()
 
 
-def test_observability_keys_are_validated_naming_the_key(tiny_models, tmp_path):
+def test_observability_keys_are_checked_naming_the_key(tiny_models, tmp_path):
     from verl_mega.config import ConfigError, load_config
     from verl_mega.data.synthetic import make_task_rows
     from verl_mega.data.tables import write_rows
-    from verl_mega.trainer.validation import validate
+    from verl_mega.trainer.preflight import preflight_check
 
     train = write_rows(make_task_rows("copy", 8), tmp_path / "train.jsonl")
     val = write_rows([{"question": "no prompt column"}], tmp_path / "val.jsonl")
@@ -84,7 +84,7 @@ def test_observability_keys_are_validated_naming_the_key(tiny_models, tmp_path):
                                 "trainer.profile_steps=[0,2,5]", "trainer.profile_ranks=[0,2]",
                                 "trainer.log_samples_every=-1", "trainer.log_samples=0", "trainer.val_every=-2"])
     with pytest.raises(ConfigError) as err:
-        validate(config, world_size=2)
+        preflight_check(config, world_size=2)
     for expected in ("trainer.log_format 'yaml' is unknown; known: text, json",
                      "trainer.profile_steps [0, 5]: steps count from 1 to trainer.total_steps=4",
                      "trainer.profile_ranks [2]: ranks are 0..1 in a world of 2",
@@ -95,7 +95,7 @@ def test_observability_keys_are_validated_naming_the_key(tiny_models, tmp_path):
     config.job = "sft"
     config.trainer.log_samples_every = 2
     with pytest.raises(ConfigError, match="trainer.log_samples_every=2: job sft generates no samples to log"):
-        validate(config, world_size=2, check_files=False)
+        preflight_check(config, world_size=2, check_files=False)
 
 
 @pytest.mark.slow
@@ -106,7 +106,7 @@ def test_short_ppo_run_validates_logs_samples_profiles_and_prints_json(tmp_path)
     from verl_mega.data.synthetic import make_task_rows
     from verl_mega.data.tables import write_rows
     from verl_mega.models.tiny import make_tiny_hf_model
-    from verl_mega.parallel.launch import run_torchrun
+    from verl_mega.parallel.spawn import run_torchrun
     from verl_mega.run.folder import RunFolder
     from verl_mega.trainer.plot import plot_run
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from offline_roles_worker import case_name
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 
 from .test_layout_invariance import BF16_AGGREGATE_TOL, REL_TOL, bf16_weight_tol, rel_diff
 

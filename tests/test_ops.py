@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from verl_mega.ops import _backend, gae, reference, token_logprobs
+from verl_mega.ops import _backend, gae, fallback, token_logprobs
 
 FP32_RTOL = 1e-6
 # Rows shaped to hit the vector body only, the scalar tail only, both, and a single column.
@@ -27,10 +27,10 @@ def compiled_for(device):
     return importlib.import_module(_backend.COMPILED_MODULES[device.type])
 
 
-@pytest.fixture(params=["compiled", "reference"])
+@pytest.fixture(params=["compiled", "fallback"])
 def backend(request, monkeypatch):
     """Runs a test through the compiled kernels and again through the forced PyTorch fallback."""
-    if request.param == "reference":
+    if request.param == "fallback":
         monkeypatch.setenv(_backend.DISABLE_ENV_VAR, "1")
     else:
         monkeypatch.delenv(_backend.DISABLE_ENV_VAR, raising=False)
@@ -81,12 +81,12 @@ def test_partials_match_reference(device, rows, vocab, dtype, vocab_start, misal
     labels = random_labels(rows, vocab=vocab + 6, device=device)
     for with_entropy in (False, True):
         got = compiled_for(device).logprob_partials(logits, labels, vocab_start, with_entropy)
-        want = reference.logprob_partials(logits, labels, vocab_start, with_entropy)
+        want = fallback.logprob_partials(logits, labels, vocab_start, with_entropy)
         for name, g, w in zip(["row_max", "sum_exp", "label_logit", "shifted_sum"], got, want):
             if w is None:
                 assert g is None
                 continue
-            assert g.dtype == w.dtype == reference.accumulation_dtype(dtype), name
+            assert g.dtype == w.dtype == fallback.accumulation_dtype(dtype), name
             assert_relative_close(g, w)
 
 
@@ -96,8 +96,8 @@ def test_partials_match_reference(device, rows, vocab, dtype, vocab_start, misal
 def test_backward_matches_reference(device, rows, vocab, dtype, gradients):
     logits = random_logits(rows, vocab, dtype=dtype, device=device, misaligned=vocab % 2 == 1)
     labels = random_labels(rows, vocab=vocab + 6, device=device)
-    acc = reference.accumulation_dtype(dtype)
-    row_max, sum_exp, _, shifted_sum = reference.logprob_partials(logits, labels, 3, True)
+    acc = fallback.accumulation_dtype(dtype)
+    row_max, sum_exp, _, shifted_sum = fallback.logprob_partials(logits, labels, 3, True)
     per_row = torch.Generator().manual_seed(4)
     inputs = dict(
         log_normalizer=row_max + sum_exp.log(),
@@ -106,7 +106,7 @@ def test_backward_matches_reference(device, rows, vocab, dtype, gradients):
         grad_entropy=torch.randn(rows, generator=per_row).to(device, acc) if "entropy" in gradients else None,
     )
     got = compiled_for(device).logprob_backward(logits, labels, 3, **inputs)
-    want = reference.logprob_backward(logits, labels, 3, **inputs)
+    want = fallback.logprob_backward(logits, labels, 3, **inputs)
     assert got.dtype == want.dtype == dtype
     if dtype in (torch.bfloat16, torch.float16):  # one rounding of each gradient to 16 bits
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5)
@@ -136,7 +136,7 @@ def test_strided_inputs(backend):
     rewards, values = random_logits(6, 9).t(), random_logits(6, 9, seed=3).t()
     mask = random_mask(6, 9, "multi_turn").t()
     advantages, _ = gae(rewards, values, mask, 0.9, 0.8)
-    assert_relative_close(advantages, reference.gae(rewards, values, mask, 0.9, 0.8)[0])
+    assert_relative_close(advantages, fallback.gae(rewards, values, mask, 0.9, 0.8)[0])
 
 
 def test_kernel_equals_fallback_fp32(monkeypatch):
@@ -244,9 +244,9 @@ def test_gae_kernel_matches_reference(device, batch, steps, kind, dtype):
     values = random_logits(batch, steps, dtype=dtype, seed=3, device=device)
     mask = random_mask(batch, steps, kind).to(device)
     got = compiled_for(device).gae(rewards, values, mask, 0.99, 0.95)
-    want = reference.gae(rewards, values, mask, 0.99, 0.95)
+    want = fallback.gae(rewards, values, mask, 0.99, 0.95)
     for g, w in zip(got, want):
-        assert g.dtype == w.dtype == reference.accumulation_dtype(dtype)
+        assert g.dtype == w.dtype == fallback.accumulation_dtype(dtype)
         assert_relative_close(g, w)
 
 
@@ -276,7 +276,7 @@ def test_cpu_kernels_same_bits_on_any_thread_count():
     """Work goes to helper threads only while a core is idle (the kernels read the machine's load), so the
     two-thread calls repeat until at least one has likely split; each must match one thread bit for bit."""
     one_thread = kernel_outputs(compiled_for(torch.device("cpu")), 1)
-    for got, want in zip(one_thread, kernel_outputs(reference, 1), strict=True):
+    for got, want in zip(one_thread, kernel_outputs(fallback, 1), strict=True):
         assert_relative_close(got, want)
     for _ in range(5):
         for got, want in zip(kernel_outputs(compiled_for(torch.device("cpu")), 2), one_thread, strict=True):
@@ -306,7 +306,7 @@ def test_gae_skips_masked_tokens(backend, kind):
     torch.testing.assert_close(returns, advantages + values)
     for row in range(6):
         kept = mask[row]
-        compact = reference.gae(rewards[row, kept][None], values[row, kept][None], kept[kept][None], 1.0, 0.9)[0]
+        compact = fallback.gae(rewards[row, kept][None], values[row, kept][None], kept[kept][None], 1.0, 0.9)[0]
         assert_relative_close(advantages[row, kept], compact[0])
 
 
@@ -316,7 +316,7 @@ def test_gae_skips_masked_tokens(backend, kind):
 def test_env_var_forces_reference(monkeypatch):
     assert _backend.kernels_for(torch.device("cpu")) is compiled_for(torch.device("cpu"))
     monkeypatch.setenv(_backend.DISABLE_ENV_VAR, "1")
-    assert _backend.kernels_for(torch.device("cpu")) is reference
+    assert _backend.kernels_for(torch.device("cpu")) is fallback
 
 
 def test_missing_extension_warns_once(monkeypatch):
@@ -329,7 +329,7 @@ def test_missing_extension_warns_once(monkeypatch):
                 token_logprobs(random_logits(2, 5), random_labels(2, vocab=5))
                 gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), 1.0, 1.0)
         assert len([w for w in caught if "verl_mega._no_such_kernels" in str(w.message)]) == 1
-        assert _backend.kernels_for(torch.device("cpu")) is reference
+        assert _backend.kernels_for(torch.device("cpu")) is fallback
     finally:
         _backend._import_compiled.cache_clear()
 

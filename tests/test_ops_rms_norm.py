@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verl_mega.ops import FusedRMSNorm, reference, rms_norm
+from verl_mega.ops import FusedRMSNorm, fallback, rms_norm
 
 from .test_ops import assert_relative_close, backend  # noqa: F401  (backend is a fixture)
 
@@ -30,12 +30,12 @@ def test_kernel_matches_reference(rows, hidden, dtype):
     kernels = importlib.import_module("verl_mega._kernels")
     x, weight, grad = rows_and_weight(rows, hidden, dtype)
     y, rstd = kernels.rms_norm_forward(x, weight, 1e-6)
-    want_y, want_rstd = reference.rms_norm_forward(x, weight, 1e-6)
+    want_y, want_rstd = fallback.rms_norm_forward(x, weight, 1e-6)
     assert y.dtype == dtype and rstd.dtype == want_rstd.dtype
     assert_relative_close(rstd, want_rstd, RTOL[torch.float32] if dtype != torch.float64 else RTOL[dtype])
     assert_relative_close(y, want_y, RTOL[dtype])
     grad_x, grad_weight = kernels.rms_norm_backward(grad, x, weight, rstd)
-    want_grad_x, want_grad_weight = reference.rms_norm_backward(grad, x, weight, want_rstd)
+    want_grad_x, want_grad_weight = fallback.rms_norm_backward(grad, x, weight, want_rstd)
     assert grad_x.dtype == dtype and grad_weight.dtype == dtype
     # grad_x is a difference of terms of size |g w| rstd that can cancel to ~0 (always, at hidden = 1): its
     # rounding error is relative to those terms, not to the result.

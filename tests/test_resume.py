@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from verl_mega.parallel.launch import free_port
+from verl_mega.parallel.spawn import free_port
 from verl_mega.run import checkpoints as run_checkpoints
 
 NOT_COMPARED = ("timing/", "perf/", "val/seconds")  # wall-clock figures

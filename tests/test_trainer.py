@@ -65,7 +65,7 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(exported).config.tie_word_embeddings is True
     # The trained actor regrouped by the HybridEngine into the embedded rollout engine streams exactly the
     # exported tensors, and generates greedily what transformers generates from the exported folder.
-    from verl_mega.parallel.launch import run_torchrun
+    from verl_mega.parallel.spawn import run_torchrun
 
     run_torchrun(1, "tests.hybrid_worker", ["--tp", "1", "--pp", "1", "--case",
                                             f"qwen2,{exported},{run_dir / 'final_actor'},1", "--greedy",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 
 SAVE_LAYOUT = (2, 2)
 OTHER_LAYOUTS = [(2, 1), (1, 2)]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from verl_mega.config import TrainConfig
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 from verl_mega.trainer.ppo import needs_reference
 
 # The two runs compute the same sums in other orders and with other matrix shapes (other blockings). In fp32

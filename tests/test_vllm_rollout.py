@@ -8,10 +8,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
+from verl_mega.parallel.world import TORCHRUN_VARIABLES
+
+REPO = Path(__file__).resolve().parent.parent
 
 # vLLM's CPU attention takes head_dim 32, 64, ... (the shared tiny models have 16): 128 / 4 heads.
 VLLM_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -50,6 +56,15 @@ def qwen2(tmp_path_factory):
 @pytest.mark.slow
 def test_greedy_equals_transformers_and_the_embedded_engine(qwen2):
     run_torchrun(1, "tests.vllm_worker", ["parity", "--ckpt", str(qwen2 / "tp1"), "--hf", str(qwen2 / "hf")])
+
+
+@pytest.mark.slow
+def test_a_plain_process_builds_vllm_after_init_parallel(qwen2):
+    """One process without torchrun (the image's train.sh default, a script): vLLM's external launcher reads
+    RANK and LOCAL_RANK, which `init_parallel` exports; the engine then generates as under torchrun."""
+    plain = {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
+    subprocess.run([sys.executable, "-m", "tests.vllm_worker", "parity", "--ckpt", str(qwen2 / "tp1"),
+                    "--hf", str(qwen2 / "hf")], check=True, cwd=REPO, env={**plain, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ from verl_mega.data.prompts import as_messages, encode_chat
 from verl_mega.data.synthetic import make_task_rows, preference_pairs, sft_conversations, sft_pairs
 from verl_mega.data.tables import write_rows
 from verl_mega.models.tiny import make_tiny_hf_model
-from verl_mega.parallel.launch import run_torchrun
+from verl_mega.parallel.spawn import run_torchrun
 from verl_mega.roles.reward import get_reward_fn
 from verl_mega.run.folder import RunFolder
 from verl_mega.trainer.plot import read_metrics

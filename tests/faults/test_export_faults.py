@@ -226,7 +226,7 @@ def trained_run(tmp_path_factory):
     from verl_mega.data.tables import write_rows
     from verl_mega.demo import EXAMPLES
     from verl_mega.models.tiny import make_tiny_hf_model
-    from verl_mega.parallel.launch import free_port
+    from verl_mega.parallel.spawn import free_port
 
     root = tmp_path_factory.mktemp("trained")
     hf = make_tiny_hf_model(root / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)

@@ -1,4 +1,4 @@
-"""Faults at launch: Slurm time limits read as Slurm reads them, the run's config validated before anything is
+"""Faults at launch: Slurm time limits read as Slurm reads them, the run's config checked before anything is
 submitted or started, a failed sbatch leaves nothing behind, a failed rank's exit code and message come out of
 `launch local`, and ranks die with a killed launcher."""
 import json
@@ -68,7 +68,7 @@ def test_an_unlimited_job_keeps_its_warning_signal(capsys, tmp_path):
     assert "#SBATCH --time=UNLIMITED\n" in script and "#SBATCH --signal=B:USR1@300\n" in script
 
 
-# --- the run's config, validated before submitting or starting ------------------------------------------------
+# --- the run's config, checked before submitting or starting ------------------------------------------------
 
 @pytest.mark.parametrize("overrides, words", [
     (["rollout.n=0"], "rollout.n must be >= 1, got 0"),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from verl_mega.config.errors import UserError
-from verl_mega.parallel.launch import free_port
+from verl_mega.parallel.spawn import free_port
 from verl_mega.run import checkpoints as run_checkpoints
 from verl_mega.run.folder import RunFolder
 from verl_mega.run.lock import RunFolderLock, ownership_problem
@@ -61,7 +61,7 @@ def tiny_run(inputs, run_dir, data=None) -> list[str]:
 
 
 def refused_in_process(capsys, inputs, tmp_path, overrides, data=None) -> str:
-    """Runs `verl-mega train` in this process where validation must refuse it; returns stderr."""
+    """Runs `verl-mega train` in this process where the pre-flight check must refuse it; returns stderr."""
     run_dir = tmp_path / "run"
     before = snapshot(inputs["hf"], inputs["config"], data or inputs["data"])
     code = trainer_main.main(["--config", str(inputs["config"]), *tiny_run(inputs, run_dir, data), *overrides])

@@ -86,14 +86,14 @@ def _checked_fields(data, ckpt_dir: Path) -> dict[str, Any]:
     if data.get("iteration", 0) < 0:
         raise ValueError(f"key 'iteration' must be >= 0, got {data['iteration']}")
     try:
-        cfg = HFModelConfig.from_dict(data["hf_config"])
-        family = family_for(cfg, data.get("family_spec"), ckpt_dir)
+        hf_config = HFModelConfig.from_dict(data["hf_config"])
+        family = family_for(hf_config, data.get("family_spec"), ckpt_dir)
     except ValueError as err:
         raise ValueError(f"key 'hf_config': {str(err).removeprefix('config.json: ')}") from None
     if data["family"] != family.name:
         raise ValueError(f"key 'family' says {data['family']!r} but hf_config is a {family.name} model")
-    if data["padded_vocab_size"] < cfg.vocab_size or data["padded_vocab_size"] % data["tp"]:
+    if data["padded_vocab_size"] < hf_config.vocab_size or data["padded_vocab_size"] % data["tp"]:
         raise ValueError(f"key 'padded_vocab_size' {data['padded_vocab_size']} must be >= the vocabulary "
-                         f"({cfg.vocab_size}) and a multiple of tp={data['tp']}")
+                         f"({hf_config.vocab_size}) and a multiple of tp={data['tp']}")
     return data
 

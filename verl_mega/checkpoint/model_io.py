@@ -18,28 +18,29 @@ from .manifest import Manifest
 from .torch_dist import load_torch_dist
 
 
-def hf_rank_state_dict(reader, cfg, family, manifest: Manifest, tp_rank: int, pp_rank: int, ep_rank: int) -> dict:
+def hf_rank_state_dict(reader, hf_config, family, manifest: Manifest, tp_rank: int, pp_rank: int, ep_rank: int) -> dict:
     """One rank's megatron state dict (local layer/expert numbering, canonical names), read from only its
     slices of the HF tensors in `reader`."""
     dtype = DTYPES[manifest.dtype]
     return {
-        slot.local_name: merge_hf_to_mcore(slot, cfg, reader, tp_rank, manifest.tp, manifest.padded_vocab_size)
+        slot.local_name: merge_hf_to_mcore(slot, hf_config, reader, tp_rank, manifest.tp, manifest.padded_vocab_size)
         .to(dtype).contiguous()
-        for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep)
+        for slot in rank_slots(hf_config, family, pp_rank, manifest.pp, ep_rank, manifest.ep)
     }
 
 
-def hf_rank_shard_plan(reader, cfg, family, manifest: Manifest, tp_rank: int, pp_rank: int,
+def hf_rank_shard_plan(reader, hf_config, family, manifest: Manifest, tp_rank: int, pp_rank: int,
                        ep_rank: int) -> tuple[dict, dict]:
     """`hf_rank_state_dict` for writing (see `megatron_legacy.write_shard`'s `streamed`): tensors whose shard is
     HF row ranges already in the target dtype are placeholders, their bytes copied from the HF files when the
     shard is written; the others (fused HF tensors, a dtype cast) are built here, each owning its storage."""
     dtype = DTYPES[manifest.dtype]
     state_dict, streamed = {}, {}
-    for slot in rank_slots(cfg, family, pp_rank, manifest.pp, ep_rank, manifest.ep):
-        pieces = shard_pieces(slot, cfg, reader.shape, tp_rank, manifest.tp, manifest.padded_vocab_size)
+    for slot in rank_slots(hf_config, family, pp_rank, manifest.pp, ep_rank, manifest.ep):
+        pieces = shard_pieces(slot, hf_config, reader.shape, tp_rank, manifest.tp, manifest.padded_vocab_size)
         if pieces is None or any(reader.dtype(piece.name) != dtype for piece in pieces):
-            tensor = merge_hf_to_mcore(slot, cfg, reader, tp_rank, manifest.tp, manifest.padded_vocab_size).to(dtype)
+            tensor = merge_hf_to_mcore(slot, hf_config, reader, tp_rank, manifest.tp,
+                                       manifest.padded_vocab_size).to(dtype)
             owns_storage = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
             if not (owns_storage and tensor.is_contiguous()):  # a slice of an unfused tensor
                 tensor = tensor.clone(memory_format=torch.contiguous_format)
@@ -65,19 +66,19 @@ def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "
 
     `family_spec` replaces the family spec the manifest records (e.g. after its module moved)."""
     manifest = Manifest.read(ckpt_dir, family_spec)
-    cfg = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(cfg, manifest.family_spec, ckpt_dir)
+    hf_config = HFModelConfig.from_dict(manifest.hf_config)
+    family = family_for(hf_config, manifest.family_spec, ckpt_dir)
     layout = current_layout()
-    config = transformer_config(cfg, family, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+    config = transformer_config(hf_config, family, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                                 dtype=dtype or manifest.dtype, **config_overrides)
-    model = build_gpt_model(cfg, family, config, padded_vocab=manifest.padded_vocab_size,
+    model = build_gpt_model(hf_config, family, config, padded_vocab=manifest.padded_vocab_size,
                             pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                             implementation=implementation)
     if manifest.format == "torch_dist":
         load_torch_dist(model, ckpt_dir)
     else:
         load_legacy_shard(model, ckpt_dir, manifest)
-    return model, manifest, cfg, family
+    return model, manifest, hf_config, family
 
 
 def load_legacy_shard(model, ckpt_dir: str | Path, manifest: Manifest) -> None:

@@ -1,19 +1,14 @@
 """What a checkpoint's weights are for, and how that changes its head.
 
-The actor's weights end in the family's LM head. The critic's end in the value head (`roles.critic.ValueHead`)
-in its place, replicated over TP, which is transformers' `*ForTokenClassification` head with num_labels=1
-(`score`, with bias) in every supported family; nothing of it is tied to the embedding.
+The actor's weights end in the family's LM head. The critic's end in the value head in its place
+(`models.value_head`: the module and its tensors' names on both sides).
 """
 from __future__ import annotations
 
 from verl_mega.models.spec import FamilySpec, TensorRule
+from verl_mega.models.value_head import VALUE_HEAD_RULES, value_head_architecture
 
 ROLES = ("actor", "critic")
-
-VALUE_HEAD_RULES = (
-    TensorRule("output_layer.weight", ("score.weight",)),
-    TensorRule("output_layer.bias", ("score.bias",)),
-)
 
 
 def check_role(role: str) -> str:
@@ -35,4 +30,4 @@ def hf_architecture(family: FamilySpec, role: str) -> str:
     """The transformers class an export of `role` loads as: the critic's is the token-classification one."""
     if has_lm_head(role):
         return family.hf_architecture
-    return family.hf_architecture.removesuffix("ForCausalLM") + "ForTokenClassification"
+    return value_head_architecture(family.hf_architecture)

@@ -9,7 +9,6 @@ one layout loads into a model at any other, and reads back to HF key by key with
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +17,7 @@ import torch
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.expected_shapes import mcore_shape
 from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
-from verl_mega.parallel.launch import free_port
+from verl_mega.parallel.world import single_process_world
 
 from .manifest import Manifest
 from .roles import head_rules
@@ -54,24 +53,24 @@ def _stacked_hf_tensors(path: str, manifest: Manifest) -> Iterator[tuple[str, to
     if not (Path(path) / "metadata.json").is_file() or not (Path(path) / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (metadata.json or .metadata missing)")
     metadata = dist_checkpointing.load_tensors_metadata(path)
-    cfg = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(cfg, manifest.family_spec, Path(path).parent)  # never a spec from the checkpoint
+    hf_config = HFModelConfig.from_dict(manifest.hf_config)
+    family = family_for(hf_config, manifest.family_spec, Path(path).parent)  # never a spec from the checkpoint
     current_key, stacked = None, None
-    for slot in rank_slots(cfg, family, head_rules=head_rules(manifest.role)):
+    for slot in rank_slots(hf_config, family, head_rules=head_rules(manifest.role)):
         key, index = _dist_key(slot, metadata)
         if key != current_key:
             meta = metadata[key]
             request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))}
             current_key, stacked = key, dist_checkpointing.load(request, path)[key]
         tensor = stacked[index] if index else stacked
-        _check_dist_tensor(slot, cfg, tensor, path)
-        for name, hf_tensor in split_mcore_to_hf(slot, cfg, [tensor]):
-            yield name, strip_vocab_padding(slot.rule, hf_tensor, cfg.vocab_size)
+        _check_dist_tensor(slot, hf_config, tensor, path)
+        for name, hf_tensor in split_mcore_to_hf(slot, hf_config, [tensor]):
+            yield name, strip_vocab_padding(slot.rule, hf_tensor, hf_config.vocab_size)
 
 
-def _check_dist_tensor(slot, cfg, tensor: torch.Tensor, path: str) -> None:
+def _check_dist_tensor(slot, hf_config, tensor: torch.Tensor, path: str) -> None:
     """The stored tensor has the shape the manifest's config implies (vocabulary rows: padded at save time)."""
-    expected, found = mcore_shape(slot.rule, cfg), tuple(tensor.shape)
+    expected, found = mcore_shape(slot.rule, hf_config), tuple(tensor.shape)
     fits = (found[1:] == expected[1:] and found[0] >= expected[0]) if slot.rule.vocab else found == expected
     if not fits or not tensor.is_floating_point():
         raise ValueError(f"tensor '{slot.global_name}' in {path} is {tensor.dtype} {list(found)}, the manifest's "
@@ -98,9 +97,8 @@ def _process_group():
     if torch.distributed.is_initialized():
         yield
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    world = single_process_world()
+    torch.distributed.init_process_group("gloo", init_method=world.init_method, rank=world.rank, world_size=world.size)
     try:
         yield
     finally:

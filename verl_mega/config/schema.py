@@ -1,7 +1,7 @@
 """The training config: a YAML file plus dotted overrides, merged onto typed defaults (OmegaConf).
 
 A leaf of the package: the dataclasses every role and job reads, and loading them. Checking a config against
-the rest of the package (registries, layouts, the model, the data files) is `verl_mega.trainer.validation`,
+the rest of the package (registries, layouts, the model, the data files) is `verl_mega.trainer.preflight`,
 run before any process group starts; every failure names the key and the fix."""
 from __future__ import annotations
 

@@ -23,47 +23,47 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def architecture(cfg: HFModelConfig, family: FamilySpec) -> dict:
+def architecture(hf_config: HFModelConfig, family: FamilySpec) -> dict:
     """The model's shape in megatron-core `TransformerConfig` terms: the one mapping from an HF config, used to
     build models and recorded (as Megatron-LM arguments) in converted checkpoints."""
     shape = dict(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        num_attention_heads=cfg.num_heads,
-        num_query_groups=cfg.num_kv_heads,
-        kv_channels=cfg.head_dim,
+        num_layers=hf_config.num_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.ffn_hidden_size,
+        num_attention_heads=hf_config.num_heads,
+        num_query_groups=hf_config.num_kv_heads,
+        kv_channels=hf_config.head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=cfg.norm_eps,
+        layernorm_epsilon=hf_config.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=family.has_qkv_bias(cfg),
+        add_qkv_bias=family.has_qkv_bias(hf_config),
         qk_layernorm=family.qk_norm,
     )
     if family.moe:
-        shape.update(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_top_k,
-                     moe_ffn_hidden_size=cfg.ffn_hidden_size)
-    if _mixes_dense_and_moe_layers(cfg, family):
+        shape.update(num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.moe_top_k,
+                     moe_ffn_hidden_size=hf_config.ffn_hidden_size)
+    if _mixes_dense_and_moe_layers(hf_config, family):
         # Only then: a list makes megatron key each layer apart in dist checkpoints instead of stacking them.
-        shape.update(moe_layer_freq=[int(is_moe) for is_moe in family.moe_layer_pattern(cfg)])
+        shape.update(moe_layer_freq=[int(is_moe) for is_moe in family.moe_layer_pattern(hf_config)])
     if family.transformer_overrides is not None:
-        shape.update(family.transformer_overrides(cfg))
+        shape.update(family.transformer_overrides(hf_config))
     return shape
 
 
-def _mixes_dense_and_moe_layers(cfg: HFModelConfig, family: FamilySpec) -> bool:
-    return family.moe and not all(family.moe_layer_pattern(cfg))
+def _mixes_dense_and_moe_layers(hf_config: HFModelConfig, family: FamilySpec) -> bool:
+    return family.moe and not all(family.moe_layer_pattern(hf_config))
 
 
-def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
+def transformer_config(hf_config: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
                        dtype: str = "fp32", **overrides):
     from megatron.core.transformer import TransformerConfig
 
     params_dtype = DTYPES[dtype]
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
-        architecture(cfg, family),
+        architecture(hf_config, family),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -100,7 +100,7 @@ def transformer_config(cfg: HFModelConfig, family: FamilySpec, *, tp: int = 1, p
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(family: FamilySpec, cfg: HFModelConfig, config, implementation: str = "auto"):
+def layer_spec(family: FamilySpec, hf_config: HFModelConfig, config, implementation: str = "auto"):
     """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`.
 
     One layer spec for every layer; or this pipeline stage's block of layer specs: the family's own (Gemma-2),
@@ -110,8 +110,8 @@ def layer_spec(family: FamilySpec, cfg: HFModelConfig, config, implementation: s
     if implementation == "auto":
         implementation = "te" if transformer_engine_available() else "local"
     if family.block_spec is not None:
-        return family.block_spec(cfg, config, implementation == "te")
-    if _mixes_dense_and_moe_layers(cfg, family):
+        return family.block_spec(hf_config, config, implementation == "te")
+    if _mixes_dense_and_moe_layers(hf_config, family):
         return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=implementation == "te",
                                                           normalization="RMSNorm")
     num_experts = 1 if family.moe else None  # only its truthiness selects the MoE layer
@@ -141,26 +141,26 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
-def build_gpt_model(cfg: HFModelConfig, family: FamilySpec, config, *, padded_vocab: int,
+def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, padded_vocab: int,
                     pre_process: bool = True, post_process: bool = True, implementation: str = "auto"):
     """This rank's GPTModel; RoPE frequencies are HF's, so any supported scaling matches exactly."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(family, cfg, config, implementation),
+        transformer_layer_spec=layer_spec(family, hf_config, config, implementation),
         vocab_size=padded_vocab,
-        max_sequence_length=cfg.max_position_embeddings,
+        max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=cfg.rotary_percent,
-        rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
+        rotary_percent=hf_config.rotary_percent,
+        rotary_base=int(hf_config.rope_theta) if float(hf_config.rope_theta).is_integer() else hf_config.rope_theta,
     )
-    model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(model.rotary_pos_emb.inv_freq.device)
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
     if family.finish_model is not None:
-        family.finish_model(model, cfg)
+        family.finish_model(model, hf_config)
     _fuse_rms_norm_backward(model)
     # megatron-core's local spec builds its norms with torch's default dtype (fp32) whatever params_dtype says,
     # while transformer-engine's spec and megatron's Float16Module put every parameter in the model dtype.

@@ -37,21 +37,21 @@ def _fill(template: str, layer: int | None, expert: int | None) -> str:
     return template.replace(LAYER, str(layer)).replace(EXPERT, str(expert))
 
 
-def stage_layers(cfg: HFModelConfig, pp_rank: int, pp: int) -> range:
-    per_stage = cfg.num_layers // pp
+def stage_layers(hf_config: HFModelConfig, pp_rank: int, pp: int) -> range:
+    per_stage = hf_config.num_layers // pp
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
-def rank_slots(cfg: HFModelConfig, family: FamilySpec, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0,
+def rank_slots(hf_config: HFModelConfig, family: FamilySpec, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0,
                ep: int = 1, head_rules: Sequence[TensorRule] | None = None) -> Iterator[TensorSlot]:
     """Every megatron tensor a rank at (pp_rank, ep_rank) holds, in a stable order; `head_rules` replace the
     LM head (see `FamilySpec.active_rules`)."""
-    layers = stage_layers(cfg, pp_rank, pp)
-    experts_per_rank = (cfg.num_experts or 1) // ep
+    layers = stage_layers(hf_config, pp_rank, pp)
+    experts_per_rank = (hf_config.num_experts or 1) // ep
     experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
     first, last = pp_rank == 0, pp_rank == pp - 1
-    tied_copy = pp > 1 and cfg.tie_word_embeddings and head_rules is None
-    for rule in family.active_rules(cfg, head_rules):
+    tied_copy = pp > 1 and hf_config.tie_word_embeddings and head_rules is None
+    for rule in family.active_rules(hf_config, head_rules):
         if not rule.per_layer:
             if rule.mcore.startswith("embedding."):
                 if first:
@@ -63,7 +63,7 @@ def rank_slots(cfg: HFModelConfig, family: FamilySpec, pp_rank: int = 0, pp: int
                 yield TensorSlot(rule, None, None, rule.mcore, rule.hf)
             continue
         for layer in layers:
-            if not family.rule_in_layer(rule, cfg, layer):
+            if not family.rule_in_layer(rule, hf_config, layer):
                 continue
             for expert in (experts if rule.per_expert else [None]):
                 local_expert = None if expert is None else expert - experts.start
@@ -91,7 +91,7 @@ class HFRows:
     parts: int = 1
 
 
-def shard_pieces(slot: TensorSlot, cfg: HFModelConfig, shape_of, tp_rank: int, tp: int,
+def shard_pieces(slot: TensorSlot, hf_config: HFModelConfig, shape_of, tp_rank: int, tp: int,
                  padded_vocab: int) -> list[HFRows] | None:
     """This TP rank's shard of a megatron tensor as the HF row ranges it is made of, top to bottom, or None
     where a fused HF tensor must be unfused first. `shape_of(hf_name)` gives an HF tensor's shape."""
@@ -105,12 +105,12 @@ def shard_pieces(slot: TensorSlot, cfg: HFModelConfig, shape_of, tp_rank: int, t
         part_rows = [shape_of(name)[0] for name in slot.hf_names]
         first_row = [0] * len(part_rows)
         part, parts = (tp_rank, tp) if rule.tp_dim == 1 else (0, 1)
-    blocks = sorted(rule.row_merge.blocks(part_rows, cfg), key=lambda b: b.merged_row)
+    blocks = sorted(rule.row_merge.blocks(part_rows, hf_config), key=lambda b: b.merged_row)
     return [HFRows(slot.hf_names[b.source], first_row[b.source] + b.source_row, b.rows, part, parts)
             for b in blocks]
 
 
-def merge_hf_to_mcore(slot: TensorSlot, cfg: HFModelConfig, reader, tp_rank: int, tp: int,
+def merge_hf_to_mcore(slot: TensorSlot, hf_config: HFModelConfig, reader, tp_rank: int, tp: int,
                       padded_vocab: int) -> torch.Tensor:
     """This TP rank's shard of a megatron tensor, reading only its slices of the HF sources.
 
@@ -119,13 +119,14 @@ def merge_hf_to_mcore(slot: TensorSlot, cfg: HFModelConfig, reader, tp_rank: int
     """
     rule = slot.rule
     if rule.fusion is not None:
-        sources = [tp_part(t, rule.tp_dim, tp_rank, tp) for t in rule.fusion.unfuse(reader.read(slot.hf_names[0]), cfg)]
-        return rule.row_merge.merge(sources, cfg)
+        fused = reader.read(slot.hf_names[0])
+        sources = [tp_part(t, rule.tp_dim, tp_rank, tp) for t in rule.fusion.unfuse(fused, hf_config)]
+        return rule.row_merge.merge(sources, hf_config)
     if rule.tp_dim is None:
-        return rule.row_merge.merge([reader.read(name) for name in slot.hf_names], cfg)
+        return rule.row_merge.merge([reader.read(name) for name in slot.hf_names], hf_config)
     if rule.tp_dim == 1:
-        return rule.row_merge.merge([reader.read_part(name, 1, tp_rank, tp) for name in slot.hf_names], cfg)
-    pieces = shard_pieces(slot, cfg, reader.shape, tp_rank, tp, padded_vocab)
+        return rule.row_merge.merge([reader.read_part(name, 1, tp_rank, tp) for name in slot.hf_names], hf_config)
+    pieces = shard_pieces(slot, hf_config, reader.shape, tp_rank, tp, padded_vocab)
     first = slot.hf_names[0]
     merged = torch.empty((sum(p.rows for p in pieces), *reader.shape(first)[1:]), dtype=reader.dtype(first))
     row = 0
@@ -135,7 +136,7 @@ def merge_hf_to_mcore(slot: TensorSlot, cfg: HFModelConfig, reader, tp_rank: int
     return merged
 
 
-def split_mcore_to_hf(slot: TensorSlot, cfg: HFModelConfig, shards: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def split_mcore_to_hf(slot: TensorSlot, hf_config: HFModelConfig, shards: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """HF tensors from consecutive TP shards of one megatron tensor (all of them: full HF tensors).
 
     With a subset of consecutive shards the result is the matching TP slice of each HF tensor (the
@@ -143,9 +144,9 @@ def split_mcore_to_hf(slot: TensorSlot, cfg: HFModelConfig, shards: Sequence[tor
     """
     rule = slot.rule
     if rule.tp_dim is None:
-        parts = rule.row_merge.split(shards[0], cfg)
+        parts = rule.row_merge.split(shards[0], hf_config)
     else:
-        per_shard = [rule.row_merge.split(shard, cfg) for shard in shards]
+        per_shard = [rule.row_merge.split(shard, hf_config) for shard in shards]
         parts = [torch.cat([pieces[i] for pieces in per_shard], dim=rule.tp_dim) for i in range(len(per_shard[0]))]
     if rule.fusion is not None:
         return [(slot.hf_names[0], rule.fusion.fuse(parts))]

@@ -71,26 +71,26 @@ class Block:
     rows: int
 
 
-def _same_blocks(source_rows: Sequence[int], cfg: HFModelConfig) -> list[Block]:
+def _same_blocks(source_rows: Sequence[int], hf_config: HFModelConfig) -> list[Block]:
     return [Block(0, 0, 0, source_rows[0])]
 
 
-def _same_source_rows(merged_rows: int, cfg: HFModelConfig) -> list[int]:
+def _same_source_rows(merged_rows: int, hf_config: HFModelConfig) -> list[int]:
     return [merged_rows]
 
 
-def _concat_blocks(source_rows: Sequence[int], cfg: HFModelConfig) -> list[Block]:
+def _concat_blocks(source_rows: Sequence[int], hf_config: HFModelConfig) -> list[Block]:
     offsets = [sum(source_rows[:i]) for i in range(len(source_rows))]
     return [Block(i, 0, offset, rows) for i, (offset, rows) in enumerate(zip(offsets, source_rows))]
 
 
-def _halves_source_rows(merged_rows: int, cfg: HFModelConfig) -> list[int]:
+def _halves_source_rows(merged_rows: int, hf_config: HFModelConfig) -> list[int]:
     return [merged_rows // 2, merged_rows // 2]
 
 
-def _qkv_blocks(source_rows: Sequence[int], cfg: HFModelConfig) -> list[Block]:
+def _qkv_blocks(source_rows: Sequence[int], hf_config: HFModelConfig) -> list[Block]:
     """q/k/v interleaved per query group: [q heads of group 0, k0, v0, q heads of group 1, ...]."""
-    head_dim, q_rows = cfg.head_dim, cfg.heads_per_group * cfg.head_dim
+    head_dim, q_rows = hf_config.head_dim, hf_config.heads_per_group * hf_config.head_dim
     group_rows = q_rows + 2 * head_dim
     blocks = []
     for group in range(source_rows[1] // head_dim):
@@ -100,9 +100,10 @@ def _qkv_blocks(source_rows: Sequence[int], cfg: HFModelConfig) -> list[Block]:
     return blocks
 
 
-def _qkv_source_rows(merged_rows: int, cfg: HFModelConfig) -> list[int]:
-    groups = merged_rows // ((cfg.heads_per_group + 2) * cfg.head_dim)
-    return [groups * cfg.heads_per_group * cfg.head_dim, groups * cfg.head_dim, groups * cfg.head_dim]
+def _qkv_source_rows(merged_rows: int, hf_config: HFModelConfig) -> list[int]:
+    head_dim = hf_config.head_dim
+    groups = merged_rows // ((hf_config.heads_per_group + 2) * head_dim)
+    return [groups * hf_config.heads_per_group * head_dim, groups * head_dim, groups * head_dim]
 
 
 @dataclass(frozen=True)
@@ -111,20 +112,20 @@ class RowMerge:
     blocks: Callable[[Sequence[int], HFModelConfig], list[Block]]
     source_rows: Callable[[int, HFModelConfig], list[int]]
 
-    def merge(self, sources: Sequence[torch.Tensor], cfg: HFModelConfig) -> torch.Tensor:
+    def merge(self, sources: Sequence[torch.Tensor], hf_config: HFModelConfig) -> torch.Tensor:
         if len(sources) == 1:
             return sources[0]
         merged = sources[0].new_empty((sum(t.shape[0] for t in sources), *sources[0].shape[1:]))
-        for b in self.blocks([t.shape[0] for t in sources], cfg):
+        for b in self.blocks([t.shape[0] for t in sources], hf_config):
             merged[b.merged_row:b.merged_row + b.rows] = sources[b.source][b.source_row:b.source_row + b.rows]
         return merged
 
-    def split(self, merged: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
-        rows = self.source_rows(merged.shape[0], cfg)
+    def split(self, merged: torch.Tensor, hf_config: HFModelConfig) -> list[torch.Tensor]:
+        rows = self.source_rows(merged.shape[0], hf_config)
         if len(rows) == 1:
             return [merged]
         sources = [merged.new_empty((n, *merged.shape[1:])) for n in rows]
-        for b in self.blocks(rows, cfg):
+        for b in self.blocks(rows, hf_config):
             sources[b.source][b.source_row:b.source_row + b.rows] = merged[b.merged_row:b.merged_row + b.rows]
         return sources
 
@@ -134,12 +135,12 @@ QKV = RowMerge("qkv", _qkv_blocks, _qkv_source_rows)
 GATE_UP = RowMerge("gate_up", _concat_blocks, _halves_source_rows)
 
 
-def _unfuse_qkv(fused: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
-    kv_rows = cfg.num_kv_heads * cfg.head_dim
-    return list(fused.split([cfg.num_heads * cfg.head_dim, kv_rows, kv_rows], dim=0))
+def _unfuse_qkv(fused: torch.Tensor, hf_config: HFModelConfig) -> list[torch.Tensor]:
+    kv_rows = hf_config.num_kv_heads * hf_config.head_dim
+    return list(fused.split([hf_config.num_heads * hf_config.head_dim, kv_rows, kv_rows], dim=0))
 
 
-def _unfuse_halves(fused: torch.Tensor, cfg: HFModelConfig) -> list[torch.Tensor]:
+def _unfuse_halves(fused: torch.Tensor, hf_config: HFModelConfig) -> list[torch.Tensor]:
     return list(fused.chunk(2, dim=0))
 
 
@@ -207,23 +208,24 @@ class FamilySpec:
     # "package.module:NAME" for a spec declared outside verl_mega (recorded in manifests); None: built in.
     origin: str | None = field(default=None, compare=False)
 
-    def has_qkv_bias(self, cfg: HFModelConfig) -> bool:
-        return self.qkv_bias or cfg.attention_bias
+    def has_qkv_bias(self, hf_config: HFModelConfig) -> bool:
+        return self.qkv_bias or hf_config.attention_bias
 
-    def moe_layer_pattern(self, cfg: HFModelConfig) -> list[bool]:
+    def moe_layer_pattern(self, hf_config: HFModelConfig) -> list[bool]:
         if self.moe_layers is not None:
-            return self.moe_layers(cfg)
-        return [self.moe] * cfg.num_layers
+            return self.moe_layers(hf_config)
+        return [self.moe] * hf_config.num_layers
 
-    def rule_in_layer(self, rule: TensorRule, cfg: HFModelConfig, layer: int) -> bool:
+    def rule_in_layer(self, rule: TensorRule, hf_config: HFModelConfig, layer: int) -> bool:
         if rule.when not in LAYER_CONDITIONS:
             return True
-        return self.moe_layer_pattern(cfg)[layer] == (rule.when == "moe_layer")
+        return self.moe_layer_pattern(hf_config)[layer] == (rule.when == "moe_layer")
 
-    def active_rules(self, cfg: HFModelConfig, head_rules: Sequence[TensorRule] | None = None) -> list[TensorRule]:
-        """The rules of the tensors `cfg` has; `head_rules` replace the LM head (None: keep it). Rules conditioned
+    def active_rules(self, hf_config: HFModelConfig,
+                     head_rules: Sequence[TensorRule] | None = None) -> list[TensorRule]:
+        """The rules of the tensors `hf_config` has; `head_rules` replace the LM head (None: keep it). Rules conditioned
         on a layer's kind are kept (see `rule_in_layer`)."""
-        conditions = {"qkv_bias": self.has_qkv_bias(cfg), "untied": not cfg.tie_word_embeddings}
+        conditions = {"qkv_bias": self.has_qkv_bias(hf_config), "untied": not hf_config.tie_word_embeddings}
         rules = [r for r in self.rules if r.when is None or r.when in LAYER_CONDITIONS or conditions[r.when]]
         if head_rules is None:
             return rules
@@ -312,11 +314,11 @@ def moe_family(name: str, model_types: tuple[str, ...], hf_architecture: str) ->
     )
 
 
-def config_size(cfg: HFModelConfig, key: str) -> int:
+def config_size(hf_config: HFModelConfig, key: str) -> int:
     """A positive integer a family reads from config.json beyond the common fields."""
-    value = cfg.raw.get(key)
+    value = hf_config.raw.get(key)
     if type(value) is not int or value < 1:
-        raise ValueError(f"config.json: model_type '{cfg.model_type}' needs '{key}' as a positive integer, got {value!r}")
+        raise ValueError(f"config.json: model_type '{hf_config.model_type}' needs '{key}' as a positive integer, got {value!r}")
     return value
 
 
@@ -328,10 +330,10 @@ def qwen2_moe_rules() -> tuple[TensorRule, ...]:
     hf_expert = mlp + "experts.{expert}."
 
     def fc1(key):
-        return lambda cfg: (2 * config_size(cfg, key), cfg.hidden_size)
+        return lambda hf_config: (2 * config_size(hf_config, key), hf_config.hidden_size)
 
     def fc2(key):
-        return lambda cfg: (cfg.hidden_size, config_size(cfg, key))
+        return lambda hf_config: (hf_config.hidden_size, config_size(hf_config, key))
 
     return _embedding_rules() + _attention_rules() + (
         TensorRule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), when="moe_layer"),
@@ -345,7 +347,7 @@ def qwen2_moe_rules() -> tuple[TensorRule, ...]:
         TensorRule(shared + "linear_fc2.weight", (mlp + "shared_expert.down_proj.weight",), tp_dim=1, when="moe_layer",
                    shape=fc2("shared_expert_intermediate_size")),
         TensorRule(shared + "gate_weight", (mlp + "shared_expert_gate.weight",), when="moe_layer",
-                   shape=lambda cfg: (1, cfg.hidden_size)),
+                   shape=lambda hf_config: (1, hf_config.hidden_size)),
     ) + _dense_mlp_rules(when="dense_layer")
 
 
@@ -355,10 +357,10 @@ def gemma2_rules() -> tuple[TensorRule, ...]:
     mlp = _H + "mlp."
     return _embedding_rules() + _attention_rules() + (
         TensorRule(_L + "self_attention.linear_proj.post_layernorm.weight", (_H + "post_attention_layernorm.weight",),
-                   shape=lambda cfg: (cfg.hidden_size,)),
+                   shape=lambda hf_config: (hf_config.hidden_size,)),
         TensorRule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "pre_feedforward_layernorm.weight",)),
         TensorRule(_L + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GATE_UP, tp_dim=0),
         TensorRule(_L + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), tp_dim=1),
         TensorRule(_L + "mlp.linear_fc2.post_layernorm.weight", (_H + "post_feedforward_layernorm.weight",),
-                   shape=lambda cfg: (cfg.hidden_size,)),
+                   shape=lambda hf_config: (hf_config.hidden_size,)),
     )

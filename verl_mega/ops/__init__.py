@@ -1,7 +1,7 @@
 """Fused token log-probs (vocabulary-parallel), masked GAE, and RMSNorm (fused on the CPU).
 
 Compiled kernels (`verl_mega._kernels`, `verl_mega._kernels_cuda`, built from csrc/) run when present; the
-PyTorch reference in `reference.py` runs otherwise, or everywhere when VERL_MEGA_DISABLE_KERNELS=1.
+PyTorch fallback in `fallback.py` runs otherwise, or everywhere when VERL_MEGA_DISABLE_KERNELS=1.
 """
 from .gae import gae
 from .rms_norm import FusedRMSNorm, rms_norm

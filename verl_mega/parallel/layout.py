@@ -1,6 +1,6 @@
 """Layout arithmetic, in one place: which sizes must divide which, and which rank holds which slice.
 
-Pure integer functions (no process groups), so the config validator, `init_parallel`, the converters,
+Pure integer functions (no process groups), so the pre-flight check, `init_parallel`, the converters,
 the HybridEngine, the planner and the trainer all ask the same questions the same way. Every failure is a
 ValueError naming the sizes that do not fit, by the names the caller's user knows them (`names`: e.g.
 {"tp": "parallel.tp"} for a config, {"tp": "--tp"} for a command line).
@@ -70,6 +70,10 @@ def check_rollout_tp(train_tp: int, rollout_tp: int, names: dict[str, str] | Non
 
 @dataclass(frozen=True)
 class RankCoordinates:
+    """Where a global rank sits in megatron's (TP, DP, PP[, EP]) grid: the one record of a rank's place, held by
+    the live process's `state.ParallelLayout` (with the grid's sizes) and by the planner's `RankPlan`."""
+
+    rank: int
     tp_rank: int
     dp_rank: int
     pp_rank: int
@@ -78,7 +82,7 @@ class RankCoordinates:
 
 def rank_coordinates(rank: int, tp: int, pp: int, dp: int, ep: int = 1) -> RankCoordinates:
     """Where global `rank` sits in megatron's (TP, DP, PP) grid."""
-    return RankCoordinates(tp_rank=rank % tp, dp_rank=rank // tp % dp, pp_rank=rank // (tp * dp),
+    return RankCoordinates(rank=rank, tp_rank=rank % tp, dp_rank=rank // tp % dp, pp_rank=rank // (tp * dp),
                            ep_rank=rank // tp % dp % ep)
 
 

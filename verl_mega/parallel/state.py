@@ -12,26 +12,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .launch import free_port
-from .layout import data_parallel_size
+from .layout import RankCoordinates, data_parallel_size
 from .shims import apply_shims
 from .torchrun import exit_with_agent
+from .world import World, read_world
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """Sizes and this process's coordinates in megatron's (TP, PP, DP[, EP]) grid."""
+class ParallelLayout(RankCoordinates):
+    """This process's coordinates (`layout.RankCoordinates`) and the sizes of megatron's (TP, PP, DP[, EP]) grid."""
 
     tp: int
     pp: int
     dp: int
     ep: int
-    rank: int
     world_size: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    ep_rank: int
 
     @property
     def is_first_stage(self) -> bool:
@@ -53,7 +48,9 @@ def backend() -> str:
 
 
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeout_minutes: int = 30) -> ParallelLayout:
-    """Initialise torch.distributed from the torchrun/Slurm environment and megatron's parallel groups."""
+    """Initialise torch.distributed from the torchrun/Slurm environment (`world.read_world`) and megatron's
+    parallel groups. The world is exported as torchrun's variables for as long as the group lives: vLLM's external
+    launcher reads RANK and LOCAL_RANK, which a plain process or an `srun` task would otherwise lack."""
     from megatron.core import parallel_state, tensor_parallel
 
     # What megatron's linear layers expect so that their async all-reduce overlaps with compute (it warns
@@ -61,16 +58,12 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if not dist.is_initialized():
         exit_with_agent()
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        # A process of its own (a script, the Python API) picks a free port: no other rank has to find it, and
-        # a fixed one collides with any other job on the machine.
-        os.environ.setdefault("MASTER_PORT", str(free_port()) if world_size == 1 else "29500")
+        world = read_world()
+        _export_world(world)
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(world.local_rank)
         dist.init_process_group(
-            backend(), rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=timeout_minutes)
+            backend(), rank=world.rank, world_size=world.size, timeout=datetime.timedelta(minutes=timeout_minutes)
         )
     apply_shims()
     world_size = dist.get_world_size()
@@ -111,3 +104,25 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _restore_environment()
+
+
+# The variables `init_parallel` replaced and their earlier values (None: unset), put back with the group.
+_ENVIRONMENT_BEFORE: dict[str, str | None] = {}
+
+
+def _export_world(world: World) -> None:
+    exported = world.torchrun_environment()
+    _ENVIRONMENT_BEFORE.update({name: os.environ.get(name) for name in exported if name not in _ENVIRONMENT_BEFORE})
+    os.environ.update(exported)
+
+
+def _restore_environment() -> None:
+    """A process that trains again (the Python API) or then starts torchrun reads its own environment, not the
+    last group's: a later world of one picks a fresh port, and nothing takes it for a torchrun rank."""
+    for name, value in _ENVIRONMENT_BEFORE.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _ENVIRONMENT_BEFORE.clear()

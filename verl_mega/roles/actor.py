@@ -22,11 +22,11 @@ from .trainable import TrainableModel
 SEQUENCE_LOSS_AGG = "seq-mean-token-sum"
 
 
-def load_policy(ckpt_dir: str | Path, **config_overrides):
+def load_gpt_model(ckpt_dir: str | Path, **config_overrides):
     """This rank's GPTModel from a converted checkpoint, and the true (unpadded) vocabulary size.
     `dtype=` (fp32, bf16, fp16) trains in another dtype than the checkpoint's."""
-    model, _, cfg, _ = build_model_from_checkpoint(ckpt_dir, **config_overrides)
-    return model, cfg.vocab_size
+    model, _, hf_config, _ = build_model_from_checkpoint(ckpt_dir, **config_overrides)
+    return model, hf_config.vocab_size
 
 
 def response_logprobs(logits: torch.Tensor, micro_batch: Batch, vocab_size: int, return_entropy: bool):
@@ -61,7 +61,7 @@ class Actor:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None, *,
                  schedule_steps: int, packed_sequences: str = "auto", **config_overrides):
         """`packed_sequences`: auto | true | false, `actor.use_packed_sequences` (see `resolve_sequence_packing`)."""
-        module, self.vocab_size = load_policy(ckpt_dir, **config_overrides)
+        module, self.vocab_size = load_gpt_model(ckpt_dir, **config_overrides)
         packed = resolve_sequence_packing(packed_sequences, module, "actor.use_packed_sequences")
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or PolicyLossConfig()
@@ -127,23 +127,25 @@ class Actor:
                                            metric_names, micro_batch_loss)
 
     def _micro_batch_loss(self, logits, micro_batch: Batch, share: MicroBatchShare):
-        cfg = self.loss
+        loss_config = self.loss
         on = lambda key: micro_batch[key].to(logits.device)  # noqa: E731
         mask = on("response_mask")
         log_prob, entropy = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=True)
         old_log_prob = on("old_log_probs") if "old_log_probs" in micro_batch else log_prob.detach()
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = self._policy_loss(
-            old_log_prob, log_prob, on("advantages"), mask, loss_agg_mode=cfg.loss_agg_mode,
-            clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c, **cfg.extra,
+            old_log_prob, log_prob, on("advantages"), mask, loss_agg_mode=loss_config.loss_agg_mode,
+            clip_ratio=loss_config.clip_ratio, clip_ratio_low=loss_config.clip_ratio_low,
+            clip_ratio_high=loss_config.clip_ratio_high,
+            clip_ratio_c=loss_config.clip_ratio_c, **loss_config.extra,
         )
-        entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
-        loss = pg_loss - cfg.entropy_coeff * entropy_loss
+        entropy_loss = agg_loss(entropy, mask, loss_config.loss_agg_mode)
+        loss = pg_loss - loss_config.entropy_coeff * entropy_loss
         metrics = {"pg_loss": pg_loss * share.loss, "entropy": entropy_loss * share.loss,
                    "pg_clipfrac": pg_clipfrac * share.tokens, "pg_clipfrac_lower": pg_clipfrac_lower * share.tokens,
                    "ppo_kl": ppo_kl * share.tokens}
         if self.uses_kl_loss:
-            kl_loss = agg_loss(compute_kl(log_prob, on("ref_log_prob"), cfg.kl_loss_type), mask, cfg.loss_agg_mode)
-            loss = loss + cfg.kl_loss_coef * kl_loss
+            kl = compute_kl(log_prob, on("ref_log_prob"), loss_config.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, loss_config.loss_agg_mode)
+            loss = loss + loss_config.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss * share.loss
         return loss * share.loss, metrics

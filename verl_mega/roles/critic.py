@@ -10,48 +10,19 @@ import torch
 
 from verl_mega.algorithms import compute_value_loss, masked_mean
 from verl_mega.config import OptimConfig, ValueLossConfig
+from verl_mega.models.value_head import attach_value_head
 
-from .actor import load_policy
+from .actor import load_gpt_model
 from .batching import Batch
 from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
 from .trainable import TrainableModel
-
-
-class ValueHead(torch.nn.Module):
-    """Takes the LM head's place in GPTModel: [s, b, h] -> ([s, b, 1], None), as the output layer returns.
-
-    Replicated, not split, over tensor parallelism (one output cannot be split): every TP rank sees the same
-    final hidden states, so the copies get equal gradients and stay equal. Zero-initialised, so the first
-    values are 0 and the backbone starts exactly as the policy.
-
-    Its parameters are `output_layer.weight` and `output_layer.bias`, the names megatron's sharded state
-    dict looks up for the output layer; megatron stores them as replicated over TP and DP.
-    """
-
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
-
-    def forward(self, hidden_states, weight=None, **_):
-        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
-
-
-def attach_value_head(model) -> None:
-    """Replace the LM head by a value head, untying it from the input embedding on every stage."""
-    # Untied everywhere, or the first stage would wait in finalize_model_grads for the embedding-grad
-    # all-reduce with a last stage that no longer has an embedding copy.
-    model.share_embeddings_and_output_weights = False
-    if model.post_process:
-        model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype,
-                                       next(model.parameters()).device)
 
 
 class Critic:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: ValueLossConfig | None = None, *,
                  schedule_steps: int, packed_sequences: str = "auto", **config_overrides):
         """`packed_sequences`: auto | true | false, `critic.use_packed_sequences`."""
-        module, _ = load_policy(ckpt_dir, **config_overrides)
+        module, _ = load_gpt_model(ckpt_dir, **config_overrides)
         attach_value_head(module)
         packed = resolve_sequence_packing(packed_sequences, module, "critic.use_packed_sequences")
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)

@@ -21,7 +21,8 @@ PAIR_METRICS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
 KTO_METRICS = ["loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl"]
 
 
-def needs_reference(loss: str) -> bool:
+def loss_needs_reference(loss: str) -> bool:
+    """Whether preference loss `loss` compares against the frozen reference's log-probs."""
     return loss not in REFERENCE_FREE_LOSSES
 
 

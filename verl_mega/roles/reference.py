@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from .actor import compute_response_logprobs, load_policy
+from .actor import compute_response_logprobs, load_gpt_model
 from .batching import Batch
 from .megatron_step import resolve_sequence_packing
 
@@ -15,7 +15,7 @@ class Reference:
 
     def __init__(self, ckpt_dir: str | Path, packed_sequences: str = "auto", **config_overrides):
         """`packed_sequences`: the actor's `actor.use_packed_sequences`, whose model this is."""
-        self.model, self.vocab_size = load_policy(ckpt_dir, **config_overrides)
+        self.model, self.vocab_size = load_gpt_model(ckpt_dir, **config_overrides)
         self.packed = resolve_sequence_packing(packed_sequences, self.model, "actor.use_packed_sequences")
         self.model.requires_grad_(False)
         self.model.eval()

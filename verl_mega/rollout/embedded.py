@@ -23,11 +23,12 @@ from .engine import Response, RolloutEngine, SamplingParams
 
 
 class EmbeddedEngine(RolloutEngine):
-    def __init__(self, hf_config: dict, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+    def __init__(self, raw_hf_config: dict, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device | None = None):
         from transformers import AutoModelForCausalLM
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        config = CONFIG_MAPPING[hf_config["model_type"]].from_dict(hf_config)
+        config = CONFIG_MAPPING[raw_hf_config["model_type"]].from_dict(raw_hf_config)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(self.device).eval()
         use_decode_attention(self.model)

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 
 from verl_mega.config.errors import UserError
-from verl_mega.models.builder import DTYPES
 
 from .embedded import EmbeddedEngine
 from .engine import RolloutEngine, WeightFeed
@@ -48,8 +47,10 @@ def resolve_rollout_dtype(engine: str, dtype: str, model_dtype: str) -> str:
     return "bf16" if resolve_engine(engine) == "vllm" else model_dtype
 
 
-def make_rollout_engine(engine: str, hf_dir: str | Path, hf_config: dict, feed: WeightFeed, *, max_model_len: int,
-                        dtype: str = "fp32") -> RolloutEngine:
+def make_rollout_engine(engine: str, hf_dir: str | Path, raw_hf_config: dict, feed: WeightFeed, *, max_model_len: int,
+                        dtype: torch.dtype = torch.float32) -> RolloutEngine:
+    """`dtype`: what the engine runs, the HybridEngine's stream dtype (`resolve_rollout_dtype`'s name, converted
+    once by the caller for both)."""
     if resolve_engine(engine, feed.rollout_tp) == "vllm":
-        return VLLMEngine(hf_dir, feed, max_model_len=max_model_len, dtype=DTYPES[dtype])
-    return EmbeddedEngine(hf_config, dtype=DTYPES[dtype])
+        return VLLMEngine(hf_dir, feed, max_model_len=max_model_len, dtype=dtype)
+    return EmbeddedEngine(raw_hf_config, dtype=dtype)

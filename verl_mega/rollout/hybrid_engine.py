@@ -36,11 +36,12 @@ from .engine import WeightFeed
 from .live_bytes import LiveBytes
 
 
-def transfer_order(cfg: HFModelConfig, family: FamilySpec, pp: int, ep: int) -> Iterator[tuple[int, int, TensorSlot]]:
+def transfer_order(hf_config: HFModelConfig, family: FamilySpec, pp: int,
+                   ep: int) -> Iterator[tuple[int, int, TensorSlot]]:
     """(owning stage, owning EP rank, slot) of every tensor the rollout needs, in the order all ranks walk."""
     for stage in range(pp):
         for ep_rank in range(ep):
-            for slot in rank_slots(cfg, family, stage, pp, ep_rank, ep):
+            for slot in rank_slots(hf_config, family, stage, pp, ep_rank, ep):
                 # The tied output layer is the embedding again; dense tensors are the same on every EP rank.
                 if slot.is_tied_copy or (ep_rank > 0 and not slot.rule.per_expert):
                     continue
@@ -72,14 +73,14 @@ class HybridEngine:
     plus the tensor the consumer is loading).
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: HFModelConfig, family: FamilySpec, rollout_tp: int = 1,
+    def __init__(self, model: torch.nn.Module, hf_config: HFModelConfig, family: FamilySpec, rollout_tp: int = 1,
                  dtype: torch.dtype | None = None, measure_peak: bool = False):
         """`dtype`: what the rollout engine runs (default: the model's); the tensors are streamed in it.
         `measure_peak`: track the transition's live bytes (tests, benchmarks). Off in training: the tracking
         dispatch mode handles every op of the transition in Python, 40 % of a tiny model's transition."""
         from megatron.core import parallel_state as ps
 
-        self.cfg, self.family, self.dtype = cfg, family, dtype
+        self.hf_config, self.family, self.dtype = hf_config, family, dtype
         self.layout = current_layout()
         placement = rollout_placement(self.layout.rank, self.layout.world_size, self.layout.tp, rollout_tp)
         self.rollout_tp = rollout_tp
@@ -109,7 +110,7 @@ class HybridEngine:
         by_local = {canonical: params[name] for name, canonical in canonical_names(params).items()}
         layout = self.layout
         shards = {}
-        for slot in rank_slots(self.cfg, self.family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep):
+        for slot in rank_slots(self.hf_config, self.family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep):
             if slot.is_tied_copy:
                 continue
             if slot.local_name not in by_local:
@@ -163,7 +164,7 @@ class HybridEngine:
         tracking = self.tracker if self.tracker is not None else contextlib.nullcontext()
         if self.tracker is not None:
             self.tracker.reset_peak()
-        for stage, ep_rank, slot in transfer_order(self.cfg, self.family, layout.pp, layout.ep):
+        for stage, ep_rank, slot in transfer_order(self.hf_config, self.family, layout.pp, layout.ep):
             # Buffers follow the parameters' device, so the CPU shims' per-op hook has nothing to rewrite here.
             with tracking, cuda_device_rewrite_paused():
                 parts = [(name, self._real_vocab_rows(slot, tensor))
@@ -198,7 +199,7 @@ class HybridEngine:
         direct = slice_is_gathered_shards(rule)
         if rule.tp_dim is None or self._micro_dp_group is None:
             shard = self._shard_at_this_rank(slot, stage, ep_rank)
-            return [(slot.hf_names[0], shard)] if direct else split_mcore_to_hf(slot, self.cfg, [shard])
+            return [(slot.hf_names[0], shard)] if direct else split_mcore_to_hf(slot, self.hf_config, [shard])
         if direct and rule.tp_dim == 0:
             shape, dtype = self._shapes[slot.global_name]
             joined = torch.empty((self.micro_dp * shape[0], *shape[1:]), dtype=dtype, device=self._device)
@@ -210,21 +211,21 @@ class HybridEngine:
         gathered = [torch.empty_like(shard) for _ in range(self.micro_dp)]
         dist.all_gather(gathered, shard.contiguous(), group=self._micro_dp_group)
         del shard
-        return split_mcore_to_hf(slot, self.cfg, gathered)
+        return split_mcore_to_hf(slot, self.hf_config, gathered)
 
     @property
     def feed(self) -> WeightFeed:
         """How `stream()` lays out its tensors on this rank, for the rollout engine that loads them."""
-        vocab_slot = next(slot for _, _, slot in transfer_order(self.cfg, self.family, self.layout.pp, self.layout.ep)
-                          if slot.rule.vocab)
+        slots = transfer_order(self.hf_config, self.family, self.layout.pp, self.layout.ep)
+        vocab_slot = next(slot for _, _, slot in slots if slot.rule.vocab)
         padded_vocab = self._shapes[vocab_slot.global_name][0][0] * self.layout.tp
-        return WeightFeed(self.rollout_tp, self.rollout_tp_rank, padded_vocab, self.cfg.vocab_size)
+        return WeightFeed(self.rollout_tp, self.rollout_tp_rank, padded_vocab, self.hf_config.vocab_size)
 
     def _real_vocab_rows(self, slot: TensorSlot, tensor: torch.Tensor) -> torch.Tensor:
         if not slot.rule.vocab:
             return tensor
         padded_vocab = self._shapes[slot.global_name][0][0] * self.layout.tp
-        rows = rollout_vocab_rows(padded_vocab, self.cfg.vocab_size, self.rollout_tp_rank, self.rollout_tp)
+        rows = rollout_vocab_rows(padded_vocab, self.hf_config.vocab_size, self.rollout_tp_rank, self.rollout_tp)
         return tensor[: len(rows)]
 
     def _empty(self, name: str) -> torch.Tensor:

@@ -19,8 +19,8 @@ from verl_mega.models.builder import DTYPES, padded_vocab_size
 from verl_mega.models.expected_shapes import expected_hf_shapes
 from verl_mega.models.sharding import rank_slots
 from verl_mega.parallel.layout import (
-    check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates, rollout_placement,
-    rollout_vocab_rows,
+    RankCoordinates, check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates,
+    rollout_placement, rollout_vocab_rows,
 )
 
 from .hybrid_engine import slice_is_gathered_shards, transfer_order
@@ -28,11 +28,7 @@ from .hybrid_engine import slice_is_gathered_shards, transfer_order
 
 @dataclass(frozen=True)
 class RankPlan:
-    rank: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    ep_rank: int
+    coordinates: RankCoordinates  # where the rank sits in the training grid
     rollout_tp_rank: int
     train_bytes: int  # this rank's training shards (vocabulary padded)
     rollout_bytes: int  # the rollout slice the engine ends up holding
@@ -62,8 +58,9 @@ class Plan:
             f"{'peak xfer MiB':>14} {'send MiB':>9} {'recv MiB':>9}",
         ]
         for r in self.ranks:
+            at = r.coordinates
             lines.append(
-                f"{r.rank:>4} {r.tp_rank:>3} {r.pp_rank:>3} {r.dp_rank:>3} {r.ep_rank:>3} {r.rollout_tp_rank:>3} "
+                f"{at.rank:>4} {at.tp_rank:>3} {at.pp_rank:>3} {at.dp_rank:>3} {at.ep_rank:>3} {r.rollout_tp_rank:>3} "
                 f"{r.train_bytes / mib:>10.2f} {r.rollout_bytes / mib:>12.2f} {r.transition_peak_bytes / mib:>14.2f} "
                 f"{r.send_bytes / mib:>9.2f} {r.recv_bytes / mib:>9.2f}"
             )
@@ -80,38 +77,38 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     world_size = train_tp * train_pp * dp
     data_parallel_size(world_size, train_tp, train_pp, ep, names)
     check_rollout_tp(train_tp, rollout_tp, names)
-    cfg, family = load_hf_model_config(hf_dir, family_spec)
-    check_model_fit(cfg, train_tp, train_pp, ep, names)
+    hf_config, family = load_hf_model_config(hf_dir, family_spec)
+    check_model_fit(hf_config, train_tp, train_pp, ep, names)
     placements = [rollout_placement(rank, world_size, train_tp, rollout_tp) for rank in range(world_size)]
-    hf_shapes = expected_hf_shapes(cfg, family)
+    hf_shapes = expected_hf_shapes(hf_config, family)
     item = DTYPES[dtype].itemsize
-    padded_vocab = padded_vocab_size(cfg.vocab_size, train_tp, make_vocab_size_divisible_by)
+    padded_vocab = padded_vocab_size(hf_config.vocab_size, train_tp, make_vocab_size_divisible_by)
     micro_dp = placements[0].micro_dp
 
     def shard_bytes(slot) -> int:
         numel = sum(math.prod(hf_shapes[name]) for name in slot.hf_names)
         if slot.rule.vocab:
-            numel = numel // cfg.vocab_size * padded_vocab
+            numel = numel // hf_config.vocab_size * padded_vocab
         return numel * item // (train_tp if slot.rule.tp_dim is not None else 1)
 
     transfers = [(stage, owner_ep, slot, shard_bytes(slot))
-                 for stage, owner_ep, slot in transfer_order(cfg, family, train_pp, ep)]
+                 for stage, owner_ep, slot in transfer_order(hf_config, family, train_pp, ep)]
     model_bytes = sum(math.prod(hf_shapes[n]) for _, _, slot, _ in transfers for n in slot.hf_names) * item
     largest = max(math.prod(hf_shapes[n]) for _, _, slot, _ in transfers for n in slot.hf_names) * item
 
     ranks = []
     for rank, placement in enumerate(placements):
         at = rank_coordinates(rank, train_tp, train_pp, dp, ep)
-        tp_rank, dp_rank, pp_rank, ep_rank = at.tp_rank, at.dp_rank, at.pp_rank, at.ep_rank
+        pp_rank, ep_rank = at.pp_rank, at.ep_rank
         rollout_tp_rank = placement.rollout_tp_rank
         # Training holds the last stage's copy of a tied embedding too, which the transition skips.
-        train = sum(shard_bytes(slot) for slot in rank_slots(cfg, family, pp_rank, train_pp, ep_rank, ep))
+        train = sum(shard_bytes(slot) for slot in rank_slots(hf_config, family, pp_rank, train_pp, ep_rank, ep))
         rollout = peak = send = recv = largest_output = 0
         for stage, owner_ep, slot, shard in transfers:
             split = slot.rule.tp_dim is not None
             slice_bytes = shard * micro_dp if split else shard
             if slot.rule.vocab:
-                rows = rollout_vocab_rows(padded_vocab, cfg.vocab_size, rollout_tp_rank, rollout_tp)
+                rows = rollout_vocab_rows(padded_vocab, hf_config.vocab_size, rollout_tp_rank, rollout_tp)
                 rollout += slice_bytes // (padded_vocab // rollout_tp) * len(rows)
             else:
                 rollout += slice_bytes
@@ -130,8 +127,7 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
             peak = max(peak, buffers)
             largest_output = max(largest_output, slice_bytes)
         # The consumer still holds the previous tensor while the next one is being assembled.
-        ranks.append(RankPlan(rank, tp_rank, pp_rank, dp_rank, ep_rank, rollout_tp_rank, train, rollout,
-                              peak + largest_output, send, recv))
+        ranks.append(RankPlan(at, rollout_tp_rank, train, rollout, peak + largest_output, send, recv))
     return Plan(train_tp, train_pp, dp, ep, rollout_tp, model_bytes, largest, tuple(ranks))
 
 

@@ -49,9 +49,9 @@ def import_vllm():
     return vllm
 
 
-def kv_cache_bytes(cfg: HFModelConfig, dtype: torch.dtype, tokens: int) -> int:
+def kv_cache_bytes(hf_config: HFModelConfig, dtype: torch.dtype, tokens: int) -> int:
     """Bytes of keys and values of `tokens` tokens over all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * tokens
+    return 2 * hf_config.num_layers * hf_config.num_kv_heads * hf_config.head_dim * dtype.itemsize * tokens
 
 
 class VLLMEngine(RolloutEngine):
@@ -63,15 +63,15 @@ class VLLMEngine(RolloutEngine):
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        cfg, _ = load_hf_model_config(hf_dir)
+        hf_config, _ = load_hf_model_config(hf_dir)
         # The external launcher keeps the engine in this torchrun process, its TP group among its peers.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.sleeps = current_platform.is_sleep_mode_available()
         if current_platform.is_cpu():
-            _check_cpu_head_dim(cfg)
+            _check_cpu_head_dim(hf_config)
             # Eager: compiling takes longer on a CPU than a rollout saves, and at TP 2 in a process that also
             # runs megatron's CPU shims the compiled model generated wrong tokens (measured; eager is right).
-            platform = {"kv_cache_memory_bytes": kv_cache_bytes(cfg, dtype, max_num_seqs * max_model_len),
+            platform = {"kv_cache_memory_bytes": kv_cache_bytes(hf_config, dtype, max_num_seqs * max_model_len),
                         "enforce_eager": True}
         else:
             platform = {"gpu_memory_utilization": gpu_memory_utilization}
@@ -189,11 +189,11 @@ def _reprocess_tied_vocabulary(model: torch.nn.Module, loaded: set[str]) -> None
             module.quant_method.process_weights_after_loading(module)
 
 
-def _check_cpu_head_dim(cfg: HFModelConfig) -> None:
+def _check_cpu_head_dim(hf_config: HFModelConfig) -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     supported = CPUAttentionBackend.get_supported_head_sizes()
-    if cfg.head_dim not in supported:
+    if hf_config.head_dim not in supported:
         raise ValueError(f"vLLM's CPU attention supports head_dim in {supported}, this model has head_dim="
-                         f"{cfg.head_dim} (hidden_size / num_attention_heads, or head_dim in config.json): "
+                         f"{hf_config.head_dim} (hidden_size / num_attention_heads, or head_dim in config.json): "
                          "use rollout.engine=embedded for it")

@@ -3,16 +3,15 @@
 The config's `job` picks the loop: ppo (default), sft or dpo; `verl-mega sft` and `verl-mega dpo` are `train`
 with the job set.
 
-The config is validated before any process group starts; the resolved config and the run's provenance are
-saved in the run folder. A plain process (no torchrun) trains as a world of one. `run` is the one way in for
-the command line and the Python API (`verl_mega.api`), which may hand a reward function itself.
+The config passes the pre-flight check before any process group starts; the resolved config and the run's
+provenance are saved in the run folder. A plain process (no torchrun) trains as a world of one. `run` is the one
+way in for the command line and the Python API (`verl_mega.api`), which may hand a reward function itself.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -30,13 +29,14 @@ from verl_mega.run.checkpoints import model_fingerprint
 from verl_mega.run.folder import RunFolder, layout_name
 from verl_mega.run.lock import claim_run_folder
 from verl_mega.run.provenance import write_provenance
+from verl_mega.parallel.world import read_world
 
 from .metrics import print_note
 from .ppo import PPOTrainer, uses_critic
 from .preemption import StopRequest, requeue_slurm_job
 from .preference import PreferenceTrainer
 from .sft import SFTTrainer
-from .validation import validate
+from .preflight import preflight_check
 
 OFFLINE_JOBS = {"sft": SFTTrainer, "dpo": PreferenceTrainer}
 
@@ -69,7 +69,7 @@ def dpo_main(argv: list[str] | None = None) -> int:
 def run(config, reward_fn=None) -> None:
     """Validate `config` for this job's world size, then train. `reward_fn`: a callable scoring responses in
     place of `reward.function` (PPO-style jobs only)."""
-    validate(config, int(os.environ.get("WORLD_SIZE", 1)), reward_fn=reward_fn)
+    preflight_check(config, read_world().size, reward_fn=reward_fn)
     train(config, reward_fn)
 
 

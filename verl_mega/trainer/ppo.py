@@ -87,9 +87,9 @@ class PPOTrainer(TrainingJob):
         self.reward = RuleReward(self.tokenizer, reward_fn or config.reward.function)
         self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
 
-        rollout_dtype = resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, dtype)
+        rollout_dtype = DTYPES[resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, dtype)]
         self.hybrid = HybridEngine(self.actor.model, self.hf_config, self.family, config.parallel.rollout_tp,
-                                   dtype=DTYPES[rollout_dtype])
+                                   dtype=rollout_dtype)
         self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
                                            self.hybrid.feed, max_model_len=config.data.max_prompt_length
                                            + config.data.max_response_length, dtype=rollout_dtype)

@@ -19,7 +19,7 @@ from verl_mega.algorithms import UNPAIRED_LOSSES, kto_kl_baseline, masked_sum
 from verl_mega.data.supervised import LoadedRows, PreferenceExample, load_preference_examples
 from verl_mega.roles.megatron_step import MicroBatchShare
 from verl_mega.roles.preference import (
-    KTO_METRICS, PAIR_METRICS, kto_sequence_loss, kto_shares, needs_reference, pair_sequence_loss,
+    KTO_METRICS, PAIR_METRICS, kto_sequence_loss, kto_shares, loss_needs_reference, pair_sequence_loss,
 )
 from verl_mega.roles.reference import Reference
 from verl_mega.run.folder import RunFolder
@@ -56,7 +56,7 @@ class PreferenceTrainer(OfflineJob):
         self.unpaired = config.algorithm.loss in UNPAIRED_LOSSES
         self.rows_per_example = 1 if self.unpaired else 2
         super().__init__(config, layout, actor_ckpt, stop_requested)
-        self.reference = (self.build_reference(actor_ckpt) if needs_reference(config.algorithm.loss)
+        self.reference = (self.build_reference(actor_ckpt) if loss_needs_reference(config.algorithm.loss)
                           and not config.algorithm.cache_reference_logprobs else None)
         algorithm = config.algorithm
         self.sequence_loss = kto_sequence_loss(algorithm) if self.unpaired else pair_sequence_loss(algorithm)

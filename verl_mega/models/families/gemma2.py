@@ -10,22 +10,22 @@ from ..hf_config import HFModelConfig
 from ..spec import FamilySpec, gemma2_rules
 
 
-def sliding_layers(cfg: HFModelConfig) -> list[bool]:
+def sliding_layers(hf_config: HFModelConfig) -> list[bool]:
     """transformers' `layer_types`, or its default for older configs: even layers slide."""
-    layer_types = cfg.raw.get("layer_types") or ["sliding_attention" if layer % 2 == 0 else "full_attention"
-                                                 for layer in range(cfg.num_layers)]
+    layer_types = hf_config.raw.get("layer_types") or ["sliding_attention" if layer % 2 == 0 else "full_attention"
+                                                 for layer in range(hf_config.num_layers)]
     return [kind == "sliding_attention" for kind in layer_types]
 
 
-def transformer_overrides(cfg: HFModelConfig) -> dict:
-    raw = cfg.raw
+def transformer_overrides(hf_config: HFModelConfig) -> dict:
+    raw = hf_config.raw
     activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"gemma2 config: hidden_activation '{activation}' is not supported (gelu_pytorch_tanh is)")
-    sliding = sliding_layers(cfg)
+    sliding = sliding_layers(hf_config)
     return dict(
         activation_func=functools.partial(F.gelu, approximate="tanh"),
-        softmax_scale=raw.get("query_pre_attn_scalar", cfg.head_dim) ** -0.5,
+        softmax_scale=raw.get("query_pre_attn_scalar", hf_config.head_dim) ** -0.5,
         # megatron's window counts the earlier keys a query sees; transformers' includes the query itself.
         window_size=(raw["sliding_window"] - 1, 0) if any(sliding) else None,
         window_attn_skip_freq=[int(s) for s in sliding],
@@ -33,15 +33,15 @@ def transformer_overrides(cfg: HFModelConfig) -> dict:
     )
 
 
-def block_spec(cfg: HFModelConfig, config, use_transformer_engine: bool):
-    return gemma2_block_spec(config, cfg.raw.get("attn_logit_softcapping"), use_transformer_engine)
+def block_spec(hf_config: HFModelConfig, config, use_transformer_engine: bool):
+    return gemma2_block_spec(config, hf_config.raw.get("attn_logit_softcapping"), use_transformer_engine)
 
 
-def finish_model(model, cfg: HFModelConfig) -> None:
+def finish_model(model, hf_config: HFModelConfig) -> None:
     if model.pre_process:
-        scale_embeddings(model, cfg.hidden_size)
-    if model.post_process and cfg.raw.get("final_logit_softcapping"):
-        cap_final_logits(model, cfg.raw["final_logit_softcapping"])
+        scale_embeddings(model, hf_config.hidden_size)
+    if model.post_process and hf_config.raw.get("final_logit_softcapping"):
+        cap_final_logits(model, hf_config.raw["final_logit_softcapping"])
 
 
 SPEC = FamilySpec(

@@ -4,19 +4,19 @@ from ..hf_config import HFModelConfig
 from ..spec import FamilySpec, qwen2_moe_rules
 
 
-def moe_layers(cfg: HFModelConfig) -> list[bool]:
-    dense = set(cfg.raw.get("mlp_only_layers") or [])
-    step = cfg.raw.get("decoder_sparse_step", 1)
-    return [layer not in dense and (layer + 1) % step == 0 for layer in range(cfg.num_layers)]
+def moe_layers(hf_config: HFModelConfig) -> list[bool]:
+    dense = set(hf_config.raw.get("mlp_only_layers") or [])
+    step = hf_config.raw.get("decoder_sparse_step", 1)
+    return [layer not in dense and (layer + 1) % step == 0 for layer in range(hf_config.num_layers)]
 
 
-def transformer_overrides(cfg: HFModelConfig) -> dict:
+def transformer_overrides(hf_config: HFModelConfig) -> dict:
     return dict(
-        moe_ffn_hidden_size=cfg.raw["moe_intermediate_size"],
-        moe_shared_expert_intermediate_size=cfg.raw["shared_expert_intermediate_size"],
+        moe_ffn_hidden_size=hf_config.raw["moe_intermediate_size"],
+        moe_shared_expert_intermediate_size=hf_config.raw["shared_expert_intermediate_size"],
         moe_shared_expert_gate=True,
         # norm_topk_prob false: the top-k of the softmax over all experts, not renormalised.
-        moe_router_pre_softmax=not cfg.raw.get("norm_topk_prob", False),
+        moe_router_pre_softmax=not hf_config.raw.get("norm_topk_prob", False),
     )
 
 

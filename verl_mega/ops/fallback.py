@@ -1,4 +1,4 @@
-"""PyTorch reference of the kernels in csrc/: the fallback when they are not built, and the oracle in tests.
+"""PyTorch versions of the kernels in csrc/: the fallback when they are not built, and the oracle in tests.
 
 Same functions and signatures as the compiled modules (see csrc/cpu_kernels.h for the partials' definition).
 Log-prob rows are processed in chunks so that the fallback, too, never holds a float32 copy of all the logits.

@@ -1,4 +1,4 @@
-"""Check a run's config against the package before any process group starts.
+"""The pre-flight check: a run's config against the package, before any process group starts.
 
 Every problem found is listed at once, each naming its key and the fix. The allowed values come from their
 owners (registries, the rollout factory, the prompt dataset, the model builder) and the layout rules from
@@ -34,7 +34,8 @@ from verl_mega.run.mirror import parse_mirror_url, require_boto3
 PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp")}
 
 
-def validate(config: TrainConfig, world_size: int, check_files: bool = True, reward_fn: RewardFn | None = None) -> None:
+def preflight_check(config: TrainConfig, world_size: int, check_files: bool = True,
+                    reward_fn: RewardFn | None = None) -> None:
     """Raise ConfigError listing every problem found (each naming its key and the fix). `reward_fn`: a callable
     handed to the job in place of `reward.function`."""
     problems: list[str] = []
