@@ -42,7 +42,7 @@ $(DOCS_STAMP): $(STAMP) requirements-docs.txt
 
 docs: $(DOCS_STAMP)
 	OMP_NUM_THREADS=1 $(PY) docs/gen_reference.py
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo
