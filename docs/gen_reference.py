@@ -15,6 +15,7 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import html
 import inspect
 import io
 import os
@@ -117,8 +118,11 @@ def undocumented(keys: list[ConfigKey]) -> list[str]:
 
 
 def _code(text: str) -> str:
-    """A table cell's code span; the pipes of `int | None` would end the cell."""
-    return "`" + text.replace("|", "\\|") + "`"
+    """A table cell's code; a pipe (`int | None`) is written as an entity, which no Markdown reads as a cell's
+    end (an escaped pipe inside backticks shows its backslash in MkDocs, a bare one ends the cell on GitHub)."""
+    if "|" in text:
+        return "<code>" + html.escape(text).replace("|", "&#124;") + "</code>"
+    return f"`{text}`"
 
 
 def _default(value: object) -> str:
@@ -129,7 +133,8 @@ def _default(value: object) -> str:
 
 def _key_row(key: ConfigKey) -> str:
     choices = ", ".join(_code(str(c)) for c in key.choices) if key.choices else ""
-    return f"| {_code(key.name)} | {_code(key.type)} | {_default(key.default)} | {choices} | {key.doc} |"
+    doc = key.doc.replace("|", "\\|")  # |A| in prose: an escaped pipe is text, a bare one ends the cell
+    return f"| {_code(key.name)} | {_code(key.type)} | {_default(key.default)} | {choices} | {doc} |"
 
 
 def render_config_reference() -> str:

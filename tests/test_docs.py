@@ -4,6 +4,7 @@
 from the argument parsers; a change to either without `make docs` (or `python docs/gen_reference.py`) fails here.
 """
 import dataclasses
+import re
 
 import pytest
 
@@ -62,3 +63,13 @@ def test_cli_reference_covers_every_command():
         assert f"## `{' '.join(('verl-mega', *words))}`" in page
     assert "usage: verl-mega launch slurm" in page and "--gpus-per-node" in page
     assert "usage: verl-mega train" in page and "overrides" in page
+
+
+def test_every_config_table_row_has_five_cells():
+    """A pipe in a type or doc is escaped, so no row of the committed page splits into extra cells."""
+    page = (gen_reference.REFERENCE_DIR / gen_reference.CONFIG_PAGE).read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(list(gen_reference.config_keys(schema.TrainConfig())))
+    for row in rows:
+        outside_code = re.sub(r"`[^`]*`", "", row).replace("\\|", "")
+        assert outside_code.count("|") == 6, row
