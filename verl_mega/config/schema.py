@@ -275,7 +275,7 @@ class TrainerConfig:
     total_steps: int = 10
     """Training steps of the run."""
     seed: int = 1
-    """Seed of the ranks' torch and megatron RNGs (model initialisation, dropout)."""
+    """Seed of the ranks' RNGs, through megatron's model_parallel_cuda_manual_seed (init_parallel)."""
     save_every: int = 0
     """Steps between step checkpoints; 0: only at the end."""
     keep_last: int = 2
