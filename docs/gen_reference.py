@@ -163,12 +163,16 @@ def render_config_reference() -> str:
 
 
 def command_paths(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    """Every command of the parser tree, parents before their subcommands."""
+    """Every command of the parser tree, parents before their subcommands; an alias (argparse lists it as
+    another name of the same parser) is shown once, under the command's first name."""
     yield words
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
+            seen = set()
             for name, sub in action.choices.items():
-                yield from command_paths(sub, (*words, name))
+                if id(sub) not in seen:
+                    seen.add(id(sub))
+                    yield from command_paths(sub, (*words, name))
 
 
 def command_help(words: tuple[str, ...]) -> str:

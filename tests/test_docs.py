@@ -3,6 +3,7 @@
 `docs/gen_reference.py` writes docs/reference/config.md from the config dataclasses and docs/reference/cli.md
 from the argument parsers; a change to either without `make docs` (or `python docs/gen_reference.py`) fails here.
 """
+import argparse
 import dataclasses
 import re
 
@@ -73,3 +74,11 @@ def test_every_config_table_row_has_five_cells():
     for row in rows:
         outside_code = re.sub(r"`[^`]*`", "", row).replace("\\|", "")
         assert outside_code.count("|") == 6, row
+
+
+def test_an_alias_is_listed_once():
+    parser = argparse.ArgumentParser(prog="tool")
+    commands = parser.add_subparsers()
+    commands.add_parser("preference", aliases=["dpo"])
+    commands.add_parser("sft")
+    assert list(gen_reference.command_paths(parser)) == [(), ("preference",), ("sft",)]
