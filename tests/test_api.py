@@ -1,5 +1,5 @@
 """The Python API (`verl_mega.Trainer`, `load_policy`), the run's provenance record, model checksums and HF
-`datasets` folders as data files; the README's API example runs as printed."""
+`datasets` folders as data files; the docs' API example runs as printed."""
 import ast
 import hashlib
 import json
@@ -162,13 +162,13 @@ def test_a_link_out_of_the_datasets_folder_is_refused(tmp_path):
         read_rows(folder)
 
 
-def test_readme_shows_the_api_example_verbatim():
-    assert f"```python\n{EXAMPLE.read_text()}```" in (ROOT / "README.md").read_text()
+def test_docs_show_the_api_example_verbatim():
+    assert f"```python\n{EXAMPLE.read_text()}```" in (ROOT / "docs" / "python-api.md").read_text()
 
 
 @pytest.mark.slow
 def test_readme_api_example_trains_records_provenance_and_generates(tmp_path):
-    """The README's example as printed, 2 GRPO steps on the tiny model; then the policy loads back from the
+    """The Python API page's example as printed, 2 GRPO steps on the tiny model; then the policy loads back from the
     run folder and from its export alike."""
     from verl_mega.cli import main as cli
     from verl_mega.models.tiny import make_tiny_hf_model

@@ -1,4 +1,4 @@
-"""Families declared outside the package: the README's InternLM2-style example, plugins, refusals."""
+"""Families declared outside the package: the docs' InternLM2-style example, plugins, refusals."""
 import json
 import shutil
 from pathlib import Path
@@ -64,10 +64,10 @@ def internlm2_dir(tiny_models, tmp_path_factory):
     return internlm2_style_copy(tiny_models["llama"], tmp_path_factory.mktemp("internlm2") / "hf")
 
 
-def test_readme_shows_the_example_verbatim_in_at_most_20_lines():
+def test_docs_show_the_example_verbatim_in_at_most_20_lines():
     example = (EXAMPLES / "internlm2_family.py").read_text()
     assert len(example.splitlines()) <= 20
-    assert f"```python\n{example}```" in (ROOT / "README.md").read_text()
+    assert f"```python\n{example}```" in (ROOT / "docs" / "adding-a-family.md").read_text()
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import version
 
 from verl_mega.checkpoint.manifest import FORMATS
 from verl_mega.checkpoint.roles import ROLES
@@ -118,6 +119,8 @@ def _add_delegated(subparsers) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-mega", description="Megatron-backed RL post-training: convert HF "
                                      "checkpoints to Megatron shards, train, launch, export back to HF.")
+    # The installed package's metadata (setup.py's version) is the one source of the version.
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('verl_mega')}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_convert(subparsers)
     _add_export(subparsers)

@@ -21,183 +21,295 @@ class OptimConfig:
     """Adam settings and the LR schedule (constant, linear or cosine decay after a linear warmup)."""
 
     lr: float = 1e-6
+    """Peak learning rate (after the warmup)."""
     min_lr: float = 0.0
+    """Learning rate the linear or cosine decay ends at."""
     weight_decay: float = 0.01
+    """Adam's decoupled weight decay."""
     adam_beta1: float = 0.9
+    """Adam's beta1."""
     adam_beta2: float = 0.999
+    """Adam's beta2."""
     adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # <= 0: no clipping (the norm is still reported)
+    """Adam's epsilon."""
+    clip_grad: float = 1.0
+    """Gradient-norm clipping threshold; <= 0: no clipping (the norm is still reported)."""
     use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: optimizer state sharded over the data-parallel ranks."""
     lr_warmup_steps: int = 0
-    lr_decay_steps: int | None = None  # None: the run's optimizer steps
+    """Optimizer steps of linear warmup from 0 to `lr`."""
+    lr_decay_steps: int | None = None
+    """Optimizer steps the decay spans; None: the run's optimizer steps."""
     lr_decay_style: str = "constant"
+    """Shape of the decay after the warmup (megatron's OptimizerParamScheduler)."""
 
 
 @dataclass
 class PolicyLossConfig:
-    policy_loss: str = "vanilla"  # a name registered in algorithms.POLICY_LOSSES
+    """The actor's loss: the policy-gradient surrogate, its clipping, entropy bonus and KL loss."""
+
+    policy_loss: str = "vanilla"
+    """The policy loss, a name registered in algorithms.POLICY_LOSSES."""
     clip_ratio: float = 0.2
+    """PPO's clip range: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
     clip_ratio_low: float | None = None
+    """Lower clip range (DAPO's clip-higher is an asymmetric range); None: clip_ratio."""
     clip_ratio_high: float | None = None
+    """Upper clip range; None: clip_ratio."""
     clip_ratio_c: float = 3.0
+    """Dual-clip bound (> 1): for negative advantages the loss is capped at clip_ratio_c * |A|."""
     loss_agg_mode: str = "token-mean"
+    """How per-token losses are averaged into the batch's loss."""
     entropy_coeff: float = 0.0
+    """Weight of the entropy bonus subtracted from the policy loss."""
     use_kl_loss: bool = False
+    """Add a KL term against the frozen reference to the actor's loss (GRPO-style KL in loss)."""
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # a name registered in algorithms.KL_ESTIMATORS
-    extra: dict = field(default_factory=dict)  # further keyword arguments of the policy loss
+    """Weight of that KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """The KL loss's estimator, a name registered in algorithms.KL_ESTIMATORS."""
+    extra: dict = field(default_factory=dict)
+    """Further keyword arguments of the policy loss."""
 
 
 @dataclass
 class ValueLossConfig:
+    """The critic's clipped value loss."""
+
     cliprange_value: float = 0.5
+    """Clip range of the new values around the old ones."""
     loss_agg_mode: str = "token-mean"
+    """How per-token value losses are averaged into the batch's loss."""
 
 
 @dataclass
 class ModelConfig:
-    hf_path: str = "???"  # HF folder: config, tokenizer (and the weights when `actor_ckpt` is empty)
-    actor_ckpt: str = ""  # converted megatron checkpoint; empty: converted from hf_path into the run folder
-    critic_ckpt: str = ""  # converted megatron checkpoint; empty: critic_hf_path's weights, else the actor's
-    critic_hf_path: str = ""  # HF causal-LM folder the critic starts from (converted like the actor's weights)
-    # fp32 | bf16 | fp16: parameters and activations of actor, critic and reference (megatron mixed precision:
-    # fp32 main weights, optimizer state and gradient reduction; fp16 with dynamic loss scaling).
+    """The models a run starts from and the precision they train in."""
+
+    hf_path: str = "???"
+    """HF folder: config, tokenizer (and the weights when `actor_ckpt` is empty)."""
+    actor_ckpt: str = ""
+    """Converted megatron checkpoint; empty: converted from hf_path into the run folder."""
+    critic_ckpt: str = ""
+    """Converted megatron checkpoint; empty: critic_hf_path's weights, else the actor's."""
+    critic_hf_path: str = ""
+    """HF causal-LM folder the critic starts from (converted like the actor's weights)."""
     dtype: str = "fp32"
-    family_spec: str = ""  # package.module:SPEC of a family declared outside verl_mega; empty: by model_type
-    # A folder of converted checkpoints shared by runs, one per HF folder's sha256, layout and dtype; empty: the
-    # HF folders are converted into the run folder. Not used for a role whose *_ckpt is given.
+    """Parameters and activations of actor, critic and reference (megatron mixed precision: fp32 main weights,
+    optimizer state and gradient reduction; fp16 with dynamic loss scaling)."""
+    family_spec: str = ""
+    """package.module:SPEC of a family declared outside verl_mega; empty: by model_type."""
     conversion_cache: str = ""
-    sha256: str = ""  # expected sha256 of hf_path's config and weights (RUN/provenance.json's); empty: any
+    """A folder of converted checkpoints shared by runs, one per HF folder's sha256, layout and dtype; empty: the
+    HF folders are converted into the run folder. Not used for a role whose *_ckpt is given."""
+    sha256: str = ""
+    """Expected sha256 of hf_path's config and weights (RUN/provenance.json's); empty: any."""
 
 
 @dataclass
 class ParallelConfig:
+    """The training layout; the data-parallel size is what the world size leaves."""
+
     tp: int = 1
+    """Tensor-parallel size of training."""
     pp: int = 1
+    """Pipeline-parallel size of training."""
     ep: int = 1
+    """Expert-parallel size of training (MoE models)."""
     rollout_tp: int = 1
+    """Tensor-parallel size of each rollout replica (the HybridEngine regroups the training shards into it)."""
 
 
 @dataclass
 class DataConfig:
-    # parquet or jsonl files, or folders written by HF datasets' `save_to_disk` (one split each)
+    """The training and held-out data, and how prompts are cut and batched."""
+
     train_files: list[str] = field(default_factory=list)
-    # Held-out rows scored every trainer.val_every steps and at the end (ppo: also before the first step):
-    # ppo/grpo: greedy generations' reward, overall and per data_source; sft / dpo: the loss on them.
+    """Parquet or jsonl files, or folders written by HF datasets' `save_to_disk` (one split each)."""
     val_files: list[str] = field(default_factory=list)
+    """Held-out rows scored every trainer.val_every steps and at the end (rl: also before the first step). rl:
+    greedy generations' reward, overall and per data_source; sft / preference: the loss on them."""
     prompt_key: str = "prompt"
+    """The data files' column holding the prompt."""
     max_prompt_length: int = 64
+    """Prompt tokens kept (longer prompts are cut on the `truncation` side, or refused)."""
     max_response_length: int = 32
-    truncation: str = "left"  # sft / dpo: "error" refuses a too long prompt or response, naming file and row
-    batch_size: int = 8  # prompts (sft: conversations; dpo: pairs or KTO rows) per step, over all DP ranks
+    """Tokens generated per response (rl); sft / preference: responses are cut on the right to this many."""
+    truncation: str = "left"
+    """Which side a too long prompt loses; "error" refuses it, naming file and row."""
+    batch_size: int = 8
+    """Prompts (sft: conversations; preference: pairs or KTO rows) per step, over all DP ranks."""
     seed: int = 1
-    # sft / dpo: rows of similar length share a batch (less padding); each group holds this many batches.
+    """Seed of the data sampler's shuffle."""
     length_group_batches: int = 8
-    skip_invalid_rows: bool = False  # sft / dpo: skip (and count) bad rows instead of refusing the data file
+    """sft / preference: rows of similar length share a batch (less padding); each group holds this many
+    batches."""
+    skip_invalid_rows: bool = False
+    """sft / preference: skip (and count) bad rows instead of refusing the data file."""
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "auto"  # auto | embedded | vllm
+    """Generation: the rollout engine and its sampling."""
+
+    engine: str = "auto"
+    """The rollout engine; auto takes vLLM on GPUs where it is installed, else the embedded one."""
     n: int = 1
+    """Responses sampled per prompt (the group of GRPO, RLOO, ...)."""
     temperature: float = 1.0
+    """Sampling temperature."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much probability."""
     top_k: int = -1
+    """Keep the k most likely tokens; -1: all."""
     seed: int = 1
-    dtype: str = "auto"  # auto (bf16 for vLLM, model.dtype for the embedded engine) | fp32 | bf16 | fp16
+    """Seed of the sampling (each step and replica draws from its own offset of it)."""
+    dtype: str = "auto"
+    """What the rollout engine runs and the HybridEngine streams; auto: bf16 for vLLM, model.dtype for the
+    embedded engine."""
 
 
 @dataclass
 class UpdateSchedule:
+    """How a role's update walks the batch: epochs, mini-batches, micro-batches."""
+
     ppo_epochs: int = 1
-    mini_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
-    micro_batch_size: int = 2  # sequences per forward/backward on one rank
-    # > 0: micro-batches of as many consecutive sequences as fit this many tokens (padding to the longest
-    # included) instead of micro_batch_size sequences, as verl's use_dynamic_bsz; the loss is the same.
+    """Passes over each batch."""
+    mini_batch_size: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 2
+    """Sequences per forward/backward on one rank."""
     max_tokens_per_micro_batch: int = 0
-    # Padding-free THD micro-batches (each row's tokens back to back, megatron's PackedSeqParams): auto (on with
-    # transformer-engine's layers in bf16/fp16, i.e. on a GPU with it installed) | true (refused without
-    # transformer-engine) | false.
+    """> 0: micro-batches of as many consecutive sequences as fit this many tokens (padding to the longest
+    included) instead of micro_batch_size sequences, as verl's use_dynamic_bsz; the loss is the same."""
     use_packed_sequences: str = "auto"
+    """Padding-free THD micro-batches (each row's tokens back to back, megatron's PackedSeqParams): auto (on with
+    transformer-engine's layers in bf16/fp16, i.e. on a GPU with it installed), true (refused without
+    transformer-engine) or false."""
 
 
 @dataclass
 class ActorConfig(UpdateSchedule):
+    """The policy: its update schedule, optimizer and loss."""
+
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
 
 @dataclass
 class CriticConfig(UpdateSchedule):
-    enable: bool = True  # needed by GAE; outcome estimators (grpo, rloo, ...) run without a critic
+    """The value model: its update schedule, optimizer and loss."""
+
+    enable: bool = True
+    """Train a critic; GAE needs one, the outcome estimators (grpo, rloo, ...) run without."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
 
 
 @dataclass
 class KLControlConfig:
+    """The coefficient of the KL penalty in the reward."""
+
     type: str = "fixed"
+    """fixed: kl_coef throughout; adaptive: adjusted towards target_kl over horizon steps."""
     kl_coef: float = 0.0
+    """(Initial) coefficient of the KL penalty in the reward."""
     target_kl: float = 0.1
+    """adaptive: the KL the coefficient steers towards."""
     horizon: int = 10000
+    """adaptive: how many steps the coefficient's adjustment spreads over."""
 
 
 @dataclass
 class AlgorithmConfig:
+    """Advantages and the KL penalty (rl); the preference loss and its knobs (preference)."""
+
     adv_estimator: str = "gae"
+    """Advantage estimator, a name registered in algorithms.ADV_ESTIMATORS (gae needs the critic)."""
     gamma: float = 1.0
+    """Discount factor of GAE and REINFORCE++ returns."""
     lam: float = 1.0
+    """GAE's lambda."""
     norm_adv_by_std_in_grpo: bool = True
+    """grpo: divide the group-centred rewards by the group's standard deviation (false: Dr.GRPO-style)."""
     use_kl_in_reward: bool = False
+    """Subtract the KL to the frozen reference from the token rewards (coefficient: kl_ctrl)."""
     kl_penalty: str = "k1"
+    """The estimator of that KL, a name registered in algorithms.KL_ESTIMATORS."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     normalize_rewards: bool = False
-    # Preference job (job: dpo): a name registered in algorithms.PREFERENCE_LOSSES and its knobs.
+    """Scale the rewards by a running standard deviation before the advantages."""
     loss: str = "dpo"
-    beta: float = 0.1  # DPO/IPO/KTO/SimPO temperature; ORPO's weight λ of the odds-ratio term
-    label_smoothing: float = 0.0  # cDPO / SimPO: probability that a preference label is flipped
-    simpo_gamma: float = 0.5  # SimPO's target reward margin γ
+    """Preference job: a name registered in algorithms.PREFERENCE_LOSSES."""
+    beta: float = 0.1
+    """DPO/IPO/KTO/SimPO temperature; ORPO's weight λ of the odds-ratio term."""
+    label_smoothing: float = 0.0
+    """cDPO / SimPO: probability that a preference label is flipped."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin γ."""
     kto_desirable_weight: float = 1.0
+    """KTO: weight of the desirable rows' loss."""
     kto_undesirable_weight: float = 1.0
-    # dpo / ipo: score every train and validation row with the frozen reference once, keep the log-probs in the
-    # run folder (reused on resume) and build no reference model for the steps.
+    """KTO: weight of the undesirable rows' loss."""
     cache_reference_logprobs: bool = False
+    """dpo / ipo: score every train and validation row with the frozen reference once, keep the log-probs in the
+    run folder (reused on resume) and build no reference model for the steps."""
 
 
 @dataclass
 class RewardConfig:
-    function: str = "exact_match"  # a registered name or "module:function"
-    reward_model: str = ""  # HF sequence-classification folder; replaces `function` when set
+    """What scores a response (rl)."""
+
+    function: str = "exact_match"
+    """A registered reward function's name or "module:function"."""
+    reward_model: str = ""
+    """HF sequence-classification folder; replaces `function` when set."""
 
 
 @dataclass
 class TrainerConfig:
+    """The run: its folder, length, checkpoints, logging and profiling."""
+
     run_dir: str = "runs/default"
+    """The run folder: config, metrics, checkpoints, final weights (see the run folder's page)."""
     total_steps: int = 10
+    """Training steps of the run."""
     seed: int = 1
-    save_every: int = 0  # 0: only at the end
+    """Seed of the ranks' RNGs, through megatron's model_parallel_cuda_manual_seed (init_parallel)."""
+    save_every: int = 0
+    """Steps between step checkpoints; 0: only at the end."""
     keep_last: int = 2
-    # s3://bucket/prefix: rank 0 uploads each step checkpoint there in the background (keep_last applies) and a
-    # run whose folder is empty or behind resumes from it; "" is off. Endpoint/credentials: boto3's (AWS_*).
+    """Step checkpoints kept (older ones are deleted)."""
     checkpoint_mirror: str = ""
-    checkpoint_mirror_wait_s: float = 600.0  # at the run's end, how long to wait for uploads still running
+    """s3://bucket/prefix: rank 0 uploads each step checkpoint there in the background (keep_last applies) and a
+    run whose folder is empty or behind resumes from it; "" is off. Endpoint/credentials: boto3's (AWS_*)."""
+    checkpoint_mirror_wait_s: float = 600.0
+    """At the run's end, how long to wait for uploads still running."""
     tensorboard: bool = True
+    """Write TensorBoard events into the run folder."""
     wandb_project: str = ""
-    health_port: int = 0  # 0: no health endpoint
+    """Log to this wandb project; empty: no wandb."""
+    health_port: int = 0
+    """Port of rank 0's GET /healthz endpoint; 0: no health endpoint."""
     progress_bar: bool = True
-    # A NaN/inf reward, advantage or gradient: "error" stops the run before applying it; "skip" drops that
-    # batch (or optimizer step) and counts it in the metrics (trainer/nonfinite_skipped).
+    """A progress bar on rank 0's stderr."""
     nonfinite: str = "error"
-    val_every: int = 0  # steps between validation passes over data.val_files (0: only at the end)
-    log_format: str = "text"  # text: one compact console line per step; json: the step's record as one JSON line
-    # ppo: every log_samples_every steps (0: never), log_samples prompt / response / score rows of the step's
-    # rollout to RUN/generations.jsonl (and TensorBoard text, a wandb table).
+    """A NaN/inf reward, advantage or gradient: "error" stops the run before applying it; "skip" drops that
+    batch (or optimizer step) and counts it in the metrics (trainer/nonfinite_skipped)."""
+    val_every: int = 0
+    """Steps between validation passes over data.val_files (0: only at the end)."""
+    log_format: str = "text"
+    """text: one compact console line per step; json: the step's record as one JSON line."""
     log_samples_every: int = 0
+    """rl: every log_samples_every steps (0: never), log log_samples prompt / response / score rows of the
+    step's rollout to RUN/generations.jsonl (and TensorBoard text, a wandb table)."""
     log_samples: int = 4
-    # torch.profiler traces of these steps (1-based) on these ranks, RUN/profile/step_NNNNNN_rankR.pt.trace.json:
-    # Chrome trace JSON, opened by Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin.
+    """Rows logged each time (see log_samples_every)."""
     profile_steps: list[int] = field(default_factory=list)
+    """torch.profiler traces of these steps (1-based) on profile_ranks, RUN/profile/step_NNNNNN_rankR.pt.trace.json:
+    Chrome trace JSON, opened by Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """The ranks that record profile_steps."""
 
 
 JOBS = ("ppo", "sft", "dpo")
@@ -205,7 +317,11 @@ JOBS = ("ppo", "sft", "dpo")
 
 @dataclass
 class TrainConfig:
-    job: str = "ppo"  # ppo (PPO/GRPO and friends), sft (supervised fine-tuning), dpo (preference optimisation)
+    """A run's whole config."""
+
+    job: str = "ppo"
+    """Which job runs: rl (PPO, GRPO and the other RL estimators), sft (supervised fine-tuning) or preference
+    (DPO, IPO, KTO, SimPO, ORPO); ppo and dpo are the old spellings."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)

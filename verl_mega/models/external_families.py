@@ -18,8 +18,7 @@ from .spec import FamilySpec
 
 ENTRY_POINT_GROUP = "verl_mega.families"
 HOW_TO_DECLARE = (f"declare it with --family-spec package.module:SPEC (model.family_spec in a training config) "
-                  f"or a '{ENTRY_POINT_GROUP}' entry point named after the model_type (README: 'Families declared "
-                  "outside the package')")
+                  f"or a '{ENTRY_POINT_GROUP}' entry point named after the model_type (docs/adding-a-family.md)")
 
 
 def import_family_spec(reference, data_dir: str | Path | None = None) -> FamilySpec:
