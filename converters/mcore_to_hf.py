@@ -60,7 +60,7 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], manifest: Manife
 def iter_legacy_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every tensor, holding one pipeline stage's files memory-mapped."""
     cfg = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(cfg, manifest.family_spec, ckpt_dir)
+    family = family_for(cfg, manifest.family_spec, ckpt_dir, recorded=True)
     iteration = megatron_legacy.checked_iteration(ckpt_dir, manifest.iteration, manifest.tp, manifest.pp, manifest.ep)
     for pp_rank in range(manifest.pp):
         for ep_rank in range(manifest.ep):
@@ -102,7 +102,7 @@ def _check_shard(shard: dict, slots, cfg, manifest: Manifest, where: str) -> Non
 def _write_hf_files(assets: Path, manifest: Manifest, out: Path, dtype: str, keep_remote_code: bool) -> None:
     if assets.is_dir():
         copy_hf_assets(assets, out, keep_remote_code=keep_remote_code, skip=("config.json",), follow_symlinks=False)
-    family = family_for(manifest.hf_config, manifest.family_spec, assets.parent)
+    family = family_for(manifest.hf_config, manifest.family_spec, assets.parent, recorded=True)
     config = dict(manifest.hf_config if keep_remote_code else without_remote_code(manifest.hf_config))
     config["architectures"] = [hf_architecture(family, manifest.role)]
     if manifest.role == "critic":

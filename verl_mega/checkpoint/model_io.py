@@ -66,7 +66,7 @@ def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "
     `family_spec` replaces the family spec the manifest records (e.g. after its module moved)."""
     manifest = Manifest.read(ckpt_dir, family_spec)
     cfg = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(cfg, manifest.family_spec, ckpt_dir)
+    family = family_for(cfg, manifest.family_spec, ckpt_dir, recorded=True)
     layout = current_layout()
     config = transformer_config(cfg, family, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                                 dtype=dtype or manifest.dtype, **config_overrides)
