@@ -66,3 +66,19 @@ def test_a_spec_the_user_names_is_imported(fault_models, tmp_path):
     result = _cli(["convert", "mcore-to-hf", "--ckpt", "ckpt", "--out", "out", "--family-spec", "evil:SPEC"], folder)
     assert (folder / "ran.txt").exists(), result.stderr
     assert result.returncode == 2 and "is not a verl_mega FamilySpec" in result.stderr
+
+
+@pytest.mark.parametrize("body, words", [
+    ("raise RuntimeError('no GPU here')", ("RuntimeError: no GPU here",)),
+    ("import sys\nsys.exit(3)", ("SystemExit",)),
+    ("SPEC = 1 / 0", ("ZeroDivisionError",)),
+], ids=["raises", "exits", "divides-by-zero"])
+def test_a_spec_module_that_fails_to_import_is_one_line(fault_models, tmp_path, body, words):
+    (tmp_path / "broken_spec.py").write_text(body + "\n")
+    out = tmp_path / "out"
+    result = _cli(["convert", "hf-to-mcore", "--hf", str(fault_models["llama"]), "--out", str(out),
+                   "--family-spec", "broken_spec:SPEC"], tmp_path)
+    lines = [line for line in result.stderr.strip().splitlines() if "Warning" not in line and "warn" not in line]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "'broken_spec:SPEC'" in lines[0] and all(word in lines[0] for word in words), lines[0]
+    assert not out.exists()

@@ -50,6 +50,9 @@ def import_family_spec(reference, data_dir: str | Path | None = None) -> FamilyS
     except ImportError as err:
         raise ValueError(f"family spec '{reference}' cannot be imported ({err}); install its package or put it "
                          "on PYTHONPATH") from None
+    except (Exception, SystemExit) as err:  # the module itself failed (or exited): its error is what to fix
+        raise ValueError(f"family spec '{reference}': importing {module_name} raised "
+                         f"{type(err).__name__}: {err}; fix that module") from None
     spec = getattr(module, attribute, None)
     if not isinstance(spec, FamilySpec):
         raise ValueError(f"family spec '{reference}': {module_name}.{attribute} is not a verl_mega FamilySpec")
