@@ -312,3 +312,15 @@ def test_remote_code_is_not_carried_unless_asked(fault_models, tmp_path, capsys)
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "plain_hf")  # loads without trust_remote_code
+
+
+@pytest.mark.slow
+def test_a_conversion_that_fails_its_verify_leaves_no_checkpoint(fault_models, tmp_path, capsys):
+    """--verify judged by a bound no conversion meets (exact logits are not expected across the two stacks):
+    exit 1, the parity line printed, and the checkpoint written for it removed, so nothing unverified trains."""
+    out = tmp_path / "out"
+    code, err = run(["convert", "hf-to-mcore", "--hf", fault_models["llama"], "--out", out, "--verify",
+                     "--tolerance", "1e-30"], capsys)
+    assert code == 1, err
+    assert f"removed {out}" in err and not out.exists()
+    assert sorted(tmp_path.iterdir()) == []
