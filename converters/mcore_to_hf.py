@@ -51,16 +51,28 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], manifest: Manife
     with atomic_output_dir(out_dir, overwrite, sources=sources) as tmp:
         writer = SafetensorsWriter(tmp, max_shard_bytes)
         for name, tensor in tensors:
-            writer.add(name, tensor.to(DTYPES[dtype]))
+            writer.add(name, _finite(name, tensor, tensor.to(DTYPES[dtype]), dtype))
         writer.close()
         _write_hf_files(assets, manifest, tmp, dtype, keep_remote_code)
     return Path(out_dir)
 
 
+def _finite(name: str, tensor: torch.Tensor, written: torch.Tensor, dtype: str) -> torch.Tensor:
+    """`written` (tensor in the output dtype) if every value is finite; weights that are NaN/inf, or overflow the
+    output dtype, are refused before anything is written, as the trainer refuses to save them."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"tensor '{name}' holds NaN/inf: these weights are not a model, nothing was written "
+                         "(export an earlier checkpoint: --step N)")
+    if not bool(torch.isfinite(written).all()):
+        raise ValueError(f"tensor '{name}' overflows {dtype} (largest |value| {tensor.abs().max().item():.4g}): "
+                         "nothing was written; export in a wider --dtype (bf16 or fp32)")
+    return written
+
+
 def iter_legacy_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every tensor, holding one pipeline stage's files memory-mapped."""
     hf_config = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(hf_config, manifest.family_spec, ckpt_dir)
+    family = family_for(hf_config, manifest.family_spec, ckpt_dir, recorded=True)
     iteration = megatron_legacy.checked_iteration(ckpt_dir, manifest.iteration, manifest.tp, manifest.pp, manifest.ep)
     for pp_rank in range(manifest.pp):
         for ep_rank in range(manifest.ep):
@@ -102,7 +114,7 @@ def _check_shard(shard: dict, slots, hf_config, manifest: Manifest, where: str) 
 def _write_hf_files(assets: Path, manifest: Manifest, out: Path, dtype: str, keep_remote_code: bool) -> None:
     if assets.is_dir():
         copy_hf_assets(assets, out, keep_remote_code=keep_remote_code, skip=("config.json",), follow_symlinks=False)
-    family = family_for(manifest.hf_config, manifest.family_spec, assets.parent)
+    family = family_for(manifest.hf_config, manifest.family_spec, assets.parent, recorded=True)
     config = dict(manifest.hf_config if keep_remote_code else without_remote_code(manifest.hf_config))
     config["architectures"] = [hf_architecture(family, manifest.role)]
     if manifest.role == "critic":

@@ -32,7 +32,7 @@ def _write_rank(hf_dir: Path, root: Path) -> None:
 
     manifest = Manifest.read(root)
     hf_config = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(hf_config, manifest.family_spec, root)
+    family = family_for(hf_config, manifest.family_spec, root, recorded=True)
     layout = init_parallel(manifest.tp, manifest.pp, manifest.ep)
     config = transformer_config(hf_config, family, tp=layout.tp, pp=layout.pp, ep=layout.ep, dtype=manifest.dtype)
     model = build_gpt_model(hf_config, family, config, padded_vocab=manifest.padded_vocab_size,

@@ -44,6 +44,11 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
     for hf_dir, ckpt_dir in pairs:
         check_pair(hf_dir, ckpt_dir, family_spec)
     first = Manifest.read(pairs[0][1], family_spec)
+    # The ranks are new processes: a spec this one accepted from the manifests (the user named it here, or a plugin
+    # declares it) is named to them explicitly, since they would refuse a manifest's own say-so.
+    recorded = {Manifest.read(ckpt_dir).family_spec for _, ckpt_dir in pairs} if family_spec is None else set()
+    if len(recorded) == 1 and None not in recorded:
+        family_spec = recorded.pop()
     tp, pp, ep = tp or first.tp, pp or first.pp, first.ep
     for name, size in (("--seq-len", seq_len), ("--batch", batch)):
         if type(size) is not int or size < 1:

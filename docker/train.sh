@@ -4,28 +4,21 @@
 #   MODEL_ID      HF model folder: config.json, weights, tokenizer
 #   DATASET_PATH  parquet or jsonl file, or a folder written by HF datasets' save_to_disk (one split)
 #   RL_CONFIG     training config (YAML, as examples/*.yaml); its job may be ppo (PPO, GRPO, ...), sft or dpo
-#   RUN_DIR       run folder: checkpoints, metrics, provenance.json (default /workspace/runs/<RL_CONFIG's name>);
-#                 a run started again on the same folder resumes
+#   RUN_DIR       run folder: checkpoints, metrics, provenance.json (default: RL_CONFIG's trainer.run_dir if it
+#                 sets one, else /workspace/runs/<RL_CONFIG's name>); a run started again on the same folder resumes
 #   CACHE_DIR     converted checkpoints shared by runs, one per model sha256, layout and dtype
 #                 (default /workspace/cache): the model is converted once and reused
 #   NPROC         processes on this node (default 1; torchrun when more than 1)
 #   MODEL_SHA256  refuse a model whose sha256 differs (the image may bake one in)
 #   PYTHON        the interpreter (default python)
-# Arguments are further dotted config overrides (trainer.total_steps=100 ...). A missing or bad variable
-# exits 2 naming it; so does any config problem the trainer finds.
+# Arguments are further dotted config overrides (trainer.total_steps=100 ...). Every value reaches the config as
+# the exact string given (spaces, '#', quotes and '${' included; the config's override rules type it by its key).
+# A missing or bad variable exits 2 naming it; so does any config problem the trainer finds.
 set -euo pipefail
 
 fail() {
     echo "train.sh: $*" >&2
     exit 2
-}
-
-# Values become OmegaConf overrides, where quotes, backslashes, brackets, commas and ${ are syntax.
-plain_path() {
-    local name=$1 value=$2
-    case "$value" in
-        *[\'\"\\,\[\]]* | *\$\{*) fail "$name=$value: use a path without quotes, backslashes, brackets, commas or \${" ;;
-    esac
 }
 
 [[ -n "${MODEL_ID:-}" ]] || fail "MODEL_ID is not set: point it at an HF model folder (config.json, weights, tokenizer)"
@@ -35,21 +28,25 @@ plain_path() {
 [[ -n "${RL_CONFIG:-}" ]] || fail "RL_CONFIG is not set: point it at a YAML training config"
 [[ -f "$RL_CONFIG" ]] || fail "RL_CONFIG=$RL_CONFIG is not a file"
 NPROC=${NPROC:-1}
+PYTHON=${PYTHON:-python}
 [[ "$NPROC" =~ ^[1-9][0-9]{0,3}$ ]] || fail "NPROC=$NPROC must be a number of processes (1 or more)"
-RUN_DIR=${RUN_DIR:-/workspace/runs/$(basename "$RL_CONFIG" .yaml)}
+if [[ -z "${RUN_DIR:-}" ]]; then
+    # The config's own trainer.run_dir wins over this default (read as YAML, as the trainer reads the file).
+    RUN_DIR=$("$PYTHON" -c 'import sys, yaml
+config = yaml.safe_load(open(sys.argv[1])) or {}
+trainer = config.get("trainer") if isinstance(config, dict) else None
+print((trainer or {}).get("run_dir") or "", end="")' "$RL_CONFIG") || fail "RL_CONFIG=$RL_CONFIG is not valid YAML"
+    RUN_DIR=${RUN_DIR:-/workspace/runs/$(basename "$RL_CONFIG" .yaml)}
+fi
 CACHE_DIR=${CACHE_DIR:-/workspace/cache}
 MODEL_SHA256=${MODEL_SHA256:-}
 [[ -z "$MODEL_SHA256" || "$MODEL_SHA256" =~ ^[0-9a-fA-F]{64}$ ]] || fail "MODEL_SHA256=$MODEL_SHA256 is not a sha256 (64 hex digits)"
-PYTHON=${PYTHON:-python}
-for name in MODEL_ID DATASET_PATH RUN_DIR CACHE_DIR; do
-    plain_path "$name" "${!name}"
-done
 mkdir -p "$RUN_DIR" 2>/dev/null || fail "RUN_DIR=$RUN_DIR cannot be created"
 mkdir -p "$CACHE_DIR" 2>/dev/null || fail "CACHE_DIR=$CACHE_DIR cannot be created"
 
 overrides=(
     "model.hf_path=$MODEL_ID"
-    "data.train_files=[$DATASET_PATH]"
+    "data.train_files=$DATASET_PATH"
     "trainer.run_dir=$RUN_DIR"
     "model.conversion_cache=$CACHE_DIR"
     ${MODEL_SHA256:+"model.sha256=$MODEL_SHA256"}

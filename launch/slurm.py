@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     try:
         options = options_from_args(args, passthrough)
-        if not args.dry_run:  # a dry run only shows the script
-            check_trainer_config(args, passthrough, options.nodes * options.ranks_per_node)
+        # A dry run checks what a submission checks: it shows the script only of a job that would be queued.
+        check_trainer_config(args, passthrough, options.nodes * options.ranks_per_node)
     except ValueError as error:
         parser.error(str(error))
     created = not options.run_dir.exists()

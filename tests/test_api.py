@@ -80,6 +80,14 @@ def test_trainer_builds_the_config_the_command_line_builds(tmp_path):
     (dict(config=["trainer.total_steps=3"]), r"config: list given"),
     (dict(reward_fn=42), r"reward_fn: 42 is neither a function"),
     (dict(train_data=[]), r"train_data: give a file"),
+    (dict(train_data=5), r"train_data: give a file .* got 5"),
+    (dict(train_data={"x.jsonl": 1}), r"train_data: give a file"),
+    (dict(val_data=3.5), r"val_data: give a file"),
+    (dict(actor=5), r"actor: give a folder path .* got 5"),
+    (dict(actor=""), r"actor: give a folder path"),
+    (dict(critic=["a", "b"]), r"critic: give a folder path"),
+    (dict(run_dir=0), r"run_dir: give a folder path"),
+    (dict(algorithm=5), r"algorithm 5 is unknown"),
 ])
 def test_trainer_refuses_bad_arguments_naming_them(kwargs, message):
     with pytest.raises(UserError, match=message):

@@ -116,3 +116,44 @@ def test_invalid_yaml_is_refused_with_the_file_named(tmp_path):
     bad.write_text("actor: {lr: 1}\nactor: {lr: 2}\n")
     with pytest.raises(ConfigError, match=f"config file {bad} is not valid YAML"):
         load_config(bad)
+
+
+# --- overrides are typed by the key they set, never re-read as YAML -------------------------------------------
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("model.hf_path=/m/model #v2", "model.hf_path", "/m/model #v2"),
+    ("trainer.run_dir=/runs/a ", "trainer.run_dir", "/runs/a "),
+    ("model.sha256=" + "1" * 64, "model.sha256", "1" * 64),
+    ("reward.function='quoted': ${USER}", "reward.function", "'quoted': ${USER}"),
+    ("model.hf_path=a=b", "model.hf_path", "a=b"),
+    ("data.train_files=/d/my data #1.jsonl", "data.train_files", ["/d/my data #1.jsonl"]),
+    ("data.train_files=[a.jsonl, b.parquet]", "data.train_files", ["a.jsonl", "b.parquet"]),
+    ("actor.optim.lr=1e-6", "actor.optim.lr", 1e-6),
+    ("trainer.total_steps=7", "trainer.total_steps", 7),
+    ("actor.loss.clip_ratio_low=null", "actor.loss.clip_ratio_low", None),
+    ("trainer.profile_ranks=1", "trainer.profile_ranks", [1]),
+    ("actor.loss.extra.beta=0.5", "actor.loss.extra", {"beta": 0.5}),
+])
+def test_an_override_is_typed_by_its_key(override, key, expected):
+    config = load_config(None, ["model.hf_path=/m", override])
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    assert value == expected and type(value) is type(expected)
+
+
+def test_api_values_keep_their_strings():
+    config = load_config(None, values={"model.hf_path": "/m/${HOME} #1", "data.train_files": ["a #b.jsonl"]})
+    assert (config.model.hf_path, config.data.train_files) == ("/m/${HOME} #1", ["a #b.jsonl"])
+
+
+@pytest.mark.parametrize("override, words", [
+    ("trainer.total_steps=ten", ("trainer.total_steps", "'ten'")),
+    ("trainer.no_such_key=1", ("trainer.no_such_key",)),
+    ("trainer.total_steps=null", ("trainer.total_steps",)),
+])
+def test_a_bad_override_is_refused_naming_its_key(override, words):
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["model.hf_path=/m", override])
+    assert all(word in str(refused.value) for word in words), str(refused.value)

@@ -14,10 +14,18 @@ from verl_mega.launch import slurm
 from verl_mega.launch.payload import TRAINER_MODULE
 
 
-@pytest.fixture
-def config(tmp_path):
-    path = tmp_path / "ppo.yaml"
-    path.write_text("trainer: {}\n")
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    """A run config the pre-flight check accepts (a dry run checks what a submission checks), for RL and SFT."""
+    from verl_mega.data.tables import write_rows
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("launch_render")
+    hf = make_tiny_hf_model(root / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)
+    data = write_rows([{"prompt": f"copy: {i}", "response": str(i)} for i in range(8)], root / "rows.jsonl")
+    path = root / "ppo.yaml"
+    path.write_text(f"model: {{hf_path: {hf}}}\ndata: {{train_files: [{data}], batch_size: 32}}\n"
+                    "actor: {mini_batch_size: 32, micro_batch_size: 1}\ncritic: {mini_batch_size: 32, micro_batch_size: 1}\n")
     return path
 
 
@@ -31,7 +39,7 @@ def dry_run(capsys, run_dir, *argv):
 def test_trainer_on_gpu_nodes(capsys, tmp_path, config):
     script = dry_run(capsys, tmp_path / "run", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
                      "--time", "04:00:00", "--account", "proj", "--qos", "high", "--signal-seconds", "600",
-                     str(config), "trainer.total_steps=10", "actor.lr=1e-6")
+                     str(config), "trainer.total_steps=10", "actor.optim.lr=1e-6")
     assert "#SBATCH --nodes=4\n" in script
     assert "#SBATCH --ntasks-per-node=1\n" in script
     assert "#SBATCH --gpus-per-node=8\n" in script
@@ -42,7 +50,7 @@ def test_trainer_on_gpu_nodes(capsys, tmp_path, config):
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     assert '--nnodes="$SLURM_NNODES" --nproc-per-node=8' in script
     assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"' in script
-    assert f"-m {TRAINER_MODULE} --config {config} trainer.total_steps=10 actor.lr=1e-6 &" in script
+    assert f"-m {TRAINER_MODULE} --config {config} trainer.total_steps=10 actor.optim.lr=1e-6 &" in script
     assert "container" not in script
     subprocess.run(["bash", "-n", str(tmp_path / "run" / "sbatch.sh")], check=True)
 

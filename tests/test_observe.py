@@ -54,11 +54,24 @@ def test_plot_writes_a_png_and_says_which_panels_a_run_does_not_log(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["run.png"]  # no temp file left behind
 
 
+@pytest.mark.parametrize("value", ["1" + "0" * 400, "-1" + "0" * 400, "1e999", "NaN", "true", '"high"'])
+def test_plot_leaves_out_values_no_float_holds(tmp_path, capsys, value):
+    """An integer too large for a float, an overflowing or NaN number, a bool or a string: not a point of the curve,
+    and the rest of the run is still plotted."""
+    from verl_mega.cli import main as cli
+
+    (tmp_path / "metrics.jsonl").write_text(f'{{"step": 1, "reward/mean": {value}}}\n{{"step": 2, "reward/mean": 0.5}}\n')
+    assert cli(["plot", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert (tmp_path / "metrics.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
 @pytest.mark.parametrize("content,message", [
     (None, "metrics.jsonl does not exist"),
     ('{"step": 1, "reward/mean": 0.5}\nnot json\n', "metrics.jsonl line 2 is not a step record"),
     ('{"step": "one"}\n', "metrics.jsonl line 1 is not a step record"),
     ("", "holds no step record yet"),
+    ('{"step": 1' + "0" * 400 + '}\n', "metrics.jsonl line 1 is not a step record"),
+    ('{"step": -1}\n', "metrics.jsonl line 1 is not a step record"),
 ])
 def test_plot_of_a_missing_or_corrupt_metrics_file_is_one_line_exit_2(tmp_path, capsys, content, message):
     from verl_mega.cli import main as cli

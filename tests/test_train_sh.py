@@ -82,7 +82,6 @@ def inputs(tmp_path_factory):
     ({"NPROC": "two"}, "NPROC=two must be a number of processes"),
     ({"NPROC": "0"}, "NPROC=0 must be a number of processes"),
     ({"MODEL_SHA256": "abc"}, "MODEL_SHA256=abc is not a sha256"),
-    ({"RUN_DIR": "/tmp/run,${oops}"}, "RUN_DIR=/tmp/run,${oops}: use a path without"),
     ({"CACHE_DIR": "/proc/no/cache"}, "CACHE_DIR=/proc/no/cache cannot be created"),
 ])
 def test_missing_or_bad_variables_fail_naming_them(inputs, change, message):
@@ -90,6 +89,54 @@ def test_missing_or_bad_variables_fail_naming_them(inputs, change, message):
     done = run_train_sh(env)
     assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
     assert not Path(inputs["RUN_DIR"], "config.yaml").exists()
+
+
+# Stands in for the interpreter: the trainer's command line is answered with the config it loads (every other
+# use of PYTHON runs the real one), so the test sees exactly what train.sh hands the trainer.
+CONFIG_PRINTER = """#!/bin/sh
+if [ "$1" = "-m" ] && [ "$3" = "train" ]; then
+    shift 4
+    exec "{python}" -c 'import json, sys
+from verl_mega.config import load_config
+config = load_config(sys.argv[1], sys.argv[2:])
+print(json.dumps({{"hf_path": config.model.hf_path, "train_files": config.data.train_files,
+                  "run_dir": config.trainer.run_dir, "cache": config.model.conversion_cache,
+                  "sha256": config.model.sha256, "function": config.reward.function}}))' "$@"
+fi
+exec "{python}" "$@"
+"""
+
+
+def _printed_config(tmp_path, env: dict, *overrides: str) -> dict:
+    printer = tmp_path / "python"
+    printer.write_text(CONFIG_PRINTER.format(python=sys.executable))
+    printer.chmod(0o755)
+    done = run_train_sh({**env, "PYTHON": str(printer)}, *overrides)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_values_reach_the_config_exactly_as_given(inputs, tmp_path):
+    """Spaces, '#', commas, quotes, '${' and a trailing blank are part of a value, never YAML syntax; a sha256 of
+    digits stays a string."""
+    model = tmp_path / "models" / "my model #v2, 'final'"
+    model.mkdir(parents=True)
+    shutil.copy(Path(inputs["MODEL_ID"]) / "config.json", model)
+    data = tmp_path / "data #1 ${USER}.jsonl"
+    data.write_text("{}\n")
+    env = {**inputs, "MODEL_ID": str(model), "DATASET_PATH": str(data), "RUN_DIR": str(tmp_path / "run #3 "),
+           "CACHE_DIR": str(tmp_path / "cache, shared"), "MODEL_SHA256": "0" * 63 + "7"}
+    printed = _printed_config(tmp_path, env, "reward.function=my_rewards:score # not a comment")
+    assert printed == {"hf_path": str(model), "train_files": [str(data)], "run_dir": str(tmp_path / "run #3 "),
+                       "cache": str(tmp_path / "cache, shared"), "sha256": "0" * 63 + "7",
+                       "function": "my_rewards:score # not a comment"}
+
+
+def test_the_configs_own_run_dir_is_kept_when_run_dir_is_not_set(inputs, tmp_path):
+    config = tmp_path / "grpo.yaml"
+    config.write_text(TINY_GRPO.replace("trainer: {", f"trainer: {{run_dir: '{tmp_path / 'mine'}', "))
+    env = {key: value for key, value in inputs.items() if key != "RUN_DIR"}
+    assert _printed_config(tmp_path, {**env, "RL_CONFIG": str(config)})["run_dir"] == str(tmp_path / "mine")
 
 
 @pytest.mark.slow

@@ -56,11 +56,11 @@ class Trainer:
             raise UserError(f"config: {type(config).__name__} given; pass a YAML file or a dict of dotted keys")
         values = dict(config) if isinstance(config, dict) else {}
         values.update(algorithm_settings(algorithm))
-        values.update({"model.hf_path": os.fspath(actor), "data.train_files": _files(train_data, "train_data")})
+        values.update({"model.hf_path": _path(actor, "actor"), "data.train_files": _files(train_data, "train_data")})
         if run_dir is not None:  # else the config's (trainer.run_dir, runs/default by default)
-            values["trainer.run_dir"] = os.fspath(run_dir)
+            values["trainer.run_dir"] = _path(run_dir, "run_dir")
         if critic is not None:
-            values["model.critic_hf_path"] = os.fspath(critic)
+            values["model.critic_hf_path"] = _path(critic, "critic")
         if val_data is not None:
             values["data.val_files"] = _files(val_data, "val_data")
         self.reward_fn = None
@@ -90,10 +90,16 @@ class Trainer:
 
 
 def _files(data, argument: str) -> list[str]:
-    paths = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+    paths = [data] if isinstance(data, (str, os.PathLike)) else list(data) if isinstance(data, (list, tuple)) else []
     if not paths or not all(isinstance(path, (str, os.PathLike)) for path in paths):
         raise UserError(f"{argument}: give a file or datasets folder path, or a list of them; got {data!r}")
     return [os.fspath(path) for path in paths]
+
+
+def _path(value, argument: str) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise UserError(f"{argument}: give a folder path (a str or os.PathLike); got {value!r}")
+    return os.fspath(value)
 
 
 class Policy:

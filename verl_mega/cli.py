@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
 import sys
 from importlib.metadata import version
 
@@ -137,6 +138,20 @@ def _check_parity(hf_dir: str, ckpt_dir: str, tolerance: float | None, **kwargs)
     return 0 if passed else 1
 
 
+def _kept_only_if_verified(out: str, check) -> int:
+    """Run the parity check of a conversion just written to `out`; a checkpoint that fails it (or whose check
+    cannot run) is removed, so nothing that is not the model in the folder is left to train on."""
+    try:
+        code = check()
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    if code:
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"removed {out}: a conversion that fails its parity check is not kept", file=sys.stderr)
+    return code
+
+
 def _run_convert(args) -> int:
     if args.direction == "hf-to-mcore":
         manifest = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
@@ -145,7 +160,7 @@ def _run_convert(args) -> int:
         print(f"wrote {manifest.family} {manifest.format} checkpoint tp={manifest.tp} pp={manifest.pp} "
               f"ep={manifest.ep} dtype={manifest.dtype} to {args.out}")
         if args.verify:
-            return _check_parity(args.hf, args.out, args.tolerance)
+            return _kept_only_if_verified(args.out, lambda: _check_parity(args.hf, args.out, args.tolerance))
     elif args.direction == "mcore-to-hf":
         convert_mcore_to_hf(args.ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite,
                             keep_remote_code=args.keep_remote_code, family_spec=args.family_spec)

@@ -44,6 +44,19 @@ CONFIG_CASES = [
     ("rope-llama3-no-factor", "llama", lambda c: c["rope_parameters"].pop("factor") and None, ("factor",)),
     ("rope-theta-string", "llama", _rope(rope_theta="abc"), ("rope_theta",)),
     ("rope-theta-negative", "llama", _rope(rope_theta=-1.0), ("rope_theta",)),
+    # Both spellings of the RoPE keys at once (4.x's beside 5.x's): read together, refused where they disagree.
+    ("rope-scaling-beside-default-parameters", "llama",
+     _set(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+     ("RoPE scaling is given twice", "rope_parameters", "yarn")),
+    ("rope-scaling-type-beside-parameters", "llama",
+     _set(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_scaling={"type": "linear", "factor": 2.0}),
+     ("RoPE scaling is given twice", "linear")),
+    ("rope-theta-twice", "llama", _set(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rope_theta=1e4),
+     ("rope_theta is given twice", "500000.0", "10000.0")),
+    ("rope-scaling-not-an-object", "llama", _set(rope_scaling="yarn"), ("rope_scaling", "object")),
+    ("partial-rotary-twice", "llama",
+     _set(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+          partial_rotary_factor=1.0), ("partial_rotary_factor is given twice",)),
     ("model-type-unsupported", "llama", _set(model_type="bert"), ("bert", "not supported")),
     ("model-type-missing", "llama", _drop("model_type"), ("model_type",)),
     ("intermediate-size-missing", "llama", _drop("intermediate_size"), ("intermediate_size",)),
@@ -299,3 +312,15 @@ def test_remote_code_is_not_carried_unless_asked(fault_models, tmp_path, capsys)
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "plain_hf")  # loads without trust_remote_code
+
+
+@pytest.mark.slow
+def test_a_conversion_that_fails_its_verify_leaves_no_checkpoint(fault_models, tmp_path, capsys):
+    """--verify judged by a bound no conversion meets (exact logits are not expected across the two stacks):
+    exit 1, the parity line printed, and the checkpoint written for it removed, so nothing unverified trains."""
+    out = tmp_path / "out"
+    code, err = run(["convert", "hf-to-mcore", "--hf", fault_models["llama"], "--out", out, "--verify",
+                     "--tolerance", "1e-30"], capsys)
+    assert code == 1, err
+    assert f"removed {out}" in err and not out.exists()
+    assert sorted(tmp_path.iterdir()) == []

@@ -100,6 +100,8 @@ CHECKPOINT_CASES = [
     ("shard-tensor-missing", _edit_shard(lambda m: m.pop(FC2) is None), (FC2, "missing")),
     ("shard-tensor-unexpected", _edit_shard(lambda m: m.update({"decoder.extra": torch.zeros(1)})),
      ("decoder.extra",)),
+    ("shard-tensor-nan", _edit_shard(lambda m: m[FC2].view(-1).__setitem__(5, float("nan"))), ("NaN/inf", "--step")),
+    ("shard-tensor-inf", _edit_shard(lambda m: m[FC1].view(-1).__setitem__(0, float("-inf"))), ("NaN/inf",)),
 ]
 
 
@@ -117,12 +119,19 @@ def test_checkpoint_that_disagrees_with_itself_refused(checkpoint, tmp_path, cap
 
 # `convert mcore-to-hf` reads through the same code: a few of the cases above suffice for it.
 @pytest.mark.parametrize("case,corrupt,words", [c for c in CHECKPOINT_CASES if c[0] in (
-    "manifest-tp1-on-tp2-shards", "manifest-tp-string", "tracker-abc", "shard-tensor-wrong-shape")],
+    "manifest-tp1-on-tp2-shards", "manifest-tp-string", "tracker-abc", "shard-tensor-wrong-shape", "shard-tensor-nan")],
     ids=lambda value: value if isinstance(value, str) else "")
 def test_mcore_to_hf_refuses_the_same(checkpoint, tmp_path, capsys, case, corrupt, words):
     corrupt(checkpoint)
     out = tmp_path / "out"
     assert_refused(["convert", "mcore-to-hf", "--ckpt", checkpoint, "--out", out], capsys, words, out, (checkpoint,))
+
+
+def test_export_to_a_dtype_the_weights_overflow_is_refused(checkpoint, tmp_path, capsys):
+    _edit_shard(lambda m: m[FC2].view(-1).__setitem__(3, 1e6))(checkpoint)
+    out = tmp_path / "out"
+    assert_refused(["export", "--ckpt", checkpoint, "--out", out, "--dtype", "fp16"], capsys,
+                   ("overflows fp16", "1e+06"), out, (checkpoint,))
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "containing"])

@@ -77,14 +77,15 @@ def test_an_unlimited_job_keeps_its_warning_signal(capsys, tmp_path):
     (["data.train_files=[/nonexistent.jsonl]"], "data file not found: /nonexistent.jsonl"),
     (["no_such.key=1"], "config key 'no_such'"),
 ])
-@pytest.mark.parametrize("launcher", ["slurm", "local"])
+@pytest.mark.parametrize("launcher", ["slurm", "slurm --dry-run", "local"])
 def test_a_bad_run_config_is_refused_before_anything_starts(capsys, tmp_path, monkeypatch, inputs, overrides, words,
                                                             launcher):
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # neither sbatch nor torchrun could be reached by mistake
     run_dir = tmp_path / "run"
     before = inputs["config"].read_text()
-    if launcher == "slurm":
-        argv = [*SLURM_CPU_NODE, "--run-dir", str(run_dir), str(inputs["config"]), *overrides]
+    if launcher.startswith("slurm"):
+        dry_run = ["--dry-run"] if launcher.endswith("--dry-run") else []
+        argv = [*SLURM_CPU_NODE, *dry_run, "--run-dir", str(run_dir), str(inputs["config"]), *overrides]
         err = refused(capsys, slurm.main, argv)
     else:
         err = refused(capsys, local.main, ["--nproc", "1", str(inputs["config"]), *overrides])

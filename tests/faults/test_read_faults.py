@@ -281,3 +281,33 @@ def test_planted_pickle_in_a_shard_file_is_refused(fault_models, tmp_path, capsy
     out = tmp_path / "out"
     assert_refused(["export", "--ckpt", ckpt, "--out", out], capsys, ("mp_rank_01_001", "weights-only"), out, (ckpt,))
     assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def torch_dist_llama(fault_models, tmp_path_factory):
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+
+    ckpt = tmp_path_factory.mktemp("torch_dist") / "ckpt"
+    convert_hf_to_mcore(fault_models["llama"], ckpt, fmt="torch_dist")
+    return ckpt
+
+
+@pytest.mark.parametrize("command", ["export", "mcore-to-hf"])
+@pytest.mark.parametrize("unsafe_default", [False, True], ids=["default", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])
+def test_planted_pickle_in_common_pt_is_refused_without_advice_to_unprotect(torch_dist_llama, tmp_path, capsys,
+                                                                            monkeypatch, command, unsafe_default):
+    """megatron reads common.pt with torch.load's default, which an environment variable turns unsafe; the read is
+    weights-only whatever the environment, and the one line never repeats torch's advice to switch that off."""
+    import torch
+
+    if unsafe_default:
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    marker = tmp_path / "pwned"
+    ckpt = copy_model(torch_dist_llama, tmp_path / "ckpt")
+    torch.save({"payload": _RunsCommand(marker)}, ckpt / "iter_0000000" / "common.pt")
+    out = tmp_path / "out"
+    argv = ["export", "--ckpt", ckpt, "--out", out] if command == "export" else \
+        ["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", out]
+    line = assert_refused(argv, capsys, ("common.pt", "system"), out, (ckpt,))
+    assert "weights_only" not in line and "trusted source" not in line, line
+    assert not marker.exists(), "the planted command ran"

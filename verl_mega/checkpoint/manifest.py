@@ -52,13 +52,15 @@ class Manifest:
         if family_spec is not None and isinstance(data, dict):
             data = {**data, "family_spec": family_spec}
         try:
-            return cls(**_checked_fields(data, Path(ckpt_dir)))
+            return cls(**_checked_fields(data, Path(ckpt_dir), spec_named_by_user=family_spec is not None))
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
 
 
-def _checked_fields(data, ckpt_dir: Path) -> dict[str, Any]:
-    """The manifest's fields, each of the type and range the loaders rely on; anything else is refused by name."""
+def _checked_fields(data, ckpt_dir: Path, spec_named_by_user: bool = False) -> dict[str, Any]:
+    """The manifest's fields, each of the type and range the loaders rely on; anything else is refused by name.
+    The family spec it records is imported only if the user or an installed plugin names it too, unless
+    `spec_named_by_user` (the caller replaced it with one from the command line or config)."""
     if not isinstance(data, dict):
         raise ValueError(f"must hold a JSON object, not a {type(data).__name__}")
     known = {f.name: f for f in fields(Manifest)}
@@ -87,7 +89,7 @@ def _checked_fields(data, ckpt_dir: Path) -> dict[str, Any]:
         raise ValueError(f"key 'iteration' must be >= 0, got {data['iteration']}")
     try:
         hf_config = HFModelConfig.from_dict(data["hf_config"])
-        family = family_for(hf_config, data.get("family_spec"), ckpt_dir)
+        family = family_for(hf_config, data.get("family_spec"), ckpt_dir, recorded=not spec_named_by_user)
     except ValueError as err:
         raise ValueError(f"key 'hf_config': {str(err).removeprefix('config.json: ')}") from None
     if data["family"] != family.name:

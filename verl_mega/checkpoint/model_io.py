@@ -2,11 +2,13 @@
 checkpoint (either format) into the model at the running job's layout."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
 import torch
 
+from verl_mega.config.errors import UserError
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES, build_gpt_model, transformer_config
 from verl_mega.models.sharding import merge_hf_to_mcore, rank_slots, shard_pieces
@@ -65,9 +67,10 @@ def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "
     (fp32, bf16 or fp16; default: the checkpoint's). Weights stored in another dtype are cast on load.
 
     `family_spec` replaces the family spec the manifest records (e.g. after its module moved)."""
-    manifest = Manifest.read(ckpt_dir, family_spec)
+    with _files_refused_in_one_line():
+        manifest = Manifest.read(ckpt_dir, family_spec)
     hf_config = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(hf_config, manifest.family_spec, ckpt_dir)
+    family = family_for(hf_config, manifest.family_spec, ckpt_dir, recorded=True)
     layout = current_layout()
     config = transformer_config(hf_config, family, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                                 dtype=dtype or manifest.dtype, **config_overrides)
@@ -75,7 +78,8 @@ def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "
                             pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                             implementation=implementation)
     if manifest.format == "torch_dist":
-        load_torch_dist(model, ckpt_dir)
+        with _files_refused_in_one_line():
+            load_torch_dist(model, ckpt_dir)
     else:
         load_legacy_shard(model, ckpt_dir, manifest)
     return model, manifest, hf_config, family
@@ -84,23 +88,44 @@ def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "
 def load_legacy_shard(model, ckpt_dir: str | Path, manifest: Manifest) -> None:
     layout = current_layout()
     if (manifest.tp, manifest.pp, manifest.ep) != (layout.tp, layout.pp, layout.ep):
-        raise ValueError(
+        raise UserError(
             f"checkpoint {ckpt_dir} was written for tp={manifest.tp}, pp={manifest.pp}, ep={manifest.ep} but this job "
             f"runs tp={layout.tp}, pp={layout.pp}, ep={layout.ep}: convert again at this layout, or use "
             "--format torch_dist, which loads at any layout"
         )
-    iteration = megatron_legacy.checked_iteration(ckpt_dir, manifest.iteration, manifest.tp, manifest.pp, manifest.ep)
-    shard = megatron_legacy.read_shard(ckpt_dir, iteration, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
-                                       pp=layout.pp, ep_rank=layout.ep_rank, ep=layout.ep)
+    with _files_refused_in_one_line():
+        iteration = megatron_legacy.checked_iteration(ckpt_dir, manifest.iteration, manifest.tp, manifest.pp,
+                                                      manifest.ep)
+        shard = megatron_legacy.read_shard(ckpt_dir, iteration, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
+                                           pp=layout.pp, ep_rank=layout.ep_rank, ep=layout.ep)
     where = f"shard (tp_rank {layout.tp_rank}, pp_rank {layout.pp_rank}, ep_rank {layout.ep_rank}) of {ckpt_dir}"
     load_canonical_state_dict(model, shard, where)
 
 
+@contextlib.contextmanager
+def _files_refused_in_one_line():
+    """A checkpoint's files refused by their readers (ValueError, a missing file): the user's to fix, so a
+    UserError, which a training rank prints as one line instead of a traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (ValueError, FileNotFoundError) as err:
+        raise UserError(str(err)) from None
+
+
 def load_canonical_state_dict(model, state_dict: dict, where: str) -> None:
     """Load tensors named canonically (transformer-engine names) into a model built with either spec."""
-    wanted = canonical_names(model.state_dict())
+    own = model.state_dict()
+    wanted = canonical_names(own)
     missing = sorted(canonical for canonical in wanted.values() if canonical not in state_dict)
     unexpected = sorted(set(state_dict) - set(wanted.values()))
     if missing or unexpected:
-        raise ValueError(f"{where} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise UserError(f"{where} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, canonical in wanted.items():
+        given, needed = state_dict[canonical], own[name]
+        if given.shape != needed.shape or not given.is_floating_point():
+            raise UserError(f"tensor '{canonical}' in {where} is {given.dtype} {list(given.shape)}, the model its "
+                            f"manifest describes needs a floating-point {list(needed.shape)}: the files do not "
+                            "match the manifest")
     model.load_state_dict({name: state_dict[canonical] for name, canonical in wanted.items()}, strict=False)

@@ -1,11 +1,13 @@
 """Reading a dist checkpoint (torch_dist) runs no code from it.
 
-torch's `FileSystemReader` unpickles a checkpoint's `.metadata` with plain `pickle`, and its default load
-planner reads non-tensor items with `torch.load(weights_only=False)`: a planted file in a checkpoint or run
-folder would run a command on load. `guard_dist_checkpoint_reads` routes both through safe readers, for
-torch's and megatron's loaders alike (megatron's readers and planners subclass these): `.metadata` through an
-unpickler that admits only the classes checkpoint metadata is made of, byte items through torch's
-weights-only loader.
+torch's `FileSystemReader` unpickles a checkpoint's `.metadata` with plain `pickle`, its default load planner
+reads non-tensor items with `torch.load(weights_only=False)`, and megatron reads `common.pt` with torch.load's
+default (weights-only unless TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set): a planted file in a checkpoint or run folder
+would run a command on load. `guard_dist_checkpoint_reads` routes all three through safe readers, for torch's and
+megatron's loaders alike (megatron's readers and planners subclass these): `.metadata` through an unpickler that
+admits only the classes checkpoint metadata is made of, byte items and `common.pt` through torch's weights-only
+loader, asked for explicitly. A refusal is one line naming the file and the object refused, never torch's advice
+to retry with the protection off.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def guard_dist_checkpoint_reads() -> None:
         return metadata
 
     def load_bytes(self, read_item, value) -> None:
-        loaded = torch.load(value, weights_only=True)
+        loaded = load_weights_only(value, f"the dist checkpoint's item {read_item.dest_index.fqn!r}")
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 
@@ -82,3 +84,31 @@ def guard_dist_checkpoint_reads() -> None:
 
     FileSystemReader.read_metadata = read_metadata
     DefaultLoadPlanner.load_bytes = load_bytes
+    _guard_common_state_reads()
+
+
+def _guard_common_state_reads() -> None:
+    """megatron's `common.pt` read weights-only whatever the environment says."""
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+
+    megatrons_load_common = TorchCommonLoadStrategy.load_common
+
+    def load_common(self, checkpoint_dir):
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        if not path.is_file():  # megatron's own error for a missing file
+            return megatrons_load_common(self, checkpoint_dir)
+        return load_weights_only(path, str(path))
+
+    TorchCommonLoadStrategy.load_common = load_common
+
+
+def load_weights_only(source, what: str):
+    """torch.load(source, weights_only=True) on the CPU; a refused or corrupt payload is a ValueError naming `what`
+    and the object refused, without torch's advice to load it unsafely."""
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        refused = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line), None)
+        detail = refused or str(err).splitlines()[0]
+        raise ValueError(f"{what} holds objects a checkpoint is not made of, refused unread ({detail}): it was not "
+                         "written by verl_mega or megatron-core; convert the model again") from None

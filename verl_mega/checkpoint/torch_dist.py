@@ -54,7 +54,7 @@ def _stacked_hf_tensors(path: str, manifest: Manifest) -> Iterator[tuple[str, to
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (metadata.json or .metadata missing)")
     metadata = dist_checkpointing.load_tensors_metadata(path)
     hf_config = HFModelConfig.from_dict(manifest.hf_config)
-    family = family_for(hf_config, manifest.family_spec, Path(path).parent)  # never a spec from the checkpoint
+    family = family_for(hf_config, manifest.family_spec, Path(path).parent, recorded=True)  # never a spec from the checkpoint
     current_key, stacked = None, None
     for slot in rank_slots(hf_config, family, head_rules=head_rules(manifest.role)):
         key, index = _dist_key(slot, metadata)

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from .errors import UserError
+from .overrides import override_layer, verbatim
 
 
 @dataclass
@@ -357,8 +358,8 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
-    layers.append(OmegaConf.from_dotlist(list(overrides)))
     try:
+        layers.append(override_layer(TrainConfig, list(overrides)))
         layers.append(_dotted_layer(values or {}))
         merged = OmegaConf.merge(*layers)
         config = OmegaConf.to_object(merged)
@@ -376,8 +377,19 @@ def _dotted_layer(values: dict[str, Any]):
     for key, value in values.items():
         if not isinstance(key, str) or not key:
             raise ConfigError(f"config key {key!r} must be a dotted name such as 'trainer.total_steps'")
-        OmegaConf.update(layer, key, value, force_add=True)
+        OmegaConf.update(layer, key, _kept_as_given(value), force_add=True)
     return layer
+
+
+def _kept_as_given(value):
+    """The API's typed values, with every string kept as it is (no `${` interpolation)."""
+    if isinstance(value, str):
+        return verbatim(value)
+    if isinstance(value, (list, tuple)):
+        return [_kept_as_given(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _kept_as_given(item) for key, item in value.items()}
+    return value
 
 
 def to_yaml(config: TrainConfig) -> str:

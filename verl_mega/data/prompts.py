@@ -120,6 +120,24 @@ def check_prompt_column(rows: list[dict], prompt_key: str, path) -> None:
                 f"{os.fspath(path)} row {index}: column {prompt_key!r} holds {type(row[prompt_key]).__name__} "
                 f"{str(row[prompt_key])[:40]!r}; a prompt is a string or a list of {{'role', 'content'}} messages"
             )
+        problem = None if isinstance(row[prompt_key], str) else unknown_role(row[prompt_key])
+        if problem:
+            raise ValueError(f"{os.fspath(path)} row {index}: column {prompt_key!r}: {problem}")
+
+
+# The roles chat templates render. Others (ShareGPT's human / gpt, a capitalised Assistant) are rendered as plain
+# text or not at all by most templates, and an assistant turn under another name is never trained on, so they are
+# refused rather than guessed at: rename them in the data.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def unknown_role(messages: list[dict]) -> str | None:
+    """Why `messages` holds a role no chat template knows, or None."""
+    for index, message in enumerate(messages):
+        if message.get("role") not in CHAT_ROLES:
+            return (f"message {index} has role {message.get('role')!r}; roles are {', '.join(CHAT_ROLES)} "
+                    "(ShareGPT's human / gpt are user / assistant: rename them)")
+    return None
 
 
 def _is_prompt(prompt) -> bool:

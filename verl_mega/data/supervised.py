@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from verl_mega.data.prompts import as_messages, encode_chat, truncate_prompt
+from verl_mega.data.prompts import as_messages, encode_chat, truncate_prompt, unknown_role
 from verl_mega.data.tables import read_rows
 
 MESSAGES_KEY = "messages"
@@ -185,6 +185,9 @@ def _messages(messages, what: str) -> list[dict]:
     if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                  and isinstance(m.get("content"), str) for m in messages):
         raise ValueError(f"{what} must be a string or a list of {{'role', 'content'}} messages")
+    problem = unknown_role(messages)
+    if problem:
+        raise ValueError(f"{what}: {problem}")
     return messages
 
 

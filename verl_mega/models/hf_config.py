@@ -124,17 +124,42 @@ def _check_sizes(raw: dict[str, Any]) -> None:
 
 
 def _rope_fields(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict):  # transformers 5.x
-        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
-        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    else:  # transformers 4.x
-        scaling = dict(raw.get("rope_scaling") or {})
-        theta = raw.get("rope_theta", 10000.0)
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling["rope_type"] = rope_type
+    """RoPE's theta and scaling, read once from both spellings; where both are given they must agree."""
+    readings = _rope_readings(raw)
+    thetas = {where: theta for where, theta, _ in readings if theta is not None}
+    scalings = {where: scaling for where, _, scaling in readings if scaling is not None}
+    for values, what in ((thetas, "rope_theta"), (scalings, "RoPE scaling")):
+        if any(value != first for first in list(values.values())[:1] for value in values.values()):
+            said = "; ".join(f"{where} gives {value!r}" for where, value in values.items())
+            raise ValueError(f"config.json: {what} is given twice and the two disagree ({said}); keep one spelling")
+    theta = next(iter(thetas.values()), 10000.0)
+    scaling = next(iter(scalings.values()), {"rope_type": "default"})
     _check_rope(theta, scaling)
     return float(theta), scaling
+
+
+def _rope_readings(raw: dict[str, Any]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(where, theta or None, scaling with its rope_type or None) for each spelling present: transformers 5.x's
+    `rope_parameters`, and 4.x's top-level `rope_theta` / `rope_scaling` (None: no scaling given there)."""
+    readings = []
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict):
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        readings.append(("rope_parameters", params.get("rope_theta"), _typed_scaling(scaling)))
+    legacy = raw.get("rope_scaling")
+    if legacy is not None and not isinstance(legacy, dict):
+        raise ValueError(f"config.json: 'rope_scaling' must be an object or null, got {legacy!r}")
+    if legacy is not None or "rope_theta" in raw:
+        readings.append(("rope_theta/rope_scaling", raw.get("rope_theta"),
+                         None if legacy is None else _typed_scaling(dict(legacy))))
+    return readings
+
+
+def _typed_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
+    """A scaling dict under one key for its type (`rope_type`; 4.x also wrote `type`), 'default' when absent."""
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    return {**scaling, "rope_type": rope_type}
 
 
 # The fields each supported RoPE type reads, beyond theta.
@@ -163,9 +188,12 @@ def _check_rope(theta, scaling: dict[str, Any]) -> None:
 
 def _partial_rotary_factor(raw: dict[str, Any]) -> float:
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "partial_rotary_factor" in params:
-        return float(params["partial_rotary_factor"])
-    return float(raw.get("partial_rotary_factor", 1.0))
+    nested = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    top = raw.get("partial_rotary_factor")
+    if nested is not None and top is not None and nested != top:
+        raise ValueError(f"config.json: partial_rotary_factor is given twice and the two disagree (rope_parameters "
+                         f"gives {nested!r}; the top level gives {top!r}); keep one spelling")
+    return float(nested if nested is not None else top if top is not None else 1.0)
 
 
 def rope_inv_freq(config: HFModelConfig):

@@ -41,7 +41,7 @@ def read_metrics(path: Path) -> list[dict]:
             record = json.loads(line)
         except ValueError:
             record = None
-        if not isinstance(record, dict) or type(record.get("step")) is not int:
+        if not isinstance(record, dict) or type(record.get("step")) is not int or not 0 <= record["step"] < 2**53:
             raise UserError(f"{path} line {number} is not a step record (a JSON object with an integer step): "
                             f"{line[:60]!r}")
         records.append(record)
@@ -52,9 +52,19 @@ def read_metrics(path: Path) -> list[dict]:
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the records where `key` is a finite number."""
-    points = [(r["step"], float(r[key])) for r in records
-              if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool) and math.isfinite(r[key])]
+    points = [(r["step"], value) for r in records if (value := _finite(r.get(key))) is not None]
     return [step for step, _ in points], [value for _, value in points]
+
+
+def _finite(value) -> float | None:
+    """`value` as a finite float, or None: not a number, a bool, NaN/inf, or an integer too large for a float."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -6,6 +6,7 @@ owners (registries, the rollout factory, the prompt dataset, the model builder) 
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -15,13 +16,13 @@ from verl_mega.algorithms import (
     ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
     REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
 )
-from verl_mega.checkpoint.manifest import MANIFEST_NAME
+from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
 from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
-from verl_mega.models import load_hf_model_config
+from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.models.builder import DTYPES, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_parallel_size, rollout_placement
@@ -260,7 +261,29 @@ def _check_model(config: TrainConfig, check, need) -> bool:
         model = check(lambda: load_hf_model_config(m.hf_path, m.family_spec or None)[0], "model.hf_path: ")
         if model is not None:
             check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+            if m.actor_ckpt and Path(m.actor_ckpt, MANIFEST_NAME).is_file():
+                check(lambda: check_actor_checkpoint(m.actor_ckpt, model, config), "model.actor_ckpt: ")
     return has_model
+
+
+def check_actor_checkpoint(ckpt: str, model: HFModelConfig, config: TrainConfig) -> None:
+    """Refuse a given actor checkpoint of another model than model.hf_path, or of a layout it cannot load at."""
+    manifest = Manifest.read(ckpt, config.model.family_spec or None)
+    stored = HFModelConfig.from_dict(manifest.hf_config)
+    if stored != model:
+        differ = [f"{name} {getattr(stored, name)} vs {getattr(model, name)}" for name in _ARCHITECTURE_FIELDS
+                  if getattr(stored, name) != getattr(model, name)] or ["architecture details"]
+        raise ValueError(f"{ckpt} is a {stored.model_type} checkpoint and model.hf_path {config.model.hf_path} is "
+                         f"a {model.model_type} model; they differ in {', '.join(differ[:3])}: point "
+                         "model.actor_ckpt at a conversion of model.hf_path, or leave it empty to convert it")
+    p = config.parallel
+    if manifest.format == "megatron_legacy" and (manifest.tp, manifest.pp, manifest.ep) != (p.tp, p.pp, p.ep):
+        raise ValueError(f"{ckpt} was written for tp={manifest.tp}, pp={manifest.pp}, ep={manifest.ep} and this run "
+                         f"is parallel.tp={p.tp}, pp={p.pp}, ep={p.ep}: convert again at this layout, or with "
+                         "--format torch_dist, which loads at any layout")
+
+
+_ARCHITECTURE_FIELDS = [field.name for field in dataclasses.fields(HFModelConfig) if field.compare]
 
 
 def _check_files(config: TrainConfig, check, need) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..external_families import HOW_TO_DECLARE, import_family_spec, plugin_family
+from ..external_families import HOW_TO_DECLARE, import_family_spec, plugin_family, recorded_family_spec
 from ..hf_config import HFModelConfig, check_decoder_only
 from ..spec import FamilySpec
 from . import gemma2, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3
@@ -15,14 +15,15 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_BY_MODEL_TYPE))
 
 
 def family_for(config: HFModelConfig | dict, family_spec: str | None = None,
-               data_dir: str | Path | None = None) -> FamilySpec:
-    """The family spec of a config: `family_spec` ("package.module:SPEC") when given (a manifest records it),
-    else the built-in family or an installed plugin for its model_type. Encoders, encoder-decoders and VLMs
+               data_dir: str | Path | None = None, recorded: bool = False) -> FamilySpec:
+    """The family spec of a config: `family_spec` ("package.module:SPEC") when given, else the built-in family or
+    an installed plugin for its model_type. `recorded`: `family_spec` comes from a checkpoint's manifest, so it is
+    imported only if the user or a plugin names it too (external_families). Encoders, encoder-decoders and VLMs
     are refused up front. `data_dir` is the folder the config came from; no spec is imported from it."""
     raw = config if isinstance(config, dict) else config.raw
     model_type = raw.get("model_type")
     if family_spec is not None:
-        spec = import_family_spec(family_spec, data_dir)
+        spec = (recorded_family_spec if recorded else import_family_spec)(family_spec, data_dir)
     else:
         spec = _BY_MODEL_TYPE.get(model_type) or (plugin_family(model_type, data_dir) if isinstance(model_type, str) else None)
     if spec is None:
