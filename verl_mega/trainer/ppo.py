@@ -161,11 +161,13 @@ class PPOTrainer(TrainingJob):
         cfg, timer = self.config, StageTimer()
         prompts = self.next_prompts()
 
-        with timer("transition"):
-            self.sync_rollout_weights()
-        with timer("rollout"), training_memory_released(self.actor.model, self.actor.trainable.optimizer):
-            responses = self.generate(prompts["input_ids"])
-            self.rollout.sleep()
+        # The training side's memory goes first, so the engine's weights and KV cache are not allocated on top of it.
+        with training_memory_released(self.actor.model, self.actor.trainable.optimizer):
+            with timer("transition"):
+                self.sync_rollout_weights()
+            with timer("rollout"):
+                responses = self.generate(prompts["input_ids"])
+                self.rollout.sleep()
         # One row per response: each prompt's fields repeated for its n samples.
         rows = {key: [value for value in values for _ in range(cfg.rollout.n)] for key, values in prompts.items()}
         batch = build_rollout_batch(rows["input_ids"], responses, cfg.data.max_response_length,
@@ -273,8 +275,8 @@ class PPOTrainer(TrainingJob):
         mine = [self.val_dataset[i] for i in range(placement.replica, len(self.val_dataset), placement.replicas)]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.data.max_response_length, seed=cfg.rollout.seed)
         sums: dict[str | None, list[float]] = {}  # data_source -> [reward sum, rows, response tokens]
-        self.sync_rollout_weights()
         with training_memory_released(self.actor.model, self.actor.trainable.optimizer):
+            self.sync_rollout_weights()
             for start in range(0, len(mine), cfg.data.batch_size):
                 items = mine[start:start + cfg.data.batch_size]
                 prompts = [item["input_ids"] for item in items]
