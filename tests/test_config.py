@@ -106,3 +106,15 @@ def test_invalid_yaml_is_refused_with_the_file_named(tmp_path):
     bad.write_text("actor: {lr: 1}\nactor: {lr: 2}\n")
     with pytest.raises(ConfigError, match=f"config file {bad} is not valid YAML"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("given, job", [("ppo", "rl"), ("dpo", "preference"), ("rl", "rl"), ("sft", "sft"),
+                                        ("preference", "preference")])
+def test_job_names_and_their_old_spellings_load_as_one_name(tmp_path, given, job):
+    # An old run's saved config.yaml says `job: ppo` or `job: dpo`: it loads (and resumes) as the job's name now.
+    saved = tmp_path / "config.yaml"
+    saved.write_text(f"job: {given}\nmodel: {{hf_path: m}}\n")
+    assert load_config(saved).job == job
+    assert load_config(None, ["model.hf_path=m", f"job={given}"]).job == job
+    assert load_config(None, values={"model.hf_path": "m", "job": given}).job == job
+    assert f"job: {job}\n" in to_yaml(load_config(saved))

@@ -75,7 +75,7 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
 
 def test_lr_schedule_spans_every_optimizer_step_of_the_run():
     from verl_mega.config import load_config
-    from verl_mega.trainer.ppo import optimizer_steps
+    from verl_mega.trainer.rl import optimizer_steps
 
     config = load_config(None, ["model.hf_path=x", "trainer.total_steps=10", "data.batch_size=8", "rollout.n=4",
                                 "actor.mini_batch_size=16", "actor.ppo_epochs=2"])

@@ -17,7 +17,7 @@ import torch
 
 from verl_mega.config import TrainConfig
 from verl_mega.parallel.launch import run_torchrun
-from verl_mega.trainer.ppo import needs_reference
+from verl_mega.trainer.rl import needs_reference
 
 # The two runs compute the same sums in other orders and with other matrix shapes (other blockings). In fp32
 # (unit roundoff u = 2**-24 = 6e-8) a sum of n terms reordered moves by about sqrt(n) u relative to the sum of

@@ -9,7 +9,7 @@ import contextlib
 import json
 import sys
 
-from verl_mega.trainer import ppo as job_module
+from verl_mega.trainer import rl as job_module
 from verl_mega.trainer.main import main
 
 RECORDED = ("wake_up", "load_weights", "generate", "sleep")
@@ -58,7 +58,7 @@ def marked(method, marker: str):
 
 
 if __name__ == "__main__":
-    job = job_module.PPOTrainer
+    job = job_module.RLJob
     job_module.make_rollout_engine = recording_engine_factory(job_module.make_rollout_engine)
     job_module.training_memory_released = recording_release(job_module.training_memory_released)
     job.train_step = marked(job.train_step, "train_step")

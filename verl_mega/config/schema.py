@@ -152,7 +152,7 @@ class AlgorithmConfig:
     kl_penalty: str = "k1"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     normalize_rewards: bool = False
-    # Preference job (job: dpo): a name registered in algorithms.PREFERENCE_LOSSES and its knobs.
+    # Preference job (job: preference): a name registered in algorithms.PREFERENCE_LOSSES and its knobs.
     loss: str = "dpo"
     beta: float = 0.1  # DPO/IPO/KTO/SimPO temperature; ORPO's weight λ of the odds-ratio term
     label_smoothing: float = 0.0  # cDPO / SimPO: probability that a preference label is flipped
@@ -200,12 +200,17 @@ class TrainerConfig:
     profile_ranks: list[int] = field(default_factory=lambda: [0])
 
 
-JOBS = ("ppo", "sft", "dpo")
+JOBS = ("rl", "sft", "preference")
+# Earlier spellings, still read (a saved config.yaml of an old run resumes): turned into the names above where
+# the config is loaded, so the rest of the code sees one spelling.
+JOB_ALIASES = {"ppo": "rl", "dpo": "preference"}
 
 
 @dataclass
 class TrainConfig:
-    job: str = "ppo"  # ppo (PPO/GRPO and friends), sft (supervised fine-tuning), dpo (preference optimisation)
+    # rl (learns from its own generations: PPO, GRPO, RLOO, ...), sft (supervised fine-tuning) or preference
+    # (DPO, IPO, KTO, SimPO, ORPO); `ppo` and `dpo` are read as rl and preference.
+    job: str = "rl"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -252,6 +257,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
     except Exception as err:  # omegaconf's MissingMandatoryValue and friends
         key = getattr(err, "full_key", "")
         raise ConfigError(f"config key '{key}' is required: set it in the YAML file or as {key}=...") from None
+    config.job = JOB_ALIASES.get(config.job, config.job)
     return config
 
 

@@ -1,4 +1,4 @@
-"""What every training job (PPO, SFT, preference) shares around its step: the run folder, the step loop with
+"""What every training job (RL, SFT, preference) shares around its step: the run folder, the step loop with
 preemption, validation passes, profiled steps, step checkpoints and resume (and their mirror in object
 storage), metrics, the health endpoint and the final weights for export.
 

@@ -17,7 +17,8 @@ from verl_mega.checkpoint.atomic import atomic_write_text
 METRICS_FILE = "metrics.jsonl"
 GENERATIONS_FILE = "generations.jsonl"
 CONSOLE_KEYS = ("reward/mean", "val/reward_mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
-                "actor/entropy", "actor/grad_norm", "sft/loss", "dpo/loss", "dpo/rewards/accuracy", "val/loss",
+                "actor/entropy", "actor/grad_norm", "sft/loss", "preference/loss",
+                "preference/rewards/accuracy", "val/loss",
                 "perf/step_seconds")
 
 

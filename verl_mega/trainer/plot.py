@@ -16,7 +16,7 @@ from verl_mega.config.errors import UserError
 from .metrics import METRICS_FILE
 
 PLOT_FILE = "metrics.png"
-# (title, metrics drawn as lines, a prefix whose every metric is drawn too); names as ppo.py / actor.py log them.
+# (title, metrics drawn as lines, a prefix whose every metric is drawn too); names as rl.py / actor.py log them.
 PANELS = (
     ("reward", ("reward/mean", "val/reward_mean"), "val/reward_mean/"),
     ("KL", ("actor/kl", "actor/ppo_kl"), None),

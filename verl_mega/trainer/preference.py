@@ -48,8 +48,8 @@ def with_reference_logps(examples: list[PreferenceExample], values: torch.Tensor
     return [replace(example, reference_logps=tuple(logps)) for example, logps in zip(examples, per_example)]
 
 
-class PreferenceTrainer(OfflineJob):
-    name = "dpo"
+class PreferenceJob(OfflineJob):
+    name = "preference"  # also its metrics' prefix, whichever loss (a KTO run is no DPO run)
 
     def __init__(self, config, layout, actor_ckpt, stop_requested=lambda: False):
         self.unpaired = config.algorithm.loss in UNPAIRED_LOSSES

@@ -22,7 +22,7 @@ def sft_batch(examples: list[SFTExample], pad_token_id: int) -> dict:
     return batch
 
 
-class SFTTrainer(OfflineJob):
+class SFTJob(OfflineJob):
     name = "sft"
 
     def __init__(self, config, layout, actor_ckpt, stop_requested=lambda: False):

@@ -1,4 +1,4 @@
-"""The PPO loop. Every rank runs the same loop on the same global batch; the roles take their own
+"""The RL job: the policy learns from its own generations (PPO, GRPO, RLOO, ...). Every rank runs the same loop on the same global batch; the roles take their own
 data-parallel slices, so the loop below reads like the dataflow it runs:
 
     sample prompts -> HybridEngine transition -> generate -> old/ref log-probs, values -> rewards
@@ -44,11 +44,11 @@ TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
 
 
 def uses_critic(config: TrainConfig) -> bool:
-    return config.job == "ppo" and config.algorithm.adv_estimator == "gae" and config.critic.enable
+    return config.job == "rl" and config.algorithm.adv_estimator == "gae" and config.critic.enable
 
 
-class PPOTrainer(TrainingJob):
-    name = "ppo"
+class RLJob(TrainingJob):
+    name = "rl"
     validates_before_training = True
 
     def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, critic_ckpt: Path | None,
