@@ -89,8 +89,8 @@ class Actor:
         Without 'old_log_probs' in `batch` the update is on-policy: allowed for one epoch over one mini-batch,
         where the old log-probs are by definition the first (and only) forward's, which it uses, detached.
         """
-        if self.uses_kl_loss and "ref_log_prob" not in batch:
-            raise ValueError("use_kl_loss is set but the batch has no 'ref_log_prob'")
+        if self.uses_kl_loss and "ref_log_probs" not in batch:
+            raise ValueError("use_kl_loss is set but the batch has no 'ref_log_probs'")
         if "old_log_probs" not in batch and not is_on_policy(ppo_epochs, mini_batch_size, batch_size(batch)):
             raise ValueError(f"the batch has no 'old_log_probs': they equal the update's own forward only for one "
                              f"epoch over one mini-batch, not ppo_epochs={ppo_epochs} with mini_batch_size="
@@ -143,7 +143,7 @@ class Actor:
                    "pg_clipfrac": pg_clipfrac * share.tokens, "pg_clipfrac_lower": pg_clipfrac_lower * share.tokens,
                    "ppo_kl": ppo_kl * share.tokens}
         if self.uses_kl_loss:
-            kl_loss = agg_loss(compute_kl(log_prob, on("ref_log_prob"), cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+            kl_loss = agg_loss(compute_kl(log_prob, on("ref_log_probs"), cfg.kl_loss_type), mask, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss * share.loss
         return loss * share.loss, metrics

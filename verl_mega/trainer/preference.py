@@ -37,8 +37,8 @@ def preference_batch(examples: list[PreferenceExample], pad_token_id: int) -> di
     batch = build_rollout_batch(prompts, completions, max(map(len, completions)), pad_token_id)
     batch["desirable"] = torch.tensor([example.desirable for example in examples for _ in example.completions])
     if all(example.reference_logps is not None for example in examples):
-        batch["ref_logps"] = torch.tensor([logp for example in examples for logp in example.reference_logps],
-                                          dtype=torch.float32)
+        batch["ref_sequence_log_probs"] = torch.tensor(
+            [logp for example in examples for logp in example.reference_logps], dtype=torch.float32)
     return batch
 
 
@@ -114,9 +114,9 @@ class PreferenceJob(OfflineJob):
     def prepare(self, batch: dict, timer: StageTimer) -> None:
         """Add what the loss reads besides the policy's log-probs: reference log-probs, KTO's baseline and
         per-kind shares (all over the global batch)."""
-        if self.reference is not None and "ref_logps" not in batch:
+        if self.reference is not None and "ref_sequence_log_probs" not in batch:
             with timer("ref_log_prob"):
-                batch["ref_logps"] = self.sequence_logps(self.reference.compute_ref_log_prob, batch)
+                batch["ref_sequence_log_probs"] = self.sequence_logps(self.reference.compute_ref_log_prob, batch)
         if self.unpaired:
             with timer("kl_baseline"):
                 batch["kl_baseline"] = self.kl_baseline(batch).expand(len(batch["desirable"])).contiguous()

@@ -181,7 +181,7 @@ class RLJob(TrainingJob):
                                                                      )["log_probs"].cpu()
         if self.reference is not None:
             with timer("ref_log_prob"):
-                batch["ref_log_prob"] = self.reference.compute_ref_log_prob(batch, micro, actor_tokens).cpu()
+                batch["ref_log_probs"] = self.reference.compute_ref_log_prob(batch, micro, actor_tokens).cpu()
         if self.critic is not None:
             with timer("values"):
                 batch["values"] = self.critic.compute_values(batch, cfg.critic.micro_batch_size, critic_tokens).cpu()
@@ -196,7 +196,7 @@ class RLJob(TrainingJob):
             return self._step_metrics({}, batch, scores, timer)
         metrics = self.compute_advantages(batch, scores, token_scores, rows["index"])
         computed = {name: batch[key] for name, key in (("the old log-prob", "old_log_probs"), ("the value", "values"),
-                    ("the reference log-prob", "ref_log_prob"), ("the advantage", "advantages"),
+                    ("the reference log-prob", "ref_log_probs"), ("the advantage", "advantages"),
                     ("the return", "returns")) if key in batch}
         if self._nonfinite(computed, "the model's outputs overflowed (lower the learning rates)"):
             return self._step_metrics(metrics, batch, scores, timer)
@@ -317,11 +317,11 @@ class RLJob(TrainingJob):
             self.reward_normalizer.update(scores)
             token_scores = self.reward_normalizer.normalize(token_scores, shift_mean=False) * mask
         token_rewards = token_scores
-        if "ref_log_prob" in batch and "old_log_probs" in batch:
-            kl = masked_mean(compute_kl(batch["old_log_probs"], batch["ref_log_prob"], cfg.kl_penalty), mask)
+        if "ref_log_probs" in batch and "old_log_probs" in batch:
+            kl = masked_mean(compute_kl(batch["old_log_probs"], batch["ref_log_probs"], cfg.kl_penalty), mask)
             metrics["actor/kl"] = kl.item()
-        if cfg.use_kl_in_reward and "ref_log_prob" in batch:
-            token_rewards, current_kl = apply_kl_penalty(token_scores, batch["old_log_probs"], batch["ref_log_prob"],
+        if cfg.use_kl_in_reward and "ref_log_probs" in batch:
+            token_rewards, current_kl = apply_kl_penalty(token_scores, batch["old_log_probs"], batch["ref_log_probs"],
                                                          mask, kl_coef=self.kl_ctrl.value, estimator=cfg.kl_penalty)
             self.kl_ctrl.update(current_kl.item(), n_steps=len(uids))
             metrics["actor/kl_coef"] = self.kl_ctrl.value
