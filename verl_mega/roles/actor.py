@@ -50,6 +50,11 @@ def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_
     return compute_per_token(model, batch, micro_batch_size, names, per_token, max_tokens, packed)
 
 
+def uses_kl_loss(loss: PolicyLossConfig) -> bool:
+    """Whether the policy loss has a KL term: with a zero coefficient it adds nothing and needs no reference."""
+    return loss.use_kl_loss and loss.kl_loss_coef != 0
+
+
 def is_on_policy(ppo_epochs: int, mini_batch_size: int, rows: int) -> bool:
     """Whether an update's first forward sees the weights that generated the batch, for every row: one epoch
     over one mini-batch. The old log-probs are then that forward's, and a separate pass to compute them is
@@ -79,8 +84,7 @@ class Actor:
 
     @property
     def uses_kl_loss(self) -> bool:
-        """Whether the loss has a KL term: with a zero coefficient it adds nothing and needs no reference."""
-        return self.loss.use_kl_loss and self.loss.kl_loss_coef != 0
+        return uses_kl_loss(self.loss)
 
     def update_policy(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
                       max_tokens: int = 0) -> dict:
@@ -127,23 +131,24 @@ class Actor:
                                            metric_names, micro_batch_loss)
 
     def _micro_batch_loss(self, logits, micro_batch: Batch, share: MicroBatchShare):
-        cfg = self.loss
+        loss_config = self.loss
         on = lambda key: micro_batch[key].to(logits.device)  # noqa: E731
         mask = on("response_mask")
         log_prob, entropy = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=True)
         old_log_prob = on("old_log_probs") if "old_log_probs" in micro_batch else log_prob.detach()
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = self._policy_loss(
-            old_log_prob, log_prob, on("advantages"), mask, loss_agg_mode=cfg.loss_agg_mode,
-            clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c, **cfg.extra,
+            old_log_prob, log_prob, on("advantages"), mask, loss_agg_mode=loss_config.loss_agg_mode,
+            clip_ratio=loss_config.clip_ratio, clip_ratio_low=loss_config.clip_ratio_low,
+            clip_ratio_high=loss_config.clip_ratio_high, clip_ratio_c=loss_config.clip_ratio_c, **loss_config.extra,
         )
-        entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
-        loss = pg_loss - cfg.entropy_coeff * entropy_loss
+        entropy_loss = agg_loss(entropy, mask, loss_config.loss_agg_mode)
+        loss = pg_loss - loss_config.entropy_coeff * entropy_loss
         metrics = {"pg_loss": pg_loss * share.loss, "entropy": entropy_loss * share.loss,
                    "pg_clipfrac": pg_clipfrac * share.tokens, "pg_clipfrac_lower": pg_clipfrac_lower * share.tokens,
                    "ppo_kl": ppo_kl * share.tokens}
         if self.uses_kl_loss:
-            kl_loss = agg_loss(compute_kl(log_prob, on("ref_log_probs"), cfg.kl_loss_type), mask, cfg.loss_agg_mode)
-            loss = loss + cfg.kl_loss_coef * kl_loss
+            kl = compute_kl(log_prob, on("ref_log_probs"), loss_config.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, loss_config.loss_agg_mode)
+            loss = loss + loss_config.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss * share.loss
         return loss * share.loss, metrics

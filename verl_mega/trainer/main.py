@@ -111,9 +111,9 @@ def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
     stop = StopRequest().install()
     if config.job == "rl":
         critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
-        job = RLJob(config, layout, ckpts["actor"], critic_ckpt, stop_requested=stop, reward_fn=reward_fn)
+        job = RLJob(config, layout, stop, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt, reward_fn=reward_fn)
     else:
-        job = OFFLINE_JOBS[config.job](config, layout, ckpts["actor"], stop_requested=stop)
+        job = OFFLINE_JOBS[config.job](config, layout, stop, actor_ckpt=ckpts["actor"])
     finished = job.fit()
     job.close()
     return finished
