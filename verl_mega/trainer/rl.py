@@ -45,8 +45,8 @@ from .rollout_batch import build_rollout_batch
 
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
 # The batch's columns the models and the advantage estimator compute, as a non-finite error names them.
-COMPUTED_COLUMNS = {"old_log_probs": "the old log-prob", "values": "the value", "ref_log_probs": "the reference "
-                    "log-prob", "advantages": "the advantage", "returns": "the return"}
+COMPUTED_COLUMNS = {"old_log_probs": "the old log-prob", "values": "the value",
+                    "ref_log_probs": "the reference log-prob", "advantages": "the advantage", "returns": "the return"}
 PROMPT_FIELDS = ("raw_prompt", "reward_model", "data_source")  # what the reward and the samples read of a row
 
 
@@ -149,6 +149,7 @@ class RLJob(TrainingJob):
     # --- non-finite values --------------------------------------------------------------------------------
 
     def nonfinite_reward(self, scores: torch.Tensor) -> bool:
+        """Whether the reward of some response is NaN/inf (see `_nonfinite`)."""
         source = "reward.model" if self.reward_model is not None else f"reward.function {self.reward.name!r}"
         return self._nonfinite({"the reward": scores}, f"{source} must return finite numbers")
 
@@ -185,6 +186,7 @@ class RLJob(TrainingJob):
         self.rollout.close()
 
     def train_step(self) -> dict[str, float]:
+        """One step, stage by stage in dataflow order; a stage slots in here under its own name."""
         timer = StageTimer()
         prompts = self.next_prompts()
         responses = self.rollout_stage(prompts["input_ids"], timer)
