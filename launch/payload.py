@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_mega.config import JOBS, load_config
+from verl_mega.config import JOB_ALIASES, JOBS, load_config
 from verl_mega.trainer.preflight import preflight_check
 
 TRAINER_MODULE = "verl_mega.trainer.main"
@@ -35,7 +35,7 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
 def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--module", default=TRAINER_MODULE,
                         help=f"python module to run on every rank (default {TRAINER_MODULE})")
-    parser.add_argument("--job", choices=JOBS, help="the trainer's job (sets job=JOB); default: the config's `job`")
+    parser.add_argument("--job", choices=[*JOBS, *JOB_ALIASES], help="the trainer's job (sets job=JOB); default: the config's `job`")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment variable for every rank; repeatable")
     parser.add_argument("config", nargs="?", help="config file, passed to the module as --config CONFIG")

@@ -54,9 +54,10 @@ def run_case(ckpt_root: Path, out_dir: Path, model: str, dtype: str, tp: int, pp
     # Rows 0, 1 are the first pair's chosen and rejected, and so on: micro-batches of 2 rows hold whole pairs.
     batch = fixed_batch(cfg.vocab_size, pad_id=0)
     reference = Reference(ckpt, dtype=dtype)
-    batch["ref_logps"] = (reference.compute_ref_log_prob(batch, MICRO_BATCH).cpu() * batch["response_mask"]).sum(-1)
+    ref_log_probs = reference.compute_ref_log_prob(batch, MICRO_BATCH).cpu()
+    batch["ref_sequence_log_probs"] = (ref_log_probs * batch["response_mask"]).sum(-1)
     # A reference other than the initial policy, so the DPO logits (and the metrics) are not all zero.
-    batch["ref_logps"] = batch["ref_logps"] + torch.linspace(-1.0, 1.0, BATCH)
+    batch["ref_sequence_log_probs"] = batch["ref_sequence_log_probs"] + torch.linspace(-1.0, 1.0, BATCH)
     actor = Actor(ckpt, optim, schedule_steps=1, dtype=dtype)
     result["dpo_metrics"] = actor.update_on_sequences(batch, BATCH, MICRO_BATCH, PAIR_METRICS,
                                                       pair_sequence_loss(AlgorithmConfig(loss="dpo", beta=0.5)))

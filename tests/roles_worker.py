@@ -102,7 +102,7 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, dtype: str, tp: int
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2,
                         use_distributed_optimizer=layout.dp > 1)
     reference = make_reference(ckpt, use_kl=True, dtype=dtype)
-    batch["ref_log_prob"] = reference.compute_ref_log_prob(batch, MICRO_BATCH)
+    batch["ref_log_probs"] = reference.compute_ref_log_prob(batch, MICRO_BATCH)
     actor = Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1),
                   schedule_steps=4, dtype=dtype)
     scored = actor.compute_log_prob(batch, MICRO_BATCH, return_entropy=True)
@@ -117,7 +117,7 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, dtype: str, tp: int
 
     layout = current_layout()
     result = {
-        "hf_log_probs": hf_logprobs, "ref_log_prob": batch["ref_log_prob"], "log_probs": scored["log_probs"],
+        "hf_log_probs": hf_logprobs, "ref_log_probs": batch["ref_log_probs"], "log_probs": scored["log_probs"],
         "entropy": scored["entropy"], "response_mask": batch["response_mask"], "actor_metrics": actor_metrics,
         "initial_values": initial_values, "critic_metrics": critic_metrics, "weights": weights,
     }

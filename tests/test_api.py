@@ -36,11 +36,11 @@ def test_import_stays_cheap_and_exposes_the_api():
 
 
 @pytest.mark.parametrize("algorithm, expected", [
-    ("ppo", {"job": "ppo", "algorithm.adv_estimator": "gae"}),
-    ("grpo", {"job": "ppo", "algorithm.adv_estimator": "grpo"}),
-    ("rloo", {"job": "ppo", "algorithm.adv_estimator": "rloo"}),
+    ("ppo", {"job": "rl", "algorithm.adv_estimator": "gae"}),
+    ("grpo", {"job": "rl", "algorithm.adv_estimator": "grpo"}),
+    ("rloo", {"job": "rl", "algorithm.adv_estimator": "rloo"}),
     ("sft", {"job": "sft"}),
-    ("kto", {"job": "dpo", "algorithm.loss": "kto"}),
+    ("kto", {"job": "preference", "algorithm.loss": "kto"}),
 ])
 def test_algorithm_names_pick_the_job(algorithm, expected):
     assert algorithm_settings(algorithm) == expected

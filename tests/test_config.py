@@ -157,3 +157,13 @@ def test_a_bad_override_is_refused_naming_its_key(override, words):
     with pytest.raises(ConfigError) as refused:
         load_config(None, ["model.hf_path=/m", override])
     assert all(word in str(refused.value) for word in words), str(refused.value)
+@pytest.mark.parametrize("given, job", [("ppo", "rl"), ("dpo", "preference"), ("rl", "rl"), ("sft", "sft"),
+                                        ("preference", "preference")])
+def test_job_names_and_their_old_spellings_load_as_one_name(tmp_path, given, job):
+    # An old run's saved config.yaml says `job: ppo` or `job: dpo`: it loads (and resumes) as the job's name now.
+    saved = tmp_path / "config.yaml"
+    saved.write_text(f"job: {given}\nmodel: {{hf_path: m}}\n")
+    assert load_config(saved).job == job
+    assert load_config(None, ["model.hf_path=m", f"job={given}"]).job == job
+    assert load_config(None, values={"model.hf_path": "m", "job": given}).job == job
+    assert f"job: {job}\n" in to_yaml(load_config(saved))

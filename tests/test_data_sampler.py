@@ -90,3 +90,19 @@ def test_too_few_samples_for_a_batch():
     with pytest.raises(ValueError, match="3 samples cannot fill one batch of 4 with drop_last=True"):
         ResumableBatchSampler(3, 4)
     assert len(ResumableBatchSampler(3, 4, drop_last=False)) == 1
+
+
+def test_next_batch_rolls_over_epochs_as_iterating_does_and_resumes_there():
+    # What a job draws one step at a time: the batches of iterating epoch after epoch, the rollover included.
+    drawn = ResumableBatchSampler(10, 3, seed=4)
+    iterated = ResumableBatchSampler(10, 3, seed=4)
+    expected = [batch for _ in range(3) for batch in iterated]
+    assert [drawn.next_batch() for _ in range(9)] == expected
+    # A state saved while holding the last batch of an epoch resumes at the next epoch's first batch.
+    held = ResumableBatchSampler(10, 3, seed=4)
+    for _ in range(3):
+        held.next_batch()
+    restored = ResumableBatchSampler(10, 3, seed=0)
+    restored.load_state_dict(held.state_dict())
+    assert held.state_dict() == {"epoch": 0, "batch_index": 3, "seed": 4}
+    assert restored.next_batch() == held.next_batch() == expected[3]

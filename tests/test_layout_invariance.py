@@ -100,7 +100,7 @@ def bf16_results(converted):
 def test_log_probs_match_hf_on_left_padded_inputs(results, layout):
     result = results[layout]
     mask = result["response_mask"].bool()
-    for name in ("log_probs", "ref_log_prob"):
+    for name in ("log_probs", "ref_log_probs"):
         torch.testing.assert_close(result[name][mask], result["hf_log_probs"][mask], rtol=0, atol=LOGPROB_ATOL)
     assert torch.isfinite(result["entropy"]).all()
 

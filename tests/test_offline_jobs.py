@@ -1,6 +1,6 @@
-"""`verl-mega sft` and `verl-mega dpo` end to end on the tiny model: refusals before start-up, SFT loss falling,
-export, DPO preference accuracy and margins rising on the copy rule, every preference loss running, bitwise resume
-after SIGKILL, the reference log-prob cache."""
+"""`verl-mega sft` and `verl-mega preference` (and its old name `dpo`) end to end on the tiny model: refusals
+before start-up, SFT loss falling, export, DPO preference accuracy and margins rising on the copy rule, every
+preference loss running, bitwise resume after SIGKILL, the reference log-prob cache."""
 import json
 import math
 import os
@@ -111,20 +111,20 @@ def test_sft_then_dpo_loss_falls_exports_and_preference_accuracy_rises(data):
     assert cli(["export", "--ckpt", str(root / "sft"), "--out", str(root / "sft_hf")]) == 0
     assert AutoModelForCausalLM.from_pretrained(root / "sft_hf").config.tie_word_embeddings is True
 
-    run_job("dpo", EXAMPLES / "dpo_demo.yaml", f"model.hf_path={root / 'sft_hf'}",
+    run_job("preference", EXAMPLES / "dpo_demo.yaml", f"model.hf_path={root / 'sft_hf'}",
             f"data.train_files=[{data['pairs']}]", f"data.val_files=[{data['pairs_val']}]",
             f"trainer.run_dir={root / 'dpo'}", "trainer.total_steps=12", "trainer.val_every=6")
     dpo = records(root / "dpo")
     pair_metrics = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy",
                     "logps/chosen", "logps/rejected")
-    for key in (*(f"dpo/{name}" for name in pair_metrics), *(f"val/{name}" for name in pair_metrics),
-                "dpo/grad_norm", "timing/ref_log_prob", "perf/tokens_per_second"):
+    for key in (*(f"preference/{name}" for name in pair_metrics), *(f"val/{name}" for name in pair_metrics),
+                "preference/grad_norm", "timing/ref_log_prob", "perf/tokens_per_second"):
         assert key in dpo[-1] and math.isfinite(dpo[-1][key]), key
-    assert dpo[-1]["dpo/rewards/margins"] == pytest.approx(dpo[-1]["dpo/rewards/chosen"]
-                                                           - dpo[-1]["dpo/rewards/rejected"], rel=1e-5, abs=1e-6)
+    assert dpo[-1]["preference/rewards/margins"] == pytest.approx(
+        dpo[-1]["preference/rewards/chosen"] - dpo[-1]["preference/rewards/rejected"], rel=1e-5, abs=1e-6)
     # The first step's policy is the reference: every implicit reward, hence the accuracy, is zero.
-    assert dpo[0]["dpo/rewards/accuracy"] == 0.0 and dpo[0]["dpo/loss"] == pytest.approx(0.6931, abs=1e-4)
-    train_losses = [r["dpo/loss"] for r in dpo]
+    assert dpo[0]["preference/rewards/accuracy"] == 0.0 and dpo[0]["preference/loss"] == pytest.approx(0.6931, abs=1e-4)
+    train_losses = [r["preference/loss"] for r in dpo]
     assert mean(train_losses[-4:]) < mean(train_losses[1:5]), train_losses
     val = [r for r in dpo if "val/loss" in r]
     assert val[-1]["val/rewards/margins"] > val[0]["val/rewards/margins"] > 0
@@ -135,11 +135,11 @@ def test_sft_then_dpo_loss_falls_exports_and_preference_accuracy_rises(data):
 
 @pytest.mark.slow
 def test_every_preference_loss_trains_in_one_process(data, tmp_path):
-    """IPO, KTO, SimPO and ORPO, two steps each through `verl-mega dpo` (one Python process for all four)."""
+    """IPO, KTO, SimPO and ORPO, two steps each through `verl-mega preference` (one Python process for all four)."""
     runs = {"ipo": data["pairs"], "kto": data["kto"], "simpo": data["pairs"], "orpo": data["pairs"]}
     script = "; ".join(
-        ["import sys", "from verl_mega.trainer.main import dpo_main"]
-        + [f"assert dpo_main(['--config', {str(EXAMPLES / 'dpo_demo.yaml')!r}, 'model.hf_path={data['hf']}', "
+        ["import sys", "from verl_mega.trainer.main import preference_main"]
+        + [f"assert preference_main(['--config', {str(EXAMPLES / 'dpo_demo.yaml')!r}, 'model.hf_path={data['hf']}', "
            f"'data.train_files=[{files}]', 'trainer.run_dir={tmp_path / loss}', 'algorithm.loss={loss}', "
            f"'trainer.total_steps=2', 'trainer.tensorboard=false']) == 0" for loss, files in runs.items()])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -147,10 +147,10 @@ def test_every_preference_loss_trains_in_one_process(data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for loss in runs:
         last = records(tmp_path / loss)[-1]
-        assert last["step"] == 2 and last["dpo/grad_norm"] > 0, (loss, last)
+        assert last["step"] == 2 and last["preference/grad_norm"] > 0, (loss, last)
         assert ("timing/ref_log_prob" in last) == (loss in ("ipo", "kto")), loss
     kto = records(tmp_path / "kto")[-1]
-    assert "dpo/kl" in kto and kto["dpo/kl"] >= 0 and "timing/kl_baseline" in kto
+    assert "preference/kl" in kto and kto["preference/kl"] >= 0 and "timing/kl_baseline" in kto
 
 
 @pytest.mark.slow
@@ -186,11 +186,11 @@ def test_cached_reference_logprobs_give_the_same_update_and_altered_caches_are_r
                                      "algorithm.cache_reference_logprobs=true")
     cache = RunFolder(tmp_path / "cached").reference_logprobs
     script = "\n".join([
-        "import os", "from verl_mega.trainer.main import dpo_main",
-        f"assert dpo_main({argv(tmp_path / 'per_batch', 'trainer.total_steps=3')!r}) == 0",
-        f"assert dpo_main({cached_args(2)!r}) == 0",
+        "import os", "from verl_mega.trainer.main import preference_main",
+        f"assert preference_main({argv(tmp_path / 'per_batch', 'trainer.total_steps=3')!r}) == 0",
+        f"assert preference_main({cached_args(2)!r}) == 0",
         f"stamp = os.stat({str(cache)!r}).st_mtime_ns",
-        f"assert dpo_main({cached_args(3)!r}) == 0",
+        f"assert preference_main({cached_args(3)!r}) == 0",
         f"assert os.stat({str(cache)!r}).st_mtime_ns == stamp, 'the cache was rewritten'"])
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -199,7 +199,7 @@ def test_cached_reference_logprobs_give_the_same_update_and_altered_caches_are_r
     strip = lambda record: {k: v for k, v in record.items() if not k.startswith(NOT_COMPARED)}  # noqa: E731
     per_batch, cached = records(tmp_path / "per_batch"), records(tmp_path / "cached")
     assert [strip(r) for r in cached] == [strip(r) for r in per_batch]
-    assert "val/rewards/margins" in cached[-1] and cached[-1]["dpo/rewards/margins"] != 0
+    assert "val/rewards/margins" in cached[-1] and cached[-1]["preference/rewards/margins"] != 0
     assert "timing/ref_log_prob" in per_batch[-1] and "timing/ref_log_prob" not in cached[-1]
 
     raw = bytearray(cache.read_bytes())

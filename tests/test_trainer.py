@@ -1,4 +1,5 @@
-"""The PPO trainer: batch assembly, rollout placement, and a short end-to-end run whose reward rises."""
+"""The RL job: batch assembly, rollout placement, the order of a job's construction, and a short end-to-end run
+whose reward rises."""
 import json
 
 import pytest
@@ -75,8 +76,30 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
 
 def test_lr_schedule_spans_every_optimizer_step_of_the_run():
     from verl_mega.config import load_config
-    from verl_mega.trainer.ppo import optimizer_steps
+    from verl_mega.trainer.rl import optimizer_steps
 
     config = load_config(None, ["model.hf_path=x", "trainer.total_steps=10", "data.batch_size=8", "rollout.n=4",
                                 "actor.mini_batch_size=16", "actor.ppo_epochs=2"])
     assert optimizer_steps(config, config.actor) == 10 * 2 * (32 // 16)
+
+
+def test_a_job_is_built_then_started_by_the_base_class(tiny_models, tmp_path):
+    """The subclass builds its parts from its inputs before the base class resumes into them and opens the metrics
+    log; it never calls start() itself."""
+    from verl_mega.config import load_config
+    from verl_mega.parallel.state import ParallelLayout
+    from verl_mega.trainer.job import TrainingJob
+
+    class RecordingJob(TrainingJob):
+        def build(self, marker: str) -> None:
+            self.built = (marker, self.logger)
+
+        def trainables(self) -> dict:
+            return {}
+
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"trainer.run_dir={tmp_path}",
+                                "trainer.tensorboard=false"])
+    layout = ParallelLayout(tp=1, pp=1, dp=1, ep=1, rank=0, world_size=1, tp_rank=0, pp_rank=0, dp_rank=0, ep_rank=0)
+    job = RecordingJob(config, layout, marker="built first")
+    assert job.built == ("built first", None)
+    assert job.logger is not None and job.step == 0

@@ -17,7 +17,7 @@ import torch
 
 from verl_mega.config import TrainConfig
 from verl_mega.parallel.spawn import run_torchrun
-from verl_mega.trainer.ppo import needs_reference
+from verl_mega.trainer.rl import uses_reference
 
 # The two runs compute the same sums in other orders and with other matrix shapes (other blockings). In fp32
 # (unit roundoff u = 2**-24 = 6e-8) a sum of n terms reordered moves by about sqrt(n) u relative to the sum of
@@ -113,4 +113,4 @@ def test_reference_pass_only_when_a_kl_term_can_be_non_zero(use_kl_loss, kl_loss
     config = TrainConfig()
     config.actor.loss.use_kl_loss, config.actor.loss.kl_loss_coef = use_kl_loss, kl_loss_coef
     config.algorithm.use_kl_in_reward, config.algorithm.kl_ctrl.kl_coef = use_kl_in_reward, kl_coef
-    assert needs_reference(config) is needed
+    assert uses_reference(config) is needed

@@ -38,7 +38,7 @@ def training_batch(ckpt: Path, cfg) -> dict[str, torch.Tensor]:
 
     batch = fixed_batch(cfg.vocab_size, pad_id=0)
     batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
-    batch["ref_log_prob"] = make_reference(ckpt, use_kl=True).compute_ref_log_prob(batch, MICRO_BATCH)
+    batch["ref_log_probs"] = make_reference(ckpt, use_kl=True).compute_ref_log_prob(batch, MICRO_BATCH)
     return batch
 
 

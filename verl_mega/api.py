@@ -1,4 +1,4 @@
-"""The Python API: the jobs of `verl-mega train | sft | dpo` from a script, and the trained policy back.
+"""The Python API: the jobs of `verl-mega train | sft | preference` from a script, and the trained policy back.
 
 `Trainer` builds the TrainConfig the command line builds and calls the same `trainer.main.run`; a reward
 function is handed to the job as the callable it is. A plain process trains as a world of one (CPU, or one
@@ -24,7 +24,8 @@ from verl_mega.roles.reward import RewardFn, reward_fn_name
 from verl_mega.run.folder import RunFolder
 from verl_mega.trainer.main import run
 
-PPO = "ppo"  # PPO proper: GAE advantages from a learned critic
+# The algorithm name of PPO proper: GAE advantages from a learned critic (the other estimators need none).
+GAE_WITH_CRITIC = "ppo"
 
 
 def algorithm_settings(algorithm: str) -> dict[str, str]:
@@ -33,12 +34,12 @@ def algorithm_settings(algorithm: str) -> dict[str, str]:
     if algorithm == "sft":
         return {"job": "sft"}
     if algorithm in PREFERENCE_LOSSES.names():
-        return {"job": "dpo", "algorithm.loss": algorithm}
-    if algorithm == PPO:
-        return {"job": "ppo", "algorithm.adv_estimator": "gae"}
+        return {"job": "preference", "algorithm.loss": algorithm}
+    if algorithm == GAE_WITH_CRITIC:
+        return {"job": "rl", "algorithm.adv_estimator": "gae"}
     if algorithm in ADV_ESTIMATORS.names():
-        return {"job": "ppo", "algorithm.adv_estimator": algorithm}
-    known = ["sft", PPO, *ADV_ESTIMATORS.names(), *PREFERENCE_LOSSES.names()]
+        return {"job": "rl", "algorithm.adv_estimator": algorithm}
+    known = ["sft", GAE_WITH_CRITIC, *ADV_ESTIMATORS.names(), *PREFERENCE_LOSSES.names()]
     raise ConfigError(f"algorithm {algorithm!r} is unknown; known: {', '.join(dict.fromkeys(known))}")
 
 

@@ -1,9 +1,9 @@
-"""`verl-mega convert | export | plot | train | sft | dpo | plan | launch` — argument parsing only; the work is in
-the modules.
+"""`verl-mega convert | export | plot | train | sft | preference | plan | launch` — argument parsing only; the work
+is in the modules. `dpo` is `preference` under its old name.
 
-`convert`, `export` and `plot` are parsed here. `train`, `sft`, `dpo`, `plan` and `launch slurm|local` parse their own
-arguments (they also run as `python -m` modules under torchrun and Slurm), so here they only appear in the help
-and hand the rest of the command line to their module.
+`convert`, `export` and `plot` are parsed here. `train`, `sft`, `preference`, `plan` and `launch slurm|local` parse
+their own arguments (they also run as `python -m` modules under torchrun and Slurm), so here they only appear in
+the help and hand the rest of the command line to their module.
 """
 from __future__ import annotations
 
@@ -27,11 +27,12 @@ DTYPE_NAMES = list(DTYPES)
 
 # Subcommands whose module parses its own arguments: words -> ("module:function", help).
 DELEGATED = {
-    ("train",): ("verl_mega.trainer.main:main", "PPO / GRPO training from a YAML config (run under torchrun or srun); "
-                                                "the config's `job` may name sft or dpo instead"),
+    ("train",): ("verl_mega.trainer.main:main", "RL training (PPO, GRPO, ...) from a YAML config (run under torchrun "
+                                                "or srun); the config's `job` may name sft or preference instead"),
     ("sft",): ("verl_mega.trainer.main:sft_main", "supervised fine-tuning on chat or prompt/response rows (torchrun)"),
-    ("dpo",): ("verl_mega.trainer.main:dpo_main", "preference optimisation: algorithm.loss dpo | ipo | kto | simpo | "
-                                                  "orpo (torchrun)"),
+    ("preference",): ("verl_mega.trainer.main:preference_main", "preference optimisation: algorithm.loss dpo | ipo | "
+                                                                "kto | simpo | orpo (torchrun)"),
+    ("dpo",): ("verl_mega.trainer.main:preference_main", "the `preference` command's old name"),
     ("plan",): ("verl_mega.rollout.planner:main", "HybridEngine dry run: per-rank bytes of a training -> rollout "
                                                    "transition"),
     ("launch", "local"): ("verl_mega.launch.local:main", "torchrun on this machine"),

@@ -133,7 +133,7 @@ def run_sft_dpo(workdir: Path, steps: int) -> None:
         f"data.val_files=[{files['pairs_val']}]", f"trainer.run_dir={workdir / 'run_dpo'}", "parallel.tp=2",
         f"trainer.total_steps={steps}", f"trainer.val_every={max(steps // 4, 1)}"])
     records = read_metrics(RunFolder(workdir / "run_dpo").metrics)
-    accuracy = [r["dpo/rewards/accuracy"] for r in records]
+    accuracy = [r["preference/rewards/accuracy"] for r in records]
     val = [r for r in records if "val/rewards/accuracy" in r]
     print(f"[demo] DPO at tp=2: preference accuracy over steps 2-6 {statistics.mean(accuracy[1:6]):.3f} -> last 5 "
           f"{statistics.mean(accuracy[-5:]):.3f}; held-out accuracy {val[0]['val/rewards/accuracy']:.3f} -> "

@@ -1,12 +1,13 @@
 """The run's config: typed dataclasses, YAML + dotted overrides. A leaf: it imports nothing of the package."""
 from .schema import (
-    JOBS, ActorConfig, AlgorithmConfig, ConfigError, CriticConfig, DataConfig, KLControlConfig, ModelConfig,
-    OptimConfig, ParallelConfig, PolicyLossConfig, RewardConfig, RolloutConfig, TrainConfig, TrainerConfig,
-    UpdateSchedule, ValueLossConfig, load_config, to_dict, to_yaml,
+    JOB_ALIASES, JOBS, ActorConfig, AlgorithmConfig, ConfigError, CriticConfig, DataConfig, KLControlConfig,
+    ModelConfig, OptimConfig, ParallelConfig, PolicyLossConfig, RewardConfig, RolloutConfig, TrainConfig,
+    TrainerConfig, UpdateSchedule, ValueLossConfig, load_config, to_dict, to_yaml,
 )
 
 __all__ = [
-    "JOBS", "ActorConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "KLControlConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "PolicyLossConfig", "RewardConfig", "RolloutConfig",
-    "TrainConfig", "TrainerConfig", "UpdateSchedule", "ValueLossConfig", "load_config", "to_dict", "to_yaml",
+    "JOB_ALIASES", "JOBS", "ActorConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
+    "KLControlConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PolicyLossConfig", "RewardConfig",
+    "RolloutConfig", "TrainConfig", "TrainerConfig", "UpdateSchedule", "ValueLossConfig", "load_config", "to_dict",
+    "to_yaml",
 ]

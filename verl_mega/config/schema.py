@@ -313,16 +313,19 @@ class TrainerConfig:
     """The ranks that record profile_steps."""
 
 
-JOBS = ("ppo", "sft", "dpo")
+JOBS = ("rl", "sft", "preference")
+# Earlier spellings, still read (a saved config.yaml of an old run resumes): turned into the names above where
+# the config is loaded, so the rest of the code sees one spelling.
+JOB_ALIASES = {"ppo": "rl", "dpo": "preference"}
 
 
 @dataclass
 class TrainConfig:
     """A run's whole config."""
 
-    job: str = "ppo"
+    job: str = "rl"
     """Which job runs: rl (PPO, GRPO and the other RL estimators), sft (supervised fine-tuning) or preference
-    (DPO, IPO, KTO, SimPO, ORPO); ppo and dpo are the old spellings."""
+    (DPO, IPO, KTO, SimPO, ORPO); `ppo` and `dpo` are read as rl and preference."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -369,6 +372,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
     except Exception as err:  # omegaconf's MissingMandatoryValue and friends
         key = getattr(err, "full_key", "")
         raise ConfigError(f"config key '{key}' is required: set it in the YAML file or as {key}=...") from None
+    config.job = JOB_ALIASES.get(config.job, config.job)
     return config
 
 

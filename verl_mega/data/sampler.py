@@ -1,9 +1,10 @@
 """A seeded, resumable batch sampler over dataset indices.
 
 Each epoch's order depends only on (seed, epoch), so the sampler's whole position is three numbers
-and a restored run sees exactly the batches an uninterrupted run would have seen. Use it as a
-DataLoader `batch_sampler` with num_workers=0: worker prefetching draws batches ahead of the
-training step, and a checkpointed position would then skip the prefetched batches.
+and a restored run sees exactly the batches an uninterrupted run would have seen. A training job draws one
+batch per step with `next_batch()`, which moves on to the next epoch by itself. Or use it as a DataLoader
+`batch_sampler` with num_workers=0: worker prefetching draws batches ahead of the training step, and a
+checkpointed position would then skip the prefetched batches.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class ResumableBatchSampler:
         self.epoch = 0
         # Batches of the current epoch already handed out.
         self.batch_index = 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its order): computed once per epoch
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -58,16 +60,24 @@ class ResumableBatchSampler:
         shuffled = [index for b in torch.randperm(full, generator=generator).tolist() for index in batches[b]]
         return shuffled + grouped[full * self.batch_size:]
 
+    def next_batch(self) -> list[int]:
+        """The next batch, the first of the next epoch once this one is used up (the epoch rolls over on the call
+        after its last batch, so a state saved while the caller holds that batch resumes after it)."""
+        if self.batch_index >= len(self):
+            self._start_next_epoch()
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, self.epoch_order(self.epoch))
+        start = self.batch_index * self.batch_size
+        # Counted before it is handed out, so a state saved while the caller holds this batch resumes after it.
+        self.batch_index += 1
+        return self._order[1][start : start + self.batch_size]
+
     def __iter__(self) -> Iterator[list[int]]:
         """Yields the rest of the current epoch, then moves on to the next epoch."""
         if self.batch_index >= len(self):
             self._start_next_epoch()
-        order = self.epoch_order(self.epoch)
         while self.batch_index < len(self):
-            start = self.batch_index * self.batch_size
-            # Counted before yielding, so a state saved while the caller holds this batch resumes after it.
-            self.batch_index += 1
-            yield order[start : start + self.batch_size]
+            yield self.next_batch()
         self._start_next_epoch()
 
     def _start_next_epoch(self) -> None:

@@ -50,6 +50,11 @@ def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_
     return compute_per_token(model, batch, micro_batch_size, names, per_token, max_tokens, packed)
 
 
+def uses_kl_loss(loss: PolicyLossConfig) -> bool:
+    """Whether the policy loss has a KL term: with a zero coefficient it adds nothing and needs no reference."""
+    return loss.use_kl_loss and loss.kl_loss_coef != 0
+
+
 def is_on_policy(ppo_epochs: int, mini_batch_size: int, rows: int) -> bool:
     """Whether an update's first forward sees the weights that generated the batch, for every row: one epoch
     over one mini-batch. The old log-probs are then that forward's, and a separate pass to compute them is
@@ -79,8 +84,7 @@ class Actor:
 
     @property
     def uses_kl_loss(self) -> bool:
-        """Whether the loss has a KL term: with a zero coefficient it adds nothing and needs no reference."""
-        return self.loss.use_kl_loss and self.loss.kl_loss_coef != 0
+        return uses_kl_loss(self.loss)
 
     def update_policy(self, batch: Batch, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
                       max_tokens: int = 0) -> dict:
@@ -89,8 +93,8 @@ class Actor:
         Without 'old_log_probs' in `batch` the update is on-policy: allowed for one epoch over one mini-batch,
         where the old log-probs are by definition the first (and only) forward's, which it uses, detached.
         """
-        if self.uses_kl_loss and "ref_log_prob" not in batch:
-            raise ValueError("use_kl_loss is set but the batch has no 'ref_log_prob'")
+        if self.uses_kl_loss and "ref_log_probs" not in batch:
+            raise ValueError("use_kl_loss is set but the batch has no 'ref_log_probs'")
         if "old_log_probs" not in batch and not is_on_policy(ppo_epochs, mini_batch_size, batch_size(batch)):
             raise ValueError(f"the batch has no 'old_log_probs': they equal the update's own forward only for one "
                              f"epoch over one mini-batch, not ppo_epochs={ppo_epochs} with mini_batch_size="
@@ -135,8 +139,7 @@ class Actor:
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = self._policy_loss(
             old_log_prob, log_prob, on("advantages"), mask, loss_agg_mode=loss_config.loss_agg_mode,
             clip_ratio=loss_config.clip_ratio, clip_ratio_low=loss_config.clip_ratio_low,
-            clip_ratio_high=loss_config.clip_ratio_high,
-            clip_ratio_c=loss_config.clip_ratio_c, **loss_config.extra,
+            clip_ratio_high=loss_config.clip_ratio_high, clip_ratio_c=loss_config.clip_ratio_c, **loss_config.extra,
         )
         entropy_loss = agg_loss(entropy, mask, loss_config.loss_agg_mode)
         loss = pg_loss - loss_config.entropy_coeff * entropy_loss
@@ -144,7 +147,7 @@ class Actor:
                    "pg_clipfrac": pg_clipfrac * share.tokens, "pg_clipfrac_lower": pg_clipfrac_lower * share.tokens,
                    "ppo_kl": ppo_kl * share.tokens}
         if self.uses_kl_loss:
-            kl = compute_kl(log_prob, on("ref_log_prob"), loss_config.kl_loss_type)
+            kl = compute_kl(log_prob, on("ref_log_probs"), loss_config.kl_loss_type)
             kl_loss = agg_loss(kl, mask, loss_config.loss_agg_mode)
             loss = loss + loss_config.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss * share.loss

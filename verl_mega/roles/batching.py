@@ -3,7 +3,7 @@
 A batch is a dict of tensors sharing the batch dimension: `input_ids`, `attention_mask`, `position_ids` [B, L]
 (prompt left-padded, response right-padded, so each row's valid tokens are contiguous), `responses` and
 `response_mask` [B, R] (the last R columns of `input_ids`), plus per-token training inputs
-(`old_log_probs`, `advantages`, `ref_log_prob`, `values`, `returns`) [B, R].
+(`old_log_probs`, `advantages`, `ref_log_probs`, `values`, `returns`) [B, R].
 
 Contract with callers: every rank passes the same global batch; the role takes its data-parallel slice
 (`dp_slice`) and returns results for the whole batch (gathered over DP), so trainers stay layout-agnostic.

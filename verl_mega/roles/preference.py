@@ -4,7 +4,7 @@ Paired batches interleave rows as chosen, rejected, chosen, rejected, ... so a m
 of rows holds whole pairs. KTO batches hold one completion per row with the columns `desirable` [B],
 `desirable_share` / `undesirable_share` [B] (1 / the global batch's count of that kind, 0 elsewhere, so the
 per-kind means add up exactly over micro-batches and ranks) and `kl_baseline` [B] (z₀, the same in every row).
-`ref_logps` [B] holds the reference model's summed log-probs where the loss needs them.
+`ref_sequence_log_probs` [B] holds the reference model's summed log-probs where the loss needs them.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def pair_sequence_loss(algorithm: AlgorithmConfig):
     loss_fn, knobs = get_preference_loss_fn(algorithm.loss), loss_knobs(algorithm)
 
     def sequence_loss(logps: torch.Tensor, tokens: torch.Tensor, micro_batch: Batch, share: MicroBatchShare):
-        ref = micro_batch["ref_logps"].to(logps.device) if "ref_logps" in micro_batch else None
+        ref = micro_batch.get("ref_sequence_log_probs")
+        ref = None if ref is None else ref.to(logps.device)
         pairs = PairLogps(logps[0::2], logps[1::2], None if ref is None else ref[0::2],
                           None if ref is None else ref[1::2], tokens[0::2], tokens[1::2])
         out = loss_fn(pairs, **knobs)
@@ -53,7 +54,7 @@ def kto_sequence_loss(algorithm: AlgorithmConfig):
     def sequence_loss(logps: torch.Tensor, tokens: torch.Tensor, micro_batch: Batch, share: MicroBatchShare):
         on = lambda key: micro_batch[key].to(logps.device)  # noqa: E731
         kl_baseline = on("kl_baseline")
-        losses, rewards = loss_fn(logps, on("ref_logps"), on("desirable"), kl_baseline, **knobs)
+        losses, rewards = loss_fn(logps, on("ref_sequence_log_probs"), on("desirable"), kl_baseline, **knobs)
         desirable, undesirable = on("desirable_share"), on("undesirable_share")
         metrics = {"loss": losses.detach().mean() * share.loss, "kl": kl_baseline.mean() * share.loss,
                    "rewards/chosen": (rewards * desirable).sum(), "rewards/rejected": (rewards * undesirable).sum(),

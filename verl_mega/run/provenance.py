@@ -54,7 +54,7 @@ def _git(*args: str) -> str:
 def reward_provenance(config: TrainConfig, reward_fn: RewardFn | None) -> dict | None:
     """What scores the responses: the reward model's checksum, or the reward function's record; None for the
     jobs that learn from their data alone."""
-    if config.job != "ppo":
+    if config.job != "rl":
         return None
     if config.reward.reward_model:
         return {"reward_model": config.reward.reward_model, "sha256": model_sha256(config.reward.reward_model)}

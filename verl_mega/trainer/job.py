@@ -1,8 +1,10 @@
-"""What every training job (PPO, SFT, preference) shares around its step: the run folder, the step loop with
+"""What every training job (RL, SFT, preference) shares around its step: the run folder, the step loop with
 preemption, validation passes, profiled steps, step checkpoints and resume (and their mirror in object
 storage), metrics, the health endpoint and the final weights for export.
 
-A job subclass builds its roles, then calls `start()`; it implements `train_step()` and names what it saves.
+The base class owns the order of construction: `__init__` runs the subclass's `build()` (its roles, data and
+engines), then `start()` (resume, metrics log, health endpoint, mirror). A subclass never calls `start()`; it
+implements `build()` and `train_step()` and names what it saves.
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ class TrainingJob:
     # starts from. The offline jobs' first validation is after their first step.
     validates_before_training = False
 
-    def __init__(self, config: TrainConfig, layout: ParallelLayout, stop_requested=lambda: False):
-        """`stop_requested()`: whether a signal asked this rank to save and stop (preemption)."""
+    def __init__(self, config: TrainConfig, layout: ParallelLayout, stop_requested=lambda: False, **inputs):
+        """`stop_requested()`: whether a signal asked this rank to save and stop (preemption). `inputs`: what the
+        job's `build` takes (the checkpoints its roles start from, ...)."""
         self.config, self.layout = config, layout
         self.run_dir = Path(config.trainer.run_dir)
         self.hf_config, self.family = load_hf_model_config(config.model.hf_path, config.model.family_spec or None)
@@ -46,27 +49,34 @@ class TrainingJob:
         self.nonfinite_skipped = 0  # batches and optimizer steps dropped under trainer.nonfinite=skip
         self.logger = self.health = None
         self.mirror = None  # rank 0's checkpoint uploader when trainer.checkpoint_mirror is set
+        self.build(**inputs)
+        self.start()
 
     def start(self) -> None:
         """Resume from the run folder (or the checkpoint mirror), then open the metrics log, the health endpoint
-        and the mirror's uploader."""
-        cfg = self.config.trainer
-        if cfg.checkpoint_mirror:
+        and the mirror's uploader. Runs once, after `build()`."""
+        trainer = self.config.trainer
+        if trainer.checkpoint_mirror:
             self._fetch_from_mirror()
         self.resume()
-        if cfg.checkpoint_mirror and self.layout.rank == 0:
-            self.mirror = mirror.CheckpointMirror(mirror.parse_mirror_url(cfg.checkpoint_mirror), self.run_dir,
-                                                  cfg.keep_last)
-        self.logger = MetricsLogger(self.run_dir, enabled=self.layout.rank == 0, tensorboard=cfg.tensorboard,
-                                    wandb_project=cfg.wandb_project, log_format=cfg.log_format)
+        if trainer.checkpoint_mirror and self.layout.rank == 0:
+            self.mirror = mirror.CheckpointMirror(mirror.parse_mirror_url(trainer.checkpoint_mirror), self.run_dir,
+                                                  trainer.keep_last)
+        self.logger = MetricsLogger(self.run_dir, enabled=self.layout.rank == 0, tensorboard=trainer.tensorboard,
+                                    wandb_project=trainer.wandb_project, log_format=trainer.log_format)
         try:
-            self.health = HealthServer(cfg.health_port) if self.layout.rank == 0 and cfg.health_port > 0 else None
+            self.health = (HealthServer(trainer.health_port) if self.layout.rank == 0 and trainer.health_port > 0
+                           else None)
         except OSError as err:
-            raise UserError(f"trainer.health_port={cfg.health_port}: cannot listen there ({err}); pick a free "
+            raise UserError(f"trainer.health_port={trainer.health_port}: cannot listen there ({err}); pick a free "
                             "port") from None
         self._set_health("ready")
 
     # --- what a job defines ---------------------------------------------------------------------------
+
+    def build(self, **inputs) -> None:
+        """Build the job's roles, data and engines from `inputs`; `start()` follows (it resumes into them)."""
+        raise NotImplementedError
 
     def train_step(self) -> dict[str, float]:
         raise NotImplementedError
@@ -98,25 +108,26 @@ class TrainingJob:
 
     def fit(self) -> bool:
         """Train to `trainer.total_steps`; returns False if a stop was requested and the run saved early."""
-        cfg = self.config.trainer
-        progress = _progress(cfg.total_steps, self.step, self.layout.rank == 0 and cfg.progress_bar, self.name)
+        trainer = self.config.trainer
+        progress = _progress(trainer.total_steps, self.step, self.layout.rank == 0 and trainer.progress_bar,
+                             self.name)
         stopped = False
         if self.step == 0 and self.validates_before_training:
             baseline = self._validation()
             if baseline:
                 self.logger.log(0, baseline)
-        while self.step < cfg.total_steps and not stopped:
+        while self.step < trainer.total_steps and not stopped:
             self._set_health("training")
             with self._profiled(self.step + 1):
                 metrics = self.train_step()
             self.step += 1
-            if (cfg.val_every > 0 and self.step % cfg.val_every == 0) or self.step == cfg.total_steps:
+            if (trainer.val_every > 0 and self.step % trainer.val_every == 0) or self.step == trainer.total_steps:
                 metrics.update(self._validation())
             self.logger.log(self.step, metrics)
             progress.update(1)
             stopped = self._any_rank_asked_to_stop()
-            due = cfg.save_every > 0 and self.step % cfg.save_every == 0
-            if stopped or due or self.step == cfg.total_steps:
+            due = trainer.save_every > 0 and self.step % trainer.save_every == 0
+            if stopped or due or self.step == trainer.total_steps:
                 self.save()
         progress.close()
         self.logger.close()
@@ -127,7 +138,7 @@ class TrainingJob:
                 save_role_weights(model, source_ckpt, RunFolder(self.run_dir).final_weights(role), self.layout,
                                   self.step, role=role)
         if self.mirror is not None:
-            self.mirror.finish(cfg.checkpoint_mirror_wait_s)
+            self.mirror.finish(trainer.checkpoint_mirror_wait_s)
         self._set_health("ready")
         if self.health is not None:
             self.health.close()
@@ -145,8 +156,8 @@ class TrainingJob:
     def _profiled(self, step: int):
         """torch.profiler over the step if trainer.profile_steps and profile_ranks name it and this rank; the
         trace is written whole, as Chrome trace JSON."""
-        cfg = self.config.trainer
-        if step not in cfg.profile_steps or self.layout.rank not in cfg.profile_ranks:
+        trainer = self.config.trainer
+        if step not in trainer.profile_steps or self.layout.rank not in trainer.profile_ranks:
             yield
             return
         activities = [torch.profiler.ProfilerActivity.CPU]

@@ -1,7 +1,7 @@
 """`verl-mega train --config FILE.yaml [key.sub=value ...]`, run under torchrun (or Slurm's srun + torchrun).
 
-The config's `job` picks the loop: ppo (default), sft or dpo; `verl-mega sft` and `verl-mega dpo` are `train`
-with the job set.
+The config's `job` picks the loop: rl (default), sft or preference; `verl-mega sft` and `verl-mega preference`
+(or its old name `verl-mega dpo`) are `train` with the job set.
 
 The config passes the pre-flight check before any process group starts; the resolved config and the run's
 provenance are saved in the run folder. A plain process (no torchrun) trains as a world of one. `run` is the one
@@ -32,17 +32,17 @@ from verl_mega.run.provenance import write_provenance
 from verl_mega.parallel.world import read_world
 
 from .metrics import print_note
-from .ppo import PPOTrainer, uses_critic
 from .preemption import StopRequest, requeue_slurm_job
-from .preference import PreferenceTrainer
-from .sft import SFTTrainer
+from .preference import PreferenceJob
 from .preflight import preflight_check
+from .rl import RLJob, uses_critic
+from .sft import SFTJob
 
-OFFLINE_JOBS = {"sft": SFTTrainer, "dpo": PreferenceTrainer}
+OFFLINE_JOBS = {"sft": SFTJob, "preference": PreferenceJob}
 
 
 def main(argv: list[str] | None = None, job: str | None = None) -> int:
-    """`job`: run that job whatever the config names (`verl-mega sft` / `verl-mega dpo`)."""
+    """`job`: run that job whatever the config names (`verl-mega sft` / `verl-mega preference`)."""
     command = f"verl-mega {job or 'train'}"
     parser = argparse.ArgumentParser(prog=command)
     parser.add_argument("--config", help="YAML file (examples/ holds some)")
@@ -62,13 +62,13 @@ def sft_main(argv: list[str] | None = None) -> int:
     return main(argv, job="sft")
 
 
-def dpo_main(argv: list[str] | None = None) -> int:
-    return main(argv, job="dpo")
+def preference_main(argv: list[str] | None = None) -> int:
+    return main(argv, job="preference")
 
 
 def run(config, reward_fn=None) -> None:
     """Validate `config` for this job's world size, then train. `reward_fn`: a callable scoring responses in
-    place of `reward.function` (PPO-style jobs only)."""
+    place of `reward.function` (the RL job only)."""
     preflight_check(config, read_world().size, reward_fn=reward_fn)
     train(config, reward_fn)
 
@@ -109,11 +109,11 @@ def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
         atomic_write_text(RunFolder(run_dir).config, to_yaml(config))
         write_provenance(run_dir, config, checksums, reward_fn)
     stop = StopRequest().install()
-    if config.job == "ppo":
+    if config.job == "rl":
         critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
-        job = PPOTrainer(config, layout, ckpts["actor"], critic_ckpt, stop_requested=stop, reward_fn=reward_fn)
+        job = RLJob(config, layout, stop, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt, reward_fn=reward_fn)
     else:
-        job = OFFLINE_JOBS[config.job](config, layout, ckpts["actor"], stop_requested=stop)
+        job = OFFLINE_JOBS[config.job](config, layout, stop, actor_ckpt=ckpts["actor"])
     finished = job.fit()
     job.close()
     return finished

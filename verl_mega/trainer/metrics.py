@@ -15,7 +15,8 @@ import torch
 from verl_mega.files.atomic import atomic_write_text
 from verl_mega.run.folder import RunFolder
 CONSOLE_KEYS = ("reward/mean", "val/reward_mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
-                "actor/entropy", "actor/grad_norm", "sft/loss", "dpo/loss", "dpo/rewards/accuracy", "val/loss",
+                "actor/entropy", "actor/grad_norm", "sft/loss", "preference/loss",
+                "preference/rewards/accuracy", "val/loss",
                 "perf/step_seconds")
 
 
@@ -46,6 +47,14 @@ def peak_memory_bytes() -> int:
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+
+def step_performance(timer: StageTimer, tokens: int) -> dict[str, float]:
+    """Every job's perf/ and timing/ metrics of a step: wall and CPU seconds since `timer` was made, `tokens`
+    (the batch's attended tokens) per second, peak memory, and each stage's seconds."""
+    seconds, cpu_seconds = timer.elapsed()
+    return {"perf/step_seconds": seconds, "perf/step_cpu_seconds": cpu_seconds,
+            "perf/tokens_per_second": tokens / seconds, "perf/peak_memory_gib": peak_memory_bytes() / 1024**3,
+            **{f"timing/{stage}": value for stage, value in timer.seconds.items()}}
 
 
 def print_note(message: str, log_format: str) -> None:

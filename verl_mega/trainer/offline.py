@@ -6,7 +6,6 @@ over `data.val_files` every `trainer.val_every` steps and at the end.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -15,43 +14,39 @@ from transformers import AutoTokenizer
 from verl_mega.config import TrainConfig
 from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.data.supervised import Limits, LoadedRows
-from verl_mega.parallel.state import ParallelLayout
 from verl_mega.roles.actor import Actor
 
 from .job import TrainingJob
-from .metrics import StageTimer, peak_memory_bytes, print_note
+from .metrics import StageTimer, print_note, step_performance
 
 
 def limits(config: TrainConfig) -> Limits:
-    d = config.data
-    return Limits(d.max_prompt_length, d.max_response_length, d.truncation)
+    data = config.data
+    return Limits(data.max_prompt_length, data.max_response_length, data.truncation)
 
 
 class OfflineJob(TrainingJob):
     # Batch rows per example: a preference pair is two rows (chosen, rejected).
     rows_per_example = 1
 
-    def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, stop_requested=lambda: False):
-        super().__init__(config, layout, stop_requested)
+    def build(self, actor_ckpt: Path) -> None:
+        """The examples (checked up front), their length-grouped sampler and the actor."""
+        config = self.config
         self.actor_ckpt = Path(actor_ckpt)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
-        d = config.data
-        train = self.load_examples(d.train_files)
+        data = config.data
+        train = self.load_examples(data.train_files)
         self.train_examples = train.examples
-        self.val_examples = self.load_examples(d.val_files).examples if d.val_files else []
-        if train.skipped and layout.rank == 0:
+        self.val_examples = self.load_examples(data.val_files).examples if data.val_files else []
+        if train.skipped and self.layout.rank == 0:
             print_note(f"skipped {train.skipped} invalid rows of data.train_files (data.skip_invalid_rows)",
                        config.trainer.log_format)
-        self.sampler = ResumableBatchSampler(len(self.train_examples), d.batch_size, seed=d.seed,
+        self.sampler = ResumableBatchSampler(len(self.train_examples), data.batch_size, seed=data.seed,
                                              lengths=[self.example_length(e) for e in self.train_examples],
-                                             group_batches=d.length_group_batches)
+                                             group_batches=data.length_group_batches)
+        schedule_steps = config.trainer.total_steps * (data.batch_size // config.actor.mini_batch_size)
         self.actor = Actor(actor_ckpt, config.actor.optim, dtype=config.model.dtype,
-                           packed_sequences=config.actor.use_packed_sequences,
-                           schedule_steps=config.trainer.total_steps * (d.batch_size // config.actor.mini_batch_size))
-
-    def start(self) -> None:
-        super().start()
-        self._batches = iter(self.sampler)
+                           packed_sequences=config.actor.use_packed_sequences, schedule_steps=schedule_steps)
 
     # --- what a job defines ---------------------------------------------------------------------------
 
@@ -91,20 +86,11 @@ class OfflineJob(TrainingJob):
         self.sampler.load_state_dict(state["sampler"])
 
     def train_step(self) -> dict[str, float]:
-        timer, start = StageTimer(), time.perf_counter()
-        indices = next(self._batches, None)
-        if indices is None:  # the sampler moved on to the next epoch
-            self._batches = iter(self.sampler)
-            indices = next(self._batches)
-        batch = self.make_batch([self.train_examples[i] for i in indices])
+        timer = StageTimer()
+        batch = self.make_batch([self.train_examples[i] for i in self.sampler.next_batch()])
         metrics = self.update(batch, timer)
-        seconds = time.perf_counter() - start
-        metrics.update({
-            "perf/step_seconds": seconds, "perf/tokens_per_second": batch["attention_mask"].sum().item() / seconds,
-            "perf/peak_memory_gib": peak_memory_bytes() / 1024**3, "data/epoch": self.sampler.epoch,
-            **{f"timing/{stage}": value for stage, value in timer.seconds.items()},
-        })
-        return metrics
+        return {**metrics, "data/epoch": self.sampler.epoch,
+                **step_performance(timer, batch["attention_mask"].sum().item())}
 
     def validate(self) -> dict[str, float]:
         return self.validation_metrics(self.chunks(self.val_examples)) if self.val_examples else {}

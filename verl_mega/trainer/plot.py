@@ -14,7 +14,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.files.atomic import atomic_file
 from verl_mega.run.folder import RunFolder
 
-# (title, metrics drawn as lines, a prefix whose every metric is drawn too); names as ppo.py / actor.py log them.
+# (title, metrics drawn as lines, a prefix whose every metric is drawn too); names as rl.py / actor.py log them.
 PANELS = (
     ("reward", ("reward/mean", "val/reward_mean"), "val/reward_mean/"),
     ("KL", ("actor/kl", "actor/ppo_kl"), None),

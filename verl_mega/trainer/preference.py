@@ -38,8 +38,8 @@ def preference_batch(examples: list[PreferenceExample], pad_token_id: int) -> di
     batch = build_rollout_batch(prompts, completions, max(map(len, completions)), pad_token_id)
     batch["desirable"] = torch.tensor([example.desirable for example in examples for _ in example.completions])
     if all(example.reference_logps is not None for example in examples):
-        batch["ref_logps"] = torch.tensor([logp for example in examples for logp in example.reference_logps],
-                                          dtype=torch.float32)
+        batch["ref_sequence_log_probs"] = torch.tensor(
+            [logp for example in examples for logp in example.reference_logps], dtype=torch.float32)
     return batch
 
 
@@ -49,21 +49,28 @@ def with_reference_logps(examples: list[PreferenceExample], values: torch.Tensor
     return [replace(example, reference_logps=tuple(logps)) for example, logps in zip(examples, per_example)]
 
 
-class PreferenceTrainer(OfflineJob):
-    name = "dpo"
+class PreferenceJob(OfflineJob):
+    name = "preference"  # also its metrics' prefix, whichever loss (a KTO run is no DPO run)
 
-    def __init__(self, config, layout, actor_ckpt, stop_requested=lambda: False):
-        self.unpaired = config.algorithm.loss in UNPAIRED_LOSSES
-        self.rows_per_example = 1 if self.unpaired else 2
-        super().__init__(config, layout, actor_ckpt, stop_requested)
-        self.reference = (self.build_reference(actor_ckpt) if loss_needs_reference(config.algorithm.loss)
-                          and not config.algorithm.cache_reference_logprobs else None)
-        algorithm = config.algorithm
+    @property
+    def unpaired(self) -> bool:
+        """KTO: one completion per example, labelled desirable or not, instead of a chosen / rejected pair."""
+        return self.config.algorithm.loss in UNPAIRED_LOSSES
+
+    @property
+    def rows_per_example(self) -> int:
+        return 1 if self.unpaired else 2
+
+    def build(self, actor_ckpt) -> None:
+        """The offline job's examples and actor, then the reference (or its cached log-probs) and the loss."""
+        super().build(actor_ckpt)
+        algorithm = self.config.algorithm
+        self.reference = (self.build_reference(actor_ckpt) if loss_needs_reference(algorithm.loss)
+                          and not algorithm.cache_reference_logprobs else None)
         self.sequence_loss = kto_sequence_loss(algorithm) if self.unpaired else pair_sequence_loss(algorithm)
         self.metric_names = KTO_METRICS if self.unpaired else PAIR_METRICS
         if algorithm.cache_reference_logprobs:
             self.use_cached_reference_logps()
-        self.start()
 
     def build_reference(self, actor_ckpt) -> Reference:
         """The frozen reference, in the actor's dtype and sequence layout, as in PPO."""
@@ -74,9 +81,9 @@ class PreferenceTrainer(OfflineJob):
         """Attach the reference's log-probs to every example, read from the run folder's cache or, without a
         valid one, computed once (the reference model is built for that only, then freed) and cached."""
         path = RunFolder(self.run_dir).reference_logprobs
-        d = self.config.data
+        data = self.config.data
         splits = {"train": self.train_examples, "val": self.val_examples}
-        key = cache_key([*d.train_files, *d.val_files], splits, self.actor_ckpt, self.config.model.dtype)
+        key = cache_key([*data.train_files, *data.val_files], splits, self.actor_ckpt, self.config.model.dtype)
         rows = {split: len(examples) * self.rows_per_example for split, examples in splits.items()}
         values = read_cache(path, key, rows)
         if values is None:
@@ -101,9 +108,9 @@ class PreferenceTrainer(OfflineJob):
         return torch.cat(scored) if scored else torch.zeros(0)
 
     def load_examples(self, paths: list[str]) -> LoadedRows:
-        d = self.config.data
+        data = self.config.data
         return load_preference_examples(paths, self.tokenizer, limits(self.config), unpaired=self.unpaired,
-                                        prompt_key=d.prompt_key, skip_invalid=d.skip_invalid_rows)
+                                        prompt_key=data.prompt_key, skip_invalid=data.skip_invalid_rows)
 
     @staticmethod
     def example_length(example: PreferenceExample) -> int:
@@ -115,9 +122,9 @@ class PreferenceTrainer(OfflineJob):
     def prepare(self, batch: dict, timer: StageTimer) -> None:
         """Add what the loss reads besides the policy's log-probs: reference log-probs, KTO's baseline and
         per-kind shares (all over the global batch)."""
-        if self.reference is not None and "ref_logps" not in batch:
+        if self.reference is not None and "ref_sequence_log_probs" not in batch:
             with timer("ref_log_prob"):
-                batch["ref_logps"] = self.sequence_logps(self.reference.compute_ref_log_prob, batch)
+                batch["ref_sequence_log_probs"] = self.sequence_logps(self.reference.compute_ref_log_prob, batch)
         if self.unpaired:
             with timer("kl_baseline"):
                 batch["kl_baseline"] = self.kl_baseline(batch).expand(len(batch["desirable"])).contiguous()
@@ -145,10 +152,10 @@ class PreferenceTrainer(OfflineJob):
                                self.sequence_logps(self.reference.compute_ref_log_prob, mismatched))
 
     def update(self, batch: dict, timer: StageTimer) -> dict[str, float]:
-        a = self.config.actor
+        actor = self.config.actor
         self.prepare(batch, timer)
         with timer("update_actor"):
-            metrics = self.actor.update_on_sequences(batch, a.mini_batch_size * self.rows_per_example,
+            metrics = self.actor.update_on_sequences(batch, actor.mini_batch_size * self.rows_per_example,
                                                      self.micro_rows, self.metric_names, self.sequence_loss)
         return {f"{self.name}/{name}": value for name, value in self._with_margins(metrics).items()}
 

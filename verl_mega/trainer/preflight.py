@@ -70,7 +70,7 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
         need(packing != "true" or transformer_engine_available(),
              f"{role}.use_packed_sequences=true needs transformer-engine on a GPU (THD packed attention); set it "
              "to auto (packs where transformer-engine runs in bf16/fp16) or false")
-    if config.job in ("sft", "dpo"):
+    if config.job in ("sft", "preference"):
         need(reward_fn is None, f"reward_fn: the {config.job} job learns from its data, not from a reward function")
         _check_offline(config, dp, check_files, check, need, known)
     else:
@@ -120,7 +120,7 @@ def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, know
         _check_offline_batch_sizes(config, dp, need)
     need(config.trainer.log_samples_every == 0, f"trainer.log_samples_every={config.trainer.log_samples_every}: "
          f"job {config.job} generates no samples to log; set it to 0")
-    if config.job == "dpo":
+    if config.job == "preference":
         _check_preference_knobs(config, known, need)
     if check_files:
         _check_offline_files(config, check, need)

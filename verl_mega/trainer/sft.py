@@ -22,16 +22,12 @@ def sft_batch(examples: list[SFTExample], pad_token_id: int) -> dict:
     return batch
 
 
-class SFTTrainer(OfflineJob):
+class SFTJob(OfflineJob):
     name = "sft"
 
-    def __init__(self, config, layout, actor_ckpt, stop_requested=lambda: False):
-        super().__init__(config, layout, actor_ckpt, stop_requested)
-        self.start()
-
     def load_examples(self, paths: list[str]) -> LoadedRows:
-        d = self.config.data
-        return load_sft_examples(paths, self.tokenizer, limits(self.config), d.prompt_key, d.skip_invalid_rows)
+        data = self.config.data
+        return load_sft_examples(paths, self.tokenizer, limits(self.config), data.prompt_key, data.skip_invalid_rows)
 
     @staticmethod
     def example_length(example: SFTExample) -> int:
@@ -41,9 +37,9 @@ class SFTTrainer(OfflineJob):
         return sft_batch(examples, self.tokenizer.pad_token_id)
 
     def update(self, batch: dict, timer: StageTimer) -> dict[str, float]:
-        a = self.config.actor
+        actor = self.config.actor
         with timer("update_actor"):
-            metrics = self.actor.update_sft(batch, a.mini_batch_size, a.micro_batch_size)
+            metrics = self.actor.update_sft(batch, actor.mini_batch_size, actor.micro_batch_size)
         return {**{f"sft/{name}": value for name, value in metrics.items()},
                 "sft/loss_tokens": batch["response_mask"].sum().item()}
 

@@ -1,14 +1,18 @@
-"""The PPO loop. Every rank runs the same loop on the same global batch; the roles take their own
-data-parallel slices, so the loop below reads like the dataflow it runs:
+"""The RL job: the policy learns from its own generations (PPO, GRPO, RLOO, ...). Every rank runs the same loop
+on the same global batch; the roles take their own data-parallel slices, so `train_step` reads as the dataflow
+it runs, one named stage after the other:
 
-    sample prompts -> HybridEngine transition -> generate -> old/ref log-probs, values -> rewards
-    -> advantages -> critic and actor updates -> metrics
+    sample prompts -> HybridEngine transition -> generate -> one row per response -> old/ref log-probs, values
+    -> rewards -> advantages -> critic and actor updates -> metrics
+
+A stage that finds NaN/inf ends the step before anything is applied (or stops the run: `trainer.nonfinite`).
 
 Validation (data.val_files) runs the same transition and engine, decoding greedily, and scores with the same
 reward; it starts before the first step, so the curve shows where training began.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -25,8 +29,7 @@ from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.agree import all_finite
 from verl_mega.parallel.layout import rollout_placement
-from verl_mega.parallel.state import ParallelLayout
-from verl_mega.roles.actor import Actor, is_on_policy
+from verl_mega.roles.actor import Actor, is_on_policy, uses_kl_loss
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
 from verl_mega.roles.reward import HFRewardModel, RewardFn, RuleReward, scores_to_token_rewards
@@ -36,25 +39,42 @@ from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.training_memory import training_memory_released
 
 from .job import TrainingJob
-from .metrics import StageTimer, peak_memory_bytes
+from .metrics import StageTimer, step_performance
 from .rollout_batch import build_rollout_batch
 
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
+# The batch's columns the models and the advantage estimator compute, as a non-finite error names them.
+COMPUTED_COLUMNS = {"old_log_probs": "the old log-prob", "values": "the value",
+                    "ref_log_probs": "the reference log-prob", "advantages": "the advantage", "returns": "the return"}
+PROMPT_FIELDS = ("raw_prompt", "reward_model", "data_source")  # what the reward and the samples read of a row
 
 
 def uses_critic(config: TrainConfig) -> bool:
-    return config.job == "ppo" and config.algorithm.adv_estimator == "gae" and config.critic.enable
+    return config.job == "rl" and config.algorithm.adv_estimator == "gae" and config.critic.enable
 
 
-class PPOTrainer(TrainingJob):
-    name = "ppo"
+def uses_reference(config: TrainConfig) -> bool:
+    """Whether a KL term can be non-zero: in the loss or in the reward, with a non-zero coefficient (the adaptive
+    controller scales its coefficient, so one that starts at 0 stays 0). Otherwise the reference pass, and the
+    reference's memory, is skipped; so is the `actor/kl` metric, which needs the reference."""
+    kl_reward = config.algorithm.use_kl_in_reward and config.algorithm.kl_ctrl.kl_coef != 0
+    return uses_kl_loss(config.actor.loss) or kl_reward
+
+
+def one_row_per_response(prompts: dict[str, list], n: int) -> dict[str, list]:
+    """Each prompt's fields repeated for its `n` samples, in the order the engine returns the responses."""
+    return {key: [value for value in values for _ in range(n)] for key, values in prompts.items()}
+
+
+class RLJob(TrainingJob):
+    name = "rl"
     validates_before_training = True
 
-    def __init__(self, config: TrainConfig, layout: ParallelLayout, actor_ckpt: Path, critic_ckpt: Path | None,
-                 stop_requested=lambda: False, reward_fn: RewardFn | None = None):
-        """`stop_requested()`: whether a signal asked this rank to save and stop (preemption). `reward_fn`: a
-        callable in place of `reward.function` (the Python API's)."""
-        super().__init__(config, layout, stop_requested)
+    def build(self, actor_ckpt: Path, critic_ckpt: Path | None = None, reward_fn: RewardFn | None = None) -> None:
+        """The prompts, the actor (and the reference and critic the config uses), the reward and the rollout
+        engine behind the HybridEngine. `reward_fn`: a callable in place of `reward.function` (the Python
+        API's)."""
+        config = self.config
         self.actor_ckpt = Path(actor_ckpt)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
         try:
@@ -76,7 +96,7 @@ class PPOTrainer(TrainingJob):
         packed = config.actor.use_packed_sequences
         self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
                            schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed)
-        self.reference = make_reference(actor_ckpt, use_kl=needs_reference(config), dtype=dtype,
+        self.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), dtype=dtype,
                                         packed_sequences=packed)
         self.critic = None
         if self.uses_critic:
@@ -97,8 +117,6 @@ class PPOTrainer(TrainingJob):
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
-        self.start()
-        self._batches = iter(self.sampler)
 
     @property
     def uses_critic(self) -> bool:
@@ -129,6 +147,16 @@ class PPOTrainer(TrainingJob):
 
     # --- non-finite values --------------------------------------------------------------------------------
 
+    def nonfinite_reward(self, scores: torch.Tensor) -> bool:
+        """Whether the reward of some response is NaN/inf (see `_nonfinite`)."""
+        source = "reward.model" if self.reward_model is not None else f"reward.function {self.reward.name!r}"
+        return self._nonfinite({"the reward": scores}, f"{source} must return finite numbers")
+
+    def nonfinite_batch(self, batch: dict) -> bool:
+        """Whether the models' outputs or the advantages hold NaN/inf (see `_nonfinite`)."""
+        computed = {name: batch[key] for key, name in COMPUTED_COLUMNS.items() if key in batch}
+        return self._nonfinite(computed, "the model's outputs overflowed (lower the learning rates)")
+
     def _nonfinite(self, quantities: dict[str, torch.Tensor], hint: str) -> bool:
         """False if every quantity is finite. Otherwise counts a skip (trainer.nonfinite=skip) and returns
         True, or raises naming the first bad quantity, before anything of this step has been applied."""
@@ -157,63 +185,94 @@ class PPOTrainer(TrainingJob):
         self.rollout.close()
 
     def train_step(self) -> dict[str, float]:
-        cfg, timer = self.config, StageTimer()
+        """One step, stage by stage in dataflow order; a stage slots in here under its own name."""
+        timer = StageTimer()
         prompts = self.next_prompts()
-
-        with timer("transition"):
-            self.sync_rollout_weights()
-        with timer("rollout"), training_memory_released(self.actor.model, self.actor.trainable.optimizer):
-            responses = self.generate(prompts["input_ids"])
-            self.rollout.sleep()
-        # One row per response: each prompt's fields repeated for its n samples.
-        rows = {key: [value for value in values for _ in range(cfg.rollout.n)] for key, values in prompts.items()}
-        batch = build_rollout_batch(rows["input_ids"], responses, cfg.data.max_response_length,
+        responses = self.rollout_stage(prompts["input_ids"], timer)
+        rows = one_row_per_response(prompts, self.config.rollout.n)
+        batch = build_rollout_batch(rows["input_ids"], responses, self.config.data.max_response_length,
                                     self.tokenizer.pad_token_id)
-
-        micro, actor_tokens = cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch
-        critic_tokens = cfg.critic.max_tokens_per_micro_batch
-        if self.needs_old_log_probs(len(rows["input_ids"])):
-            with timer("old_log_prob"):
-                batch["old_log_probs"] = self.actor.compute_log_prob(batch, micro, max_tokens=actor_tokens
-                                                                     )["log_probs"].cpu()
-        if self.reference is not None:
-            with timer("ref_log_prob"):
-                batch["ref_log_prob"] = self.reference.compute_ref_log_prob(batch, micro, actor_tokens).cpu()
-        if self.critic is not None:
-            with timer("values"):
-                batch["values"] = self.critic.compute_values(batch, cfg.critic.micro_batch_size, critic_tokens).cpu()
-
+        self.log_probs_and_values(batch, timer)
         with timer("reward"):
             scores, token_scores = self.score(batch, rows)
-        every = cfg.trainer.log_samples_every
-        if every > 0 and (self.step + 1) % every == 0 and self.layout.rank == 0:
-            self.logger.log_samples(self.step + 1, self.sample_rows(batch, rows, scores))
-        source = "reward.model" if self.reward_model is not None else f"reward.function {self.reward.name!r}"
-        if self._nonfinite({"the reward": scores}, f"{source} must return finite numbers"):
-            return self._step_metrics({}, batch, scores, timer)
+        self.log_samples(batch, rows, scores)
+        if self.nonfinite_reward(scores):
+            return self.step_metrics({}, batch, scores, timer)
         metrics = self.compute_advantages(batch, scores, token_scores, rows["index"])
-        computed = {name: batch[key] for name, key in (("the old log-prob", "old_log_probs"), ("the value", "values"),
-                    ("the reference log-prob", "ref_log_prob"), ("the advantage", "advantages"),
-                    ("the return", "returns")) if key in batch}
-        if self._nonfinite(computed, "the model's outputs overflowed (lower the learning rates)"):
-            return self._step_metrics(metrics, batch, scores, timer)
-
-        if self.critic is not None:
-            with timer("update_critic"):
-                metrics.update(self._update("critic", self.critic.update_critic, batch, cfg.critic.ppo_epochs,
-                                            cfg.critic.mini_batch_size, cfg.critic.micro_batch_size, critic_tokens))
-        with timer("update_actor"):
-            metrics.update(self._update("actor", self.actor.update_policy, batch, cfg.actor.ppo_epochs,
-                                        cfg.actor.mini_batch_size, micro, actor_tokens))
-        return self._step_metrics(metrics, batch, scores, timer)
+        if self.nonfinite_batch(batch):
+            return self.step_metrics(metrics, batch, scores, timer)
+        metrics.update(self.update_roles(batch, timer))
+        return self.step_metrics(metrics, batch, scores, timer)
 
     # --- stages ---------------------------------------------------------------------------------------
+
+    def next_prompts(self) -> dict:
+        indices = self.sampler.next_batch()
+        items = [self.dataset[i] for i in indices]
+        return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
+                **{key: [item.get(key) for item in items] for key in PROMPT_FIELDS}}
+
+    def rollout_stage(self, prompts: list[list[int]], timer: StageTimer) -> list[list[int]]:
+        """The HybridEngine transition, then the responses to `prompts` (n each, every rank gets all)."""
+        with self.rollout_engine_awake(timer):
+            with timer("rollout"):
+                return self.generate(prompts)
+
+    @contextlib.contextmanager
+    def rollout_engine_awake(self, timer: StageTimer):
+        """The rollout engine with the actor's current weights and its KV cache, for the body; the training side's
+        memory (gradient buffers, optimizer state, allocator cache) is released before the engine wakes, so the
+        KV cache is not allocated on top of it, and comes back after the engine sleeps."""
+        with training_memory_released(self.actor.model, self.actor.trainable.optimizer):
+            with timer("transition"):
+                self.sync_rollout_weights()
+            yield
+            with timer("transition"):
+                self.rollout.sleep()
 
     def sync_rollout_weights(self) -> None:
         """The HybridEngine transition: the actor's current weights into the rollout engine, KV cache ready."""
         self.rollout.wake_up(["weights"])
         self.rollout.load_weights(self.hybrid.stream())
         self.rollout.wake_up(["kv_cache"])
+
+    def log_probs_and_values(self, batch: dict, timer: StageTimer) -> None:
+        """Add what the models say of the responses: the old log-probs (where the update needs a separate pass),
+        the reference's log-probs and the critic's values, where the config uses them."""
+        actor, critic = self.config.actor, self.config.critic
+        micro, actor_tokens = actor.micro_batch_size, actor.max_tokens_per_micro_batch
+        if self.needs_old_log_probs(len(batch["responses"])):
+            with timer("old_log_prob"):
+                batch["old_log_probs"] = self.actor.compute_log_prob(batch, micro, max_tokens=actor_tokens
+                                                                     )["log_probs"].cpu()
+        if self.reference is not None:
+            with timer("ref_log_prob"):
+                batch["ref_log_probs"] = self.reference.compute_ref_log_prob(batch, micro, actor_tokens).cpu()
+        if self.critic is not None:
+            with timer("values"):
+                batch["values"] = self.critic.compute_values(batch, critic.micro_batch_size,
+                                                             critic.max_tokens_per_micro_batch).cpu()
+
+    def log_samples(self, batch: dict, rows: dict, scores: torch.Tensor) -> None:
+        """Every `trainer.log_samples_every` steps, rank 0 appends some of the step's samples to generations.jsonl."""
+        every = self.config.trainer.log_samples_every
+        if every > 0 and (self.step + 1) % every == 0 and self.layout.rank == 0:
+            self.logger.log_samples(self.step + 1, self.sample_rows(batch, rows, scores))
+
+    def update_roles(self, batch: dict, timer: StageTimer) -> dict[str, float]:
+        """The critic's update (with one), then the actor's."""
+        actor, critic = self.config.actor, self.config.critic
+        metrics = {}
+        if self.critic is not None:
+            with timer("update_critic"):
+                metrics.update(self._update("critic", self.critic.update_critic, batch, critic.ppo_epochs,
+                                            critic.mini_batch_size, critic.micro_batch_size,
+                                            critic.max_tokens_per_micro_batch))
+        with timer("update_actor"):
+            metrics.update(self._update("actor", self.actor.update_policy, batch, actor.ppo_epochs,
+                                        actor.mini_batch_size, actor.micro_batch_size,
+                                        actor.max_tokens_per_micro_batch))
+        return metrics
 
     def needs_old_log_probs(self, rows: int) -> bool:
         """A separate old-log-prob pass is redundant when the update is on-policy (the actor then takes them from
@@ -222,25 +281,17 @@ class PPOTrainer(TrainingJob):
         kl_in_reward = self.reference is not None and self.config.algorithm.use_kl_in_reward
         return kl_in_reward or not is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows)
 
-    def next_prompts(self) -> dict:
-        indices = next(self._batches, None)
-        if indices is None:  # the sampler moved on to the next epoch
-            self._batches = iter(self.sampler)
-            indices = next(self._batches)
-        items = [self.dataset[i] for i in indices]
-        return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
-                **{key: [item.get(key) for item in items] for key in ("raw_prompt", "reward_model", "data_source")}}
-
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
         """Each rollout replica generates its share of the prompts; every rank gets all responses."""
-        cfg, layout = self.config, self.layout
-        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, cfg.parallel.rollout_tp)
+        config, layout = self.config, self.layout
+        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         replicas, replica = placement.replicas, placement.replica
         share = len(prompts) // replicas
         mine = prompts[replica * share:(replica + 1) * share]
-        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                max_new_tokens=cfg.data.max_response_length, n=cfg.rollout.n,
-                                seed=cfg.rollout.seed + self.step * replicas + replica)
+        rollout = config.rollout
+        params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                                max_new_tokens=config.data.max_response_length, n=rollout.n,
+                                seed=rollout.seed + self.step * replicas + replica)
         responses = [r.token_ids for r in self.rollout.generate(mine, params)] if mine else []
         gathered: list = [None] * layout.world_size
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
@@ -267,28 +318,27 @@ class PPOTrainer(TrainingJob):
         data.batch_size); the sums are gathered from every replica's leader."""
         if self.val_dataset is None:
             return {}
-        cfg, layout = self.config, self.layout
-        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, cfg.parallel.rollout_tp)
+        config, layout = self.config, self.layout
+        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         mine = [self.val_dataset[i] for i in range(placement.replica, len(self.val_dataset), placement.replicas)]
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.data.max_response_length, seed=cfg.rollout.seed)
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=config.data.max_response_length,
+                                seed=config.rollout.seed)
         sums: dict[str | None, list[float]] = {}  # data_source -> [reward sum, rows, response tokens]
-        self.sync_rollout_weights()
-        with training_memory_released(self.actor.model, self.actor.trainable.optimizer):
-            for start in range(0, len(mine), cfg.data.batch_size):
-                items = mine[start:start + cfg.data.batch_size]
+        with self.rollout_engine_awake(StageTimer()):
+            for start in range(0, len(mine), config.data.batch_size):
+                items = mine[start:start + config.data.batch_size]
                 prompts = [item["input_ids"] for item in items]
                 responses = [response.token_ids for response in self.rollout.generate(prompts, greedy)]
                 if not placement.leads_replica:  # its replica's leader scores the same responses
                     continue
-                batch = build_rollout_batch(prompts, responses, cfg.data.max_response_length,
+                batch = build_rollout_batch(prompts, responses, config.data.max_response_length,
                                             self.tokenizer.pad_token_id)
-                rows = {key: [item.get(key) for item in items] for key in ("raw_prompt", "reward_model", "data_source")}
+                rows = {key: [item.get(key) for item in items] for key in PROMPT_FIELDS}
                 scores, _ = self.score(batch, rows)
                 lengths = batch["response_mask"].sum(dim=-1)
                 for source, score, length in zip(rows["data_source"], scores.tolist(), lengths.tolist()):
                     entry = sums.setdefault(None if source is None else str(source), [0.0, 0, 0])
                     entry[0], entry[1], entry[2] = entry[0] + score, entry[1] + 1, entry[2] + length
-            self.rollout.sleep()
         totals = _sum_over_ranks(sums, layout.world_size)
         reward, count, tokens = (sum(values[i] for values in totals.values()) for i in range(3))
         metrics = {"reward_mean": reward / count, "response_length_mean": tokens / count}
@@ -307,57 +357,43 @@ class PPOTrainer(TrainingJob):
 
     def compute_advantages(self, batch: dict, scores: torch.Tensor, token_scores: torch.Tensor,
                            uids: list[int]) -> dict[str, float]:
-        cfg = self.config.algorithm
+        algorithm = self.config.algorithm
         mask = batch["response_mask"].float()
         metrics = {}
-        if cfg.normalize_rewards:
+        if algorithm.normalize_rewards:
             self.reward_normalizer.update(scores)
             token_scores = self.reward_normalizer.normalize(token_scores, shift_mean=False) * mask
         token_rewards = token_scores
-        if "ref_log_prob" in batch and "old_log_probs" in batch:
-            kl = masked_mean(compute_kl(batch["old_log_probs"], batch["ref_log_prob"], cfg.kl_penalty), mask)
+        if "ref_log_probs" in batch and "old_log_probs" in batch:
+            kl = masked_mean(compute_kl(batch["old_log_probs"], batch["ref_log_probs"], algorithm.kl_penalty), mask)
             metrics["actor/kl"] = kl.item()
-        if cfg.use_kl_in_reward and "ref_log_prob" in batch:
-            token_rewards, current_kl = apply_kl_penalty(token_scores, batch["old_log_probs"], batch["ref_log_prob"],
-                                                         mask, kl_coef=self.kl_ctrl.value, estimator=cfg.kl_penalty)
+        if algorithm.use_kl_in_reward and "ref_log_probs" in batch:
+            token_rewards, current_kl = apply_kl_penalty(token_scores, batch["old_log_probs"], batch["ref_log_probs"],
+                                                         mask, kl_coef=self.kl_ctrl.value,
+                                                         estimator=algorithm.kl_penalty)
             self.kl_ctrl.update(current_kl.item(), n_steps=len(uids))
             metrics["actor/kl_coef"] = self.kl_ctrl.value
-        estimator = get_adv_estimator(cfg.adv_estimator)
-        if cfg.adv_estimator == "gae":
-            advantages, returns = estimator(token_rewards, batch["values"], mask, gamma=cfg.gamma, lam=cfg.lam)
-        elif cfg.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
-            advantages, returns = estimator(token_rewards, mask, gamma=cfg.gamma)
+        estimator = get_adv_estimator(algorithm.adv_estimator)
+        if algorithm.adv_estimator == "gae":
+            advantages, returns = estimator(token_rewards, batch["values"], mask, gamma=algorithm.gamma,
+                                            lam=algorithm.lam)
+        elif algorithm.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
+            advantages, returns = estimator(token_rewards, mask, gamma=algorithm.gamma)
         else:
             outcome = token_rewards.sum(dim=-1)
-            kwargs = {"norm_by_std": cfg.norm_adv_by_std_in_grpo} if cfg.adv_estimator == "grpo" else {}
+            kwargs = {"norm_by_std": algorithm.norm_adv_by_std_in_grpo} if algorithm.adv_estimator == "grpo" else {}
             advantages, returns = estimator(outcome, mask, uids, **kwargs)
         batch["advantages"], batch["returns"] = advantages.float(), returns.float()
         return metrics
 
-    def _step_metrics(self, metrics: dict, batch: dict, scores: torch.Tensor, timer: StageTimer
-                      ) -> dict[str, float]:
-        seconds, cpu_seconds = timer.elapsed()
+    def step_metrics(self, metrics: dict, batch: dict, scores: torch.Tensor, timer: StageTimer
+                     ) -> dict[str, float]:
+        """The step's `metrics` with its rewards, response lengths, skip count and performance."""
         lengths = batch["response_mask"].sum(dim=-1).float()
-        tokens = batch["attention_mask"].sum().item()
-        metrics.update({
-            "trainer/nonfinite_skipped": self.nonfinite_skipped,
-            "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
-            "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
-            "perf/step_seconds": seconds, "perf/step_cpu_seconds": cpu_seconds,
-            "perf/tokens_per_second": tokens / seconds,
-            "perf/peak_memory_gib": peak_memory_bytes() / 1024**3,
-            **{f"timing/{stage}": value for stage, value in timer.seconds.items()},
-        })
-        return metrics
-
-
-def needs_reference(config: TrainConfig) -> bool:
-    """Whether a KL term can be non-zero: in the loss or in the reward, with a non-zero coefficient (the adaptive
-    controller scales its coefficient, so one that starts at 0 stays 0). Otherwise the reference pass, and the
-    reference's memory, is skipped; so is the `actor/kl` metric, which needs the reference."""
-    kl_loss = config.actor.loss.use_kl_loss and config.actor.loss.kl_loss_coef != 0
-    kl_reward = config.algorithm.use_kl_in_reward and config.algorithm.kl_ctrl.kl_coef != 0
-    return kl_loss or kl_reward
+        return {**metrics, "trainer/nonfinite_skipped": self.nonfinite_skipped,
+                "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
+                "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+                **step_performance(timer, batch["attention_mask"].sum().item())}
 
 
 def _sum_over_ranks(sums: dict, world_size: int) -> dict:
