@@ -77,17 +77,21 @@ def train(config, reward_fn=None) -> None:
     p = config.parallel
     layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed)
     run_dir = Path(config.trainer.run_dir)
-    # Before anything is written: a folder of a live run or of another model is refused untouched.
-    lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)), layout.rank,
-                            config.model.family_spec or None)
-    try:  # released on an error too, so that a script (the Python API) may fix its mistake and train again
-        finished = _run_job(copy.deepcopy(config), layout, run_dir, reward_fn)
+    # The lock and the process group are released on an error too, so that a script (the Python API) may fix
+    # its mistake and train again in the same process.
+    try:
+        # Before anything is written: a folder of a live run or of another model is refused untouched.
+        lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)),
+                                layout.rank, config.model.family_spec or None)
+        try:
+            finished = _run_job(copy.deepcopy(config), layout, run_dir, reward_fn)
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
-        if lock is not None:
-            lock.release()
+        destroy_parallel()
     if not finished and layout.rank == 0:
         requeue_slurm_job(config.trainer.log_format)
-    destroy_parallel()
 
 
 def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
