@@ -79,3 +79,13 @@ def test_cache_of_another_row_count_is_refused(tmp_path, inputs):
     write_cache(path, key_of(inputs), VALUES)
     with pytest.raises(UserError, match=r"train is torch.float32 \(4,\), expected float32 \(6,\)"):
         read_cache(path, key_of(inputs), {"train": 6, "val": 2})
+
+
+def test_a_datasets_folder_is_keyed_by_its_files(tmp_path, inputs):
+    from verl_mega.data.tables import write_dataset_folder
+
+    _, ckpt, examples = inputs
+    folder = write_dataset_folder([{"prompt": "a", "chosen": "b", "rejected": "c"}], tmp_path / "pairs")
+    before = cache_key([folder], examples, ckpt, "fp32")
+    write_dataset_folder([{"prompt": "a", "chosen": "b", "rejected": "d"}], tmp_path / "pairs")
+    assert cache_key([folder], examples, ckpt, "fp32") != before

@@ -19,7 +19,7 @@ from safetensors.torch import save
 
 from verl_mega.config.errors import UserError
 from verl_mega.files.atomic import atomic_write_bytes
-from verl_mega.files.digest import file_sha256
+from verl_mega.files.digest import update_with_path
 
 SPLITS = ("train", "val")
 
@@ -27,13 +27,11 @@ SPLITS = ("train", "val")
 def cache_key(data_files: list[str], examples: dict[str, list], reference_ckpt: Path, dtype: str) -> str:
     """sha256 of the inputs of the cached values; `examples`: split -> the examples as tokenized."""
     digest = hashlib.sha256()
-    for path in data_files:
-        digest.update(bytes.fromhex(file_sha256(path)))
+    for path in data_files:  # a file, or a datasets folder
+        update_with_path(digest, path)
     for split in SPLITS:
         digest.update(json.dumps([[e.prompt, e.completions] for e in examples[split]]).encode())
-    for path in sorted(p for p in Path(reference_ckpt).rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(reference_ckpt)).encode())
-        digest.update(bytes.fromhex(file_sha256(path)))
+    update_with_path(digest, reference_ckpt)
     digest.update(dtype.encode())
     return digest.hexdigest()
 
