@@ -19,15 +19,15 @@ from transformers import AutoModelForCausalLM
 
 from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
-from verl_mega.models.builder import DTYPES
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.models.builder import DTYPES, uses_transformer_engine
 from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.parallel.launch import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
 from .hf_to_mcore import check_hf_tensors
-from .parity import Parity, logit_parity
+from .parity import Parity, fp32_gemms_run_tf32, logit_parity
 
 
 def verify_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, **kwargs) -> Parity:
@@ -116,7 +116,8 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec=None, res
             with torch.no_grad():
                 parity = logit_parity(outputs[0], reference(tokens).logits.float(), manifest.dtype,
                                       num_layers=cfg.num_layers, moe=family.moe,
-                                      reduction_length=max(cfg.hidden_size, cfg.ffn_hidden_size))
+                                      reduction_length=max(cfg.hidden_size, cfg.ffn_hidden_size),
+                                      tf32=fp32_gemms_run_tf32(model_device.type, uses_transformer_engine(model)))
         # Every rank learns the last stage's figures.
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, parity)
