@@ -25,7 +25,7 @@ N = vocabulary); a wrong expert mapping moves every position and still fails.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -54,18 +54,32 @@ class Parity:
     top1_agreement: float  # fraction of positions where both pick the same token
     judged: float  # what the rule compares with `bound`: `relative`, or for MoE the median position's
     bound: float  # the largest `judged` the dtype's arithmetic explains
-    passed: bool
+    passed: bool  # this comparison's and, with `native`, that one's
     tf32: bool = False  # whether the bound counts TF32 GEMMs (fp32 only)
+    upcast_from: str | None = None  # the 16-bit dtype of the weights this fp32 comparison upcast
+    native: Parity | None = None  # those weights compared in their own dtype
+
+    def with_native(self, weights_dtype: str, native: Parity) -> Parity:
+        """This fp32 comparison of `weights_dtype` weights, with their comparison in that dtype as a second line."""
+        return replace(self, upcast_from=weights_dtype, native=native, passed=self.passed and native.passed)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, figures: dict) -> Parity:
+        native = figures.get("native")
+        return cls(**{**figures, "native": None if native is None else cls.from_dict(native)})
+
     def describe(self) -> str:
+        """One line per comparison."""
         median = "" if self.judged == self.relative else f", median position {self.judged:.2e}"
+        weights = f"{self.upcast_from} weights in " if self.upcast_from else ""
         compute = " with TF32 GEMMs" if self.tf32 else ""
-        return (f"{self.dtype}{compute}: max |Δ logit| = {self.max_abs:.3e}, relative {self.relative:.2e} of the logits' RMS "
+        line = (f"{weights}{self.dtype}{compute}: max |Δ logit| = {self.max_abs:.3e}, relative {self.relative:.2e} of the logits' RMS "
                 f"{self.scale:.3g}{median} (bound {self.bound:.2e}), top-1 agreement {self.top1_agreement:.2%}: "
-                f"{'OK' if self.passed else 'FAILED'}")
+                f"{'OK' if self.judged <= self.bound else 'FAILED'}")
+        return line if self.native is None else f"{line}\n{self.native.describe()}"
 
 
 def relative_bound(dtype: str, num_layers: int, reduction_length: int, num_logits: int, tf32: bool = False) -> float:
