@@ -117,20 +117,28 @@ def _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec) -> tuple[P
     outputs = {dtype: _megatron_logits(ckpt_dir, dtype, tokens, family_spec) for dtype in dtypes}
     parity = None
     if outputs["fp32"][0] is not None:  # the last pipeline stage
-        reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[manifest.dtype])
         lines = {}
-        for dtype in reversed(dtypes):  # the checkpoint's dtype first, then the same weights upcast
-            logits, family, tf32 = outputs[dtype]
-            with torch.no_grad():
-                lines[dtype] = logit_parity(logits, reference.to(DTYPES[dtype])(tokens).logits.float(), dtype,
-                                            num_layers=cfg.num_layers, moe=family.moe, tf32=tf32,
-                                            reduction_length=max(cfg.hidden_size, cfg.ffn_hidden_size))
+        for dtype, (logits, family, tf32) in outputs.items():
+            reference = _reference_logits(hf_dir, tokens, dtype, manifest.dtype)
+            lines[dtype] = logit_parity(logits, reference, dtype, num_layers=cfg.num_layers, moe=family.moe,
+                                        tf32=tf32, reduction_length=max(cfg.hidden_size, cfg.ffn_hidden_size))
         parity = lines["fp32"] if manifest.dtype == "fp32" else lines["fp32"].with_native(manifest.dtype,
                                                                                           lines[manifest.dtype])
     # Every rank learns the last stage's figures.
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, parity)
     return next(figures for figures in gathered if figures is not None), cfg.model_type
+
+
+def _reference_logits(hf_dir, tokens: torch.Tensor, dtype: str, weights_dtype: str) -> torch.Tensor:
+    """transformers' fp32 logits, computed in `dtype` from its weights rounded to `weights_dtype` (as the
+    converter rounds them); its buffers (RoPE frequencies) stay as transformers makes them."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype])
+    with torch.no_grad():
+        if weights_dtype != dtype:
+            for param in model.parameters():
+                param.copy_(param.to(DTYPES[weights_dtype]))
+        return model(tokens).logits.float()
 
 
 def _megatron_logits(ckpt_dir, dtype: str, tokens: torch.Tensor, family_spec):
