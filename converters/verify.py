@@ -1,8 +1,10 @@
-"""Logit parity: megatron-core built from the shards vs transformers on the same random tokens, both in the
-checkpoint's dtype (like with like), judged by `converters.parity`'s dtype-aware rule.
+"""Logit parity: megatron-core built from the shards vs transformers on the same random tokens, judged by
+`converters.parity`'s dtype-aware rule: both sides' weights upcast exactly to fp32 (the verdict on the weights),
+and for a 16-bit checkpoint also both in its dtype (like with like), a second line.
 
 Runs under torchrun (the checkpoint's TP x PP x EP unless given); `verify_checkpoint` launches that from a
-plain process. Several checkpoints of one layout share a launch. Figures are printed and written as JSON.
+plain process. Several checkpoints of one layout share a launch. Under torchrun the figures are printed; the
+launcher returns them (written as JSON by rank 0).
 """
 from __future__ import annotations
 
@@ -19,15 +21,15 @@ from transformers import AutoModelForCausalLM
 
 from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
-from verl_mega.models.builder import DTYPES
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.models.builder import DTYPES, uses_transformer_engine
 from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.parallel.spawn import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
 from .hf_to_mcore import check_hf_tensors
-from .parity import Parity, logit_parity
+from .parity import Parity, fp32_gemms_run_tf32, logit_parity
 
 
 def verify_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, **kwargs) -> Parity:
@@ -69,8 +71,7 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
                 raise ValueError(errors[0].read_text().strip()) from None
             tail = "\n".join((err.stdout + err.stderr).splitlines()[-30:])
             raise RuntimeError(f"the verify ranks failed (exit {err.returncode}); their output ends with:\n{tail}") from None
-        print("\n".join(line for line in completed.stdout.splitlines() if line.startswith("logit parity")))
-        return [Parity(**figures) for figures in json.loads(result.read_text())["parity"]]
+        return [Parity.from_dict(figures) for figures in json.loads(result.read_text())["parity"]]
 
 
 def check_pair(hf_dir: str | Path, ckpt_dir: str | Path, family_spec: str | None = None) -> None:
@@ -95,47 +96,76 @@ def check_pair(hf_dir: str | Path, ckpt_dir: str | Path, family_spec: str | None
 
 
 def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec=None, result_file=None) -> list[Parity]:
-    from megatron.core import tensor_parallel
-
     results = []
     for hf_dir, ckpt_dir in pairs:
         layout = init_parallel(tp, pp, ep)
-        model, manifest, hf_config, family = build_model_from_checkpoint(ckpt_dir, family_spec=family_spec)
-        model.eval()
-        generator = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, hf_config.vocab_size, (batch, seq_len), generator=generator)
-        positions = torch.arange(seq_len).expand(batch, seq_len)
-        model_device = next(model.parameters()).device
-
-        def step(stage_model, micro_batch):
-            inputs = (micro_batch["input_ids"], micro_batch["position_ids"])
-            return stage_model(*(tensor.to(model_device) for tensor in inputs), None)
-
-        def collect(output, micro_batch):
-            gathered = tensor_parallel.gather_from_tensor_model_parallel_region(output)
-            return gathered[..., : hf_config.vocab_size].float().cpu()
-
-        outputs = forward_only_outputs(model, [{"input_ids": tokens, "position_ids": positions}], step, collect)
-        parity = None
-        if outputs is not None:
-            reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[manifest.dtype])
-            with torch.no_grad():
-                parity = logit_parity(outputs[0], reference(tokens).logits.float(), manifest.dtype,
-                                      num_layers=hf_config.num_layers, moe=family.moe,
-                                      reduction_length=max(hf_config.hidden_size, hf_config.ffn_hidden_size))
-        # Every rank learns the last stage's figures.
-        gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, parity)
-        parity = next(figures for figures in gathered if figures is not None)
+        parity, model_type = _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec)
         results.append(parity)
         if layout.rank == 0:
-            print(f"logit parity {hf_config.model_type} {ckpt_dir} at tp={tp} pp={pp} ep={ep}, {parity.describe()}",
-                  flush=True)
-        del model
+            print(f"logit parity {model_type} {ckpt_dir} at tp={tp} pp={pp} ep={ep}:\n{parity.describe()}", flush=True)
     if result_file and torch.distributed.get_rank() == 0:
         Path(result_file).write_text(json.dumps({"parity": [parity.as_dict() for parity in results]}))
     destroy_parallel()
     return results
+
+
+def _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec) -> tuple[Parity, str]:
+    """The pair's figures on every rank. Both sides' weights upcast exactly to fp32 and compared under the fp32
+    rule: what a conversion can get wrong is a weight, and 16-bit rounding of every activation hides a wrong
+    tensor in a deep model. A 16-bit checkpoint is also compared in its own dtype, like with like (both sides
+    round the weights the same way), the second line of its report."""
+    manifest = Manifest.read(ckpt_dir, family_spec)
+    hf_config = HFModelConfig.from_dict(manifest.hf_config)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, hf_config.vocab_size, (batch, seq_len), generator=generator)
+    dtypes = ("fp32",) if manifest.dtype == "fp32" else ("fp32", manifest.dtype)
+    outputs = {dtype: _megatron_logits(ckpt_dir, dtype, tokens, family_spec) for dtype in dtypes}
+    parity = None
+    if outputs["fp32"][0] is not None:  # the last pipeline stage
+        lines = {}
+        for dtype, (logits, family, tf32) in outputs.items():
+            reference = _reference_logits(hf_dir, tokens, dtype, manifest.dtype)
+            lines[dtype] = logit_parity(logits, reference, dtype, num_layers=hf_config.num_layers, moe=family.moe,
+                                        tf32=tf32, reduction_length=max(hf_config.hidden_size, hf_config.ffn_hidden_size))
+        parity = lines["fp32"] if manifest.dtype == "fp32" else lines["fp32"].with_native(manifest.dtype,
+                                                                                          lines[manifest.dtype])
+    # Every rank learns the last stage's figures.
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, parity)
+    return next(figures for figures in gathered if figures is not None), hf_config.model_type
+
+
+def _reference_logits(hf_dir, tokens: torch.Tensor, dtype: str, weights_dtype: str) -> torch.Tensor:
+    """transformers' fp32 logits, computed in `dtype` from its weights rounded to `weights_dtype` (as the
+    converter rounds them); its buffers (RoPE frequencies) stay as transformers makes them."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype])
+    with torch.no_grad():
+        if weights_dtype != dtype:
+            for param in model.parameters():
+                param.copy_(param.to(DTYPES[weights_dtype]))
+        return model(tokens).logits.float()
+
+
+def _megatron_logits(ckpt_dir, dtype: str, tokens: torch.Tensor, family_spec):
+    """(the last stage's [b, s, V] fp32 logits, else None; the family; whether fp32 GEMMs ran as TF32) of the
+    checkpoint's model built in `dtype` (weights cast on load)."""
+    from megatron.core import tensor_parallel
+
+    model, _, hf_config, family = build_model_from_checkpoint(ckpt_dir, family_spec=family_spec, dtype=dtype)
+    model.eval()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    model_device = next(model.parameters()).device
+    tf32 = fp32_gemms_run_tf32(model_device.type, uses_transformer_engine(model))
+
+    def step(stage_model, micro_batch):
+        inputs = (micro_batch["input_ids"], micro_batch["position_ids"])
+        return stage_model(*(tensor.to(model_device) for tensor in inputs), None)
+
+    def collect(output, micro_batch):
+        return tensor_parallel.gather_from_tensor_model_parallel_region(output)[..., : hf_config.vocab_size].float().cpu()
+
+    outputs = forward_only_outputs(model, [{"input_ids": tokens, "position_ids": positions}], step, collect)
+    return (None if outputs is None else outputs[0]), family, tf32
 
 
 def main(argv=None) -> None:

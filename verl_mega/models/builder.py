@@ -133,6 +133,12 @@ def _fuse_rms_norm_backward(model) -> None:
             module.__class__ = FusedRMSNorm
 
 
+def uses_transformer_engine(model) -> bool:
+    """Whether the model's layers are transformer-engine's (the GPU layer spec), which alone take THD input."""
+    return any(type(module).__module__.startswith("megatron.core.extensions.transformer_engine")
+               for module in model.modules())
+
+
 def transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401

@@ -16,64 +16,137 @@ import torch.distributed as dist
 
 from verl_mega.algorithms import agg_units
 from verl_mega.config import ConfigError
-from verl_mega.data.packing import PackedRows, pack, pack_layout, unpack
-from verl_mega.models.builder import unwrap_model
+from verl_mega.data.packing import PackedRows, pack, pack_layout
+from verl_mega.models.builder import unwrap_model, uses_transformer_engine
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout, device
 
-from .batching import (Batch, causal_padding_mask, dp_slice, global_agg_units, micro_batches, pad_response_columns,
-                       response_window)
+from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, micro_batches, pad_response_columns
 
 
 def stage_forward(stage_model, micro_batch: Batch, packed: bool = False) -> torch.Tensor:
     """This pipeline stage's forward. The last stage returns only its outputs at the R positions that predict
     the response tokens (R = the micro-batch's response width): [b, R, V/tp] logits, or the role's head output.
-    `packed`: the rows go through as one padding-free THD row (transformer-engine layers only), and the last
-    stage's output comes back in the padded layout, so what consumes it does not change.
-    The model's forward passes no literal CUDA device, so it runs without the CPU shims' per-op hook."""
+    `packed`: the rows go through as one padding-free THD row (transformer-engine layers only).
+    The rows the model sees follow `model_rows`; what the last stage returns does not depend on them."""
+    return forward_rows(stage_model, model_rows(micro_batch, uses_transformer_engine(stage_model), packed))
+
+
+def forward_rows(stage_model, rows: ModelRows) -> torch.Tensor:
+    """`stage_forward` of rows already laid out for the model. The model's forward passes no literal CUDA
+    device, so it runs without the CPU shims' per-op hook."""
     here = device()
-    response_length = micro_batch["responses"].shape[1]
-    with cuda_device_rewrite_paused():
-        if not packed:
-            with _output_layer_at_response_positions(stage_model, response_length):
-                return stage_model(
-                    micro_batch["input_ids"].to(here),
-                    micro_batch["position_ids"].to(here),
-                    causal_padding_mask(micro_batch["attention_mask"].to(here)),
-                )
-        layout = pack_layout(micro_batch["attention_mask"], multiple_of=_packed_run_multiple())
-        output = stage_model(
-            pack(micro_batch["input_ids"], layout).to(here),
-            layout.position_ids().to(here),
-            None,
-            packed_seq_params=_packed_seq_params(layout, here),
+    extra = {} if rows.packed_seq_params is None else {"packed_seq_params": rows.packed_seq_params.to(here)}
+    with cuda_device_rewrite_paused(), _output_layer_at(stage_model, rows.response_positions.to(here)):
+        return stage_model(
+            rows.input_ids.to(here),
+            rows.position_ids.to(here),
+            None if rows.attention_mask is None else rows.attention_mask.to(here),
+            **extra,
         )
-        return response_window(unpack(output, layout), response_length) if _is_last_stage() else output
+
+
+@dataclass(frozen=True)
+class ModelRows:
+    """A micro-batch as the model's forward takes it, and where its outputs that predict the responses lie."""
+
+    input_ids: torch.Tensor  # [b', s]
+    position_ids: torch.Tensor  # [b', s]
+    attention_mask: torch.Tensor | None  # megatron's [b, 1, s, s] (True = may not attend), or none at all
+    packed_seq_params: _PackedSeqParams | None
+    # [b, R] long: for each response-predicting column of the padded layout (`response_window`), its position
+    # in the last stage's sequence-first [s, b', ...] output flattened to [s * b', ...]
+    response_positions: torch.Tensor
+
+
+def model_rows(micro_batch: Batch, transformer_engine: bool, packed: bool) -> ModelRows:
+    """The padded layout (a left-padded prompt followed by its right-padded response) as the layers need it.
+
+    megatron's local layers take it as it is with `causal_padding_mask`. transformer-engine's attention (flash,
+    cuDNN) ignores a mask under the causal mask type, and its padding mask types describe padding at the end
+    of each row (the cuDNN kernels take sequence lengths only), so it never gets left padding: each row is
+    rotated to start at its first token (right-aligned rows, causal mask type, no mask, where no real token
+    follows padding), or the rows are packed into one THD row (`packed`). The rotation changes no attention
+    score: megatron's RoPE depends on position differences only (see `causal_padding_mask`)."""
+    if packed:
+        return _packed_rows(micro_batch)
+    if transformer_engine:
+        return _right_aligned_rows(micro_batch)
+    ids, mask = micro_batch["input_ids"], micro_batch["attention_mask"]
+    unrotated = torch.zeros(ids.shape[0], dtype=torch.long)
+    return ModelRows(ids, micro_batch["position_ids"], causal_padding_mask(mask), None,
+                     _rotated_response_positions(unrotated, ids.shape[1], micro_batch["responses"].shape[1]))
+
+
+def _right_aligned_rows(micro_batch: Batch) -> ModelRows:
+    ids, mask = micro_batch["input_ids"], micro_batch["attention_mask"]
+    rows, width = ids.shape
+    first_token = pack_layout(mask).row_starts
+    columns = (torch.arange(width) + first_token[:, None]) % width
+    return ModelRows(ids.gather(1, columns), micro_batch["position_ids"].gather(1, columns), None, None,
+                     _rotated_response_positions(first_token, width, micro_batch["responses"].shape[1]))
+
+
+def _rotated_response_positions(shift: torch.Tensor, width: int, response_length: int) -> torch.Tensor:
+    """Rows rotated left by `shift` [b]: where each row's response-predicting columns went, flattened
+    sequence-first."""
+    rows = len(shift)
+    columns = torch.arange(width - response_length - 1, width - 1)
+    return ((columns[None, :] - shift[:, None]) % width) * rows + torch.arange(rows)[:, None]
+
+
+def _packed_rows(micro_batch: Batch) -> ModelRows:
+    """Each row's run of tokens packed back to back (the last stage's output is [T, 1, ...]); a response-
+    predicting column outside its row's run (the response's padding) reads the run's nearest token, whose
+    output the loss masks."""
+    layout = pack_layout(micro_batch["attention_mask"], multiple_of=_packed_run_multiple())
+    width, response_length = layout.width, micro_batch["responses"].shape[1]
+    columns = torch.arange(width - response_length - 1, width - 1)
+    offsets = columns[None, :] - layout.row_starts[:, None]
+    offsets = torch.minimum(offsets.clamp_min(0), (layout.lengths - 1).clamp_min(0)[:, None])
+    positions = (layout.cu_seqlens_padded[:-1].long()[:, None] + offsets).clamp(0, max(layout.total - 1, 0))
+    return ModelRows(pack(micro_batch["input_ids"], layout), layout.position_ids(), None,
+                     _PackedSeqParams(layout), positions)
+
+
+@dataclass(frozen=True)
+class _PackedSeqParams:
+    layout: PackedRows
+
+    def to(self, here):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu_seqlens = self.layout.cu_seqlens.to(here)
+        cu_seqlens_padded = self.layout.cu_seqlens_padded.to(here)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                               cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+                               max_seqlen_q=self.layout.max_seqlen, max_seqlen_kv=self.layout.max_seqlen)
 
 
 @contextlib.contextmanager
-def _output_layer_at_response_positions(stage_model, response_length: int):
-    """The output layer (LM or value head) applied to the response window's hidden states only: the prompt's
-    outputs are never read, and on long prompts they are most of the [b, L, V] logits' time and memory."""
+def _output_layer_at(stage_model, response_positions: torch.Tensor):
+    """The output layer (LM or value head) applied to the hidden states at `response_positions` only (see
+    `ModelRows`): the prompt's outputs are never read, and on long prompts they are most of the [b, s, V]
+    logits' time and memory (packed: a [T, V] row and its padded [b, L, V] copy)."""
     output_layer = getattr(unwrap_model(stage_model), "output_layer", None)
     if output_layer is None:  # not the last pipeline stage
         yield
         return
 
-    # The window goes in batch-first and its outputs come back as a sequence-first view of them: megatron's
+    # The gathered hidden states go in batch-first and their outputs come back as a sequence-first view: megatron's
     # closing `transpose(0, 1).contiguous()` then finds them contiguous and copies nothing, where it copied the
     # whole [R, b, V] logits forward and again backward (3-8 % of a 100M model's update, more with a larger V).
     # The output layer multiplies along the last dimension only, so the order of the others is free.
-    def narrow_batch_first(module, args, kwargs):
-        hidden_states = args[0]  # [s, b, h], megatron's sequence-first layout
-        return (response_window(hidden_states.transpose(0, 1), response_length).contiguous(), *args[1:]), kwargs
+    def gather_batch_first(module, args, kwargs):
+        hidden_states = args[0]  # [s, b', h], megatron's sequence-first layout
+        return (hidden_states.flatten(0, 1)[response_positions], *args[1:]), kwargs
 
     def as_sequence_first(module, args, output):
         outputs, bias = output
         return outputs.transpose(0, 1), bias
 
-    handles = [output_layer.register_forward_pre_hook(narrow_batch_first, with_kwargs=True),
+    handles = [output_layer.register_forward_pre_hook(gather_batch_first, with_kwargs=True),
                output_layer.register_forward_hook(as_sequence_first)]
     try:
         yield
@@ -82,35 +155,13 @@ def _output_layer_at_response_positions(stage_model, response_length: int):
             handle.remove()
 
 
-def _is_last_stage() -> bool:
-    from megatron.core import parallel_state as ps
-
-    return ps.is_pipeline_last_stage()
-
-
 def _packed_run_multiple() -> int:
     """Each run is padded to a multiple of the tensor-parallel size, so that under sequence parallelism the
     packed row splits evenly over the TP ranks."""
     return current_layout().tp
 
 
-def _packed_seq_params(layout: PackedRows, here):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu_seqlens = layout.cu_seqlens.to(here)
-    cu_seqlens_padded = layout.cu_seqlens_padded.to(here)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
-                           max_seqlen_q=layout.max_seqlen, max_seqlen_kv=layout.max_seqlen)
-
-
 PACKING_SETTINGS = ("auto", "true", "false")
-
-
-def uses_transformer_engine(model) -> bool:
-    """Whether the model's layers are transformer-engine's (the GPU layer spec), which alone take THD input."""
-    return any(type(module).__module__.startswith("megatron.core.extensions.transformer_engine")
-               for module in model.modules())
 
 
 def resolve_sequence_packing(setting: str, model, key: str) -> bool:

@@ -1,0 +1,112 @@
+"""Seams of the GPU training paths that run on one CPU rank: the log-prob path's memory at a real vocabulary
+and the attention inputs of the transformer-engine layers."""
+import dataclasses
+
+import pytest
+import torch
+
+from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+from verl_mega.data.packing import pack, pack_layout
+from verl_mega.data.padding import pad_rows, position_ids
+from verl_mega.parallel.state import destroy_parallel, init_parallel
+from verl_mega.roles.batching import response_window
+from verl_mega.roles.logprobs import vocab_parallel_logprobs
+from verl_mega.roles.megatron_step import forward_rows, model_rows, stage_forward
+from verl_mega.rollout.live_bytes import LiveBytes
+
+QWEN_VOCAB = 152_064
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    init_parallel(1, 1)
+    yield
+    destroy_parallel()
+
+
+def test_bf16_logprobs_keep_no_fp32_copy_of_the_logits(one_rank):
+    """Forward and backward from bf16 logits at Qwen's vocabulary hold the logits and their gradient, both
+    bf16 (4 bytes per logit): an fp32 copy kept for backward, or an fp32 gradient, would need at least 8."""
+    tokens, hidden = 16, 32
+    generator = torch.Generator().manual_seed(0)
+    hidden_states = torch.randn(1, tokens, hidden, generator=generator).bfloat16().requires_grad_()
+    weight = (torch.randn(QWEN_VOCAB, hidden, generator=generator) * 0.05).bfloat16()
+    labels = torch.randint(0, QWEN_VOCAB, (1, tokens), generator=generator)
+    tracker = LiveBytes()
+    with tracker:
+        logits = hidden_states @ weight.t()
+        logprob, entropy = vocab_parallel_logprobs(logits, labels, vocab_size=QWEN_VOCAB, return_entropy=True)
+        (logprob.sum() + entropy.sum()).backward()
+    logit_bytes = tokens * QWEN_VOCAB * torch.bfloat16.itemsize
+    assert tracker.peak <= 2 * logit_bytes + 2**16, (tracker.peak, logit_bytes)
+
+    reference = torch.log_softmax(logits.detach().double(), -1)
+    want = reference.gather(-1, labels[..., None])[..., 0]
+    want_entropy = -(reference.exp() * reference).sum(-1)
+    assert logprob.dtype == entropy.dtype == torch.float32
+    torch.testing.assert_close(logprob.double(), want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(entropy.double(), want_entropy, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vocabulary_padding_is_masked_in_the_model_dtype(one_rank, dtype):
+    """Padded vocabulary rows take no probability, also in fp16, where -1e30 does not exist."""
+    vocab, padded = 100, 128
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, padded, generator=generator).to(dtype)
+    labels = torch.randint(0, vocab, (3,), generator=generator)
+    logprob = vocab_parallel_logprobs(logits, labels, vocab_size=vocab, return_entropy=False)
+    want = torch.log_softmax(logits[:, :vocab].double(), -1).gather(-1, labels[:, None])[:, 0]
+    torch.testing.assert_close(logprob.double(), want, rtol=0, atol=1e-5)
+
+
+def left_right_batch(prompts, responses):
+    """input_ids = left-padded prompts + right-padded responses (pad id 0)."""
+    prompt_ids, prompt_mask = pad_rows(prompts, 0, side="left")
+    response_ids, response_mask = pad_rows(responses, 0, side="right")
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {"input_ids": torch.cat([prompt_ids, response_ids], dim=1), "attention_mask": attention_mask,
+            "position_ids": position_ids(attention_mask), "responses": response_ids, "response_mask": response_mask}
+
+
+BATCH = left_right_batch([[11, 12, 13, 14, 15], [21, 22], [31]], [[41, 42], [51, 52, 53, 54], [61]])
+
+
+def test_transformer_engine_gets_no_left_padding_and_no_mask():
+    """Under the causal mask type TE's flash and cuDNN attention ignore any mask, so no real token may follow
+    padding in a row it is handed."""
+    rows = model_rows(BATCH, transformer_engine=True, packed=False)
+    assert rows.attention_mask is None and rows.packed_seq_params is None
+    valid = rows.input_ids != 0
+    assert (valid.cummin(dim=1).values == valid).all(), rows.input_ids  # real tokens first, padding last
+    assert valid.sum(1).tolist() == BATCH["attention_mask"].sum(1).tolist()
+
+
+def test_right_aligned_rows_give_the_left_padded_rows_outputs(one_rank, tiny_models, tmp_path):
+    """The TE path's rows under a causal mask alone (what TE's causal mask type computes) give the same
+    response logits as the local path's left padding with its padding mask."""
+    convert_hf_to_mcore(tiny_models["llama"], tmp_path / "ckpt", tp=1, pp=1)
+    model, *_ = build_model_from_checkpoint(tmp_path / "ckpt", implementation="local")
+    model.eval()
+    with torch.no_grad():
+        left_padded = stage_forward(model, BATCH)
+        rows = model_rows(BATCH, transformer_engine=True, packed=False)
+        width = rows.input_ids.shape[1]
+        causal_only = torch.ones(width, width, dtype=torch.bool).triu(1)[None, None]
+        right_aligned = forward_rows(model, dataclasses.replace(rows, attention_mask=causal_only))
+    valid = BATCH["response_mask"].bool()
+    assert left_padded.shape == right_aligned.shape == (3, 4, left_padded.shape[-1])
+    torch.testing.assert_close(right_aligned[valid], left_padded[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_response_positions_read_the_response_window():
+    """The packed path's last stage reads the response-predicting tokens straight from the packed row."""
+    rows = model_rows(BATCH, transformer_engine=True, packed=True)
+    layout = pack_layout(BATCH["attention_mask"])
+    token_values = torch.arange(BATCH["input_ids"].numel()).view_as(BATCH["input_ids"]) + 1
+    packed_values = pack(token_values, layout)  # [1, T], sequence-first flattened alike
+    window = response_window(token_values, BATCH["responses"].shape[1])
+    valid = BATCH["response_mask"].bool()
+    got = packed_values.t().flatten()[rows.response_positions]
+    assert torch.equal(got[valid], window[valid])
