@@ -205,7 +205,11 @@ def test_cached_reference_logprobs_give_the_same_update_and_altered_caches_are_r
     raw = bytearray(cache.read_bytes())
     raw[-1] ^= 0x01
     cache.write_bytes(bytes(raw))
+    folder = RunFolder(tmp_path / "cached")
+    kept = {path: path.read_bytes() for path in (folder.config, folder.provenance, folder.metrics)}
     result = subprocess.run([sys.executable, "-m", "verl_mega.cli", "dpo", *cached_args(4)], capture_output=True,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"{cache}: not a valid reference log-prob cache (its values do not match their checksum)" in result.stderr
+    # The refused start changed nothing in the run folder (its config still says 3 steps).
+    assert {path: path.read_bytes() for path in kept} == kept

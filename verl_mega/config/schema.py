@@ -311,6 +311,9 @@ class TrainerConfig:
     Chrome trace JSON, opened by Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """The ranks that record profile_steps."""
+    allow_config_change: bool = False
+    """Resume a run folder whose saved config differs from this one in what is trained (data, algorithm, batch
+    sizes, model): refused by default, naming the keys; the run's length, logging and layout may always change."""
 
 
 JOBS = ("rl", "sft", "preference")

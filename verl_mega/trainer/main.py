@@ -25,7 +25,8 @@ from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.files.atomic import atomic_write_text
 from verl_mega.models import HFModelConfig
 from verl_mega.parallel.state import destroy_parallel, init_parallel
-from verl_mega.run.checkpoints import model_fingerprint
+from verl_mega.run.checkpoints import complete_checkpoints, model_fingerprint
+from verl_mega.run.continuity import check_continuation
 from verl_mega.run.folder import RunFolder, layout_name
 from verl_mega.run.lock import claim_run_folder
 from verl_mega.run.provenance import write_provenance
@@ -99,6 +100,9 @@ def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
     checksums = [model_checksums(config) if layout.rank == 0 else None]
     dist.broadcast_object_list(checksums, src=0)
     checksums = checksums[0]
+    folder = RunFolder(run_dir)
+    if folder.config.is_file() and complete_checkpoints(run_dir):  # a resume: of the run that folder holds
+        check_continuation(folder.config, config)
     if config.model.sha256 and checksums["actor"] != config.model.sha256.lower():
         raise UserError(f"model.sha256: {config.model.hf_path} has sha256 {checksums['actor']}, not the expected "
                         f"{config.model.sha256}; point model.hf_path at the expected model or update model.sha256")
@@ -109,15 +113,16 @@ def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
         # inside are found by their names, wherever the run folder is moved.
         for role, ckpt in ckpts.items():
             setattr(config.model, f"{role}_ckpt", str(ckpt))
-    if layout.rank == 0:
-        atomic_write_text(RunFolder(run_dir).config, to_yaml(config))
-        write_provenance(run_dir, config, checksums, reward_fn)
     stop = StopRequest().install()
     if config.job == "rl":
         critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
         job = RLJob(config, layout, stop, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt, reward_fn=reward_fn)
     else:
         job = OFFLINE_JOBS[config.job](config, layout, stop, actor_ckpt=ckpts["actor"])
+    # Written once the job has been built and has resumed: a start refused on the way changes neither.
+    if layout.rank == 0:
+        atomic_write_text(folder.config, to_yaml(config))
+        write_provenance(run_dir, config, checksums, reward_fn)
     finished = job.fit()
     job.close()
     return finished
