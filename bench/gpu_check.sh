@@ -101,7 +101,7 @@ else:
 
 # Prepare 1: the kit's wheels (bench/gpu_kit.sh), installed without an index.
 if ((DRY_RUN)); then
-    echo "DRY kit: $PYTHON -m pip install --no-index --no-deps --target $KIT_SITE .whl/*.whl; the pins:"
+    echo "DRY kit (limit 30 s): $PYTHON -m pip install --no-index --no-deps --target $KIT_SITE .whl/*.whl; the pins:"
     bash bench/gpu_kit.sh --list | while read -r pin; do
         wheel=$(cd "$REPO" && compgen -G ".whl/$(echo "${pin%%==*}" | tr - _ | tr '[:upper:]' '[:lower:]')-${pin#*==}-*.whl" || true)
         echo "    $pin: ${wheel:-not in .whl/ here (bash bench/gpu_kit.sh downloads it)}"
@@ -123,7 +123,7 @@ done
 ((DRY_RUN)) && { "$PYTHON" setup.py -q --name >/dev/null 2>&1 || fail "package: setup.py does not load"; }
 run package 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$PKG_SITE" \
     "$REPO"
-run imports 60 "$PYTHON" -P -c "import verl_mega.cli, verl_mega.converters, megatron.core, transformers; \
+run imports 20 "$PYTHON" -P -c "import verl_mega.cli, verl_mega.converters, megatron.core, transformers; \
 print('verl_mega from', verl_mega.__file__, '| megatron-core', megatron.core.__version__, '| transformers', \
 transformers.__version__)"
 

