@@ -19,7 +19,7 @@
 set -uo pipefail
 PYTHON=$(command -v "${PYTHON:-python3}") || { echo "FAIL environment: no ${PYTHON:-python3}"; exit 1; }
 [[ "$PYTHON" == /* ]] || PYTHON=$PWD/$PYTHON  # the checks run from another folder
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
 DRY_RUN=0
 [[ "${1:-}" == "--dry-run" ]] && DRY_RUN=1
