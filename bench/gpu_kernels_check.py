@@ -150,8 +150,8 @@ def check_parity(dry_run: bool, device: str) -> list[str]:
             print(f"would compare log-prob/entropy/grad {PARITY_TOKENS}x{VOCAB} {dtype_name(dtype)}"
                   f"{' misaligned on the device' if misaligned else ''} with float64, bound "
                   f"{logprob_bound(6 * LOGIT_SCALE, VOCAB):.1e} at max|x| = {6 * LOGIT_SCALE}")
-        print(f"would compare GAE {GAE_SHAPE} fp32 with verl's loop in float64, bound {gae_bound(GAE_SHAPE[1], 1.0):.1e}"
-              " per unit of magnitude")
+        print(f"would compare GAE {GAE_SHAPE} fp32 with verl's loop in float64, bound "
+              f"{gae_bound(GAE_SHAPE[1], 1.0):.1e} per unit of magnitude")
         return []
     misses = []
     for dtype, misaligned in cases:
@@ -199,7 +199,8 @@ def check_speed(dry_run: bool, device: str) -> list[str]:
     if dry_run:
         for dtype in DTYPES.values():
             print(f"would time the log-prob forward {SPEED_TOKENS}x{VOCAB} {dtype_name(dtype)} against "
-                  f"log_softmax+gather: goals >= {LOGPROB_GOAL}x, peak extra memory <= {100 * LOGPROB_MEMORY_GOAL:.0f} %")
+                  f"log_softmax+gather: goals >= {LOGPROB_GOAL}x, peak extra memory <= "
+                  f"{100 * LOGPROB_MEMORY_GOAL:.0f} %")
         print(f"would time GAE {GAE_SHAPE} against verl's loop: goal >= {GAE_GOAL:.0f}x")
         return []
     misses = []

@@ -62,7 +62,8 @@ def normalise(name: str) -> str:
 def setup_keyword(name: str):
     """A literal keyword argument of setup.py's setup() call."""
     tree = ast.parse((ROOT / "setup.py").read_text())
-    call = next(node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    call = next(node for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
     return ast.literal_eval(next(keyword.value for keyword in call.keywords if keyword.arg == name))
 
 
@@ -91,13 +92,14 @@ def test_the_image_installs_requirements_txt_versions_and_no_vllm():
     assert installs and not any("vllm" in run.lower() or "torch==" in run for run in installs), installs
 
 
-def resolve(*requirements: str, python: str) -> dict[str, str]:
+def resolve(*requirements: str, python: str, target: Path) -> dict[str, str]:
     """pip's resolution of `requirements` for CPython `python` on x86-64 Linux from PyPI, wheels only, ignoring
-    what is installed here: NAME (normalised) -> version. Fails with pip's message on a conflict."""
+    what is installed here: NAME (normalised) -> version. Fails with pip's message on a conflict. `target` is a
+    folder pip is told it would install into (the platform options need one; a dry run writes nothing)."""
     platforms = [argument for platform in PLATFORMS for argument in ("--platform", platform)]
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed", "--report", "-",
-         "--target", os.devnull, "--python-version", python, "--implementation", "cp", "--only-binary=:all:",
+         "--target", str(target), "--python-version", python, "--implementation", "cp", "--only-binary=:all:",
          *platforms, *requirements], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
@@ -106,10 +108,10 @@ def resolve(*requirements: str, python: str) -> dict[str, str]:
 
 @pytest.mark.slow
 @needs_pypi
-def test_the_image_pins_resolve_with_its_torch_and_python():
+def test_the_image_pins_resolve_with_its_torch_and_python(tmp_path):
     torch = dockerfile_arg("BASE_TORCH")
     resolved = resolve("-r", str(IMAGE_REQUIREMENTS), f"torch=={torch}", *setup_keyword("install_requires"),
-                       python=dockerfile_arg("BASE_PYTHON"))
+                       python=dockerfile_arg("BASE_PYTHON"), target=tmp_path / "site")
     assert resolved["torch"] == torch
     assert {name: resolved.get(name) for name in pins(IMAGE_REQUIREMENTS)} == pins(IMAGE_REQUIREMENTS)
 
