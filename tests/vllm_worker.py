@@ -21,7 +21,7 @@ from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
 from verl_mega.rollout.engine import SamplingParams
 from verl_mega.rollout.hybrid_engine import HybridEngine
-from verl_mega.rollout.vllm_engine import VLLMEngine, _reprocess_tied_vocabulary
+from verl_mega.rollout.vllm_engine import VLLMEngine, finish_reload
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, logprobs=True)
@@ -95,7 +95,9 @@ def held_weights(engine: VLLMEngine) -> dict[str, torch.Tensor]:
     held = {name: tensor.detach().clone() for name, tensor in model.state_dict().items() if tensor.numel()}
     for name, module in model.named_modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
-            width = module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
+            # A replicated layer (the MoE router's gate) has no per-partition size: it takes the whole input.
+            width = (getattr(module, "input_size_per_partition", module.input_size) if isinstance(module, LinearBase)
+                     else module.embedding_dim)
             eye = torch.eye(width, dtype=torch.float32, device=next(module.parameters()).device)
             with torch.no_grad():
                 held[f"{name} (as applied)"] = module.quant_method.apply(module, eye).clone()
@@ -110,7 +112,7 @@ def presliced(args) -> None:
     engine = VLLMEngine(args.hf, hybrid.feed, max_model_len=64, dtype=torch.float32, max_num_seqs=8)
     reader = SafetensorsReader(args.hf)
     engine._worker().reload_weights(weights_iterator=((name, reader.read(name)) for name in reader.names()))
-    _reprocess_tied_vocabulary(engine.model(), set())  # vLLM's own reload leaves a tied head's packing stale
+    finish_reload(engine.model(), set())  # what vLLM's own reload leaves stale (a tied head's, experts' packing)
     whole = held_weights(engine)
     engine.load_weights(hybrid.stream())
     sliced = held_weights(engine)
