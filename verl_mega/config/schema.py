@@ -105,6 +105,12 @@ class RolloutConfig:
     top_k: int = -1
     seed: int = 1
     dtype: str = "auto"  # auto (bf16 for vLLM, model.dtype for the embedded engine) | fp32 | bf16 | fp16
+    # vLLM must find this share free when it starts, after actor, critic and reference are built. They then hold,
+    # per bf16 parameter of a TP x PP shard, 2 B weights + 4 B fp32 gradient buffer + 4 B fp32 main weights for
+    # actor and critic each and 2 B for the reference: 22 B (Adam's 8 B come with the first step and wait on the
+    # host during rollouts). 0.4 leaves 60 %: on 80 GB, 2.2B parameters per GPU (a 7B model at TP 4), and vLLM's
+    # 32 GB hold its weights (3.5 GB there) and a KV cache of ~27 GB.
+    gpu_memory_utilization: float = 0.4  # vLLM's fraction of each GPU (weights, activations, KV cache), in (0, 1]
 
 
 @dataclass

