@@ -22,9 +22,9 @@ LM head's derived state, and on a CPU the fused-MoE experts' packing.
 What `load_weights` receives is the HybridEngine's `WeightFeed`: whole tensors at rollout TP 1, this rank's
 slices at rollout TP > 1. With slices, vLLM's linear loaders are made to take each slice as it is
 (stacking q/k/v and gate/up without narrowing), and its fused-MoE loaders, which cut by the layer's own TP
-rank, are handed each expert slice where the whole tensor holds it. Vocabulary tensors are gathered whole over vLLM's TP group
-instead, because vLLM partitions the vocabulary its own way (padded to 64 rows, split evenly), which is not
-megatron's partition; vLLM's loader then keeps its rows.
+rank, are handed each expert slice where the whole tensor holds it. Vocabulary tensors are gathered whole
+over vLLM's TP group instead, because vLLM partitions the vocabulary its own way (padded to 64 rows, split
+evenly), which is not megatron's partition; vLLM's loader then keeps its rows.
 """
 from __future__ import annotations
 
@@ -217,6 +217,7 @@ def _slice_placing_loader(loader, rank: int, size: int):
 
 
 def _zeros_along(part: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """Zeros the size of `parts` times `part` along `dim`."""
     shape = list(part.shape)
     shape[dim] *= parts
     return part.new_zeros(shape)
