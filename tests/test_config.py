@@ -67,6 +67,21 @@ def test_preflight_check_names_the_key(tiny_models, prompt_file, override, world
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
+def test_gpu_memory_utilization_outside_0_1_is_refused_in_one_line(tiny_models, prompt_file, value):
+    config = load_config(None, good_overrides(tiny_models, prompt_file) + [f"rollout.gpu_memory_utilization={value}"])
+    with pytest.raises(ConfigError) as err:
+        validate(config, world_size=4)
+    assert str(err.value).splitlines() == [
+        "invalid config:", f"  - rollout.gpu_memory_utilization must be in (0, 1], got {float(value)}"]
+
+
+def test_gpu_memory_utilization_of_1_is_taken(tiny_models, prompt_file):
+    config = load_config(None, good_overrides(tiny_models, prompt_file) + ["rollout.gpu_memory_utilization=1"])
+    validate(config, world_size=4)
+    assert config.rollout.gpu_memory_utilization == 1.0
+
+
 def test_bad_dataset_is_refused_before_training(tiny_models, tmp_path, prompt_file):
     no_prompt = tmp_path / "no_prompt.jsonl"
     no_prompt.write_text(json.dumps({"question": "1+1="}) + "\n")

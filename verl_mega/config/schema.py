@@ -168,6 +168,12 @@ class RolloutConfig:
     dtype: str = "auto"
     """What the rollout engine runs and the HybridEngine streams; auto: bf16 for vLLM, model.dtype for the
     embedded engine."""
+    gpu_memory_utilization: float = 0.4
+    """vLLM's fraction of each GPU (weights, activations, KV cache), in (0, 1]. It must be free when vLLM starts,
+    after actor, critic and reference are built: per bf16 parameter of a TP x PP shard they hold 22 B (2 B weights
+    + 4 B fp32 gradient buffer + 4 B fp32 main weights for actor and critic each, 2 B for the reference; Adam's 8 B
+    come with the first step and wait on the host during rollouts), so 0.4 leaves 60 %: on 80 GB, 2.2B parameters
+    per GPU (a 7B model at TP 4), with vLLM's 32 GB for its weights and ~27 GB of KV cache."""
 
 
 @dataclass

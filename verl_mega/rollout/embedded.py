@@ -1,7 +1,9 @@
 """The default rollout engine on CPU: a transformers model generating with its KV cache, t_g = 1.
 
 The model object is built once from the HF config; every transition copies the streamed tensors into its
-parameters in place, so nothing is reloaded from disk and no new model is made per step.
+parameters in place, so nothing is reloaded from disk and no new model is made per step. Where a tensor goes
+is kept by parameter name and looked up in the live model at each load: moving the model between devices
+(sleep and wake-up on a GPU) gives every parameter new storage, and a kept tensor would be the old one.
 
 The stream carries checkpoint names (`block_sparse_moe.experts.3.w1.weight`); transformers 5 may hold
 them fused in memory (`mlp.experts.gate_up_proj`). Where each checkpoint tensor lives inside the fused
@@ -38,7 +40,7 @@ class EmbeddedEngine(RolloutEngine):
         self._pad = config.pad_token_id if config.pad_token_id is not None else (self._eos or [0])[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        loaded = set()
+        loaded, params = set(), dict(self.model.named_parameters())
         with torch.no_grad(), cuda_device_rewrite_paused():
             for name, tensor in weights:
                 target = self._targets.get(name)
@@ -50,7 +52,7 @@ class EmbeddedEngine(RolloutEngine):
                         f"'{name}' arrives with shape {tuple(tensor.shape)} but the model holds "
                         f"{tuple(target.shape)}: the embedded engine needs full tensors (rollout_tp=1)"
                     )
-                target.copy_(tensor)
+                target.copy_(params[target.param_name], tensor)
                 loaded.add(name)
         missing = sorted(set(self._targets) - loaded)
         if missing:
@@ -86,17 +88,20 @@ class EmbeddedEngine(RolloutEngine):
 
 
 class _Target:
-    """Where one checkpoint tensor lives in a model parameter: a strided window, or scattered elements."""
+    """Where one checkpoint tensor lives in the parameter named `param_name`: a strided window, or scattered
+    elements. Holds no parameter data, so it stays right when the parameter's storage is replaced."""
 
-    def __init__(self, param: torch.Tensor, shape: torch.Size, stride: tuple[int, ...] | None, offset: int,
+    def __init__(self, param_name: str, shape: torch.Size, stride: tuple[int, ...] | None, offset: int,
                  flat_index: torch.Tensor | None):
-        self.param, self.shape, self.stride, self.offset, self.flat_index = param, shape, stride, offset, flat_index
+        self.param_name, self.shape, self.stride, self.offset = param_name, shape, stride, offset
+        self.flat_index = flat_index
 
-    def copy_(self, tensor: torch.Tensor) -> None:
+    def copy_(self, param: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Copy `tensor` into its place in `param`, the live parameter named `param_name`."""
         if self.flat_index is None:
-            self.param.as_strided(self.shape, self.stride, self.offset).copy_(tensor)
+            param.as_strided(self.shape, self.stride, self.offset).copy_(tensor)
         else:
-            self.param.view(-1)[self.flat_index] = tensor.reshape(-1).to(self.param.dtype)
+            param.view(-1)[self.flat_index.to(param.device)] = tensor.reshape(-1).to(param.device, param.dtype)
 
 
 def _checkpoint_targets(model: torch.nn.Module) -> dict[str, _Target]:
@@ -107,7 +112,7 @@ def _checkpoint_targets(model: torch.nn.Module) -> dict[str, _Target]:
         if checkpoint_name is None:
             targets.update(_probed_targets(model, name, param))
         else:
-            targets[checkpoint_name] = _Target(param.data, param.shape, param.data.stride(), 0, None)
+            targets[checkpoint_name] = _Target(name, param.shape, param.stride(), 0, None)
     return targets
 
 
@@ -135,18 +140,19 @@ def _probed_targets(model: torch.nn.Module, name: str, param: torch.Tensor) -> d
     from transformers.core_model_loading import revert_weight_conversion
 
     probe = torch.arange(param.numel()).view(param.shape)
-    return {checkpoint_name: _locate(param.data, index)
+    return {checkpoint_name: _locate(name, param.numel(), index)
             for checkpoint_name, index in revert_weight_conversion(model, {name: probe}).items()}
 
 
-def _locate(param: torch.Tensor, index: torch.Tensor) -> _Target:
+def _locate(param_name: str, numel: int, index: torch.Tensor) -> _Target:
+    """The target of a checkpoint tensor whose elements sit at `index` in the flat parameter of `numel`."""
     offset = int(index.reshape(-1)[0])
     stride = tuple(
         int(index.narrow(dim, 1, 1).reshape(-1)[0]) - offset if size > 1 else 1
         for dim, size in enumerate(index.shape)
     )
     last = offset + sum((size - 1) * step for size, step in zip(index.shape, stride))
-    in_bounds = min(stride, default=0) >= 0 and last < param.numel()
-    if in_bounds and torch.equal(torch.arange(param.numel()).as_strided(index.shape, stride, offset), index):
-        return _Target(param, index.shape, stride, offset, None)
-    return _Target(param, index.shape, None, 0, index.reshape(-1).clone())
+    in_bounds = min(stride, default=0) >= 0 and last < numel
+    if in_bounds and torch.equal(torch.arange(numel).as_strided(index.shape, stride, offset), index):
+        return _Target(param_name, index.shape, stride, offset, None)
+    return _Target(param_name, index.shape, None, 0, index.reshape(-1).clone())

