@@ -71,14 +71,14 @@ def test_preflight_check_names_the_key(tiny_models, prompt_file, override, world
 def test_gpu_memory_utilization_outside_0_1_is_refused_in_one_line(tiny_models, prompt_file, value):
     config = load_config(None, good_overrides(tiny_models, prompt_file) + [f"rollout.gpu_memory_utilization={value}"])
     with pytest.raises(ConfigError) as err:
-        validate(config, world_size=4)
+        preflight_check(config, world_size=4)
     assert str(err.value).splitlines() == [
         "invalid config:", f"  - rollout.gpu_memory_utilization must be in (0, 1], got {float(value)}"]
 
 
 def test_gpu_memory_utilization_of_1_is_taken(tiny_models, prompt_file):
     config = load_config(None, good_overrides(tiny_models, prompt_file) + ["rollout.gpu_memory_utilization=1"])
-    validate(config, world_size=4)
+    preflight_check(config, world_size=4)
     assert config.rollout.gpu_memory_utilization == 1.0
 
 
