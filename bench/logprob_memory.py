@@ -20,17 +20,20 @@ from verl_mega.rollout.live_bytes import LiveBytes
 VOCAB = 152_064
 
 
-def peak_live_bytes(tokens: int, hidden: int) -> int:
+def logprob_pass(tokens: int, hidden: int, vocab: int = VOCAB) -> dict:
+    """One forward+backward of the log-prob path from random bf16 hidden states through an LM head of `vocab`
+    rows: the peak live bytes of it (`peak`), and the logits, labels, log-probs and entropy it computed."""
     generator = torch.Generator().manual_seed(0)
     hidden_states = torch.randn(1, tokens, hidden, generator=generator).bfloat16().requires_grad_()
-    weight = (torch.randn(VOCAB, hidden, generator=generator) * 0.05).bfloat16()
-    labels = torch.randint(0, VOCAB, (1, tokens), generator=generator)
+    weight = (torch.randn(vocab, hidden, generator=generator) * 0.05).bfloat16()
+    labels = torch.randint(0, vocab, (1, tokens), generator=generator)
     tracker = LiveBytes()
     with tracker:
         logits = hidden_states @ weight.t()
-        logprob, entropy = vocab_parallel_logprobs(logits, labels, vocab_size=VOCAB, return_entropy=True)
+        logprob, entropy = vocab_parallel_logprobs(logits, labels, vocab_size=vocab, return_entropy=True)
         (logprob.sum() + entropy.sum()).backward()
-    return tracker.peak
+    return {"peak": tracker.peak, "logits": logits.detach(), "labels": labels, "logprob": logprob.detach(),
+            "entropy": entropy.detach()}
 
 
 def main() -> None:
@@ -39,7 +42,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     args = parser.parse_args()
     init_parallel(1, 1)
-    peak = peak_live_bytes(args.tokens, args.hidden)
+    peak = logprob_pass(args.tokens, args.hidden)["peak"]
     destroy_parallel()
     logit_bytes = args.tokens * VOCAB * torch.bfloat16.itemsize
     print(f"{args.tokens} tokens x V={VOCAB}: bf16 logits {logit_bytes / 2**20:.1f} MiB, peak live bytes of the "

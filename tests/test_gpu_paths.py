@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from bench.logprob_memory import logprob_pass
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.data.packing import pack, pack_layout
@@ -13,7 +14,6 @@ from verl_mega.parallel.state import destroy_parallel, init_parallel
 from verl_mega.roles.batching import response_window
 from verl_mega.roles.logprobs import vocab_parallel_logprobs
 from verl_mega.roles.megatron_step import forward_rows, model_rows, stage_forward
-from verl_mega.rollout.live_bytes import LiveBytes
 
 QWEN_VOCAB = 152_064
 
@@ -28,20 +28,13 @@ def one_rank():
 def test_bf16_logprobs_keep_no_fp32_copy_of_the_logits(one_rank):
     """Forward and backward from bf16 logits at Qwen's vocabulary hold the logits and their gradient, both
     bf16 (4 bytes per logit): an fp32 copy kept for backward, or an fp32 gradient, would need at least 8."""
-    tokens, hidden = 16, 32
-    generator = torch.Generator().manual_seed(0)
-    hidden_states = torch.randn(1, tokens, hidden, generator=generator).bfloat16().requires_grad_()
-    weight = (torch.randn(QWEN_VOCAB, hidden, generator=generator) * 0.05).bfloat16()
-    labels = torch.randint(0, QWEN_VOCAB, (1, tokens), generator=generator)
-    tracker = LiveBytes()
-    with tracker:
-        logits = hidden_states @ weight.t()
-        logprob, entropy = vocab_parallel_logprobs(logits, labels, vocab_size=QWEN_VOCAB, return_entropy=True)
-        (logprob.sum() + entropy.sum()).backward()
+    tokens = 16
+    measured = logprob_pass(tokens, hidden=32, vocab=QWEN_VOCAB)
+    logits, labels, logprob, entropy = (measured[key] for key in ("logits", "labels", "logprob", "entropy"))
     logit_bytes = tokens * QWEN_VOCAB * torch.bfloat16.itemsize
-    assert tracker.peak <= 2 * logit_bytes + 2**16, (tracker.peak, logit_bytes)
+    assert measured["peak"] <= 2 * logit_bytes + 2**16, (measured["peak"], logit_bytes)
 
-    reference = torch.log_softmax(logits.detach().double(), -1)
+    reference = torch.log_softmax(logits.double(), -1)
     want = reference.gather(-1, labels[..., None])[..., 0]
     want_entropy = -(reference.exp() * reference).sum(-1)
     assert logprob.dtype == entropy.dtype == torch.float32
