@@ -132,8 +132,8 @@ def _check_counts(config: TrainConfig, need) -> None:
     at_least_one = {"trainer.total_steps": t.total_steps, "rollout.n": r.n, "data.batch_size": d.batch_size,
                     "data.max_prompt_length": d.max_prompt_length, "data.max_response_length": d.max_response_length,
                     "algorithm.kl_ctrl.horizon": alg.kl_ctrl.horizon}
-    for role, cfg in (("actor", config.actor), ("critic", config.critic)):
-        at_least_one.update({f"{role}.{key}": getattr(cfg, key) for key in ("ppo_epochs", "mini_batch_size")})
+    for role, section in (("actor", config.actor), ("critic", config.critic)):
+        at_least_one.update({f"{role}.{key}": getattr(section, key) for key in ("ppo_epochs", "mini_batch_size")})
     for key, value in at_least_one.items():
         need(value >= 1, f"{key} must be >= 1, got {value}")
     need(t.val_every >= 0, f"trainer.val_every must be >= 0 (0: validate at the end only), got {t.val_every}")
@@ -175,18 +175,18 @@ def _check_mirror(config: TrainConfig, check, need) -> None:
 def _check_batch_sizes(config: TrainConfig, world_size: int, dp: int, need) -> None:
     d = config.data
     sequences = d.batch_size * config.rollout.n
-    for role, cfg in (("actor", config.actor), ("critic", config.critic)):
-        need(cfg.micro_batch_size >= 1, f"{role}.micro_batch_size must be >= 1")
-        need(cfg.mini_batch_size % (dp * max(cfg.micro_batch_size, 1)) == 0,
-             f"{role}.mini_batch_size={cfg.mini_batch_size} must be divisible by data-parallel size {dp} x "
-             f"{role}.micro_batch_size={cfg.micro_batch_size}")
+    for role, section in (("actor", config.actor), ("critic", config.critic)):
+        need(section.micro_batch_size >= 1, f"{role}.micro_batch_size must be >= 1")
+        need(section.mini_batch_size % (dp * max(section.micro_batch_size, 1)) == 0,
+             f"{role}.mini_batch_size={section.mini_batch_size} must be divisible by data-parallel size {dp} x "
+             f"{role}.micro_batch_size={section.micro_batch_size}")
         longest = d.max_prompt_length + d.max_response_length
-        need(cfg.max_tokens_per_micro_batch == 0 or cfg.max_tokens_per_micro_batch >= longest,
-             f"{role}.max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch} must be 0 (off) or hold the "
+        need(section.max_tokens_per_micro_batch == 0 or section.max_tokens_per_micro_batch >= longest,
+             f"{role}.max_tokens_per_micro_batch={section.max_tokens_per_micro_batch} must be 0 (off) or hold the "
              f"longest sequence, data.max_prompt_length + data.max_response_length = {longest}")
-        need(sequences % max(cfg.mini_batch_size, 1) == 0,
+        need(sequences % max(section.mini_batch_size, 1) == 0,
              f"data.batch_size x rollout.n = {sequences} must be divisible by {role}.mini_batch_size="
-             f"{cfg.mini_batch_size}")
+             f"{section.mini_batch_size}")
     replicas = rollout_placement(0, world_size, config.parallel.tp, config.parallel.rollout_tp).replicas
     need(d.batch_size % replicas == 0,
          f"data.batch_size={d.batch_size} must be divisible by the number of rollout replicas {replicas} "
