@@ -167,6 +167,9 @@ def test_api_values_keep_their_strings():
     ("trainer.total_steps=ten", ("trainer.total_steps", "'ten'")),
     ("trainer.no_such_key=1", ("trainer.no_such_key",)),
     ("trainer.total_steps=null", ("trainer.total_steps",)),
+    ("data.train_files=[a.jsonl", ("override 'data.train_files=[a.jsonl'", "not valid YAML")),
+    ("actor.loss.extra={beta", ("override 'actor.loss.extra={beta'", "not valid YAML")),
+    ("=5", ("override '=5' must look like key.sub=value",)),
 ])
 def test_a_bad_override_is_refused_naming_its_key(override, words):
     with pytest.raises(ConfigError) as refused:

@@ -20,6 +20,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 
+from .errors import UserError
+
 _UNTYPED = object()  # the schema gives no type to follow: OmegaConf's YAML reading of the value applies
 
 
@@ -30,7 +32,12 @@ def override_layer(schema_class: type, overrides: list[str]):
         key, _, text = item.partition("=")
         value = typed_value(schema_class, key, text)
         if value is _UNTYPED:
-            layer = OmegaConf.merge(layer, OmegaConf.from_dotlist([item]))
+            try:
+                parsed = OmegaConf.from_dotlist([item])
+            except Exception as err:  # omegaconf's YAML reading of a flow value: any error is the value's
+                raise UserError(f"override {item!r}: the value is not valid YAML "
+                                f"({str(err).splitlines()[0]})") from None
+            layer = OmegaConf.merge(layer, parsed)
         else:
             OmegaConf.update(layer, key, value, force_add=True)
     return layer

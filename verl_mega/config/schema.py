@@ -368,13 +368,15 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     for item in overrides:
-        if "=" not in item:
+        if "=" not in item or not item.partition("=")[0]:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
     try:
         layers.append(override_layer(TrainConfig, list(overrides)))
         layers.append(_dotted_layer(values or {}))
         merged = OmegaConf.merge(*layers)
         config = OmegaConf.to_object(merged)
+    except UserError as err:
+        raise ConfigError(str(err)) from None
     except (ConfigKeyError, ValidationError) as err:
         key = getattr(err, "full_key", None) or ""
         raise ConfigError(f"config key '{key}': {str(err).splitlines()[0]}") from None
