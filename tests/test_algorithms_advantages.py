@@ -1,8 +1,12 @@
-"""Advantage estimators: GAE (via verl_mega.ops), GRPO, Dr. GRPO, RLOO, REINFORCE++ (+ baseline)."""
+"""Advantage estimators: GAE (via verl_mega.ops), GRPO, Dr. GRPO, RLOO, REINFORCE++ (+ baseline), ReMax, OPO,
+GRPO pass@k, GPG and the optimal token baseline (plain and TIR), each against numbers worked out by hand."""
+
+import math
 
 import pytest
 import torch
 
+from verl_mega.algorithms import estimator_inputs, estimator_knobs
 from verl_mega.algorithms.advantages import get_adv_estimator
 
 FULL_MASK = torch.ones(6, 2)
@@ -106,3 +110,148 @@ def test_gae_hand_computed():
     whitened, _ = get_adv_estimator("gae")(rewards, values, mask, gamma=1.0, lam=0.5)
     expected = (advantages - advantages.mean()) / advantages.std()
     torch.testing.assert_close(whitened, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_every_estimator_names_its_inputs_from_the_trainers_vocabulary():
+    vocabulary = {"token_level_rewards", "scores", "response_mask", "index", "values", "reward_baselines",
+                  "old_log_probs", "sum_pi_squared", "rollout_log_probs"}
+    from verl_mega.algorithms import ADV_ESTIMATORS
+    for name in ADV_ESTIMATORS.names():
+        assert set(estimator_inputs(name)) <= vocabulary, name
+    assert estimator_inputs("remax") == ("token_level_rewards", "reward_baselines", "response_mask")
+    assert "rollout_log_probs" in estimator_inputs("tir_optimal_token_baseline")
+    # Dr. GRPO is GRPO without the std division whatever algorithm.norm_adv_by_std_in_grpo says
+    assert estimator_knobs("dr_grpo") == ()
+    assert "norm_adv_by_std_in_grpo" in estimator_knobs("grpo_passk")
+
+
+def test_remax_subtracts_the_greedy_score_from_the_return_on_each_token():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.5, 0.0], [-0.1, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    baselines = torch.tensor([0.4, 1.0, 0.5])
+    advantages, returns = get_adv_estimator("remax")(rewards, baselines, mask)
+    # returns: reward-to-go [1, 1, 1], [0.5, 0.5, pad], [0.9, 1, 1] (a per-token KL term enters the return)
+    torch.testing.assert_close(returns, torch.tensor([[1.0, 1.0, 1.0], [0.5, 0.5, 0.0], [0.9, 1.0, 1.0]]))
+    torch.testing.assert_close(advantages, torch.tensor([[0.6, 0.6, 0.6], [-0.5, -0.5, 0.0], [0.4, 0.5, 0.5]]))
+
+
+def test_remax_all_masked_row_has_zero_advantage():
+    advantages, _ = get_adv_estimator("remax")(torch.zeros(1, 3), torch.tensor([0.7]), torch.zeros(1, 3))
+    assert torch.equal(advantages, torch.zeros(1, 3))
+
+
+def test_opo_baseline_is_the_length_weighted_group_mean():
+    # group a: scores [1, 0], lengths [3, 1] -> baseline (3 * 1 + 1 * 0) / 4 = 0.75 -> [0.25, -0.75]
+    # a lone response has baseline 0: 0.4
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    advantages, returns = get_adv_estimator("opo")(torch.tensor([1.0, 0.0, 0.4]), mask, ["a", "a", "solo"])
+    torch.testing.assert_close(advantages, torch.tensor([[0.25, 0.25, 0.25], [-0.75, 0.0, 0.0], [0.4, 0.4, 0.0]]))
+    assert torch.equal(returns, advantages)
+
+
+def test_opo_group_of_empty_responses_stays_finite():
+    advantages, _ = get_adv_estimator("opo")(torch.tensor([1.0, 0.0]), torch.zeros(2, 3), ["a", "a"])
+    assert torch.equal(advantages, torch.zeros(2, 3))
+
+
+def test_grpo_passk_rewards_only_each_groups_best_by_its_lead():
+    # group a: [1, 0.5, 0]: lead 1 - 0.5 = 0.5, unbiased std 0.5 -> 1 on the best, 0 elsewhere
+    # group b: [0.2, 0.6]: lead 0.4, std sqrt(0.08) -> 0.4 / sqrt(0.08) on the second
+    scores = torch.tensor([0.5, 1.0, 0.2, 0.0, 0.6])
+    index = ["a", "a", "b", "a", "b"]
+    advantages, _ = get_adv_estimator("grpo_passk")(scores, torch.ones(5, 2), index)
+    expected = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.4 / math.sqrt(0.08)])
+    torch.testing.assert_close(advantages[:, 0], expected, atol=1e-5, rtol=1e-5)
+    unnormalised, _ = get_adv_estimator("grpo_passk")(scores, torch.ones(5, 2), index, norm_adv_by_std_in_grpo=False)
+    torch.testing.assert_close(unnormalised[:, 1], torch.tensor([0.0, 0.5, 0.0, 0.0, 0.4]))
+
+
+def test_grpo_passk_tie_for_the_best_gives_the_group_nothing():
+    advantages, _ = get_adv_estimator("grpo_passk")(torch.tensor([1.0, 0.0, 1.0]), torch.ones(3, 2), ["g"] * 3)
+    assert torch.equal(advantages, torch.zeros(3, 2))
+
+
+def test_grpo_passk_refuses_a_singleton_group():
+    with pytest.raises(ValueError, match="at least 2 responses per prompt.*rollout.n"):
+        get_adv_estimator("grpo_passk")(torch.tensor([1.0, 0.0, 1.0]), torch.ones(3, 2), ["g", "g", "solo"])
+
+
+def test_gpg_scales_the_centred_score_by_batch_over_rewarded():
+    # B = 4 responses, M = 1 with a non-zero score -> alpha 4; group means a 0.5, b 0
+    advantages, _ = get_adv_estimator("gpg")(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.ones(4, 2), list("aabb"))
+    torch.testing.assert_close(advantages[:, 0], torch.tensor([2.0, -2.0, 0.0, 0.0]))
+    # B = 3, M = 2 -> alpha 1.5; a lone response keeps its score: 1.5 * 0.5
+    advantages, _ = get_adv_estimator("gpg")(torch.tensor([1.0, 0.0, 0.5]), torch.ones(3, 1), ["a", "a", "solo"])
+    torch.testing.assert_close(advantages[:, 0], torch.tensor([0.75, -0.75, 0.75]))
+
+
+def test_gpg_batch_without_any_reward_has_zero_advantage():
+    advantages, _ = get_adv_estimator("gpg")(torch.zeros(4), torch.ones(4, 2), list("aabb"))
+    assert torch.equal(advantages, torch.zeros(4, 2))
+
+
+def _otb_group():
+    """Two responses to one prompt: row 0 scores 0 over 2 tokens with pi = 0.5 and sum pi^2 = 0.5 (w = 0.5),
+    row 1 scores 1 over 3 tokens with pi = 0.25 and sum pi^2 = 0.5 (w = 1)."""
+    rewards = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    old_log_probs = torch.tensor([[0.5, 0.5, 0.5], [0.25, 0.25, 0.25]]).log()
+    sum_pi_squared = torch.full((2, 3), 0.5)
+    return rewards, mask, old_log_probs, sum_pi_squared
+
+
+def test_optimal_token_baseline_weights_each_position_by_the_cumulative_energy():
+    rewards, mask, old_log_probs, sum_pi_squared = _otb_group()
+    advantages, returns = get_adv_estimator("optimal_token_baseline")(rewards, mask, ["p", "p"], old_log_probs,
+                                                                      sum_pi_squared)
+    # G: [0, 0], [1, 1, 1]; W: [0.5, 1], [1, 2, 3]
+    # B_0 = (0 * 0.5 + 1 * 1) / 1.5 = 2/3, B_1 = (0 * 1 + 1 * 2) / 3 = 2/3, B_2 = 1 * 3 / 3 = 1 (row 1 alone)
+    torch.testing.assert_close(returns, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]))
+    torch.testing.assert_close(advantages, torch.tensor([[-2 / 3, -2 / 3, 0.0], [1 / 3, 1 / 3, 0.0]]))
+    # with handle_zero_tail, the longest response's baseline past the runner-up's length is 0
+    tail, _ = get_adv_estimator("optimal_token_baseline")(rewards, mask, ["p", "p"], old_log_probs, sum_pi_squared,
+                                                          handle_zero_tail=True)
+    torch.testing.assert_close(tail[1], torch.tensor([1 / 3, 1 / 3, 1.0]))
+
+
+def test_optimal_token_baseline_singleton_and_empty_rows():
+    rewards, mask, old_log_probs, sum_pi_squared = _otb_group()
+    # the same two rows as separate prompts, plus an all-masked row in row 0's group: no baseline anywhere
+    rows = lambda t: torch.cat([t, t[:1]])  # noqa: E731
+    empty_mask = torch.cat([mask, torch.zeros(1, 3)])
+    advantages, returns = get_adv_estimator("optimal_token_baseline")(
+        rows(rewards), empty_mask, ["a", "b", "a"], rows(old_log_probs), rows(sum_pi_squared))
+    torch.testing.assert_close(advantages, returns * empty_mask)
+    assert torch.equal(advantages[2], torch.zeros(3))
+
+
+def test_tir_optimal_token_baseline_equals_otb_with_zero_tail_when_rollout_matches():
+    rewards, mask, old_log_probs, sum_pi_squared = _otb_group()
+    tir, _ = get_adv_estimator("tir_optimal_token_baseline")(rewards, mask, ["p", "p"], old_log_probs, sum_pi_squared,
+                                                             old_log_probs)
+    torch.testing.assert_close(tir, torch.tensor([[-2 / 3, -2 / 3, 0.0], [1 / 3, 1 / 3, 1.0]]))
+
+
+def test_tir_optimal_token_baseline_scales_energy_by_the_squared_truncated_ratio():
+    rewards, mask, old_log_probs, sum_pi_squared = _otb_group()
+    # row 0: pi_train / pi_rollout = 10, capped at 2 -> w = 0.5 * 4 = 2, W = [2, 4]; row 1 unchanged
+    rollout_log_probs = old_log_probs - torch.tensor([[math.log(10.0)] * 3, [0.0] * 3])
+    tir, _ = get_adv_estimator("tir_optimal_token_baseline")(rewards, mask, ["p", "p"], old_log_probs, sum_pi_squared,
+                                                             rollout_log_probs, tir_is_threshold=2.0)
+    # B_0 = (0 + 1 * 1) / (2 + 1) = 1/3, B_1 = (0 + 1 * 2) / (4 + 2) = 1/3; row 1's tail past 2 tokens: 0
+    torch.testing.assert_close(tir, torch.tensor([[-1 / 3, -1 / 3, 0.0], [2 / 3, 2 / 3, 1.0]]))
+
+
+def test_tir_optimal_token_baseline_aligns_tokens_by_count_across_masked_observations():
+    rewards, mask, old_log_probs, sum_pi_squared = _otb_group()
+    contiguous, _ = get_adv_estimator("tir_optimal_token_baseline")(rewards, mask, ["p", "p"], old_log_probs,
+                                                                    sum_pi_squared, old_log_probs)
+    # row 1's second token moved past a masked-out observation: the same tokens, the same advantages
+    spread = lambda t: torch.stack([torch.cat([t[0], t[0, -1:]]), torch.cat([t[1, :1], t[1, :1] * 0, t[1, 1:]])])  # noqa: E731
+    spread_mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
+    moved, _ = get_adv_estimator("tir_optimal_token_baseline")(spread(rewards), spread_mask, ["p", "p"],
+                                                               spread(old_log_probs), spread(sum_pi_squared),
+                                                               spread(old_log_probs))
+    torch.testing.assert_close(moved[1][spread_mask[1].bool()], contiguous[1])
+    torch.testing.assert_close(moved[0][:2], contiguous[0][:2])
+    assert torch.equal(moved[1, 1], torch.tensor(0.0))

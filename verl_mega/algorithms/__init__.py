@@ -2,13 +2,26 @@
 
 from verl_mega.algorithms.advantages import (
     ADV_ESTIMATORS,
+    compute_dr_grpo_outcome_advantage,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
     compute_reinforce_plus_plus_advantage_return,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_rloo_outcome_advantage,
+    estimator_inputs,
+    estimator_knobs,
     get_adv_estimator,
     register_adv_est,
+)
+from verl_mega.algorithms.advantages_otb import (
+    compute_optimal_token_baseline_advantage,
+    compute_tir_optimal_token_baseline_advantage,
+)
+from verl_mega.algorithms.advantages_outcome import (
+    compute_gpg_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_remax_outcome_advantage,
 )
 from verl_mega.algorithms.kl import (
     KL_CONTROLLERS,
@@ -70,15 +83,24 @@ __all__ = [
     "agg_loss",
     "agg_units",
     "apply_kl_penalty",
+    "compute_dr_grpo_outcome_advantage",
     "compute_gae_advantage_return",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
     "compute_kl",
+    "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_policy_loss",
     "compute_reinforce_plus_plus_advantage_return",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_tir_optimal_token_baseline_advantage",
     "compute_value_loss",
     "entropy_from_logits",
+    "estimator_inputs",
+    "estimator_knobs",
     "get_adv_estimator",
     "get_kl_controller",
     "get_kl_estimator",

@@ -1,13 +1,19 @@
-"""Advantage estimators, registered by name (as verl's core_algos).
+"""Advantage estimators, registered by name (as verl's core_algos), and the inputs each one takes.
 
-Two call shapes, by what an estimator needs:
-- token-level: (token_level_rewards, response_mask, ...) for "reinforce_plus_plus", plus values for "gae";
-- outcome: (scores, response_mask, index, ...) where scores holds one number per sequence and index one
-  prompt uid per sequence; all responses to a prompt must be in the same call (no cross-rank grouping).
+An estimator's positional parameters are its inputs, named from one vocabulary the trainer fills:
+- token_level_rewards [B, R] (the scores on each response's last token, KL penalty included), response_mask
+  [B, R], values [B, R] (the critic's);
+- scores [B]: one number per sequence (the token rewards summed), index [B]: one prompt uid per sequence; all
+  responses to a prompt must be in the same call (no cross-rank grouping);
+- reward_baselines [B] (ReMax's greedy rollout's score), old_log_probs [B, R] and sum_pi_squared [B, R] (the
+  actor's: log pi(token), sum over the vocabulary of pi^2), rollout_log_probs [B, R] (the rollout engine's).
+Its keyword-only parameters are its knobs: a knob named like an `algorithm.*` config field gets that field.
 Every estimator returns (advantages, returns), both (batch, response_length) and zero off the mask.
+This module holds the registry, the shared group statistics and the classic estimators (GAE, REINFORCE++,
+GRPO, RLOO); advantages_outcome.py the other outcome baselines, advantages_otb.py the optimal token baseline.
 """
 
-import functools
+import inspect
 
 import torch
 
@@ -18,6 +24,18 @@ from verl_mega.ops import gae
 ADV_ESTIMATORS = Registry("advantage estimator")
 register_adv_est = ADV_ESTIMATORS.register
 get_adv_estimator = ADV_ESTIMATORS.get
+
+
+def estimator_inputs(name: str) -> tuple[str, ...]:
+    """The inputs estimator `name` takes, by name (its positional parameters, in order)."""
+    parameters = inspect.signature(get_adv_estimator(name)).parameters.values()
+    return tuple(p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)
+
+
+def estimator_knobs(name: str) -> tuple[str, ...]:
+    """The knobs estimator `name` takes, by name (its keyword-only parameters)."""
+    parameters = inspect.signature(get_adv_estimator(name)).parameters.values()
+    return tuple(p.name for p in parameters if p.kind is p.KEYWORD_ONLY)
 
 
 @register_adv_est("gae")
@@ -47,7 +65,12 @@ def compute_reinforce_plus_plus_advantage_return(token_level_rewards, response_m
     return advantages, returns * response_mask
 
 
-def _prompt_groups(index, batch_size, device):
+def reward_to_go(token_level_rewards, response_mask):
+    """The undiscounted return from each token on: the sum of the masked rewards at and after it."""
+    return (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+
+
+def prompt_groups(index, batch_size, device):
     """Map prompt uids (a sequence of hashables or a 1-D tensor) to group ids 0..G-1."""
     if len(index) != batch_size:
         raise ValueError(f"index has {len(index)} entries, expected one per sequence ({batch_size})")
@@ -58,9 +81,9 @@ def _prompt_groups(index, batch_size, device):
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def _group_stats(scores, index):
+def group_stats(scores, index):
     """Per sequence: (size, mean, unbiased std) of its prompt group's scores."""
-    group_ids = _prompt_groups(index, scores.shape[0], scores.device)
+    group_ids = prompt_groups(index, scores.shape[0], scores.device)
     num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
     zeros = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
     sizes = zeros.index_add(0, group_ids, torch.ones_like(scores))
@@ -71,7 +94,7 @@ def _group_stats(scores, index):
     return sizes[group_ids], means[group_ids], stds[group_ids]
 
 
-def _check_outcome_inputs(scores, response_mask):
+def check_outcome_inputs(scores, response_mask):
     if response_mask.dim() != 2:
         raise ValueError(f"response_mask must be (batch, response_length), got shape {tuple(response_mask.shape)}")
     if scores.shape != response_mask.shape[:1]:
@@ -80,46 +103,50 @@ def _check_outcome_inputs(scores, response_mask):
         )
 
 
-def _broadcast_to_tokens(seq_values, response_mask):
+def broadcast_to_tokens(seq_values, response_mask):
     return seq_values.unsqueeze(-1) * response_mask
 
 
 @register_adv_est("grpo")
-def compute_grpo_outcome_advantage(scores, response_mask, index, *, epsilon=1e-6, norm_by_std=True):
+def compute_grpo_outcome_advantage(scores, response_mask, index, *, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
     """GRPO (Shao et al. 2024): (score - group mean) / (group std + epsilon).
 
-    A prompt with a single response gets mean 0 and std 1, as in verl. norm_by_std=False is Dr. GRPO.
+    A prompt with a single response gets mean 0 and std 1, as in verl. norm_adv_by_std_in_grpo=False is
+    Dr. GRPO.
     """
-    _check_outcome_inputs(scores, response_mask)
-    sizes, means, stds = _group_stats(scores, index)
+    check_outcome_inputs(scores, response_mask)
+    sizes, means, stds = group_stats(scores, index)
     singleton = sizes == 1
     advantages = scores - torch.where(singleton, 0.0, means)
-    if norm_by_std:
+    if norm_adv_by_std_in_grpo:
         advantages = advantages / (torch.where(singleton, 1.0, stds) + epsilon)
-    advantages = _broadcast_to_tokens(advantages, response_mask)
+    advantages = broadcast_to_tokens(advantages, response_mask)
     return advantages, advantages
 
 
-# Dr. GRPO (Liu et al. 2025): the std division biases updates towards too-easy and too-hard prompts.
-register_adv_est("dr_grpo")(functools.partial(compute_grpo_outcome_advantage, norm_by_std=False))
+@register_adv_est("dr_grpo")
+def compute_dr_grpo_outcome_advantage(scores, response_mask, index):
+    """Dr. GRPO (Liu et al. 2025): score - group mean; the std division biases updates towards too-easy and
+    too-hard prompts. (A function of its own, not GRPO's knob: norm_adv_by_std_in_grpo must not turn it back.)"""
+    return compute_grpo_outcome_advantage(scores, response_mask, index, norm_adv_by_std_in_grpo=False)
 
 
 @register_adv_est("rloo")
 def compute_rloo_outcome_advantage(scores, response_mask, index):
     """RLOO (Ahmadian et al. 2024): score minus the mean score of the other responses to the same prompt."""
-    _check_outcome_inputs(scores, response_mask)
-    sizes, means, _ = _group_stats(scores, index)
+    check_outcome_inputs(scores, response_mask)
+    sizes, means, _ = group_stats(scores, index)
     # score - (sum - score) / (n - 1) == (score - mean) * n / (n - 1); a lone response keeps its score.
     leave_one_out = (scores - means) * sizes / (sizes - 1).clamp_min(1)
-    advantages = _broadcast_to_tokens(torch.where(sizes == 1, scores, leave_one_out), response_mask)
+    advantages = broadcast_to_tokens(torch.where(sizes == 1, scores, leave_one_out), response_mask)
     return advantages, advantages
 
 
 @register_adv_est("reinforce_plus_plus_baseline")
 def compute_reinforce_plus_plus_baseline_outcome_advantage(scores, response_mask, index):
     """REINFORCE++-baseline: subtract the prompt group's mean score, then whiten over the batch's tokens."""
-    _check_outcome_inputs(scores, response_mask)
-    sizes, means, _ = _group_stats(scores, index)
-    centred = _broadcast_to_tokens(scores - torch.where(sizes == 1, 0.0, means), response_mask)
+    check_outcome_inputs(scores, response_mask)
+    sizes, means, _ = group_stats(scores, index)
+    centred = broadcast_to_tokens(scores - torch.where(sizes == 1, 0.0, means), response_mask)
     advantages = masked_whiten(centred, response_mask) * response_mask
     return advantages, advantages
