@@ -255,3 +255,46 @@ def test_tir_optimal_token_baseline_aligns_tokens_by_count_across_masked_observa
     torch.testing.assert_close(moved[1][spread_mask[1].bool()], contiguous[1])
     torch.testing.assert_close(moved[0][:2], contiguous[0][:2])
     assert torch.equal(moved[1, 1], torch.tensor(0.0))
+
+
+def test_sum_pi_squared_ignores_vocabulary_padding():
+    """The optimal token baseline's sum_v pi_v^2, from a TP rank's (here the whole) padded vocabulary slice."""
+    from verl_mega.parallel.state import destroy_parallel, init_parallel
+    from verl_mega.roles.logprobs import vocab_parallel_sum_pi_squared
+
+    init_parallel(1, 1)
+    try:
+        logits = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        got = vocab_parallel_sum_pi_squared(logits, vocab_size=100)
+    finally:
+        destroy_parallel()
+    want = (torch.softmax(logits[..., :100].double(), -1) ** 2).sum(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides,problem", [
+    (["algorithm.adv_estimator=grpo_passk", "rollout.n=1"],
+     "algorithm.adv_estimator=grpo_passk compares the responses to each prompt: set rollout.n >= 2, got rollout.n=1"),
+    (["algorithm.adv_estimator=gae", "critic.enable=false"],
+     "algorithm.adv_estimator=gae takes the critic's values: set critic.enable=true"),
+    (["algorithm.adv_estimator=tir_optimal_token_baseline", "rollout.n=4"],
+     "algorithm.adv_estimator=tir_optimal_token_baseline takes the rollout engine's log-probs"),
+])
+def test_preflight_refuses_an_estimator_its_config_cannot_feed(overrides, problem):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    with pytest.raises(ConfigError) as refused:
+        preflight_check(load_config(None, ["model.hf_path=x", *overrides]), 1, check_files=False)
+    lines = str(refused.value).splitlines()[1:]
+    assert len(lines) == 1 and problem in lines[0], lines
+
+
+@pytest.mark.parametrize("estimator", ["remax", "opo", "gpg", "optimal_token_baseline", "grpo_passk"])
+def test_preflight_accepts_each_new_estimator_with_groups(estimator):
+    from verl_mega.config import load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    preflight_check(load_config(None, ["model.hf_path=x", f"algorithm.adv_estimator={estimator}", "rollout.n=2",
+                                       "critic.enable=false"]), 1, check_files=False)

@@ -232,13 +232,18 @@ class AlgorithmConfig:
     """Advantages and the KL penalty (rl); the preference loss and its knobs (preference)."""
 
     adv_estimator: str = "gae"
-    """Advantage estimator, a name registered in algorithms.ADV_ESTIMATORS (gae needs the critic)."""
+    """Advantage estimator, a name registered in algorithms.ADV_ESTIMATORS (gae needs the critic; see the RL page's
+    table of estimators)."""
     gamma: float = 1.0
     """Discount factor of GAE and REINFORCE++ returns."""
     lam: float = 1.0
     """GAE's lambda."""
     norm_adv_by_std_in_grpo: bool = True
-    """grpo: divide the group-centred rewards by the group's standard deviation (false: Dr.GRPO-style)."""
+    """grpo, grpo_passk: divide the group-centred rewards (pass@k: the best response's lead) by the group's
+    standard deviation (false: Dr.GRPO-style)."""
+    tir_is_threshold: float = 2.0
+    """tir_optimal_token_baseline: the cap C of the importance weights min(pi_train / pi_rollout, C) whose squares
+    scale the baseline's token weights (verl takes them from its rollout correction, cap 2 by default)."""
     use_kl_in_reward: bool = False
     """Subtract the KL to the frozen reference from the token rewards (coefficient: kl_ctrl)."""
     kl_penalty: str = "k1"

@@ -13,7 +13,7 @@ from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.config import OptimConfig, PolicyLossConfig
 
 from .batching import Batch, batch_size
-from .logprobs import vocab_parallel_logprobs
+from .logprobs import vocab_parallel_logprobs, vocab_parallel_sum_pi_squared
 from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
 from .trainable import TrainableModel
 
@@ -37,16 +37,21 @@ def response_logprobs(logits: torch.Tensor, micro_batch: Batch, vocab_size: int,
 
 
 def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_size: int,
-                              return_entropy: bool = False, max_tokens: int = 0, packed: bool = False
-                              ) -> dict[str, torch.Tensor]:
-    """Forward-only {'log_probs'[, 'entropy']} [B, R] of the responses, on every rank (actor and reference)."""
+                              return_entropy: bool = False, max_tokens: int = 0, packed: bool = False,
+                              return_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+    """Forward-only {'log_probs'[, 'entropy'][, 'sum_pi_squared']} [B, R] of the responses, on every rank (actor
+    and reference)."""
     names = ("log_probs", "entropy") if return_entropy else ("log_probs",)
 
     def per_token(logits, micro_batch):
         outputs = response_logprobs(logits, micro_batch, vocab_size, return_entropy)
-        return dict(zip(names, outputs if return_entropy else (outputs,)))
+        per_name = dict(zip(names, outputs if return_entropy else (outputs,)))
+        if return_sum_pi_squared:
+            per_name["sum_pi_squared"] = vocab_parallel_sum_pi_squared(logits, vocab_size)
+        return per_name
 
     model.eval()
+    names += ("sum_pi_squared",) if return_sum_pi_squared else ()
     return compute_per_token(model, batch, micro_batch_size, names, per_token, max_tokens, packed)
 
 
@@ -77,10 +82,10 @@ class Actor:
         return self.trainable.model
 
     def compute_log_prob(self, batch: Batch, micro_batch_size: int, return_entropy: bool = False,
-                         max_tokens: int = 0):
-        """{'log_probs'[, 'entropy']} of the response tokens, [B, R] float32 on every rank."""
+                         max_tokens: int = 0, return_sum_pi_squared: bool = False):
+        """{'log_probs'[, 'entropy'][, 'sum_pi_squared']} of the response tokens, [B, R] float32 on every rank."""
         return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy,
-                                         max_tokens, self.trainable.packed)
+                                         max_tokens, self.trainable.packed, return_sum_pi_squared)
 
     @property
     def uses_kl_loss(self) -> bool:

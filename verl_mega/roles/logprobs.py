@@ -1,7 +1,9 @@
-"""Log-probs (and entropy) of given tokens under vocabulary-parallel logits, ignoring vocabulary padding."""
+"""Log-probs (and entropy) of given tokens under vocabulary-parallel logits, ignoring vocabulary padding; the
+collision probability sum_v p_v^2 of each position's distribution (the optimal token baseline's input)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from verl_mega.ops import token_logprobs
 
@@ -40,3 +42,26 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, vocab
     split = parallel_state.get_tensor_model_parallel_world_size() > 1
     group = parallel_state.get_tensor_model_parallel_group() if split else None
     return token_logprobs(logits, labels, tp_group=group, return_entropy=return_entropy)
+
+
+def vocab_parallel_sum_pi_squared(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """logits [..., V/tp] (this TP rank's slice) -> float32 sum_v softmax(logits)_v^2 over the whole vocabulary,
+    as exp(logsumexp(2 x) - 2 logsumexp(x)). Forward-only (no gradient is needed): it holds an fp32 copy of
+    the slice while it runs."""
+    from megatron.core import parallel_state
+
+    logits = mask_vocab_padding(logits, vocab_size, parallel_state.get_tensor_model_parallel_rank()).float()
+    split = parallel_state.get_tensor_model_parallel_world_size() > 1
+    group = parallel_state.get_tensor_model_parallel_group() if split else None
+    return (_logsumexp(2 * logits, group) - 2 * _logsumexp(logits, group)).exp()
+
+
+def _logsumexp(values: torch.Tensor, group) -> torch.Tensor:
+    """logsumexp over the last dimension, the slices of `group`'s ranks together (None: this slice alone)."""
+    top = values.amax(dim=-1)
+    if group is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    sums = (values - top.unsqueeze(-1)).exp().sum(dim=-1)
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    return top + sums.log()

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
+    RunningMeanStd, apply_kl_penalty, compute_kl, estimator_inputs, estimator_knobs, get_adv_estimator,
+    get_kl_controller, masked_mean,
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -42,7 +44,8 @@ from .job import TrainingJob
 from .metrics import StageTimer, step_performance
 from .rollout_batch import build_rollout_batch
 
-TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
+# An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
+BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_pi_squared")
 # The batch's columns the models and the advantage estimator compute, as a non-finite error names them.
 COMPUTED_COLUMNS = {"old_log_probs": "the old log-prob", "values": "the value",
                     "ref_log_probs": "the reference log-prob", "advantages": "the advantage", "returns": "the return"}
@@ -51,6 +54,30 @@ PROMPT_FIELDS = ("raw_prompt", "reward_model", "data_source")  # what the reward
 
 def uses_critic(config: TrainConfig) -> bool:
     return config.job == "rl" and config.algorithm.adv_estimator == "gae" and config.critic.enable
+
+
+# What a step lacks for an estimator input, by config: (the input is missing, the fix). The other inputs
+# (rewards, scores, mask, uids, old log-probs, sum pi^2, ReMax's greedy baseline) are computed on demand.
+# rollout_log_probs: add the batch key's condition here when the rollout batch holds the engine's log-probs.
+ESTIMATOR_INPUT_GAPS = {
+    "values": (lambda config: not config.critic.enable, "takes the critic's values: set critic.enable=true"),
+    "rollout_log_probs": (lambda config: True, "takes the rollout engine's log-probs (batch key rollout_log_probs), "
+                                               "which this version's rollout batch does not hold"),
+}
+# Estimators whose every prompt group needs two responses or more (verl refuses fewer).
+MIN_GROUP_SIZE = {"grpo_passk": 2}
+
+
+def check_estimator_inputs(config: TrainConfig, need: Callable[[bool, str], None]) -> None:
+    """need(ok, problem) for each reason the configured advantage estimator cannot run under `config`: one line
+    naming the key and the fix (the pre-flight check's)."""
+    name = config.algorithm.adv_estimator
+    for input_name in estimator_inputs(name):
+        missing, fix = ESTIMATOR_INPUT_GAPS.get(input_name, (lambda _: False, ""))
+        need(not missing(config), f"algorithm.adv_estimator={name} {fix}")
+    least = MIN_GROUP_SIZE.get(name, 1)
+    need(config.rollout.n >= least, f"algorithm.adv_estimator={name} compares the responses to each prompt: set "
+         f"rollout.n >= {least}, got rollout.n={config.rollout.n}")
 
 
 def uses_reference(config: TrainConfig) -> bool:
@@ -189,7 +216,7 @@ class RLJob(TrainingJob):
         """One step, stage by stage in dataflow order; a stage slots in here under its own name."""
         timer = StageTimer()
         prompts = self.next_prompts()
-        responses = self.rollout_stage(prompts["input_ids"], timer)
+        responses, greedy_responses = self.rollout_stage(prompts["input_ids"], timer)
         rows = one_row_per_response(prompts, self.config.rollout.n)
         batch = build_rollout_batch(rows["input_ids"], responses, self.config.data.max_response_length,
                                     self.tokenizer.pad_token_id)
@@ -199,7 +226,8 @@ class RLJob(TrainingJob):
         self.log_samples(batch, rows, scores)
         if self.nonfinite_reward(scores):
             return self.step_metrics({}, batch, scores, timer)
-        metrics = self.compute_advantages(batch, scores, token_scores, rows["index"])
+        reward_baselines = self.remax_baselines(prompts, greedy_responses, timer)
+        metrics = self.compute_advantages(batch, scores, token_scores, rows["index"], reward_baselines)
         if self.nonfinite_batch(batch):
             return self.step_metrics(metrics, batch, scores, timer)
         metrics.update(self.update_roles(batch, timer))
@@ -213,11 +241,38 @@ class RLJob(TrainingJob):
         return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
                 **{key: [item.get(key) for item in items] for key in PROMPT_FIELDS}}
 
-    def rollout_stage(self, prompts: list[list[int]], timer: StageTimer) -> list[list[int]]:
-        """The HybridEngine transition, then the responses to `prompts` (n each, every rank gets all)."""
+    def rollout_stage(self, prompts: list[list[int]], timer: StageTimer
+                      ) -> tuple[list[list[int]], list[list[int]] | None]:
+        """The HybridEngine transition, then the responses to `prompts` (n each, every rank gets all), and, for
+        an estimator that takes a greedy baseline (ReMax), one greedy response per prompt (else None)."""
         with self.rollout_engine_awake(timer):
             with timer("rollout"):
-                return self.generate(prompts)
+                responses = self.generate(prompts)
+            greedy = self.greedy_rollout(prompts, timer) if self.uses_greedy_baseline else None
+        return responses, greedy
+
+    @property
+    def uses_greedy_baseline(self) -> bool:
+        return "reward_baselines" in estimator_inputs(self.config.algorithm.adv_estimator)
+
+    def greedy_rollout(self, prompts: list[list[int]], timer: StageTimer) -> list[list[int]]:
+        """ReMax's baseline: one greedy response per prompt, from the same engine and weights as the samples
+        (inside their awake window, so it costs no transition); timed as `remax_baseline`."""
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
+        with timer("remax_baseline"):
+            return self.generate(prompts, greedy)
+
+    def remax_baselines(self, prompts: dict, greedy_responses: list[list[int]] | None, timer: StageTimer
+                        ) -> torch.Tensor | None:
+        """The reward of each prompt's greedy response, scored like the samples, repeated for its n rows [B];
+        None without greedy responses."""
+        if greedy_responses is None:
+            return None
+        with timer("remax_baseline"):
+            batch = build_rollout_batch(prompts["input_ids"], greedy_responses, self.config.data.max_response_length,
+                                        self.tokenizer.pad_token_id)
+            scores, _ = self.score(batch, {key: prompts[key] for key in PROMPT_FIELDS})
+        return scores.repeat_interleave(self.config.rollout.n)
 
     @contextlib.contextmanager
     def rollout_engine_awake(self, timer: StageTimer):
@@ -243,9 +298,12 @@ class RLJob(TrainingJob):
         actor, critic = self.config.actor, self.config.critic
         micro, actor_tokens = actor.micro_batch_size, actor.max_tokens_per_micro_batch
         if self.needs_old_log_probs(len(batch["responses"])):
+            # The optimal token baseline's sum_v pi_v^2 comes from the same forward as the old log-probs.
+            sum_pi_squared = "sum_pi_squared" in estimator_inputs(self.config.algorithm.adv_estimator)
             with timer("old_log_prob"):
-                batch["old_log_probs"] = self.actor.compute_log_prob(batch, micro, max_tokens=actor_tokens
-                                                                     )["log_probs"].cpu()
+                old = self.actor.compute_log_prob(batch, micro, max_tokens=actor_tokens,
+                                                  return_sum_pi_squared=sum_pi_squared)
+            batch.update({"old_log_probs" if key == "log_probs" else key: value.cpu() for key, value in old.items()})
         if self.reference is not None:
             with timer("ref_log_prob"):
                 batch["ref_log_probs"] = self.reference.compute_ref_log_prob(batch, micro, actor_tokens).cpu()
@@ -280,19 +338,21 @@ class RLJob(TrainingJob):
         its first forward, bitwise the same), unless the KL penalty in the reward needs them before the update."""
         actor = self.config.actor
         kl_in_reward = self.reference is not None and self.config.algorithm.use_kl_in_reward
-        return kl_in_reward or not is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows)
+        estimator_needs = "old_log_probs" in estimator_inputs(self.config.algorithm.adv_estimator)
+        return kl_in_reward or estimator_needs or not is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows)
 
-    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Each rollout replica generates its share of the prompts; every rank gets all responses."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
+        """Each rollout replica generates its share of the prompts; every rank gets all responses. `params`:
+        the rollout's sampling (rollout.*, n per prompt) unless given."""
         config, layout = self.config, self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         replicas, replica = placement.replicas, placement.replica
         share = len(prompts) // replicas
         mine = prompts[replica * share:(replica + 1) * share]
         rollout = config.rollout
-        params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                                max_new_tokens=config.data.max_response_length, n=rollout.n,
-                                seed=rollout.seed + self.step * replicas + replica)
+        params = params or SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                                          max_new_tokens=config.data.max_response_length, n=rollout.n,
+                                          seed=rollout.seed + self.step * replicas + replica)
         responses = [r.token_ids for r in self.rollout.generate(mine, params)] if mine else []
         gathered: list = [None] * layout.world_size
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
@@ -356,14 +416,18 @@ class RLJob(TrainingJob):
         scores = self.reward_model.score(rows["raw_prompt"], texts).float().cpu()
         return scores, scores_to_token_rewards(scores, batch["response_mask"])
 
-    def compute_advantages(self, batch: dict, scores: torch.Tensor, token_scores: torch.Tensor,
-                           uids: list[int]) -> dict[str, float]:
+    def compute_advantages(self, batch: dict, scores: torch.Tensor, token_scores: torch.Tensor, uids: list[int],
+                           reward_baselines: torch.Tensor | None = None) -> dict[str, float]:
+        """batch['advantages'] and batch['returns'] from the configured estimator, given the inputs it names
+        (see algorithms.advantages) and its knobs from `algorithm.*`; the KL in the reward applied first."""
         algorithm = self.config.algorithm
         mask = batch["response_mask"].float()
         metrics = {}
         if algorithm.normalize_rewards:
             self.reward_normalizer.update(scores)
             token_scores = self.reward_normalizer.normalize(token_scores, shift_mean=False) * mask
+            if reward_baselines is not None:  # the baseline is a reward: the same scale
+                reward_baselines = self.reward_normalizer.normalize(reward_baselines, shift_mean=False)
         token_rewards = token_scores
         if "ref_log_probs" in batch and "old_log_probs" in batch:
             kl = masked_mean(compute_kl(batch["old_log_probs"], batch["ref_log_probs"], algorithm.kl_penalty), mask)
@@ -374,16 +438,18 @@ class RLJob(TrainingJob):
                                                          estimator=algorithm.kl_penalty)
             self.kl_ctrl.update(current_kl.item(), n_steps=len(uids))
             metrics["actor/kl_coef"] = self.kl_ctrl.value
-        estimator = get_adv_estimator(algorithm.adv_estimator)
-        if algorithm.adv_estimator == "gae":
-            advantages, returns = estimator(token_rewards, batch["values"], mask, gamma=algorithm.gamma,
-                                            lam=algorithm.lam)
-        elif algorithm.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
-            advantages, returns = estimator(token_rewards, mask, gamma=algorithm.gamma)
-        else:
-            outcome = token_rewards.sum(dim=-1)
-            kwargs = {"norm_by_std": algorithm.norm_adv_by_std_in_grpo} if algorithm.adv_estimator == "grpo" else {}
-            advantages, returns = estimator(outcome, mask, uids, **kwargs)
+        if reward_baselines is not None:
+            metrics["remax/baseline_mean"] = reward_baselines.mean().item()
+        available = {"token_level_rewards": token_rewards, "scores": token_rewards.sum(dim=-1), "response_mask": mask,
+                     "index": uids, "reward_baselines": reward_baselines,
+                     **{key: batch[key] for key in BATCH_ESTIMATOR_INPUTS if key in batch}}
+        name = algorithm.adv_estimator
+        missing = [key for key in estimator_inputs(name) if available.get(key) is None]
+        if missing:  # the pre-flight check refuses such configs; this names what a custom estimator lacks
+            raise ValueError(f"algorithm.adv_estimator={name} takes {', '.join(missing)}, which this step has not "
+                             "computed")
+        knobs = {knob: getattr(algorithm, knob) for knob in estimator_knobs(name) if hasattr(algorithm, knob)}
+        advantages, returns = get_adv_estimator(name)(*(available[key] for key in estimator_inputs(name)), **knobs)
         batch["advantages"], batch["returns"] = advantages.float(), returns.float()
         return metrics
 
