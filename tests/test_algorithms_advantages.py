@@ -216,11 +216,11 @@ def test_optimal_token_baseline_weights_each_position_by_the_cumulative_energy()
 
 def test_optimal_token_baseline_singleton_and_empty_rows():
     rewards, mask, old_log_probs, sum_pi_squared = _otb_group()
-    # the same two rows as separate prompts, plus an all-masked row in row 0's group: no baseline anywhere
-    rows = lambda t: torch.cat([t, t[:1]])  # noqa: E731
+    # the same two rows as separate prompts, plus an all-masked copy of row 0 in its group: no baseline anywhere
     empty_mask = torch.cat([mask, torch.zeros(1, 3)])
     advantages, returns = get_adv_estimator("optimal_token_baseline")(
-        rows(rewards), empty_mask, ["a", "b", "a"], rows(old_log_probs), rows(sum_pi_squared))
+        torch.cat([rewards, rewards[:1]]), empty_mask, ["a", "b", "a"], torch.cat([old_log_probs, old_log_probs[:1]]),
+        torch.cat([sum_pi_squared, sum_pi_squared[:1]]))
     torch.testing.assert_close(advantages, returns * empty_mask)
     assert torch.equal(advantages[2], torch.zeros(3))
 
@@ -242,16 +242,22 @@ def test_tir_optimal_token_baseline_scales_energy_by_the_squared_truncated_ratio
     torch.testing.assert_close(tir, torch.tensor([[-1 / 3, -1 / 3, 0.0], [2 / 3, 2 / 3, 1.0]]))
 
 
+def _observation_after_first_token(values):
+    """[2, 3] -> [2, 4]: row 1 gets a zero column after its first token (a tool observation), row 0 a padding one."""
+    padded = torch.cat([values[0], torch.zeros(1)])
+    spread = torch.cat([values[1, :1], torch.zeros(1), values[1, 1:]])
+    return torch.stack([padded, spread])
+
+
 def test_tir_optimal_token_baseline_aligns_tokens_by_count_across_masked_observations():
     rewards, mask, old_log_probs, sum_pi_squared = _otb_group()
     contiguous, _ = get_adv_estimator("tir_optimal_token_baseline")(rewards, mask, ["p", "p"], old_log_probs,
                                                                     sum_pi_squared, old_log_probs)
     # row 1's second token moved past a masked-out observation: the same tokens, the same advantages
-    spread = lambda t: torch.stack([torch.cat([t[0], t[0, -1:]]), torch.cat([t[1, :1], t[1, :1] * 0, t[1, 1:]])])  # noqa: E731
     spread_mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
-    moved, _ = get_adv_estimator("tir_optimal_token_baseline")(spread(rewards), spread_mask, ["p", "p"],
-                                                               spread(old_log_probs), spread(sum_pi_squared),
-                                                               spread(old_log_probs))
+    moved, _ = get_adv_estimator("tir_optimal_token_baseline")(
+        _observation_after_first_token(rewards), spread_mask, ["p", "p"], _observation_after_first_token(old_log_probs),
+        _observation_after_first_token(sum_pi_squared), _observation_after_first_token(old_log_probs))
     torch.testing.assert_close(moved[1][spread_mask[1].bool()], contiguous[1])
     torch.testing.assert_close(moved[0][:2], contiguous[0][:2])
     assert torch.equal(moved[1, 1], torch.tensor(0.0))
@@ -298,3 +304,70 @@ def test_preflight_accepts_each_new_estimator_with_groups(estimator):
 
     preflight_check(load_config(None, ["model.hf_path=x", f"algorithm.adv_estimator={estimator}", "rollout.n=2",
                                        "critic.enable=false"]), 1, check_files=False)
+
+
+def run_advantages_worker(tmp_path, *overrides: str) -> tuple[list[dict], list[dict]]:
+    """Two steps of GRPO's demo recipe at a small size (4 prompts x 2 samples, one on-policy update each) with
+    `overrides`, in one process; the recorded stage calls (tests/advantages_worker.py) and the metrics."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from verl_mega.data.synthetic import make_task_rows
+    from verl_mega.data.tables import write_rows
+    from verl_mega.demo import EXAMPLES
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)
+    train = write_rows(make_task_rows("copy", 16, seed=0, max_digits=2), tmp_path / "train.jsonl")
+    out, run_dir = tmp_path / "calls.json", tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.advantages_worker", str(out), "--config", str(EXAMPLES / "grpo_demo.yaml"),
+         f"model.hf_path={hf}", f"data.train_files=[{train}]", f"trainer.run_dir={run_dir}",
+         "trainer.total_steps=2", "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8",
+         "actor.micro_batch_size=4", "actor.ppo_epochs=1", "trainer.tensorboard=false",
+         "reward.function=tests.advantages_worker:length_reward", *overrides],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads(out.read_text()), records
+
+
+@pytest.mark.slow
+def test_remax_run_takes_one_greedy_baseline_per_prompt_and_subtracts_it(tmp_path):
+    """Each step generates the samples and then one greedy response per prompt, in the same awake window, and
+    the advantages are the reward minus the greedy response's reward on every response token."""
+    n = 2
+    calls, records = run_advantages_worker(tmp_path, "algorithm.adv_estimator=remax")
+    generations = [(c["prompts"], c["responses"], c["temperature"]) for c in calls if c["stage"] == "generate"]
+    assert generations == [(4, 4 * n, 1.0), (4, 4, 0.0)] * 2, generations
+    steps = [c for c in calls if c["stage"] == "advantages"]
+    assert len(steps) == 2
+    for step in steps:
+        baselines = torch.tensor(step["reward_baselines"])
+        assert torch.equal(baselines.view(-1, n), baselines.view(-1, n)[:, :1].expand(-1, n))  # one per prompt
+        mask = torch.tensor(step["response_mask"]).float()
+        expected = (torch.tensor(step["scores"]) - baselines).unsqueeze(-1) * mask
+        torch.testing.assert_close(torch.tensor(step["advantages"]), expected)
+        assert expected.abs().sum() > 0  # the length reward tells samples from the greedy response
+    for record, step in zip(records, steps):
+        assert record["timing/remax_baseline"] > 0
+        assert record["remax/baseline_mean"] == pytest.approx(sum(step["reward_baselines"]) / len(step["scores"]))
+
+
+@pytest.mark.slow
+def test_optimal_token_baseline_run_takes_sum_pi_squared_from_the_old_log_prob_pass(tmp_path):
+    """The update is on-policy (which skips the old-log-prob pass), yet the estimator's old log-probs and
+    sum pi^2 are computed, and the advantages are the estimator's on them."""
+    calls, records = run_advantages_worker(tmp_path, "algorithm.adv_estimator=optimal_token_baseline")
+    steps = [c for c in calls if c["stage"] == "advantages"]
+    assert len(steps) == 2 and all("timing/old_log_prob" in record for record in records)
+    for step in steps:
+        mask = torch.tensor(step["response_mask"]).float()
+        sum_pi_squared = torch.tensor(step["sum_pi_squared"])
+        assert ((sum_pi_squared > 0) & (sum_pi_squared <= 1)).all()
+        expected, returns = get_adv_estimator("optimal_token_baseline")(
+            torch.tensor(step["token_scores"]), mask, step["uids"], torch.tensor(step["old_log_probs"]), sum_pi_squared)
+        torch.testing.assert_close(torch.tensor(step["advantages"]), expected)
+        assert not torch.allclose(expected, returns)  # the baseline is not zero
