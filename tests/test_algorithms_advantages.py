@@ -286,6 +286,7 @@ def test_sum_pi_squared_ignores_vocabulary_padding():
      "algorithm.adv_estimator=gae takes the critic's values: set critic.enable=true"),
     (["algorithm.adv_estimator=tir_optimal_token_baseline", "rollout.n=4"],
      "algorithm.adv_estimator=tir_optimal_token_baseline takes the rollout engine's log-probs"),
+    (["algorithm.tir_is_threshold=0"], "algorithm.tir_is_threshold must be > 0, got 0"),
 ])
 def test_preflight_refuses_an_estimator_its_config_cannot_feed(overrides, problem):
     from verl_mega.config import ConfigError, load_config

@@ -232,8 +232,8 @@ class AlgorithmConfig:
     """Advantages and the KL penalty (rl); the preference loss and its knobs (preference)."""
 
     adv_estimator: str = "gae"
-    """Advantage estimator, a name registered in algorithms.ADV_ESTIMATORS (gae needs the critic; see the RL page's
-    table of estimators)."""
+    """Advantage estimator, a name registered in algorithms.ADV_ESTIMATORS (gae needs the critic; the docs' Advantage
+    estimators page compares them all)."""
     gamma: float = 1.0
     """Discount factor of GAE and REINFORCE++ returns."""
     lam: float = 1.0

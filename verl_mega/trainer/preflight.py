@@ -32,7 +32,7 @@ from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.factory import ENGINES
 from verl_mega.run.mirror import parse_mirror_url, require_boto3
 
-from .rl import check_estimator_inputs
+from .rl import check_estimator_config
 
 PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp")}
 
@@ -95,7 +95,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
          f"({config.model.dtype}); set rollout.dtype=auto or rollout.dtype={config.model.dtype}")
     known("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS.names())
     if alg.adv_estimator in ADV_ESTIMATORS:
-        check_estimator_inputs(config, need)
+        check_estimator_config(config, need)
     known("actor.loss.policy_loss", a.loss.policy_loss, POLICY_LOSSES.names())
     for key, value in (("actor.loss.loss_agg_mode", a.loss.loss_agg_mode),
                        ("critic.loss.loss_agg_mode", c.loss.loss_agg_mode)):
