@@ -135,7 +135,8 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, dtype: str, tp: int
             loss_actor = Actor(ckpt, optim, PolicyLossConfig(policy_loss=name, **knobs), schedule_steps=4, dtype=dtype)
             metrics = loss_actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH,
                                                micro_batch_size=MICRO_BATCH)
-            loss_updates[name] = {"metrics": metrics, "weights": gather_hf_weights(loss_actor.model.module, cfg, family)}
+            updated = gather_hf_weights(loss_actor.model.module, cfg, family)
+            loss_updates[name] = {"metrics": metrics, "weights": updated}
     result = {
         "hf_log_probs": hf_logprobs, "ref_log_probs": batch["ref_log_probs"], "log_probs": scored["log_probs"],
         "entropy": scored["entropy"], "response_mask": batch["response_mask"], "actor_metrics": actor_metrics,

@@ -173,7 +173,8 @@ def test_cispo_weights_log_prob_by_the_clipped_ratio_without_its_gradient():
 
 
 def test_geo_mean_is_the_geometric_mean_ratio_clipped_per_token_in_log_space():
-    # Row 0 (A = +1): log-ratios 0.3, -0.1 -> min(x, clip(x, -0.2, 0.2)) = 0.2, -0.1 -> ratio exp(0.05), loss -exp(0.05).
+    # Row 0 (A = +1): log-ratios 0.3, -0.1 -> min(x, clip(x, -0.2, 0.2)) = 0.2, -0.1 -> ratio exp(0.05),
+    # loss -exp(0.05).
     # Row 1 (A = -1): -0.5, 0.1, 0.4 -> max(x, clip(x)) = -0.2, 0.1, 0.4 -> ratio exp(0.1), loss +exp(0.1).
     log_prob, loss, metrics = run_loss("geo_mean", [[0.3, -0.1, 9.0], [-0.5, 0.1, 0.4]],
                                        [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]], [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]],
