@@ -128,8 +128,8 @@ def test_ppo_update_is_layout_invariant(results, layout):
 
 @pytest.mark.parametrize("loss", sorted(POLICY_LOSS_CASES))
 def test_each_policy_loss_update_is_layout_invariant(results, loss):
-    """(2,2,2) against (1,1,1): DP slices, TP shards, pipeline stages and untrimmed micro-batches (pipeline
-    stages exchange one shape) against trimmed ones; clip_cov and kl_cov select within the same micro-batches."""
+    """(2,2,2) against (1,1,1): DP slices, TP shards and pipeline stages; clip_cov and kl_cov select within the
+    same micro-batches, gpg (Dr. GRPO's constant norm) is cut into other micro-batches (roles_worker)."""
     reference, result = (results[layout]["loss_updates"][loss] for layout in [(1, 1, 1), (2, 2, 2)])
     assert result["metrics"].keys() == reference["metrics"].keys()
     print(f"{loss}: {reference['metrics']}")
