@@ -16,6 +16,22 @@ BATCH, PROMPT, RESPONSE = 8, 6, 5
 PROMPT_LENGTHS = [6, 3, 4, 1, 5, 2, 6, 4]
 RESPONSE_LENGTHS = [5, 2, 1, 5, 3, 4, 5, 1]
 MICRO_BATCH, MINI_BATCH = 2, 4
+# Each further policy loss trains its own actor on the batch, at these layouts only (fp32), with knobs that make
+# its special cases happen on this small batch: clip_cov and kl_cov select 20% of a micro-batch's tokens among
+# all covariances; gpg runs Dr. GRPO's constant normalisation.
+LOSS_LAYOUTS = {(1, 1, 1), (2, 2, 2)}
+POLICY_LOSS_CASES = {
+    "gspo": dict(loss_agg_mode="seq-mean-token-mean", clip_ratio=0.05),
+    "cispo": dict(clip_ratio=0.1),
+    "geo_mean": dict(loss_agg_mode="seq-mean-token-mean"),
+    "sapo": dict(loss_agg_mode="seq-mean-token-mean"),
+    "clip_cov": dict(clip_cov_ratio=0.2, clip_cov_lb=-100.0, clip_cov_ub=100.0),
+    "kl_cov": dict(kl_cov_ratio=0.2, ppo_kl_coef=1.0),
+    "gpg": dict(loss_agg_mode="seq-mean-token-sum-norm"),
+}
+# At (2,2,2) gpg's micro-batches are grouped by a token budget of one full row instead: one row each, trimmed to
+# its own response length, so Dr. GRPO's constant is compared across micro-batches cut differently.
+TOKEN_BUDGET_CASES = {"gpg": PROMPT + RESPONSE}
 
 
 def fixed_batch(vocab_size: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -116,10 +132,20 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, dtype: str, tp: int
                       for _ in range(3)]
 
     layout = current_layout()
+    loss_updates = {}
+    if (tp, pp, layout.dp) in LOSS_LAYOUTS and dtype == "fp32":
+        for name, knobs in POLICY_LOSS_CASES.items():
+            loss_actor = Actor(ckpt, optim, PolicyLossConfig(policy_loss=name, **knobs), schedule_steps=4, dtype=dtype)
+            metrics = loss_actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH,
+                                               micro_batch_size=MICRO_BATCH,
+                                               max_tokens=TOKEN_BUDGET_CASES.get(name, 0) if layout.dp > 1 else 0)
+            updated = gather_hf_weights(loss_actor.model.module, cfg, family)
+            loss_updates[name] = {"metrics": metrics, "weights": updated}
     result = {
         "hf_log_probs": hf_logprobs, "ref_log_probs": batch["ref_log_probs"], "log_probs": scored["log_probs"],
         "entropy": scored["entropy"], "response_mask": batch["response_mask"], "actor_metrics": actor_metrics,
         "initial_values": initial_values, "critic_metrics": critic_metrics, "weights": weights,
+        "loss_updates": loss_updates,
     }
     if layout.tp_rank == 0 and layout.dp_rank == 0:
         torch.save(result, out_dir / f"tp{tp}pp{pp}dp{layout.dp}_stage{layout.pp_rank}.pt")

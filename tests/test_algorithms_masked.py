@@ -74,12 +74,20 @@ def test_seq_mean_token_mean_skips_sequences_without_tokens():
 @pytest.mark.parametrize("mode, expected", [
     ("seq-mean-token-sum", 6.0),  # only sequence 0 counts: 1 + 2 + 3
     ("seq-mean-token-mean", 2.0),
-    ("seq-mean-token-sum-norm", 2.0),  # 6 / the padded length 3
 ])
-def test_every_seq_mean_mode_skips_sequences_without_tokens(mode, expected):
+def test_the_seq_mean_modes_skip_sequences_without_tokens(mode, expected):
     mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     assert agg_loss(LOSS_MAT, mask, mode).item() == pytest.approx(expected)
     assert agg_units(mask, mode).item() == 1
+
+
+def test_dr_grpo_norm_divides_by_every_row_times_the_response_budget():
+    """Dr. GRPO's constant: a fully masked row still counts (the paper's 1/G, and verl's), so the loss is
+    sum / (rows x padded length) = 6 / (2 x 3), not 6 / 3 as when the empty row was skipped."""
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    assert agg_loss(LOSS_MAT, mask, "seq-mean-token-sum-norm").item() == pytest.approx(1.0)
+    assert agg_units(mask, "seq-mean-token-sum-norm").item() == 6
+    assert agg_units(torch.zeros(4, 5), "seq-mean-token-sum-norm").item() == 20
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -92,6 +100,20 @@ def test_agg_loss_of_a_batch_is_the_unit_weighted_sum_of_its_parts(mode):
     total_units = agg_units(mask, mode)
     parts = sum(agg_loss(loss[rows], mask[rows], mode) * agg_units(mask[rows], mode) / total_units
                 for rows in (slice(0, 2), slice(2, 4)))
+    torch.testing.assert_close(parts, whole)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_parts_trimmed_of_padding_columns_still_sum_to_the_whole(mode):
+    """Micro-batches lose their all-padding response columns (roles.batching.trim_padding) while the mini-batch's
+    units are counted untrimmed: Dr. GRPO's constant (the full budget) must survive that."""
+    loss = torch.arange(12.0).reshape(4, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    whole = agg_loss(loss, mask, mode)
+    total_units = agg_units(mask, mode)
+    first, second = (loss[:2, :2], mask[:2, :2]), (loss[2:], mask[2:])  # rows 0-1 need only 2 columns
+    parts = sum(agg_loss(part_loss, part_mask, mode) * agg_units(part_mask, mode) / total_units
+                for part_loss, part_mask in (first, second))
     torch.testing.assert_close(parts, whole)
 
 

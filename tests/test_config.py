@@ -185,3 +185,17 @@ def test_job_names_and_their_old_spellings_load_as_one_name(tmp_path, given, job
     assert load_config(None, ["model.hf_path=m", f"job={given}"]).job == job
     assert load_config(None, values={"model.hf_path": "m", "job": given}).job == job
     assert f"job: {job}\n" in to_yaml(load_config(saved))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.loss.clip_cov_ratio=0", "actor.loss.clip_cov_ratio must be in (0, 1], got 0"),
+    ("actor.loss.kl_cov_ratio=2", "actor.loss.kl_cov_ratio must be in (0, 1], got 2"),
+    ("actor.loss.tau_neg=-1", "actor.loss.tau_neg must be > 0, got -1"),
+    ("actor.loss.clip_ratio_c=1", "actor.loss.clip_ratio_c must be > 1 (dual-clip), got 1"),
+    ("actor.loss.extra.tau_pos=2", "actor.loss.extra repeats ['tau_pos']: set actor.loss.tau_pos instead"),
+])
+def test_preflight_refuses_policy_loss_knobs_out_of_range(tiny_models, prompt_file, override, message):
+    config = load_config(None, good_overrides(tiny_models, prompt_file) + ["actor.loss.policy_loss=clip_cov", override])
+    with pytest.raises(ConfigError) as err:
+        preflight_check(config, world_size=4)
+    assert message in str(err.value)

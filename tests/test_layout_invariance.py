@@ -3,7 +3,8 @@
 One fixed batch (left-padded prompts, right-padded responses), dropout off. In fp32 every layout must give
 HF's log-probs, and the same PPO metrics, grad norm and updated weights as (1,1,1); the critic starts at
 zero values and lowers its loss. In bf16 the same update agrees within what bf16 rounding explains (see
-BF16_* below). Three torchrun launches per dtype: 1, 2 (three layouts in turn) and 8 processes.
+BF16_* below). Three torchrun launches per dtype: 1, 2 (three layouts in turn) and 8 processes; in fp32 the
+(1,1,1) and (2,2,2) launches also train one actor per further policy loss (gspo, cispo, ...) and compare them.
 """
 import os
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 
 from verl_mega.converters.parity import ROUNDING_SITES
 from verl_mega.parallel.spawn import run_torchrun
+
+from roles_worker import POLICY_LOSS_CASES
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +71,8 @@ def converted(tmp_path_factory):
 
 
 def run_layouts(root: Path, hf_dir: Path, dtype: str) -> dict:
-    """(tp, pp, dp) -> the last stage's saved results, with `weights` merged over the pipeline stages."""
+    """(tp, pp, dp) -> the last stage's saved results, with `weights` (and each further policy loss's) merged
+    over the pipeline stages."""
     out = root / f"out_{dtype}"
     out.mkdir()
     tests_dir = str(Path(__file__).parent)
@@ -81,6 +85,9 @@ def run_layouts(root: Path, hf_dir: Path, dtype: str) -> dict:
         stages = [torch.load(out / f"tp{tp}pp{pp}dp{dp}_stage{stage}.pt") for stage in range(pp)]
         last = stages[-1]
         last["weights"] = {name: tensor for stage in stages for name, tensor in stage["weights"].items()}
+        for loss, update in last["loss_updates"].items():
+            update["weights"] = {name: tensor for stage in stages
+                                 for name, tensor in stage["loss_updates"][loss]["weights"].items()}
         merged[(tp, pp, dp)] = last
     merged["hf_dir"] = hf_dir
     return merged
@@ -117,6 +124,25 @@ def test_ppo_update_is_layout_invariant(results, layout):
     assert worst <= REL_TOL
     for before, after in zip(reference["critic_metrics"], result["critic_metrics"]):
         assert rel_diff(after["vf_loss"], before["vf_loss"]) <= REL_TOL
+
+
+@pytest.mark.parametrize("loss", sorted(POLICY_LOSS_CASES))
+def test_each_policy_loss_update_is_layout_invariant(results, loss):
+    """(2,2,2) against (1,1,1): DP slices, TP shards and pipeline stages; clip_cov and kl_cov select within the
+    same micro-batches, gpg (Dr. GRPO's constant norm) is cut into other micro-batches (roles_worker)."""
+    reference, result = (results[layout]["loss_updates"][loss] for layout in [(1, 1, 1), (2, 2, 2)])
+    assert result["metrics"].keys() == reference["metrics"].keys()
+    print(f"{loss}: {reference['metrics']}")
+    # The case's knobs make it clip (or cut) something on this batch, so the comparison covers that path.
+    assert reference["metrics"].get("pg_clipfrac", 1.0) > 0
+    for name, value in reference["metrics"].items():
+        if name.startswith("ppo_kl"):  # differences of log-probs: bounded absolutely (see ppo_kl above)
+            assert abs(result["metrics"][name] - value) <= 2 * LOGPROB_ATOL, name
+        else:
+            assert rel_diff(result["metrics"][name], value) <= REL_TOL, name
+    worst = max(rel_diff(result["weights"][name], tensor) for name, tensor in reference["weights"].items())
+    print(f"{loss}: max rel diff of updated weights {worst:.2e}")
+    assert worst <= REL_TOL
 
 
 def test_update_changes_every_weight(results):

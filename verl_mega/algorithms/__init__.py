@@ -34,14 +34,8 @@ from verl_mega.algorithms.kl import (
     get_kl_estimator,
     register_kl_estimator,
 )
-from verl_mega.algorithms.losses import (
-    POLICY_LOSSES,
-    compute_policy_loss,
-    compute_value_loss,
-    entropy_from_logits,
-    get_policy_loss_fn,
-    register_policy_loss,
-)
+from verl_mega.algorithms.cov_losses import compute_policy_loss_clip_cov, compute_policy_loss_kl_cov
+from verl_mega.algorithms.losses import compute_value_loss, entropy_from_logits
 from verl_mega.algorithms.masked import (
     LOSS_AGG_MODES,
     agg_loss,
@@ -53,6 +47,18 @@ from verl_mega.algorithms.masked import (
     masked_whiten,
 )
 from verl_mega.algorithms.normalize import RunningMeanStd
+from verl_mega.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    compute_policy_loss,
+    compute_policy_loss_cispo,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gpg,
+    compute_policy_loss_gspo,
+    compute_policy_loss_sapo,
+    get_policy_loss_fn,
+    policy_loss_metric_names,
+    register_policy_loss,
+)
 from verl_mega.algorithms.preference import (
     PREFERENCE_LOSSES,
     REFERENCE_FREE_LOSSES,
@@ -92,6 +98,13 @@ __all__ = [
     "compute_opo_outcome_advantage",
     "compute_optimal_token_baseline_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo",
     "compute_reinforce_plus_plus_advantage_return",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_remax_outcome_advantage",
@@ -113,6 +126,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "pair_metrics",
+    "policy_loss_metric_names",
     "register_adv_est",
     "register_kl_estimator",
     "register_policy_loss",

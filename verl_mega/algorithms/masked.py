@@ -71,10 +71,12 @@ def masked_whiten(values, mask, shift_mean=True, group=None):
     return whitened.to(values.dtype)
 
 
-# A loss aggregation mode is a mean over *units*: tokens ("token-mean"), or sequences that hold at least one
+# A loss aggregation mode is a mean over *units*: tokens ("token-mean"), sequences that hold at least one
 # response token (the seq-mean modes; a fully masked row carries no signal and counting it as 0 would shrink
-# the loss). Each mode registers the sum of its per-unit losses; `agg_units` counts the units, the one place
-# that count is written, so a micro-batch's share of a distributed mini-batch uses the same definition.
+# the loss), or for Dr. GRPO's "seq-mean-token-sum-norm" every (row, response column) slot: its constant
+# normaliser is the batch's rows x the response budget whatever the masks hold. Each mode registers the sum of
+# its per-unit losses; `agg_units` counts the units, the one place that count is written, so a micro-batch's
+# share of a distributed mini-batch uses the same definition.
 LOSS_AGG_MODES = Registry("loss_agg_mode")
 
 
@@ -84,6 +86,11 @@ def agg_units(loss_mask, loss_agg_mode="token-mean"):
     weights = loss_mask.to(torch.promote_types(loss_mask.dtype, torch.float32))
     if loss_agg_mode == "token-mean":
         return weights.sum()
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        # Every row counts, its mask whatever it holds: rows x the padded response length. A micro-batch
+        # trimmed of padding columns counts fewer slots, and its aggregate is divided by fewer: its units times
+        # its aggregate stay its token sum, so its share of the mini-batch's units still weights it right.
+        return weights.new_tensor(float(weights.numel()))
     return (weights.sum(dim=-1) > 0).to(weights.dtype).sum()
 
 
@@ -104,9 +111,9 @@ def _sequence_token_means(loss_mat, loss_mask):
 
 @LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
 def _sequence_token_sums_normalised(loss_mat, loss_mask):
-    # Dr. GRPO: divide each sequence's token sum by one constant (the padded length) instead of its own
-    # length, so long responses are not down-weighted per token. Pad to a fixed max length to match the paper.
-    return masked_sum(loss_mat, loss_mask, dim=-1).sum() / loss_mat.shape[-1]
+    # Dr. GRPO: each sequence's token sum over one constant, the response budget (the padded length), instead of
+    # its own length, so long responses are not down-weighted per token; `agg_units` divides by rows x budget.
+    return masked_sum(loss_mat, loss_mask)
 
 
 def agg_loss(loss_mat, loss_mask, loss_agg_mode="token-mean"):

@@ -47,18 +47,39 @@ class OptimConfig:
 
 @dataclass
 class PolicyLossConfig:
-    """The actor's loss: the policy-gradient surrogate, its clipping, entropy bonus and KL loss."""
+    """The actor's loss: the policy-gradient surrogate, its clipping, entropy bonus and KL loss.
+
+    Every field from `clip_ratio` to `tau_neg` is a knob of one or more policy losses, under verl's name; the
+    actor passes them all (`knobs()`) and each loss reads its own (docs/jobs/policy-losses.md)."""
 
     policy_loss: str = "vanilla"
-    """The policy loss, a name registered in algorithms.POLICY_LOSSES."""
+    """The policy loss, a name registered in algorithms.POLICY_LOSSES (verl's names: vanilla, gspo, cispo,
+    geo_mean, sapo, clip_cov, kl_cov, gpg)."""
     clip_ratio: float = 0.2
-    """PPO's clip range: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
+    """PPO's clip range: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio] (vanilla, gspo, cispo,
+    clip_cov; geo_mean clips the log-ratio to [-clip_ratio, clip_ratio])."""
     clip_ratio_low: float | None = None
     """Lower clip range (DAPO's clip-higher is an asymmetric range); None: clip_ratio."""
     clip_ratio_high: float | None = None
     """Upper clip range; None: clip_ratio."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound (> 1): for negative advantages the loss is capped at clip_ratio_c * |A|."""
+    """Dual-clip bound (> 1): for negative advantages the loss is capped at clip_ratio_c * |A| (vanilla)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: the fraction of a micro-batch's response tokens whose gradient is cut (at least one)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens whose covariance of advantage and log-prob exceeds this may be cut."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: only tokens whose covariance of advantage and log-prob is below this may be cut."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: the fraction of a micro-batch's response tokens, those of largest covariance of advantage and
+    log-prob, that get the KL penalty (at least one)."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of the penalty |log(pi / pi_old)| on the selected tokens."""
+    tau_pos: float = 1.0
+    """sapo: temperature of the soft gate for tokens with a positive advantage."""
+    tau_neg: float = 1.05
+    """sapo: temperature of the soft gate for tokens with a zero or negative advantage (> tau_pos damps them
+    faster)."""
     loss_agg_mode: str = "token-mean"
     """How per-token losses are averaged into the batch's loss."""
     entropy_coeff: float = 0.0
@@ -70,7 +91,20 @@ class PolicyLossConfig:
     kl_loss_type: str = "low_var_kl"
     """The KL loss's estimator, a name registered in algorithms.KL_ESTIMATORS."""
     extra: dict = field(default_factory=dict)
-    """Further keyword arguments of the policy loss."""
+    """Further keyword arguments of the policy loss (for a loss registered outside verl_mega)."""
+
+    def knobs(self) -> dict[str, Any]:
+        """The keyword arguments the policy loss is called with: every knob field, and `extra`."""
+        typed = {name: getattr(self, name) for name in POLICY_LOSS_KNOBS}
+        repeated = sorted(typed.keys() & self.extra.keys())
+        if repeated:
+            raise ValueError(f"actor.loss.extra repeats {repeated}: set actor.loss.{repeated[0]} instead")
+        return {**typed, **self.extra}
+
+
+# PolicyLossConfig's fields that are knobs of a policy loss (verl's names).
+POLICY_LOSS_KNOBS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb",
+                     "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "tau_pos", "tau_neg")
 
 
 @dataclass

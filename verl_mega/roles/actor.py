@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from verl_mega.algorithms import agg_loss, compute_kl, get_policy_loss_fn
+from verl_mega.algorithms import agg_loss, compute_kl, get_policy_loss_fn, policy_loss_metric_names
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.config import OptimConfig, PolicyLossConfig
 
@@ -76,6 +76,7 @@ class Actor:
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or PolicyLossConfig()
         self._policy_loss = get_policy_loss_fn(self.loss.policy_loss)
+        self._policy_loss_knobs = self.loss.knobs()
 
     @property
     def model(self):
@@ -104,7 +105,7 @@ class Actor:
             raise ValueError(f"the batch has no 'old_log_probs': they equal the update's own forward only for one "
                              f"epoch over one mini-batch, not ppo_epochs={ppo_epochs} with mini_batch_size="
                              f"{mini_batch_size} of {batch_size(batch)} rows")
-        names = ["pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy"]
+        names = ["pg_loss", *policy_loss_metric_names(self.loss.policy_loss), "entropy"]
         if self.uses_kl_loss:
             names.append("kl_loss")
         return self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
@@ -141,16 +142,13 @@ class Actor:
         mask = on("response_mask")
         log_prob, entropy = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=True)
         old_log_prob = on("old_log_probs") if "old_log_probs" in micro_batch else log_prob.detach()
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = self._policy_loss(
-            old_log_prob, log_prob, on("advantages"), mask, loss_agg_mode=loss_config.loss_agg_mode,
-            clip_ratio=loss_config.clip_ratio, clip_ratio_low=loss_config.clip_ratio_low,
-            clip_ratio_high=loss_config.clip_ratio_high, clip_ratio_c=loss_config.clip_ratio_c, **loss_config.extra,
-        )
+        pg_loss, pg_metrics = self._policy_loss(old_log_prob, log_prob, on("advantages"), mask,
+                                                loss_agg_mode=loss_config.loss_agg_mode, **self._policy_loss_knobs)
         entropy_loss = agg_loss(entropy, mask, loss_config.loss_agg_mode)
         loss = pg_loss - loss_config.entropy_coeff * entropy_loss
+        # The loss's own metrics are token-level means: weighted by the micro-batch's share of the tokens.
         metrics = {"pg_loss": pg_loss * share.loss, "entropy": entropy_loss * share.loss,
-                   "pg_clipfrac": pg_clipfrac * share.tokens, "pg_clipfrac_lower": pg_clipfrac_lower * share.tokens,
-                   "ppo_kl": ppo_kl * share.tokens}
+                   **{name: value * share.tokens for name, value in pg_metrics.items()}}
         if self.uses_kl_loss:
             kl = compute_kl(log_prob, on("ref_log_probs"), loss_config.kl_loss_type)
             kl_loss = agg_loss(kl, mask, loss_config.loss_agg_mode)

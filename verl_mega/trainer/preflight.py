@@ -97,6 +97,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     if alg.adv_estimator in ADV_ESTIMATORS:
         check_estimator_config(config, need)
     known("actor.loss.policy_loss", a.loss.policy_loss, POLICY_LOSSES.names())
+    _check_policy_loss_knobs(a.loss, check, need)
     for key, value in (("actor.loss.loss_agg_mode", a.loss.loss_agg_mode),
                        ("critic.loss.loss_agg_mode", c.loss.loss_agg_mode)):
         known(key, value, LOSS_AGG_MODES.names())
@@ -156,6 +157,16 @@ def _check_counts(config: TrainConfig, need) -> None:
     need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
     for key in ("gamma", "lam"):
         need(0 <= getattr(alg, key) <= 1, f"algorithm.{key} must be in [0, 1], got {getattr(alg, key)}")
+
+
+def _check_policy_loss_knobs(loss, check, need) -> None:
+    """The knobs' ranges, which the losses would otherwise refuse at the first micro-batch."""
+    need(loss.clip_ratio_c > 1, f"actor.loss.clip_ratio_c must be > 1 (dual-clip), got {loss.clip_ratio_c}")
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+        need(0 < getattr(loss, key) <= 1, f"actor.loss.{key} must be in (0, 1], got {getattr(loss, key)}")
+    for key in ("tau_pos", "tau_neg"):
+        need(getattr(loss, key) > 0, f"actor.loss.{key} must be > 0, got {getattr(loss, key)}")
+    check(loss.knobs)
 
 
 def _check_profiling(config: TrainConfig, world_size: int, need) -> None:
