@@ -51,9 +51,17 @@ from verl_mega.algorithms.preference import (
     pair_metrics,
 )
 from verl_mega.algorithms.registry import Registry
+from verl_mega.algorithms.rollout_correction import (
+    CORRECTION_MODES,
+    Correction,
+    mismatch_metrics,
+    rollout_correction,
+)
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "CORRECTION_MODES",
+    "Correction",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
@@ -90,8 +98,10 @@ __all__ = [
     "masked_sum_and_count",
     "masked_var",
     "masked_whiten",
+    "mismatch_metrics",
     "pair_metrics",
     "register_adv_est",
     "register_kl_estimator",
     "register_policy_loss",
+    "rollout_correction",
 ]

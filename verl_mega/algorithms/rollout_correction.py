@@ -1,0 +1,119 @@
+"""Rollout/training mismatch as pure tensor functions: the per-token ratio π_train/π_rollout, the metrics that
+measure it, and the corrections that act on it (truncated importance weights, rejection masks).
+
+`train_log_prob` is the trainer's log-prob of a response token (the old-log-prob pass's, or the on-policy
+update's first forward's, detached), `rollout_log_prob` the rollout engine's for the same token, both on
+logits / temperature; all tensors are [B, R] with the response mask's zeros at padding. A correction works at
+one of three levels of a ratio: `token` (each token's own), `sequence` (the product over its response: the
+likelihood ratio of the whole sequence) or `geometric` (the geometric mean over its response, the product's
+length-normalised form), the last two shared by every token of the row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verl_mega.algorithms.masked import check_same_shape, masked_mean
+
+LEVELS = ("token", "sequence", "geometric")
+OFF = "off"
+CORRECTION_MODES = (OFF, *LEVELS)  # what `algorithm.rollout_correction.weights` and `.reject` take
+# exp() of a log ratio stays finite (e^20 ~ 5e8): a sequence's log ratio sums hundreds of token log ratios.
+MAX_LOG_RATIO = 20.0
+
+
+def token_log_ratio(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                    response_mask: torch.Tensor) -> torch.Tensor:
+    """log(π_train / π_rollout) per token, 0 at padding, bounded to ±MAX_LOG_RATIO."""
+    check_same_shape("train_log_prob", train_log_prob, rollout_log_prob=rollout_log_prob,
+                     response_mask=response_mask)
+    difference = (train_log_prob.float() - rollout_log_prob.float()) * response_mask
+    return difference.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def level_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The log ratio at `level` (see the module), for every token [B, R]: its own (token), its row's sum
+    (sequence) or its row's mean over the response tokens (geometric), bounded to ±MAX_LOG_RATIO."""
+    if level == "token":
+        return log_ratio
+    if level not in LEVELS:
+        raise ValueError(f"unknown rollout-correction level {level!r}; known: {', '.join(LEVELS)}")
+    row = (log_ratio * response_mask).sum(dim=-1, keepdim=True)
+    if level == "geometric":
+        row = row / response_mask.sum(dim=-1, keepdim=True).clamp_min(1)
+    return row.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).expand_as(log_ratio)
+
+
+def truncated_is_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str, cap: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance weights min(ratio, cap) at `level` [B, R], 0 at padding, and which response
+    tokens' weight the cap truncated (bool)."""
+    ratio = level_log_ratio(log_ratio, response_mask, level).exp()
+    truncated = (ratio > cap) & response_mask.bool()
+    return ratio.clamp(max=cap) * response_mask, truncated
+
+
+def rejection_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str, low: float, high: float
+                   ) -> torch.Tensor:
+    """The response mask without the tokens whose ratio at `level` leaves [low, high] (at `sequence` or
+    `geometric` level, whole rows go): what the loss then sees."""
+    ratio = level_log_ratio(log_ratio, response_mask, level).exp()
+    return response_mask * ((ratio >= low) & (ratio <= high)).to(response_mask.dtype)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What a rollout correction does to a batch of responses."""
+
+    weights: torch.Tensor | None  # [B, R] detached truncated importance weights; None: no weighting
+    response_mask: torch.Tensor  # [B, R] the mask the loss sees: the given one, less rejected tokens
+    truncated: torch.Tensor  # [B, R] bool: response tokens whose weight the cap truncated
+    rejected: torch.Tensor  # [B, R] bool: response tokens the rejection masked out
+
+
+def rollout_correction(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                       *, weights: str = OFF, weight_cap: float = 2.0, reject: str = OFF, reject_low: float = 0.5,
+                       reject_high: float = 2.0) -> Correction:
+    """The importance weights at level `weights` truncated at `weight_cap`, and the rejection at level `reject`
+    outside [reject_low, reject_high], each from the same per-token ratios; `off` turns either off."""
+    log_ratio = token_log_ratio(train_log_prob, rollout_log_prob, response_mask).detach()
+    in_response = response_mask.bool()
+    is_weights, truncated = None, torch.zeros_like(in_response)
+    if weights != OFF:
+        is_weights, truncated = truncated_is_weights(log_ratio, response_mask, weights, weight_cap)
+    kept = response_mask
+    if reject != OFF:
+        kept = rejection_mask(log_ratio, response_mask, reject, reject_low, reject_high)
+    return Correction(is_weights, kept, truncated, in_response & ~kept.bool())
+
+
+def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                     correction: Correction) -> dict[str, float]:
+    """How far the rollout's distribution is from the trainer's on these response tokens (sampled from the
+    rollout's), and what `correction` did to them:
+
+    - kl_k1, kl_k3: KL(rollout ‖ training) estimated per token as log(π_r/π_t) (k1: unbiased, noisy, may be
+      negative) and as ρ - 1 - log ρ with ρ = π_t/π_r (k3: unbiased, never negative), means over the tokens;
+    - log_ppl_diff: the mean over responses of log-perplexity under training minus under the rollout (each the
+      response's mean token NLL); > 0: the trainer finds the samples less likely than the engine did;
+    - ratio_mean / ratio_min / ratio_max: of ρ over the tokens;
+    - is_truncated_frac, rejected_frac: the share of the tokens whose weight was truncated / that were masked.
+    """
+    mask = response_mask.float()
+    log_ratio = token_log_ratio(train_log_prob, rollout_log_prob, mask)
+    ratio = log_ratio.exp()
+    in_response = mask.bool()
+    tokens_per_row = mask.sum(dim=-1)
+    with_tokens = tokens_per_row > 0
+    row_log_ppl_diff = -(log_ratio * mask).sum(dim=-1) / tokens_per_row.clamp_min(1)
+    return {
+        "kl_k1": masked_mean(-log_ratio, mask).item(),
+        "kl_k3": masked_mean(ratio - 1 - log_ratio, mask).item(),
+        "log_ppl_diff": row_log_ppl_diff[with_tokens].mean().item() if with_tokens.any() else 0.0,
+        "ratio_mean": masked_mean(ratio, mask).item(),
+        "ratio_min": ratio[in_response].min().item() if in_response.any() else 1.0,
+        "ratio_max": ratio[in_response].max().item() if in_response.any() else 1.0,
+        "is_truncated_frac": masked_mean(correction.truncated.float(), mask).item(),
+        "rejected_frac": masked_mean(correction.rejected.float(), mask).item(),
+    }
