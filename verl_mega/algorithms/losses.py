@@ -25,11 +25,13 @@ def compute_policy_loss(
     clip_ratio_low=None,
     clip_ratio_high=None,
     clip_ratio_c=3.0,
+    rollout_is_weights=None,
 ):
     """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and dual-clip (Ye et al. 2020).
 
     The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high] (each defaults to clip_ratio). For
-    negative advantages the loss is further capped at clip_ratio_c * |A|.
+    negative advantages the loss is further capped at clip_ratio_c * |A|. `rollout_is_weights` (detached
+    [B, R], None: none) multiply each token's loss before aggregation: the rollout correction's weights.
     Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower); the last three are detached metrics.
     """
     check_same_shape(
@@ -55,6 +57,8 @@ def compute_policy_loss(
     negative = advantages < 0
     pg_clipfrac_lower = masked_mean((ppo_losses > dual_clip_bound) & negative, response_mask)
     pg_losses = torch.where(negative, torch.minimum(ppo_losses, dual_clip_bound), ppo_losses)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
 
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     return pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach()

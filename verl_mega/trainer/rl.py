@@ -2,8 +2,9 @@
 on the same global batch; the roles take their own data-parallel slices, so `train_step` reads as the dataflow
 it runs, one named stage after the other:
 
-    sample prompts -> HybridEngine transition -> generate -> one row per response -> old/ref log-probs, values
-    -> rewards -> advantages -> critic and actor updates -> metrics
+    sample prompts -> HybridEngine transition -> generate (tokens and their rollout log-probs) -> one row per
+    response -> old/ref log-probs, values -> rewards -> advantages -> critic and actor updates
+    -> rollout/training mismatch -> metrics
 
 A stage that finds NaN/inf ends the step before anything is applied (or stops the run: `trainer.nonfinite`).
 
@@ -20,7 +21,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
+    Correction, RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
+    mismatch_metrics, rollout_correction,
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -29,11 +31,11 @@ from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.agree import all_finite
 from verl_mega.parallel.layout import rollout_placement
-from verl_mega.roles.actor import Actor, is_on_policy, uses_kl_loss
+from verl_mega.roles.actor import Actor, is_on_policy, sampling_temperature, uses_kl_loss
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
 from verl_mega.roles.reward import HFRewardModel, RewardFn, RuleReward, scores_to_token_rewards
-from verl_mega.rollout.engine import SamplingParams
+from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.training_memory import training_memory_released
@@ -94,10 +96,13 @@ class RLJob(TrainingJob):
         # The critic and the reference run in the actor's dtype, whatever their checkpoints were saved in.
         dtype = config.model.dtype
         packed = config.actor.use_packed_sequences
+        # The log-probs of the update and of the KL term are the sampling distribution's (logits / temperature).
+        temperature = sampling_temperature(config.rollout.temperature)
         self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
-                           schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed)
+                           schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed,
+                           temperature=temperature, correction=config.algorithm.rollout_correction)
         self.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), dtype=dtype,
-                                        packed_sequences=packed)
+                                        packed_sequences=packed, temperature=temperature)
         self.critic = None
         if self.uses_critic:
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
@@ -191,8 +196,9 @@ class RLJob(TrainingJob):
         prompts = self.next_prompts()
         responses = self.rollout_stage(prompts["input_ids"], timer)
         rows = one_row_per_response(prompts, self.config.rollout.n)
-        batch = build_rollout_batch(rows["input_ids"], responses, self.config.data.max_response_length,
-                                    self.tokenizer.pad_token_id)
+        batch = build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
+                                    self.config.data.max_response_length, self.tokenizer.pad_token_id,
+                                    [r.logprobs for r in responses])
         self.log_probs_and_values(batch, timer)
         with timer("reward"):
             scores, token_scores = self.score(batch, rows)
@@ -203,6 +209,7 @@ class RLJob(TrainingJob):
         if self.nonfinite_batch(batch):
             return self.step_metrics(metrics, batch, scores, timer)
         metrics.update(self.update_roles(batch, timer))
+        metrics.update(self.rollout_mismatch(batch, rows))
         return self.step_metrics(metrics, batch, scores, timer)
 
     # --- stages ---------------------------------------------------------------------------------------
@@ -213,7 +220,7 @@ class RLJob(TrainingJob):
         return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
                 **{key: [item.get(key) for item in items] for key in PROMPT_FIELDS}}
 
-    def rollout_stage(self, prompts: list[list[int]], timer: StageTimer) -> list[list[int]]:
+    def rollout_stage(self, prompts: list[list[int]], timer: StageTimer) -> list[Response]:
         """The HybridEngine transition, then the responses to `prompts` (n each, every rank gets all)."""
         with self.rollout_engine_awake(timer):
             with timer("rollout"):
@@ -282,8 +289,9 @@ class RLJob(TrainingJob):
         kl_in_reward = self.reference is not None and self.config.algorithm.use_kl_in_reward
         return kl_in_reward or not is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows)
 
-    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Each rollout replica generates its share of the prompts; every rank gets all responses."""
+    def generate(self, prompts: list[list[int]]) -> list[Response]:
+        """Each rollout replica generates its share of the prompts; every rank gets all responses, each with its
+        tokens' log-probs under the distribution they were sampled from (the engine's own, at no extra pass)."""
         config, layout = self.config, self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         replicas, replica = placement.replicas, placement.replica
@@ -292,12 +300,38 @@ class RLJob(TrainingJob):
         rollout = config.rollout
         params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                                 max_new_tokens=config.data.max_response_length, n=rollout.n,
-                                seed=rollout.seed + self.step * replicas + replica)
-        responses = [r.token_ids for r in self.rollout.generate(mine, params)] if mine else []
+                                seed=rollout.seed + self.step * replicas + replica, logprobs=True)
+        responses = [Response(replica * share + r.prompt_index, r.token_ids, r.logprobs)
+                     for r in self.rollout.generate(mine, params)] if mine else []
         gathered: list = [None] * layout.world_size
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
-        return [tokens for rep in range(replicas) for tokens in by_replica[rep]]
+        return [response for rep in range(replicas) for response in by_replica[rep]]
+
+    def rollout_mismatch(self, batch: dict, rows: dict) -> dict[str, float]:
+        """`rollout_corr/<metric>` (and `rollout_corr/<metric>/<data_source>`, where rows have one): how far the
+        rollout engine's log-probs are from the trainer's on the step's responses, and what the configured
+        correction truncated or masked (see `algorithms.mismatch_metrics`). The trainer's are the old-log-prob
+        pass's where it ran, else the on-policy update's first forward's (the same numbers: the weights that
+        generated the batch), which are the ones the correction used."""
+        train = batch.get("old_log_probs", self.actor.first_forward_log_probs)
+        if "rollout_log_probs" not in batch or train is None:
+            return {}
+        rollout, mask = batch["rollout_log_probs"], batch["response_mask"]
+        config = self.config.algorithm.rollout_correction
+        correction = rollout_correction(train, rollout, mask, weights=config.weights, weight_cap=config.weight_cap,
+                                        reject=config.reject, reject_low=config.reject_low,
+                                        reject_high=config.reject_high)
+        metrics = {f"rollout_corr/{name}": value
+                   for name, value in mismatch_metrics(train, rollout, mask, correction).items()}
+        sources = [None if source is None else str(source) for source in rows["data_source"]]
+        for source in sorted({source for source in sources if source is not None}):
+            chosen = torch.tensor([row for row, name in enumerate(sources) if name == source])
+            part = Correction(None, correction.response_mask[chosen], correction.truncated[chosen],
+                              correction.rejected[chosen])
+            for name, value in mismatch_metrics(train[chosen], rollout[chosen], mask[chosen], part).items():
+                metrics[f"rollout_corr/{name}/{source}"] = value
+        return metrics
 
     def sample_rows(self, batch: dict, rows: dict, scores: torch.Tensor) -> list[dict]:
         """`trainer.log_samples` rows of the step for generations.jsonl: the first sample of as many prompts as
