@@ -24,6 +24,10 @@ VLLM_SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, n
                   num_key_value_heads=2)
 
 
+MISMATCH_METRICS = ("kl_k1", "kl_k3", "log_ppl_diff", "ratio_mean", "ratio_min", "ratio_max", "is_truncated_frac",
+                    "rejected_frac")
+
+
 @pytest.fixture(autouse=True)
 def vllm_installed():
     if importlib.util.find_spec("vllm") is None:
@@ -136,6 +140,12 @@ def test_ppo_run_at_tp2_pp2_with_vllm_rollout(qwen2, tmp_path, rollout_tp):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["response/length_mean"] > 0 for r in records), records
+    # vLLM's bf16 log-probs against the fp32 trainer's, every step, overall and for the data source.
+    mismatch = [f"rollout_corr/{name}{source}" for name in MISMATCH_METRICS for source in ("", "/copy")]
+    assert all(key in record for record in records for key in mismatch), records[0].keys()
+    print("rollout_corr metrics, vLLM bf16 vs trainer fp32:",
+          {key: [round(record[key], 6) for record in records] for key in mismatch if "/copy" not in key})
+    assert all(record["rollout_corr/kl_k3"] >= 0 and record["rollout_corr/ratio_min"] > 0 for record in records)
     if rollout_tp == 1:
         exported = tmp_path / "trained_hf"
         assert cli(["export", "--ckpt", str(run_dir), "--out", str(exported)]) == 0

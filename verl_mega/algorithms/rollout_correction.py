@@ -28,7 +28,8 @@ def token_log_ratio(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
     """log(π_train / π_rollout) per token, 0 at padding, bounded to ±MAX_LOG_RATIO."""
     check_same_shape("train_log_prob", train_log_prob, rollout_log_prob=rollout_log_prob,
                      response_mask=response_mask)
-    difference = (train_log_prob.float() - rollout_log_prob.float()) * response_mask
+    dtype = torch.promote_types(torch.float32, response_mask.dtype)
+    difference = (train_log_prob.to(dtype) - rollout_log_prob.to(dtype)) * response_mask
     return difference.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
@@ -100,8 +101,9 @@ def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     - ratio_mean / ratio_min / ratio_max: of ρ over the tokens;
     - is_truncated_frac, rejected_frac: the share of the tokens whose weight was truncated / that were masked.
     """
-    mask = response_mask.float()
-    log_ratio = token_log_ratio(train_log_prob, rollout_log_prob, mask)
+    # float64: at fp32 rounding distances (log ratios ~1e-7) ρ - 1 - log ρ would cancel to 0 in float32.
+    mask = response_mask.double()
+    log_ratio = token_log_ratio(train_log_prob, rollout_log_prob, mask).double()
     ratio = log_ratio.exp()
     in_response = mask.bool()
     tokens_per_row = mask.sum(dim=-1)
@@ -109,7 +111,7 @@ def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     row_log_ppl_diff = -(log_ratio * mask).sum(dim=-1) / tokens_per_row.clamp_min(1)
     return {
         "kl_k1": masked_mean(-log_ratio, mask).item(),
-        "kl_k3": masked_mean(ratio - 1 - log_ratio, mask).item(),
+        "kl_k3": masked_mean(torch.expm1(log_ratio) - log_ratio, mask).item(),
         "log_ppl_diff": row_log_ppl_diff[with_tokens].mean().item() if with_tokens.any() else 0.0,
         "ratio_mean": masked_mean(ratio, mask).item(),
         "ratio_min": ratio[in_response].min().item() if in_response.any() else 1.0,
