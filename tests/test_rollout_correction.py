@@ -33,9 +33,9 @@ def corrected(**modes):
 ])
 def test_truncated_importance_weights_at_each_level(level, cap, weights, truncated):
     correction = corrected(weights=level, weight_cap=cap)
-    torch.testing.assert_close(correction.weights, torch.tensor(weights))
+    torch.testing.assert_close(correction.loss_weights, torch.tensor(weights))
     assert correction.truncated.tolist() == torch.tensor(truncated, dtype=torch.bool).tolist()
-    assert torch.equal(correction.response_mask, MASK) and not correction.rejected.any()
+    assert not correction.rejected.any()
 
 
 @pytest.mark.parametrize("level, low, high, kept", [
@@ -48,14 +48,19 @@ def test_truncated_importance_weights_at_each_level(level, cap, weights, truncat
 def test_rejection_masks_tokens_or_whole_responses_outside_the_bounds(level, low, high, kept):
     correction = corrected(reject=level, reject_low=low, reject_high=high)
     kept = torch.tensor(kept, dtype=torch.float32)
-    torch.testing.assert_close(correction.response_mask, kept)
+    torch.testing.assert_close(correction.loss_weights, kept)
     assert correction.rejected.tolist() == ((MASK > 0) & (kept == 0)).tolist()
-    assert correction.weights is None
+    assert not correction.truncated.any()
+
+
+def test_weights_and_rejection_together_weight_the_tokens_kept():
+    correction = corrected(weights="token", weight_cap=1.5, reject="token", reject_low=0.6, reject_high=2.5)
+    torch.testing.assert_close(correction.loss_weights, torch.tensor([[1.5, 0.0, 1.0], [0.0, 1.0, 0.0]]))
 
 
 def test_off_changes_nothing():
     correction = corrected()
-    assert correction.weights is None and torch.equal(correction.response_mask, MASK)
+    assert correction.loss_weights is None
     assert not correction.truncated.any() and not correction.rejected.any()
 
 
@@ -85,14 +90,13 @@ def test_truncated_weights_scale_each_tokens_policy_gradient_loss():
     """At ratio 1 (new = old log-probs) and no clipping each token's loss is -A: token-mean of -w * A."""
     def pg_loss(rollout_log_prob, **modes):
         correction = rollout_correction(TRAIN, rollout_log_prob, MASK, **modes)
-        return compute_policy_loss(TRAIN, TRAIN, ADVANTAGES, correction.response_mask,
-                                   rollout_is_weights=correction.weights)[0]
+        return compute_policy_loss(TRAIN, TRAIN, ADVANTAGES, MASK, rollout_is_weights=correction.loss_weights)[0]
 
     unweighted = -(1 + 2 - 1 + 0.5 - 2) / 5
     assert pg_loss(TRAIN, weights="token", weight_cap=1.5).item() == pytest.approx(unweighted)  # no mismatch
     weighted = -(1.5 * 1 + 0.5 * 2 + 1 * -1 + 1.5 * 0.5 + 1 * -2) / 5
     assert pg_loss(ROLLOUT, weights="token", weight_cap=1.5).item() == pytest.approx(weighted)
-    masked = -(1 - 1 - 2) / 3  # rejection: a token-mean over the 3 tokens kept
+    masked = -(1 - 1 - 2) / 5  # rejection: the 2 tokens rejected count as zeros in the token-mean
     assert pg_loss(ROLLOUT, reject="token", reject_low=0.6, reject_high=2.5).item() == pytest.approx(masked)
 
 

@@ -58,7 +58,7 @@ def truncated_is_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, l
 def rejection_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str, low: float, high: float
                    ) -> torch.Tensor:
     """The response mask without the tokens whose ratio at `level` leaves [low, high] (at `sequence` or
-    `geometric` level, whole rows go): what the loss then sees."""
+    `geometric` level, whole rows go)."""
     ratio = level_log_ratio(log_ratio, response_mask, level).exp()
     return response_mask * ((ratio >= low) & (ratio <= high)).to(response_mask.dtype)
 
@@ -67,26 +67,32 @@ def rejection_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: 
 class Correction:
     """What a rollout correction does to a batch of responses."""
 
-    weights: torch.Tensor | None  # [B, R] detached truncated importance weights; None: no weighting
-    response_mask: torch.Tensor  # [B, R] the mask the loss sees: the given one, less rejected tokens
+    # [B, R] detached, multiplying each token's policy-gradient loss (`rollout_is_weights`): the truncated
+    # importance weight (1 without weights), 0 where rejected; None where neither is on
+    loss_weights: torch.Tensor | None
     truncated: torch.Tensor  # [B, R] bool: response tokens whose weight the cap truncated
-    rejected: torch.Tensor  # [B, R] bool: response tokens the rejection masked out
+    rejected: torch.Tensor  # [B, R] bool: response tokens the rejection took out of the loss
 
 
 def rollout_correction(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
                        *, weights: str = OFF, weight_cap: float = 2.0, reject: str = OFF, reject_low: float = 0.5,
                        reject_high: float = 2.0) -> Correction:
     """The importance weights at level `weights` truncated at `weight_cap`, and the rejection at level `reject`
-    outside [reject_low, reject_high], each from the same per-token ratios; `off` turns either off."""
+    outside [reject_low, reject_high], each from the same per-token ratios; `off` turns either off.
+
+    A rejected token's policy-gradient loss is weighted 0 while the loss aggregation still counts it (a zero in
+    the mean, as IcePop and slime's masks do): the mean's units then do not depend on the ratios, so a
+    micro-batch's share of its mini-batch, counted from the response mask, stays right at every layout."""
     log_ratio = token_log_ratio(train_log_prob, rollout_log_prob, response_mask).detach()
     in_response = response_mask.bool()
-    is_weights, truncated = None, torch.zeros_like(in_response)
+    loss_weights, truncated, rejected = None, torch.zeros_like(in_response), torch.zeros_like(in_response)
     if weights != OFF:
-        is_weights, truncated = truncated_is_weights(log_ratio, response_mask, weights, weight_cap)
-    kept = response_mask
+        loss_weights, truncated = truncated_is_weights(log_ratio, response_mask, weights, weight_cap)
     if reject != OFF:
-        kept = rejection_mask(log_ratio, response_mask, reject, reject_low, reject_high)
-    return Correction(is_weights, kept, truncated, in_response & ~kept.bool())
+        kept = rejection_mask(log_ratio, response_mask, reject, reject_low, reject_high).to(log_ratio.dtype)
+        rejected = in_response & (kept == 0)
+        loss_weights = kept if loss_weights is None else loss_weights * kept
+    return Correction(loss_weights, truncated, rejected)
 
 
 def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,

@@ -195,7 +195,8 @@ class Actor:
             old_log_prob = log_prob.detach()
             if self._first_forward is not None:
                 self._first_forward.append((micro_batch[ROW_INDEX], old_log_prob.float().cpu()))
-        mask, rollout_is_weights = self._rollout_corrected(old_log_prob, micro_batch, on("response_mask"))
+        mask = on("response_mask")
+        rollout_is_weights = self._rollout_is_weights(old_log_prob, micro_batch, mask)
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = self._policy_loss(
             old_log_prob, log_prob, on("advantages"), mask, loss_agg_mode=loss_config.loss_agg_mode,
             clip_ratio=loss_config.clip_ratio, clip_ratio_low=loss_config.clip_ratio_low,
@@ -214,16 +215,15 @@ class Actor:
             metrics["kl_loss"] = kl_loss * share.loss
         return loss * share.loss, metrics
 
-    def _rollout_corrected(self, old_log_prob: torch.Tensor, micro_batch: Batch, mask: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The response mask the loss sees and the importance weights of its policy-gradient term, from the
-        ratio of the old log-probs (π_train) to the rollout's: the mask as it is and no weights when the
-        correction is off or the batch has no rollout log-probs."""
+    def _rollout_is_weights(self, old_log_prob: torch.Tensor, micro_batch: Batch, mask: torch.Tensor
+                            ) -> torch.Tensor | None:
+        """The rollout correction's weights of each token's policy-gradient loss, from the ratio of the old
+        log-probs (π_train) to the rollout's; None (no weighting) when it is off or the batch has no rollout
+        log-probs."""
         config = self.correction
         if "rollout_log_probs" not in micro_batch or config.weights == config.reject == "off":
-            return mask, None
-        corrected = rollout_correction(
+            return None
+        return rollout_correction(
             old_log_prob, micro_batch["rollout_log_probs"].to(old_log_prob.device), mask, weights=config.weights,
             weight_cap=config.weight_cap, reject=config.reject, reject_low=config.reject_low,
-            reject_high=config.reject_high)
-        return corrected.response_mask, corrected.weights
+            reject_high=config.reject_high).loss_weights

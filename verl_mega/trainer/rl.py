@@ -327,8 +327,7 @@ class RLJob(TrainingJob):
         sources = [None if source is None else str(source) for source in rows["data_source"]]
         for source in sorted({source for source in sources if source is not None}):
             chosen = torch.tensor([row for row, name in enumerate(sources) if name == source])
-            part = Correction(None, correction.response_mask[chosen], correction.truncated[chosen],
-                              correction.rejected[chosen])
+            part = Correction(None, correction.truncated[chosen], correction.rejected[chosen])
             for name, value in mismatch_metrics(train[chosen], rollout[chosen], mask[chosen], part).items():
                 metrics[f"rollout_corr/{name}/{source}"] = value
         return metrics
