@@ -239,9 +239,9 @@ class RolloutCorrectionConfig:
     weight_cap: float = 2.0
     """C, the cap of the importance weights (> 0). verl's rollout_is_threshold; slime's --tis-clip."""
     reject: str = "off"
-    """Rejection: mask out of the loss the tokens (token) or whole responses (sequence: product of ratios;
-    geometric: their geometric mean) whose ratio leaves [reject_low, reject_high], as MIS / IcePop do: off, token,
-    sequence or geometric. verl's rollout_rs."""
+    """Rejection: take out of the policy-gradient loss (weight 0, still counted in its mean) the tokens (token) or
+    whole responses (sequence: product of ratios; geometric: their geometric mean) whose ratio leaves
+    [reject_low, reject_high], as IcePop / MIS do: off, token, sequence or geometric. verl's rollout_rs."""
     reject_low: float = 0.5
     """Lowest ratio a token or response keeps (>= 0, < reject_high). verl's rollout_rs_threshold_lower."""
     reject_high: float = 2.0
