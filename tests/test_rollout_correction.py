@@ -115,7 +115,7 @@ def prompt_file(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("weights=tokens", "algorithm.rollout_correction.weights 'tokens' is unknown; known: off, token, sequence"),
+    ("weights=tokens", "algorithm.rollout_correction.weights 'tokens' is unknown; known: none, token, sequence"),
     ("reject=seq", "algorithm.rollout_correction.reject 'seq' is unknown"),
     ("weight_cap=0", "algorithm.rollout_correction.weight_cap=0.0 must be > 0"),
     ("reject_low=2", "algorithm.rollout_correction.reject_low=2.0 must be >= 0 and below "

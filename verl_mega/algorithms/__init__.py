@@ -53,6 +53,7 @@ from verl_mega.algorithms.preference import (
 from verl_mega.algorithms.registry import Registry
 from verl_mega.algorithms.rollout_correction import (
     CORRECTION_MODES,
+    CORRECTION_OFF,
     Correction,
     mismatch_metrics,
     rollout_correction,
@@ -61,6 +62,7 @@ from verl_mega.algorithms.rollout_correction import (
 __all__ = [
     "ADV_ESTIMATORS",
     "CORRECTION_MODES",
+    "CORRECTION_OFF",
     "Correction",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",

@@ -17,8 +17,9 @@ import torch
 from verl_mega.algorithms.masked import check_same_shape, masked_mean
 
 LEVELS = ("token", "sequence", "geometric")
-OFF = "off"
-CORRECTION_MODES = (OFF, *LEVELS)  # what `algorithm.rollout_correction.weights` and `.reject` take
+CORRECTION_OFF = "none"  # not "off": YAML reads an unquoted off as false
+# What `algorithm.rollout_correction.weights` and `.reject` take.
+CORRECTION_MODES = (CORRECTION_OFF, *LEVELS)
 # exp() of a log ratio stays finite (e^20 ~ 5e8): a sequence's log ratio sums hundreds of token log ratios.
 MAX_LOG_RATIO = 20.0
 
@@ -75,10 +76,10 @@ class Correction:
 
 
 def rollout_correction(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                       *, weights: str = OFF, weight_cap: float = 2.0, reject: str = OFF, reject_low: float = 0.5,
-                       reject_high: float = 2.0) -> Correction:
+                       *, weights: str = CORRECTION_OFF, weight_cap: float = 2.0, reject: str = CORRECTION_OFF,
+                       reject_low: float = 0.5, reject_high: float = 2.0) -> Correction:
     """The importance weights at level `weights` truncated at `weight_cap`, and the rejection at level `reject`
-    outside [reject_low, reject_high], each from the same per-token ratios; `off` turns either off.
+    outside [reject_low, reject_high], each from the same per-token ratios; `none` turns either off.
 
     A rejected token's policy-gradient loss is weighted 0 while the loss aggregation still counts it (a zero in
     the mean, as IcePop and slime's masks do): the mean's units then do not depend on the ratios, so a
@@ -86,9 +87,9 @@ def rollout_correction(train_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
     log_ratio = token_log_ratio(train_log_prob, rollout_log_prob, response_mask).detach()
     in_response = response_mask.bool()
     loss_weights, truncated, rejected = None, torch.zeros_like(in_response), torch.zeros_like(in_response)
-    if weights != OFF:
+    if weights != CORRECTION_OFF:
         loss_weights, truncated = truncated_is_weights(log_ratio, response_mask, weights, weight_cap)
-    if reject != OFF:
+    if reject != CORRECTION_OFF:
         kept = rejection_mask(log_ratio, response_mask, reject, reject_low, reject_high).to(log_ratio.dtype)
         rejected = in_response & (kept == 0)
         loss_weights = kept if loss_weights is None else loss_weights * kept

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from verl_mega.algorithms import agg_loss, compute_kl, get_policy_loss_fn, rollout_correction
+from verl_mega.algorithms import CORRECTION_OFF, agg_loss, compute_kl, get_policy_loss_fn, rollout_correction
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.config import OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
 from verl_mega.parallel.state import current_layout, device
@@ -221,7 +221,7 @@ class Actor:
         log-probs (π_train) to the rollout's; None (no weighting) when it is off or the batch has no rollout
         log-probs."""
         config = self.correction
-        if "rollout_log_probs" not in micro_batch or config.weights == config.reject == "off":
+        if "rollout_log_probs" not in micro_batch or config.weights == config.reject == CORRECTION_OFF:
             return None
         return rollout_correction(
             old_log_prob, micro_batch["rollout_log_probs"].to(old_log_prob.device), mask, weights=config.weights,
