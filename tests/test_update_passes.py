@@ -115,6 +115,21 @@ def test_weight_gradients_added_in_the_gemm_give_the_unfused_update(results):
 def test_token_budget_update_equals_fixed_micro_batches(results):
     fixed, budget = results["token_budget"]["fixed"], results["token_budget"]["budget"]
     assert fixed["micro_batches"] == [2, 2] and budget["micro_batches"] == [3, 4]
+    assert_same_update(results, fixed, budget)
+
+
+@pytest.mark.slow
+def test_rollout_correction_update_does_not_depend_on_the_micro_batches(results):
+    """Truncated weights and rejection (a rejected token is a zero in the loss's mean, never a change of its
+    units) give the same update at DP 2 with fixed micro-batches and with a token budget's."""
+    runs = results["token_budget"]
+    fixed, budget = runs["corrected_fixed"], runs["corrected_budget"]
+    assert abs(fixed["metrics"]["pg_loss"] - runs["fixed"]["metrics"]["pg_loss"]) > 1e-4  # the correction acts
+    assert_same_update(results, fixed, budget)
+
+
+def assert_same_update(results, fixed, budget):
+    """The token-budget run's log-probs, metrics and weight update equal the fixed micro-batches' within RTOL."""
     mask = results["token_budget"]["response_mask"].bool()
     assert rel_diff(budget["log_probs"][mask], fixed["log_probs"][mask]) <= RTOL
     for name, value in fixed["metrics"].items():

@@ -9,7 +9,8 @@ converted from HF_DIR.
 - tp2: the actor's and the reference's log-probs at temperature 0.7 beside HF's on logits / 0.7
   (`temperature`).
 - dp2: log-probs and two PPO steps with micro-batches of MICRO_BATCH rows, and again grouped by a token
-  budget (`token_budget`), which gives the two DP ranks different numbers of micro-batches.
+  budget (`token_budget`), which gives the two DP ranks different numbers of micro-batches; both again with
+  the rollout correction on (truncated weights and token rejection against planted rollout log-probs).
 - tp2: one PPO step over several micro-batches with each weight gradient added into DDP's buffer inside its
   GEMM (the CPU default, `fused_weight_gradients`) and again as megatron's unfused path computes it.
 """
@@ -106,6 +107,7 @@ def temperature(ckpt_root: Path, hf_dir: Path, out_dir: Path) -> None:
 
 
 def token_budget(ckpt_root: Path, out_dir: Path) -> None:
+    from verl_mega.config import RolloutCorrectionConfig
     from verl_mega.parallel.state import current_layout, init_parallel
     from verl_mega.roles.batching import dp_slice, micro_batches
 
@@ -115,9 +117,15 @@ def token_budget(ckpt_root: Path, out_dir: Path) -> None:
     batch = training_batch(ckpt, cfg)
     noise = torch.Generator().manual_seed(2)
     batch["old_log_probs"] = -torch.rand(batch["responses"].shape, generator=noise)
+    batch["rollout_log_probs"] = batch["old_log_probs"] + 0.3 * torch.randn(batch["responses"].shape, generator=noise)
+    # Both corrections acting: some weights truncated, some tokens rejected.
+    corrected = RolloutCorrectionConfig(weights="token", weight_cap=1.1, reject="token", reject_low=0.8,
+                                        reject_high=1.25)
     result = {}
-    for name, max_tokens in (("fixed", 0), ("budget", MAX_TOKENS)):
-        actor = fresh_actor(ckpt, use_distributed_optimizer=True)
+    for name, max_tokens, correction in (("fixed", 0, None), ("budget", MAX_TOKENS, None),
+                                         ("corrected_fixed", 0, corrected),
+                                         ("corrected_budget", MAX_TOKENS, corrected)):
+        actor = fresh_actor(ckpt, use_distributed_optimizer=True, correction=correction)
         log_probs = actor.compute_log_prob(batch, MICRO_BATCH, max_tokens=max_tokens)["log_probs"]
         metrics = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH,
                                       max_tokens=max_tokens)
