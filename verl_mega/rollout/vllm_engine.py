@@ -83,7 +83,8 @@ class VLLMEngine(RolloutEngine):
             enable_sleep_mode=self.sleeps, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             seed=seed, load_format=load_format, gpu_memory_utilization=gpu_memory_utilization,
             # The sampled token's log-prob after temperature (and top-k / top-p), as `SamplingParams.logprobs`
-            # promises; vLLM's default (raw_logprobs) is before the temperature.
+            # promises; vLLM's default (raw_logprobs) is before the temperature. On CUDA this makes vLLM sample
+            # with its PyTorch sampler: FlashInfer's cannot return processed log-probs.
             logprobs_mode="processed_logprobs", **platform,
         )
         self._vllm = vllm
