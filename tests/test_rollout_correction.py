@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from verl_mega.algorithms import compute_policy_loss, mismatch_metrics, rollout_correction
+from verl_mega.algorithms import (
+    compute_policy_loss, mismatch_metrics, mismatch_metrics_by_source, rollout_correction,
+)
 from verl_mega.config import ConfigError, load_config
 from verl_mega.trainer.preflight import preflight_check
 
@@ -78,6 +80,18 @@ def test_mismatch_metrics_by_hand():
     assert metrics.keys() == expected.keys()
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, rel=1e-6), name
+
+
+def test_metrics_per_data_source_cover_that_sources_rows():
+    correction = corrected(weights="token", weight_cap=1.5)
+    metrics = mismatch_metrics_by_source(TRAIN, ROLLOUT, MASK, correction, ["a", "b"])
+    assert metrics["ratio_max"] == pytest.approx(4.0)
+    assert (metrics["ratio_min/a"], metrics["ratio_max/a"]) == pytest.approx((0.5, 2.0))  # row 0: 2, 0.5, 1
+    assert (metrics["ratio_min/b"], metrics["ratio_max/b"]) == pytest.approx((1.0, 4.0))  # row 1: 4, 1
+    assert metrics["kl_k1/a"] == pytest.approx(0.0, abs=1e-7) and metrics["kl_k1/b"] == pytest.approx(-math.log(4) / 2)
+    assert (metrics["is_truncated_frac/a"], metrics["is_truncated_frac/b"]) == pytest.approx((1 / 3, 1 / 2))
+    without_sources = mismatch_metrics_by_source(TRAIN, ROLLOUT, MASK, correction, [None, None])
+    assert without_sources == mismatch_metrics(TRAIN, ROLLOUT, MASK, correction)
 
 
 def test_matching_distributions_measure_no_mismatch():

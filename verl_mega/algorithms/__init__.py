@@ -56,6 +56,7 @@ from verl_mega.algorithms.rollout_correction import (
     CORRECTION_OFF,
     Correction,
     mismatch_metrics,
+    mismatch_metrics_by_source,
     rollout_correction,
 )
 
@@ -101,6 +102,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "mismatch_metrics",
+    "mismatch_metrics_by_source",
     "pair_metrics",
     "register_adv_est",
     "register_kl_estimator",

@@ -11,6 +11,7 @@ length-normalised form), the last two shared by every token of the row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -126,3 +127,18 @@ def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
         "is_truncated_frac": masked_mean(correction.truncated.float(), mask).item(),
         "rejected_frac": masked_mean(correction.rejected.float(), mask).item(),
     }
+
+
+def mismatch_metrics_by_source(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                               response_mask: torch.Tensor, correction: Correction,
+                               sources: Sequence[str | None]) -> dict[str, float]:
+    """`mismatch_metrics` over all rows, named `<metric>`, and over the rows of each of `sources` (one per row,
+    None: none), named `<metric>/<source>`."""
+    metrics = mismatch_metrics(train_log_prob, rollout_log_prob, response_mask, correction)
+    for source in sorted({source for source in sources if source is not None}):
+        rows = torch.tensor([row for row, name in enumerate(sources) if name == source])
+        part = Correction(None, correction.truncated[rows], correction.rejected[rows])
+        for name, value in mismatch_metrics(train_log_prob[rows], rollout_log_prob[rows], response_mask[rows],
+                                            part).items():
+            metrics[f"{name}/{source}"] = value
+    return metrics

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    Correction, RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
-    mismatch_metrics, rollout_correction,
+    RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
+    mismatch_metrics_by_source, rollout_correction,
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -322,15 +322,9 @@ class RLJob(TrainingJob):
         correction = rollout_correction(train, rollout, mask, weights=config.weights, weight_cap=config.weight_cap,
                                         reject=config.reject, reject_low=config.reject_low,
                                         reject_high=config.reject_high)
-        metrics = {f"rollout_corr/{name}": value
-                   for name, value in mismatch_metrics(train, rollout, mask, correction).items()}
         sources = [None if source is None else str(source) for source in rows["data_source"]]
-        for source in sorted({source for source in sources if source is not None}):
-            chosen = torch.tensor([row for row, name in enumerate(sources) if name == source])
-            part = Correction(None, correction.truncated[chosen], correction.rejected[chosen])
-            for name, value in mismatch_metrics(train[chosen], rollout[chosen], mask[chosen], part).items():
-                metrics[f"rollout_corr/{name}/{source}"] = value
-        return metrics
+        return {f"rollout_corr/{name}": value
+                for name, value in mismatch_metrics_by_source(train, rollout, mask, correction, sources).items()}
 
     def sample_rows(self, batch: dict, rows: dict, scores: torch.Tensor) -> list[dict]:
         """`trainer.log_samples` rows of the step for generations.jsonl: the first sample of as many prompts as
