@@ -53,14 +53,15 @@ def fixed_batch(vocab_size: int, pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
-def hf_response_logprobs(hf_dir: Path, batch) -> torch.Tensor:
+def hf_response_logprobs(hf_dir: Path, batch, temperature: float = 1.0) -> torch.Tensor:
+    """The responses' log-probs under transformers' forward of `hf_dir`, on logits / temperature."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"]).logits
-    logits = logits[:, -RESPONSE - 1:-1].float()
+    logits = logits[:, -RESPONSE - 1:-1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, batch["responses"][..., None])[..., 0]
 
 

@@ -42,6 +42,34 @@ def test_embedded_greedy_equals_transformers(loaded):
         assert response.token_ids == want.tolist()
 
 
+def forward_logprobs(model, prompt: list[int], tokens: list[int], temperature: float, top_k: int = -1
+                     ) -> list[float]:
+    """Log-probs of `tokens` after `prompt` from one full forward: softmax(logits / temperature), renormalised
+    over the top-k logits where top_k is set."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float() / temperature
+    if top_k > 0:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.0, -1), (1.0, -1), (0.7, -1), (1.3, 5)])
+def test_embedded_logprobs_equal_a_forward_of_the_same_weights(loaded, temperature, top_k):
+    """Each sampled token's log-prob from the decode loop (KV cache, one row per sample) is its log-prob under
+    the distribution it was drawn from, as one forward over prompt + response computes it (fp32 rounding):
+    logits / temperature (greedy: temperature 1), renormalised over the top-k where that is on."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, engine = loaded
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=6, n=2, seed=3, logprobs=True)
+    for response in engine.generate(PROMPTS, params):
+        want = forward_logprobs(model, PROMPTS[response.prompt_index], response.token_ids, temperature or 1.0,
+                                top_k)
+        torch.testing.assert_close(torch.tensor(response.logprobs), torch.tensor(want), atol=1e-5, rtol=1e-5)
+
+
 def test_embedded_loads_in_place_without_a_new_model(loaded):
     hf_dir, engine = loaded
     model, first = engine.model, next(engine.model.parameters())

@@ -55,6 +55,10 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "actor/entropy", "actor/lr",
                 "timing/rollout", "timing/update_actor", "perf/tokens_per_second", "perf/peak_memory_gib"):
         assert key in records[-1], key
+    # The embedded engine samples in fp32 from the weights the trainer scores with: no mismatch but rounding.
+    assert all(record["rollout_corr/kl_k3"] < 1e-9 and record["rollout_corr/kl_k3/copy"] < 1e-9
+               and 1 - 1e-4 < record["rollout_corr/ratio_min"] <= record["rollout_corr/ratio_max"] < 1 + 1e-4
+               for record in records), [(r["rollout_corr/kl_k3"], r["rollout_corr/ratio_max"]) for r in records]
     rewards = [r["reward/mean"] for r in records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.03, rewards

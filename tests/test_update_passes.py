@@ -49,7 +49,7 @@ def results(tmp_path_factory):
     out.mkdir()
     tests_dir = str(Path(__file__).parent)
     env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
-    run_torchrun(2, "update_passes_worker", [str(root / "ckpt"), str(out)], env=env)
+    run_torchrun(2, "update_passes_worker", [str(root / "ckpt"), str(hf_dir), str(out)], env=env)
     results = {path.stem: torch.load(path) for path in out.glob("*.pt")}
     from safetensors.torch import load_file
 
@@ -67,6 +67,41 @@ def test_old_log_probs_from_the_first_forward_give_the_same_update(results):
 
 
 @pytest.mark.slow
+def test_rollout_log_probs_with_the_correction_off_leave_the_update_bitwise(results):
+    plain, with_rollout = results["skip_old_pass"]["first_forward"], results["skip_old_pass"]["rollout_log_probs"]
+    assert with_rollout["metrics"] == plain["metrics"]
+    for name, tensor in plain["weights"].items():
+        assert torch.equal(with_rollout["weights"][name], tensor), name
+
+
+@pytest.mark.slow
+def test_the_on_policy_update_hands_back_its_first_forward_log_probs(results):
+    """Without an old-log-prob pass, the mismatch metrics read the update's own first forward: bitwise the
+    separate pass's log-probs, gathered over the ranks into batch order."""
+    runs = results["skip_old_pass"]
+    assert runs["first_forward"]["first_forward_log_probs"] is None  # no rollout log-probs, nothing kept
+    kept = runs["rollout_log_probs"]["first_forward_log_probs"]
+    assert kept.dtype == torch.float32 and torch.equal(kept, runs["separate_pass"]["old_log_probs"])
+
+
+@pytest.mark.slow
+def test_truncated_importance_weights_change_the_update(results):
+    """Planted rollout log-probs ~0.3 nats off with token-level TIS (cap 1.2): the weights reach the loss."""
+    plain, tis = results["skip_old_pass"]["rollout_log_probs"], results["skip_old_pass"]["token_tis"]
+    assert abs(tis["metrics"]["pg_loss"] - plain["metrics"]["pg_loss"]) > 1e-3 * abs(plain["metrics"]["pg_loss"])
+    assert any(not torch.equal(tis["weights"][name], tensor) for name, tensor in plain["weights"].items())
+
+
+@pytest.mark.slow
+def test_trainer_log_probs_at_the_rollout_temperature(results):
+    """The actor's and the reference's log-probs at temperature 0.7 (TP 2) are HF's on logits / 0.7."""
+    run = results["temperature"]
+    mask = run["response_mask"].bool()
+    for role in ("actor", "reference"):
+        torch.testing.assert_close(run[role][mask], run["hf"][mask], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_weight_gradients_added_in_the_gemm_give_the_unfused_update(results):
     fused = results["fused_weight_gradients"]
     assert fused["fused_flags"] and all(fused["fused_flags"])  # the CPU default, on every linear layer
@@ -80,6 +115,21 @@ def test_weight_gradients_added_in_the_gemm_give_the_unfused_update(results):
 def test_token_budget_update_equals_fixed_micro_batches(results):
     fixed, budget = results["token_budget"]["fixed"], results["token_budget"]["budget"]
     assert fixed["micro_batches"] == [2, 2] and budget["micro_batches"] == [3, 4]
+    assert_same_update(results, fixed, budget)
+
+
+@pytest.mark.slow
+def test_rollout_correction_update_does_not_depend_on_the_micro_batches(results):
+    """Truncated weights and rejection (a rejected token is a zero in the loss's mean, never a change of its
+    units) give the same update at DP 2 with fixed micro-batches and with a token budget's."""
+    runs = results["token_budget"]
+    fixed, budget = runs["corrected_fixed"], runs["corrected_budget"]
+    assert abs(fixed["metrics"]["pg_loss"] - runs["fixed"]["metrics"]["pg_loss"]) > 1e-4  # the correction acts
+    assert_same_update(results, fixed, budget)
+
+
+def assert_same_update(results, fixed, budget):
+    """The token-budget run's log-probs, metrics and weight update equal the fixed micro-batches' within RTOL."""
     mask = results["token_budget"]["response_mask"].bool()
     assert rel_diff(budget["log_probs"][mask], fixed["log_probs"][mask]) <= RTOL
     for name, value in fixed["metrics"].items():

@@ -1,10 +1,16 @@
 """torchrun worker for tests/test_update_passes.py: updates of the actor that must agree whichever passes and
-micro-batches compute them. `update_passes_worker CKPT_ROOT OUT_DIR`, with CKPT_ROOT/tp1pp1 and tp2pp1 converted.
+micro-batches compute them. `update_passes_worker CKPT_ROOT HF_DIR OUT_DIR`, with CKPT_ROOT/tp1pp1 and tp2pp1
+converted from HF_DIR.
 
 - tp2: one epoch over one mini-batch, once with old log-probs from a separate forward and once taking them
-  from the update's own first forward (`skip_old_pass`); saves both results.
+  from the update's own first forward (`skip_old_pass`); then from the first forward again with planted
+  rollout log-probs in the batch, the rollout correction off and on (token-level TIS); saves every result,
+  with the first forward's log-probs the update leaves behind.
+- tp2: the actor's and the reference's log-probs at temperature 0.7 beside HF's on logits / 0.7
+  (`temperature`).
 - dp2: log-probs and two PPO steps with micro-batches of MICRO_BATCH rows, and again grouped by a token
-  budget (`token_budget`), which gives the two DP ranks different numbers of micro-batches.
+  budget (`token_budget`), which gives the two DP ranks different numbers of micro-batches; both again with
+  the rollout correction on (truncated weights and token rejection against planted rollout log-probs).
 - tp2: one PPO step over several micro-batches with each weight gradient added into DDP's buffer inside its
   GEMM (the CPU default, `fused_weight_gradients`) and again as megatron's unfused path computes it.
 """
@@ -42,15 +48,17 @@ def training_batch(ckpt: Path, cfg) -> dict[str, torch.Tensor]:
     return batch
 
 
-def fresh_actor(ckpt: Path, use_distributed_optimizer: bool):
+def fresh_actor(ckpt: Path, use_distributed_optimizer: bool, **options):
     from verl_mega.config import OptimConfig, PolicyLossConfig
     from verl_mega.roles.actor import Actor
 
     return Actor(ckpt, OptimConfig(**OPTIM, use_distributed_optimizer=use_distributed_optimizer),
-                 PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1), schedule_steps=4)
+                 PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1), schedule_steps=4,
+                 **options)
 
 
 def skip_old_pass(ckpt_root: Path, out_dir: Path) -> None:
+    from verl_mega.config import RolloutCorrectionConfig
     from verl_mega.parallel.state import current_layout, init_parallel
 
     layout = init_parallel(2, 1)
@@ -58,20 +66,48 @@ def skip_old_pass(ckpt_root: Path, out_dir: Path) -> None:
     cfg, family = load(ckpt)
     batch = training_batch(ckpt, cfg)
     result = {}
-    for name, separate_pass in (("separate_pass", True), ("first_forward", False)):
-        actor = fresh_actor(ckpt, use_distributed_optimizer=False)
+    tis = RolloutCorrectionConfig(weights="token", weight_cap=1.2)
+    for name, separate_pass, planted, correction in (
+            ("separate_pass", True, False, None), ("first_forward", False, False, None),
+            ("rollout_log_probs", False, True, None), ("token_tis", False, True, tis)):
+        actor = fresh_actor(ckpt, use_distributed_optimizer=False, correction=correction)
         update_batch = dict(batch)
+        old_log_probs = actor.compute_log_prob(batch, MICRO_BATCH)["log_probs"]
         if separate_pass:
-            update_batch["old_log_probs"] = actor.compute_log_prob(batch, MICRO_BATCH)["log_probs"]
+            update_batch["old_log_probs"] = old_log_probs
+        if planted:  # an engine's log-probs off by ~0.3 nats per token
+            noise = torch.randn(old_log_probs.shape, generator=torch.Generator().manual_seed(4))
+            update_batch["rollout_log_probs"] = (old_log_probs + 0.3 * noise) * batch["response_mask"]
         metrics = actor.update_policy(update_batch, ppo_epochs=1, mini_batch_size=BATCH,
                                       micro_batch_size=MICRO_BATCH)
-        result[name] = {"metrics": metrics, "weights": gather_hf_weights(actor.model.module, cfg, family)}
+        result[name] = {"metrics": metrics, "weights": gather_hf_weights(actor.model.module, cfg, family),
+                        "old_log_probs": old_log_probs, "first_forward_log_probs": actor.first_forward_log_probs}
+    result["response_mask"] = batch["response_mask"]
     if current_layout().rank == 0:
         torch.save(result, out_dir / "skip_old_pass.pt")
     dist.barrier()
 
 
+def temperature(ckpt_root: Path, hf_dir: Path, out_dir: Path) -> None:
+    from roles_worker import hf_response_logprobs
+
+    from verl_mega.parallel.state import current_layout, init_parallel
+    from verl_mega.roles.reference import make_reference
+
+    init_parallel(2, 1)
+    ckpt = ckpt_root / "tp2pp1"
+    cfg, _ = load(ckpt)
+    batch = fixed_batch(cfg.vocab_size, pad_id=0)
+    result = {"hf": hf_response_logprobs(hf_dir, batch, temperature=0.7), "response_mask": batch["response_mask"],
+              "actor": fresh_actor(ckpt, False, temperature=0.7).compute_log_prob(batch, MICRO_BATCH)["log_probs"],
+              "reference": make_reference(ckpt, use_kl=True, temperature=0.7).compute_ref_log_prob(batch, MICRO_BATCH)}
+    if current_layout().rank == 0:
+        torch.save(result, out_dir / "temperature.pt")
+    dist.barrier()
+
+
 def token_budget(ckpt_root: Path, out_dir: Path) -> None:
+    from verl_mega.config import RolloutCorrectionConfig
     from verl_mega.parallel.state import current_layout, init_parallel
     from verl_mega.roles.batching import dp_slice, micro_batches
 
@@ -81,9 +117,15 @@ def token_budget(ckpt_root: Path, out_dir: Path) -> None:
     batch = training_batch(ckpt, cfg)
     noise = torch.Generator().manual_seed(2)
     batch["old_log_probs"] = -torch.rand(batch["responses"].shape, generator=noise)
+    batch["rollout_log_probs"] = batch["old_log_probs"] + 0.3 * torch.randn(batch["responses"].shape, generator=noise)
+    # Both corrections acting: some weights truncated, some tokens rejected.
+    corrected = RolloutCorrectionConfig(weights="token", weight_cap=1.1, reject="token", reject_low=0.8,
+                                        reject_high=1.25)
     result = {}
-    for name, max_tokens in (("fixed", 0), ("budget", MAX_TOKENS)):
-        actor = fresh_actor(ckpt, use_distributed_optimizer=True)
+    for name, max_tokens, correction in (("fixed", 0, None), ("budget", MAX_TOKENS, None),
+                                         ("corrected_fixed", 0, corrected),
+                                         ("corrected_budget", MAX_TOKENS, corrected)):
+        actor = fresh_actor(ckpt, use_distributed_optimizer=True, correction=correction)
         log_probs = actor.compute_log_prob(batch, MICRO_BATCH, max_tokens=max_tokens)["log_probs"]
         metrics = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH,
                                       max_tokens=max_tokens)
@@ -126,8 +168,9 @@ def fused_weight_gradients(ckpt_root: Path, out_dir: Path) -> None:
 def main(argv: list[str]) -> None:
     from verl_mega.parallel.state import destroy_parallel
 
-    ckpt_root, out_dir = (Path(arg) for arg in argv)
+    ckpt_root, hf_dir, out_dir = (Path(arg) for arg in argv)
     skip_old_pass(ckpt_root, out_dir)
+    temperature(ckpt_root, hf_dir, out_dir)
     token_budget(ckpt_root, out_dir)
     fused_weight_gradients(ckpt_root, out_dir)
     destroy_parallel()

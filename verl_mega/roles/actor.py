@@ -7,12 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from verl_mega.algorithms import agg_loss, compute_kl, get_policy_loss_fn, policy_loss_metric_names
+from verl_mega.algorithms import (
+    CORRECTION_OFF, agg_loss, compute_kl, get_policy_loss_fn, policy_loss_metric_names, rollout_correction,
+)
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
-from verl_mega.config import OptimConfig, PolicyLossConfig
+from verl_mega.config import OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+from verl_mega.parallel.state import current_layout, device
 
-from .batching import Batch, batch_size
+from .batching import Batch, batch_size, pad_response_columns
 from .logprobs import vocab_parallel_logprobs, vocab_parallel_sum_pi_squared
 from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
 from .trainable import TrainableModel
@@ -20,6 +24,9 @@ from .trainable import TrainableModel
 
 # One unit per row: every row of a sequence-level batch holds a non-empty completion.
 SEQUENCE_LOSS_AGG = "seq-mean-token-sum"
+# A batch column the on-policy update adds for itself: each row's index, so that the log-probs of its first
+# forward can be put back in batch order (see `Actor.first_forward_log_probs`).
+ROW_INDEX = "row_index"
 
 
 def load_gpt_model(ckpt_dir: str | Path, **config_overrides):
@@ -29,25 +36,38 @@ def load_gpt_model(ckpt_dir: str | Path, **config_overrides):
     return model, hf_config.vocab_size
 
 
-def response_logprobs(logits: torch.Tensor, micro_batch: Batch, vocab_size: int, return_entropy: bool):
-    """Log-probs (and entropy) of `responses` from a last stage's [b, R, V/tp] logits (see `stage_forward`)."""
+def response_logprobs(logits: torch.Tensor, micro_batch: Batch, vocab_size: int, return_entropy: bool,
+                      temperature: float = 1.0):
+    """Log-probs (and entropy) of `responses` from a last stage's [b, R, V/tp] logits (see `stage_forward`),
+    under softmax(logits / temperature): the distribution the rollout sampled from (at 1, the logits as they are,
+    bitwise)."""
     responses = micro_batch["responses"].to(logits.device)
+    if temperature != 1:
+        logits = logits / temperature
     return vocab_parallel_logprobs(logits, responses,
                                    vocab_size=vocab_size, return_entropy=return_entropy)
 
 
+def sampling_temperature(temperature: float) -> float:
+    """The temperature the trainer's log-probs are taken at for responses sampled at `temperature`: the same,
+    with greedy (0) counting as 1, as the rollout engines report their log-probs."""
+    return temperature if temperature > 0 else 1.0
+
+
 def compute_response_logprobs(model, vocab_size: int, batch: Batch, micro_batch_size: int,
                               return_entropy: bool = False, max_tokens: int = 0, packed: bool = False,
-                              return_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
-    """Forward-only {'log_probs'[, 'entropy'][, 'sum_pi_squared']} [B, R] of the responses, on every rank (actor
-    and reference)."""
+                              temperature: float = 1.0, return_sum_pi_squared: bool = False
+                              ) -> dict[str, torch.Tensor]:
+    """Forward-only {'log_probs'[, 'entropy'][, 'sum_pi_squared']} [B, R] of the responses at `temperature` (see
+    `response_logprobs`), on every rank (actor and reference)."""
     names = ("log_probs", "entropy") if return_entropy else ("log_probs",)
 
     def per_token(logits, micro_batch):
-        outputs = response_logprobs(logits, micro_batch, vocab_size, return_entropy)
+        outputs = response_logprobs(logits, micro_batch, vocab_size, return_entropy, temperature)
         per_name = dict(zip(names, outputs if return_entropy else (outputs,)))
-        if return_sum_pi_squared:
-            per_name["sum_pi_squared"] = vocab_parallel_sum_pi_squared(logits, vocab_size)
+        if return_sum_pi_squared:  # of the same distribution as the log-probs
+            per_name["sum_pi_squared"] = vocab_parallel_sum_pi_squared(
+                logits / temperature if temperature != 1 else logits, vocab_size)
         return per_name
 
     model.eval()
@@ -69,14 +89,23 @@ def is_on_policy(ppo_epochs: int, mini_batch_size: int, rows: int) -> bool:
 
 class Actor:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None, *,
-                 schedule_steps: int, packed_sequences: str = "auto", **config_overrides):
-        """`packed_sequences`: auto | true | false, `actor.use_packed_sequences` (see `resolve_sequence_packing`)."""
+                 schedule_steps: int, packed_sequences: str = "auto", temperature: float = 1.0,
+                 correction: RolloutCorrectionConfig | None = None, **config_overrides):
+        """`packed_sequences`: auto | true | false, `actor.use_packed_sequences` (see `resolve_sequence_packing`).
+        `temperature`: the PPO log-probs' (`sampling_temperature` of the rollout's). `correction`: what the PPO
+        update does with a batch's `rollout_log_probs` (`algorithm.rollout_correction`; default: nothing)."""
         module, self.vocab_size = load_gpt_model(ckpt_dir, **config_overrides)
         packed = resolve_sequence_packing(packed_sequences, module, "actor.use_packed_sequences")
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or PolicyLossConfig()
         self._policy_loss = get_policy_loss_fn(self.loss.policy_loss)
         self._policy_loss_knobs = self.loss.knobs()
+        self.temperature = temperature
+        self.correction = correction or RolloutCorrectionConfig()
+        # The on-policy update's first-forward log-probs: per micro-batch (row indices, [b, r]) while it runs,
+        # then [B, R] for the whole batch on every rank (None where the batch brought its old log-probs).
+        self._first_forward: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.first_forward_log_probs: torch.Tensor | None = None
 
     @property
     def model(self):
@@ -86,7 +115,7 @@ class Actor:
                          max_tokens: int = 0, return_sum_pi_squared: bool = False):
         """{'log_probs'[, 'entropy'][, 'sum_pi_squared']} of the response tokens, [B, R] float32 on every rank."""
         return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy,
-                                         max_tokens, self.trainable.packed, return_sum_pi_squared)
+                                         max_tokens, self.trainable.packed, self.temperature, return_sum_pi_squared)
 
     @property
     def uses_kl_loss(self) -> bool:
@@ -97,7 +126,9 @@ class Actor:
         """PPO steps (see `TrainableModel.train_epochs`); metrics averaged over the optimizer steps.
 
         Without 'old_log_probs' in `batch` the update is on-policy: allowed for one epoch over one mini-batch,
-        where the old log-probs are by definition the first (and only) forward's, which it uses, detached.
+        where the old log-probs are by definition the first (and only) forward's, which it uses, detached; they
+        are then left in `first_forward_log_probs` ([B, R] on every rank) when the batch has `rollout_log_probs`,
+        for the mismatch metrics.
         """
         if self.uses_kl_loss and "ref_log_probs" not in batch:
             raise ValueError("use_kl_loss is set but the batch has no 'ref_log_probs'")
@@ -108,8 +139,34 @@ class Actor:
         names = ["pg_loss", *policy_loss_metric_names(self.loss.policy_loss), "entropy"]
         if self.uses_kl_loss:
             names.append("kl_loss")
-        return self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
-                                        self.loss.loss_agg_mode, names, self._micro_batch_loss, max_tokens)
+        # Only the mismatch metrics read them, and only a batch with rollout log-probs has those.
+        keeps_first_forward = "old_log_probs" not in batch and "rollout_log_probs" in batch
+        self.first_forward_log_probs = None
+        self._first_forward = [] if keeps_first_forward else None
+        if keeps_first_forward:
+            batch = {**batch, ROW_INDEX: torch.arange(batch_size(batch))}
+        metrics = self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
+                                              self.loss.loss_agg_mode, names, self._micro_batch_loss, max_tokens)
+        if keeps_first_forward:
+            self.first_forward_log_probs = self._gathered_first_forward(tuple(batch["responses"].shape))
+        return metrics
+
+    def _gathered_first_forward(self, shape: tuple[int, int]) -> torch.Tensor:
+        """Collective: the first forward's log-probs kept by the last pipeline stages of every DP rank, as [B, R]
+        float32 on the CPU of every rank. Each row was computed on one DP rank, zeros stand for it elsewhere, so a
+        sum over DP puts every row together unchanged."""
+        from megatron.core import parallel_state as ps
+
+        log_probs = torch.zeros(shape, dtype=torch.float32, device=device())
+        for rows, values in self._first_forward:
+            log_probs[rows.to(log_probs.device)] = pad_response_columns(values, shape[1]).to(log_probs.device)
+        self._first_forward = None
+        if current_layout().dp > 1:
+            dist.all_reduce(log_probs, group=ps.get_data_parallel_group())
+        if current_layout().pp > 1:
+            dist.broadcast(log_probs, ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        return log_probs.cpu()
 
     def update_sft(self, batch: Batch, mini_batch_size: int, micro_batch_size: int) -> dict:
         """Supervised steps: the NLL of the `response_mask` tokens (the assistant's), averaged over the global
@@ -139,11 +196,19 @@ class Actor:
     def _micro_batch_loss(self, logits, micro_batch: Batch, share: MicroBatchShare):
         loss_config = self.loss
         on = lambda key: micro_batch[key].to(logits.device)  # noqa: E731
+        log_prob, entropy = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=True,
+                                              temperature=self.temperature)
+        if "old_log_probs" in micro_batch:
+            old_log_prob = on("old_log_probs")
+        else:
+            old_log_prob = log_prob.detach()
+            if self._first_forward is not None:
+                self._first_forward.append((micro_batch[ROW_INDEX], old_log_prob.float().cpu()))
         mask = on("response_mask")
-        log_prob, entropy = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=True)
-        old_log_prob = on("old_log_probs") if "old_log_probs" in micro_batch else log_prob.detach()
+        rollout_is_weights = self._rollout_is_weights(old_log_prob, micro_batch, mask)
         pg_loss, pg_metrics = self._policy_loss(old_log_prob, log_prob, on("advantages"), mask,
-                                                loss_agg_mode=loss_config.loss_agg_mode, **self._policy_loss_knobs)
+                                                loss_agg_mode=loss_config.loss_agg_mode,
+                                                rollout_is_weights=rollout_is_weights, **self._policy_loss_knobs)
         entropy_loss = agg_loss(entropy, mask, loss_config.loss_agg_mode)
         loss = pg_loss - loss_config.entropy_coeff * entropy_loss
         # The loss's own metrics are token-level means: weighted by the micro-batch's share of the tokens.
@@ -155,3 +220,16 @@ class Actor:
             loss = loss + loss_config.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss * share.loss
         return loss * share.loss, metrics
+
+    def _rollout_is_weights(self, old_log_prob: torch.Tensor, micro_batch: Batch, mask: torch.Tensor
+                            ) -> torch.Tensor | None:
+        """The rollout correction's weights of each token's policy-gradient loss, from the ratio of the old
+        log-probs (π_train) to the rollout's; None (no weighting) when it is off or the batch has no rollout
+        log-probs."""
+        config = self.correction
+        if "rollout_log_probs" not in micro_batch or config.weights == config.reject == CORRECTION_OFF:
+            return None
+        return rollout_correction(
+            old_log_prob, micro_batch["rollout_log_probs"].to(old_log_prob.device), mask, weights=config.weights,
+            weight_cap=config.weight_cap, reject=config.reject, reject_low=config.reject_low,
+            reject_high=config.reject_high).loss_weights

@@ -13,9 +13,12 @@ from .megatron_step import resolve_sequence_packing
 class Reference:
     """No DDP and no optimizer: the pipeline schedules run the bare GPTModel forward-only."""
 
-    def __init__(self, ckpt_dir: str | Path, packed_sequences: str = "auto", **config_overrides):
-        """`packed_sequences`: the actor's `actor.use_packed_sequences`, whose model this is."""
+    def __init__(self, ckpt_dir: str | Path, packed_sequences: str = "auto", temperature: float = 1.0,
+                 **config_overrides):
+        """`packed_sequences`: the actor's `actor.use_packed_sequences`, whose model this is. `temperature`: the
+        log-probs' (see `response_logprobs`), the actor's."""
         self.model, self.vocab_size = load_gpt_model(ckpt_dir, **config_overrides)
+        self.temperature = temperature
         self.packed = resolve_sequence_packing(packed_sequences, self.model, "actor.use_packed_sequences")
         self.model.requires_grad_(False)
         self.model.eval()
@@ -23,7 +26,8 @@ class Reference:
     def compute_ref_log_prob(self, batch: Batch, micro_batch_size: int, max_tokens: int = 0) -> torch.Tensor:
         """[B, R] float32 log-probs of the responses under the reference policy, on every rank."""
         return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size,
-                                         max_tokens=max_tokens, packed=self.packed)["log_probs"]
+                                         max_tokens=max_tokens, packed=self.packed,
+                                         temperature=self.temperature)["log_probs"]
 
 
 def make_reference(ckpt_dir: str | Path, *, use_kl: bool, **options) -> Reference | None:

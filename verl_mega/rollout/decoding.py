@@ -9,6 +9,8 @@ token. What a rollout needs is narrower, and four things make this loop cheaper:
 - Each layer's KV cache is written into room reserved for the whole response, where transformers' dynamic
   cache concatenates (copying the whole cache at every token: quadratic in the response length).
 Sampling follows `SamplingParams`: temperature, then top-k, then top-p (as transformers and vLLM order them).
+The log-prob returned with each token is taken from the same filtered logits the token was drawn from, so it
+costs one log-softmax per step and no extra forward (see `SamplingParams.logprobs`).
 """
 from __future__ import annotations
 
@@ -39,11 +41,22 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits
 
 
+def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The float32 logits of the distribution a token is drawn from: the raw ones when greedy (greedy counts as
+    temperature 1, as vLLM's greedy log-probs do), else `filtered_logits`."""
+    return logits.float() if params.greedy else filtered_logits(logits, params)
+
+
 def draw(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """One token per row: the argmax when greedy, else a draw from softmax(filtered logits)."""
-    if params.greedy:
-        return logits.argmax(-1)
-    cumulative = filtered_logits(logits, params).softmax(-1).double().cumsum(-1)
+    return draw_from(sampling_logits(logits, params), params.greedy)
+
+
+def draw_from(scores: torch.Tensor, greedy: bool) -> torch.Tensor:
+    """One token per row of `sampling_logits`' output: its argmax when greedy, else a draw from its softmax."""
+    if greedy:
+        return scores.argmax(-1)
+    cumulative = scores.softmax(-1).double().cumsum(-1)
     uniform = torch.rand(cumulative.shape[0], 1, dtype=torch.float64, device=cumulative.device)
     # The first entry whose cumulative probability exceeds u: entry i with probability p_i is drawn when u
     # falls in its interval of width p_i; float64 keeps those widths exact to ~1e-16 even over 150k entries.
@@ -54,7 +67,7 @@ def draw(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 @dataclass
 class Decoded:
     tokens: list[list[int]]  # per row, prompt-major (the n samples of prompt 0 first), ending at a stop token
-    logprobs: list[list[float]] | None  # raw (untempered, unfiltered) log-probabilities of those tokens
+    logprobs: list[list[float]] | None  # of those tokens, under the distribution each was drawn from
 
 
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
@@ -80,8 +93,9 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
     finished = [False] * rows
     active = list(range(rows))  # the row each batch entry continues
     for step in range(params.max_new_tokens):
-        token = draw(logits, params)
-        token_logprobs = (logits.float().log_softmax(-1).gather(-1, token[:, None]).squeeze(-1).tolist()
+        scores = sampling_logits(logits, params)
+        token = draw_from(scores, params.greedy)
+        token_logprobs = (scores.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1).tolist()
                           if logprobs is not None else None)
         for entry, (row, value) in enumerate(zip(active, token.tolist())):
             if not finished[row]:

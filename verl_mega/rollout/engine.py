@@ -14,8 +14,11 @@ from verl_mega.parallel.layout import rollout_vocab_rows
 class SamplingParams:
     """Generation stops at the model's EOS token, at any of `stop_token_ids` (the stop token is kept in the
     response), or after `max_new_tokens`. `temperature=0` is greedy; `top_k=-1` and `top_p=1` are off.
-    With `logprobs`, each response carries the log-probability of its tokens under the model's raw
-    (untempered, unfiltered) distribution, as vLLM reports them by default.
+    With `logprobs`, each response carries the log-probability of each of its tokens under the distribution it
+    was sampled from, taken in the same step (no extra pass): softmax(logits / temperature), greedy counting as
+    temperature 1; where top-k / top-p are on, that distribution is the filtered one, renormalised over the
+    tokens kept (vLLM's `processed_logprobs`, the only form vLLM reports with the temperature applied), so the
+    log-prob is then larger than the unfiltered one by -log(the probability mass kept).
     """
 
     temperature: float = 1.0

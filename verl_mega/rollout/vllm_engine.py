@@ -81,7 +81,11 @@ class VLLMEngine(RolloutEngine):
         self.llm = vllm.LLM(
             model=str(hf_dir), tensor_parallel_size=feed.rollout_tp, distributed_executor_backend="external_launcher",
             enable_sleep_mode=self.sleeps, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            seed=seed, load_format=load_format, gpu_memory_utilization=gpu_memory_utilization, **platform,
+            seed=seed, load_format=load_format, gpu_memory_utilization=gpu_memory_utilization,
+            # The sampled token's log-prob after temperature (and top-k / top-p), as `SamplingParams.logprobs`
+            # promises; vLLM's default (raw_logprobs) is before the temperature. On CUDA this makes vLLM sample
+            # with its PyTorch sampler: FlashInfer's cannot return processed log-probs.
+            logprobs_mode="processed_logprobs", **platform,
         )
         self._vllm = vllm
         self.feed = feed

@@ -13,7 +13,7 @@ from typing import Callable
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
+    ADV_ESTIMATORS, CORRECTION_MODES, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
     REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
@@ -104,6 +104,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     for key, value in (("algorithm.kl_penalty", alg.kl_penalty), ("actor.loss.kl_loss_type", a.loss.kl_loss_type)):
         known(key, value, KL_ESTIMATORS.names())
     known("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CONTROLLERS)
+    _check_rollout_correction(alg.rollout_correction, known, need)
     for role in ("actor", "critic"):
         known(f"{role}.optim.lr_decay_style", getattr(config, role).optim.lr_decay_style, LR_DECAY_STYLES)
     known("trainer.nonfinite", config.trainer.nonfinite, NONFINITE_POLICIES)
@@ -117,6 +118,17 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
     if check_files:
         _check_files(config, check, need)
+
+
+def _check_rollout_correction(correction, known, need) -> None:
+    key = "algorithm.rollout_correction"
+    known(f"{key}.weights", correction.weights, CORRECTION_MODES)
+    known(f"{key}.reject", correction.reject, CORRECTION_MODES)
+    need(correction.weight_cap > 0, f"{key}.weight_cap={correction.weight_cap} must be > 0 (the importance "
+         "weights' cap C; 2 is usual)")
+    need(0 <= correction.reject_low < correction.reject_high,
+         f"{key}.reject_low={correction.reject_low} must be >= 0 and below {key}.reject_high="
+         f"{correction.reject_high}")
 
 
 def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, known) -> None:

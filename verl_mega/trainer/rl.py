@@ -2,8 +2,9 @@
 on the same global batch; the roles take their own data-parallel slices, so `train_step` reads as the dataflow
 it runs, one named stage after the other:
 
-    sample prompts -> HybridEngine transition -> generate -> one row per response -> old/ref log-probs, values
-    -> rewards -> advantages -> critic and actor updates -> metrics
+    sample prompts -> HybridEngine transition -> generate (tokens and their rollout log-probs) -> one row per
+    response -> old/ref log-probs, values -> rewards -> advantages -> critic and actor updates
+    -> rollout/training mismatch -> metrics
 
 A stage that finds NaN/inf ends the step before anything is applied (or stops the run: `trainer.nonfinite`).
 
@@ -22,7 +23,7 @@ from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
     RunningMeanStd, apply_kl_penalty, compute_kl, estimator_inputs, estimator_knobs, get_adv_estimator,
-    get_kl_controller, masked_mean,
+    get_kl_controller, masked_mean, mismatch_metrics_by_source, rollout_correction,
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -31,11 +32,11 @@ from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.agree import all_finite
 from verl_mega.parallel.layout import rollout_placement
-from verl_mega.roles.actor import Actor, is_on_policy, uses_kl_loss
+from verl_mega.roles.actor import Actor, is_on_policy, sampling_temperature, uses_kl_loss
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
 from verl_mega.roles.reward import HFRewardModel, RewardFn, RuleReward, scores_to_token_rewards
-from verl_mega.rollout.engine import SamplingParams
+from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.training_memory import training_memory_released
@@ -123,10 +124,13 @@ class RLJob(TrainingJob):
         # The critic and the reference run in the actor's dtype, whatever their checkpoints were saved in.
         dtype = config.model.dtype
         packed = config.actor.use_packed_sequences
+        # The log-probs of the update and of the KL term are the sampling distribution's (logits / temperature).
+        temperature = sampling_temperature(config.rollout.temperature)
         self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
-                           schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed)
+                           schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed,
+                           temperature=temperature, correction=config.algorithm.rollout_correction)
         self.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), dtype=dtype,
-                                        packed_sequences=packed)
+                                        packed_sequences=packed, temperature=temperature)
         self.critic = None
         if self.uses_critic:
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
@@ -220,8 +224,9 @@ class RLJob(TrainingJob):
         prompts = self.next_prompts()
         responses, greedy_responses = self.rollout_stage(prompts["input_ids"], timer)
         rows = one_row_per_response(prompts, self.config.rollout.n)
-        batch = build_rollout_batch(rows["input_ids"], responses, self.config.data.max_response_length,
-                                    self.tokenizer.pad_token_id)
+        batch = build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
+                                    self.config.data.max_response_length, self.tokenizer.pad_token_id,
+                                    [r.logprobs for r in responses])
         self.log_probs_and_values(batch, timer)
         with timer("reward"):
             scores, token_scores = self.score(batch, rows)
@@ -233,6 +238,7 @@ class RLJob(TrainingJob):
         if self.nonfinite_batch(batch):
             return self.step_metrics(metrics, batch, scores, timer)
         metrics.update(self.update_roles(batch, timer))
+        metrics.update(self.rollout_mismatch(batch, rows))
         return self.step_metrics(metrics, batch, scores, timer)
 
     # --- stages ---------------------------------------------------------------------------------------
@@ -244,7 +250,7 @@ class RLJob(TrainingJob):
                 **{key: [item.get(key) for item in items] for key in PROMPT_FIELDS}}
 
     def rollout_stage(self, prompts: list[list[int]], timer: StageTimer
-                      ) -> tuple[list[list[int]], list[list[int]] | None]:
+                      ) -> tuple[list[Response], list[list[int]] | None]:
         """The HybridEngine transition, then the responses to `prompts` (n each, every rank gets all), and, for
         an estimator that takes a greedy baseline (ReMax), one greedy response per prompt (else None)."""
         with self.rollout_engine_awake(timer):
@@ -262,7 +268,7 @@ class RLJob(TrainingJob):
         (inside their awake window, so it costs no transition); timed as `remax_baseline`."""
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
         with timer("remax_baseline"):
-            return self.generate(prompts, greedy)
+            return [response.token_ids for response in self.generate(prompts, greedy)]
 
     def remax_baselines(self, prompts: dict, greedy_responses: list[list[int]] | None, timer: StageTimer
                         ) -> torch.Tensor | None:
@@ -343,9 +349,10 @@ class RLJob(TrainingJob):
         estimator_needs = "old_log_probs" in estimator_inputs(self.config.algorithm.adv_estimator)
         return kl_in_reward or estimator_needs or not is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
-        """Each rollout replica generates its share of the prompts; every rank gets all responses. `params`:
-        the rollout's sampling (rollout.*, n per prompt) unless given."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Response]:
+        """Each rollout replica generates its share of the prompts; every rank gets all responses, each with its
+        tokens' log-probs under the distribution they were sampled from (the engine's own, at no extra pass).
+        `params`: the rollout's sampling (rollout.*, n per prompt) unless given."""
         config, layout = self.config, self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         replicas, replica = placement.replicas, placement.replica
@@ -354,12 +361,31 @@ class RLJob(TrainingJob):
         rollout = config.rollout
         params = params or SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                                           max_new_tokens=config.data.max_response_length, n=rollout.n,
-                                          seed=rollout.seed + self.step * replicas + replica)
-        responses = [r.token_ids for r in self.rollout.generate(mine, params)] if mine else []
+                                          seed=rollout.seed + self.step * replicas + replica, logprobs=True)
+        responses = [Response(replica * share + r.prompt_index, r.token_ids, r.logprobs)
+                     for r in self.rollout.generate(mine, params)] if mine else []
         gathered: list = [None] * layout.world_size
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
-        return [tokens for rep in range(replicas) for tokens in by_replica[rep]]
+        return [response for rep in range(replicas) for response in by_replica[rep]]
+
+    def rollout_mismatch(self, batch: dict, rows: dict) -> dict[str, float]:
+        """`rollout_corr/<metric>` (and `rollout_corr/<metric>/<data_source>`, where rows have one): how far the
+        rollout engine's log-probs are from the trainer's on the step's responses, and what the configured
+        correction truncated or masked (see `algorithms.mismatch_metrics`). The trainer's are the old-log-prob
+        pass's where it ran, else the on-policy update's first forward's (the same numbers: the weights that
+        generated the batch), which are the ones the correction used."""
+        train = batch.get("old_log_probs", self.actor.first_forward_log_probs)
+        if "rollout_log_probs" not in batch or train is None:
+            return {}
+        rollout, mask = batch["rollout_log_probs"], batch["response_mask"]
+        config = self.config.algorithm.rollout_correction
+        correction = rollout_correction(train, rollout, mask, weights=config.weights, weight_cap=config.weight_cap,
+                                        reject=config.reject, reject_low=config.reject_low,
+                                        reject_high=config.reject_high)
+        sources = [None if source is None else str(source) for source in rows["data_source"]]
+        return {f"rollout_corr/{name}": value
+                for name, value in mismatch_metrics_by_source(train, rollout, mask, correction, sources).items()}
 
     def sample_rows(self, batch: dict, rows: dict, scores: torch.Tensor) -> list[dict]:
         """`trainer.log_samples` rows of the step for generations.jsonl: the first sample of as many prompts as

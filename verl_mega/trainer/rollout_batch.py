@@ -9,18 +9,36 @@ from verl_mega.data.padding import pad_rows, position_ids
 
 
 def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                        max_response_length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+                        max_response_length: int, pad_token_id: int,
+                        rollout_log_probs: Sequence[Sequence[float]] | None = None) -> dict[str, torch.Tensor]:
     """Prompts left-padded to the longest, responses right-padded to `max_response_length`, so each row's
-    valid tokens are contiguous and the response is the last R columns."""
+    valid tokens are contiguous and the response is the last R columns. `rollout_log_probs`: the engine's
+    log-prob of each response token (`SamplingParams.logprobs`), kept as `rollout_log_probs` [B, R] float32
+    (0 at padding)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     prompt_ids, prompt_mask = pad_rows(prompts, pad_token_id, side="left")
     response_ids, response_mask = pad_rows(responses, pad_token_id, side="right", width=max_response_length)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return {
+    batch = {
         "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
         "attention_mask": attention_mask,
         "position_ids": position_ids(attention_mask),
         "responses": response_ids,
         "response_mask": response_mask,
     }
+    if rollout_log_probs is not None:
+        batch["rollout_log_probs"] = right_padded_values(rollout_log_probs, responses, max_response_length)
+    return batch
+
+
+def right_padded_values(values: Sequence[Sequence[float]], responses: Sequence[Sequence[int]], width: int
+                        ) -> torch.Tensor:
+    """One float per response token, [rows, width] float32, cut and padded (with 0) as the responses are."""
+    rows = []
+    for row, tokens in zip(values, responses):
+        if len(row) != len(tokens):
+            raise ValueError(f"a response of {len(tokens)} tokens came with {len(row)} log-probs")
+        kept = list(row)[:width]
+        rows.append(kept + [0.0] * (width - len(kept)))
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), width)
