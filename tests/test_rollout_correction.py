@@ -116,9 +116,11 @@ def test_truncated_weights_scale_each_tokens_policy_gradient_loss():
 
 def test_no_weights_is_the_unweighted_loss_bitwise():
     old = TRAIN + 0.1 * MASK
-    plain = compute_policy_loss(old, TRAIN, ADVANTAGES, MASK)
-    assert all(torch.equal(a, b) for a, b in zip(plain, compute_policy_loss(old, TRAIN, ADVANTAGES, MASK,
-                                                                               rollout_is_weights=None)))
+    plain_loss, plain_metrics = compute_policy_loss(old, TRAIN, ADVANTAGES, MASK)
+    loss, metrics = compute_policy_loss(old, TRAIN, ADVANTAGES, MASK, rollout_is_weights=None)
+    assert torch.equal(plain_loss, loss)
+    assert metrics.keys() == plain_metrics.keys()
+    assert all(torch.equal(metrics[name], plain_metrics[name]) for name in metrics)
 
 
 @pytest.fixture
