@@ -4,14 +4,9 @@ from transformers import AutoTokenizer
 
 from verl_mega.data.synthetic import make_task_rows
 from verl_mega.data.tiny_tokenizer import save_tiny_tokenizer
-from verl_mega.roles.reward import (
-    RuleReward,
-    add_score,
-    copy_score,
-    exact_match_score,
-    get_reward_fn,
-    scores_to_token_rewards,
-)
+from verl_mega.rewards.registry import get_reward_fn
+from verl_mega.rewards.rules import add_score, copy_score, exact_match_score
+from verl_mega.roles.reward import RuleReward, scores_to_token_rewards
 
 
 @pytest.mark.parametrize(
@@ -67,8 +62,9 @@ def test_registry_by_module_function(tmp_path, monkeypatch):
 
 
 def test_unknown_name_lists_registered_names():
-    with pytest.raises(ValueError, match=r"unknown reward function 'gsm8k'; registered: add, copy, exact_match"):
-        get_reward_fn("gsm8k")
+    with pytest.raises(ValueError, match=r"unknown reward function 'nosuch'; registered: add, copy, dapo, default, "
+                                         r"exact_match, gsm8k, math \(or give 'module:function'\)"):
+        get_reward_fn("nosuch")
 
 
 def test_missing_module_is_a_clear_error():

@@ -126,7 +126,7 @@ def test_bad_data_rows_are_refused_up_front_naming_file_and_row(capsys, inputs, 
     ("none_reward", "returned NoneType 'None'"),
     ("list_reward", "returned list '[1.0]'"),
     ("str_reward", "returned str '1.0'"),
-    ("dict_reward", "returned dict"),
+    ("dict_reward", "returned dict with fields ['acc'] but no 'score'"),
     ("raising_reward", "raised KeyError: 'answer'"),
 ])
 def test_reward_functions_that_misbehave_are_named(inputs, function, words):
@@ -150,7 +150,8 @@ def test_non_finite_rewards_reach_the_trainer_as_such(inputs, function):
     from verl_mega.roles.reward import RuleReward
 
     reward = RuleReward(AutoTokenizer.from_pretrained(inputs["hf"]), f"{REWARDS}:{function}")
-    scores, _ = reward(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), ["1"])
+    scores = reward(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), ["1"]).scores
+    reward.close()
     assert not torch.isfinite(scores).any()  # the trainer stops or skips on them (slow tests below)
 
 
