@@ -28,3 +28,17 @@ def dict_reward(data_source, solution_str, ground_truth, extra_info=None):
 
 def raising_reward(data_source, solution_str, ground_truth, extra_info=None):
     return {"a": 1}["answer"]
+
+
+def hostile_on_nine(data_source, solution_str, ground_truth, extra_info=None):
+    """math-verify's score, except that an answer "9" is replaced by a LaTeX power tower that makes sympy
+    compute for far longer than any time limit (the tiny tokenizer cannot spell the tower itself)."""
+    from verl_mega.rewards.math_answers import math_score
+
+    answer = "\\boxed{9^{9^{9}}}" if solution_str.strip() == "9" else solution_str
+    return math_score(data_source, answer, ground_truth)
+
+
+def allocating_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """1 GiB at once: MemoryError under a smaller reward.memory_limit_mb, the blow-up a hostile answer causes."""
+    return float(len(bytearray(2**30)) > 0)
