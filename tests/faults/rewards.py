@@ -42,3 +42,19 @@ def hostile_on_nine(data_source, solution_str, ground_truth, extra_info=None):
 def allocating_reward(data_source, solution_str, ground_truth, extra_info=None):
     """1 GiB at once: MemoryError under a smaller reward.memory_limit_mb, the blow-up a hostile answer causes."""
     return float(len(bytearray(2**30)) > 0)
+
+
+def late_twice(data_source, solution_str, ground_truth, extra_info=None):
+    """The run's first two answers take a minute, the others score 1 at once. Each call appends the pid of the
+    process scoring it to $LATE_REWARD_LOG (one line per answer, "late" or "fast"), so a test can tell the
+    workers apart and check none is left."""
+    import os
+    import time
+
+    log = os.environ["LATE_REWARD_LOG"]
+    late = not os.path.exists(log) or open(log).read().count("late") < 2
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()} {'late' if late else 'fast'}\n")
+    if late:
+        time.sleep(60)
+    return 1.0

@@ -390,6 +390,26 @@ def test_non_finite_rewards_can_be_skipped_and_counted(inputs, tmp_path):
 
 
 @pytest.mark.slow
+def test_late_answers_score_0_are_counted_logged_once_and_leave_no_worker(inputs, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "answers.log"
+    result = world_of_one(inputs, run_dir, f"reward.function={REWARDS}:late_twice", "reward.timeout_s=1",
+                          "trainer.total_steps=2", env={"LATE_REWARD_LOG": str(log)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/timeouts"] for r in records] == [2, 0]
+    assert [r["reward/mean"] for r in records] == [6 / 8, 1.0]  # the two late answers scored 0
+    notes = [line for line in result.stdout.splitlines() if "took longer than reward.timeout_s" in line]
+    assert notes == [f"step 1: reward.function '{REWARDS}:late_twice' on response 0 (data_source 'copy') took "
+                     "longer than reward.timeout_s=1 s: scored 0, its worker replaced; later ones are counted in "
+                     "reward/timeouts, not logged"]
+    answers = [line.split() for line in log.read_text().splitlines()]
+    assert [kind for _, kind in answers] == ["late", "late"] + ["fast"] * 14
+    workers = sorted({int(pid) for pid, _ in answers})
+    assert len(workers) == 3  # a fresh worker after each late answer, then one for the rest of the run
+    assert survivors_after(workers, 5.0) == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_non_finite_gradients_are_never_applied(tmp_path, dtype):
     result = subprocess.run([sys.executable, str(Path(__file__).parent / "nonfinite_worker.py"), str(tmp_path), dtype],
