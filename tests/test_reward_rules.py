@@ -8,6 +8,8 @@ from verl_mega.rewards.registry import get_reward_fn
 from verl_mega.rewards.rules import add_score, copy_score, exact_match_score
 from verl_mega.roles.reward import RuleReward, scores_to_token_rewards
 
+from .faults.rewards import graded_reward
+
 
 @pytest.mark.parametrize(
     "response, expected",
@@ -141,14 +143,10 @@ def test_synthetic_ground_truth_earns_full_reward_from_the_reward_named_by_its_d
         assert fn(row["data_source"], row["reward_model"]["ground_truth"], row["reward_model"]["ground_truth"], None) == 1.0
 
 
-def graded_score(data_source, solution_str, ground_truth, extra_info):
-    """A dict reward as verl's math_dapo returns one: the score, a numeric field, a bool and a string."""
-    right = solution_str == ground_truth
-    return {"score": 1.0 if right else -1.0, "acc": right, "length": len(solution_str), "pred": solution_str}
-
-
-@pytest.mark.parametrize("spec", [pytest.param(graded_score, id="in_process"),
-                                  pytest.param(f"{__name__}:graded_score", id="in_the_worker", marks=pytest.mark.slow)])
+# In the worker by name from a module that imports little (the worker imports it anew).
+@pytest.mark.parametrize("spec", [pytest.param(graded_reward, id="in_process"),
+                                  pytest.param("tests.faults.rewards:graded_reward", id="in_the_worker",
+                                               marks=pytest.mark.slow)])
 def test_dict_rewards_give_the_score_numeric_extras_and_sample_fields(tmp_path, spec):
     tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
     responses, mask = encode_responses(tokenizer, ["12", "7", "123"], length=5)

@@ -1,4 +1,5 @@
-"""Reward functions that misbehave, as `reward.function: tests.faults.rewards:NAME` for the fault tests."""
+"""Reward functions that misbehave (and one that does not, for comparison), as
+`reward.function: tests.faults.rewards:NAME` for the fault and reward tests."""
 import math
 
 
@@ -28,6 +29,12 @@ def dict_reward(data_source, solution_str, ground_truth, extra_info=None):
 
 def raising_reward(data_source, solution_str, ground_truth, extra_info=None):
     return {"a": 1}["answer"]
+
+
+def graded_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """A well-behaved dict reward, as verl's math_dapo returns one: the score, a bool, a number and a string."""
+    right = solution_str == ground_truth
+    return {"score": 1.0 if right else -1.0, "acc": right, "length": len(solution_str), "pred": solution_str}
 
 
 def hostile_on_nine(data_source, solution_str, ground_truth, extra_info=None):
