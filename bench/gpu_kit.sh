@@ -18,8 +18,10 @@ KIT=${GPU_KIT_DIR:-.whl}
 LIMIT_MIB=64
 # requirements.txt's names: megatron-core (the package refuses to import without it), transformers 5.24
 # (setup.py needs >= 5.24), huggingface-hub 2.x and its new needs (httpx2, httpcore2, truststore), omegaconf
-# (the config), tensorboardX (trainer.tensorboard, on by default).
-NAMES=(megatron-core transformers huggingface_hub httpx2 httpcore2 truststore omegaconf tensorboardX)
+# (the config), tensorboardX (trainer.tensorboard, on by default), math-verify and its LaTeX parser with the
+# ANTLR runtime that parser needs (the math rewards; sympy comes with torch).
+NAMES=(megatron-core transformers huggingface_hub httpx2 httpcore2 truststore omegaconf tensorboardX math-verify
+       latex2sympy2_extended antlr4-python3-runtime)
 # manylinux tags as pip matches them, one exact tag each (megatron-core ships cp312 manylinux wheels).
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 

@@ -117,7 +117,7 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from verl_mega.roles.reward import copy_score
+    from verl_mega.rewards.rules import copy_score
 
     torch.set_num_threads(threads)
 

@@ -32,7 +32,7 @@ from verl_mega.config import schema
 from verl_mega.data.prompts import TRUNCATION_SIDES
 from verl_mega.models.builder import DTYPES
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
-from verl_mega.roles.reward import REWARD_FUNCTIONS
+from verl_mega.rewards.registry import REWARD_FUNCTIONS
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.factory import ENGINES
 

@@ -19,7 +19,7 @@ from verl_mega.config import ConfigError, load_config
 from verl_mega.config.errors import UserError
 from verl_mega.data.synthetic import make_task_rows
 from verl_mega.data.tables import read_rows, write_dataset_folder
-from verl_mega.roles.reward import reward_fn_provenance
+from verl_mega.rewards.registry import reward_fn_provenance
 from verl_mega.trainer.preflight import preflight_check
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,12 +4,13 @@ The layering, written down once: a package may import its own modules and packag
 
     0  files                            files on disk: the write-then-rename protocol, a file's sha256
     1  config, ops, parallel, data      leaves: the config schema, kernels, process groups, datasets
-    2  algorithms, models               PPO math (pure tensor functions); model families and the builder
+    2  algorithms, models, rewards      PPO math (pure tensor functions); model families and the builder;
+                                        reward functions and the worker process that runs them under a limit
     3  checkpoint                       model formats on disk: shards, manifests, dist checkpoints, HF assets
     4  roles, rollout                   actor / critic / reference / reward; rollout engines, HybridEngine
     5  run                              the run folder: its names (RunFolder), step checkpoints, final weights,
-                                        the mirror, provenance, the lock; above roles because the provenance
-                                        record names the reward function (roles.reward)
+                                        the mirror, provenance, the lock; above checkpoint, whose
+                                        formats it saves in (it imports no role)
     6  converters                       HF <-> Megatron conversion, parity check, export of a run's weights
     7  trainer                          the job loops and their pre-flight check
     8  launch                           torchrun / Slurm launchers
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     {"files"},
     {"config", "ops", "parallel", "data"},
-    {"algorithms", "models"},
+    {"algorithms", "models", "rewards"},
     {"checkpoint"},
     {"roles", "rollout"},
     {"run"},

@@ -17,6 +17,13 @@ def text_checksum_score(data_source, solution_str, ground_truth, extra_info=None
     return sum(map(ord, solution_str)) % 101 / 100
 
 
+def checksum_with_fields(data_source, solution_str, ground_truth, extra_info=None) -> dict:
+    """text_checksum_score as a dict reward (run in the scoring worker: it is given by name), with a numeric
+    field (logged as reward/length) and a string one (kept in the samples)."""
+    return {"score": text_checksum_score(data_source, solution_str, ground_truth), "length": len(solution_str),
+            "first": solution_str[:1]}
+
+
 def greedy_scores(hf_dir, rows, max_new_tokens) -> list[float]:
     """transformers' greedy replies to `rows`, one at a time, scored by text_checksum_score."""
     import torch
@@ -136,7 +143,7 @@ def test_short_ppo_run_validates_logs_samples_profiles_and_prints_json(tmp_path)
           for key, value in (("mini_batch_size", 8), ("micro_batch_size", 4))),
         "trainer.total_steps=3", "trainer.val_every=2", "trainer.log_samples_every=2", "trainer.log_samples=3",
         "trainer.profile_steps=[2]", "trainer.profile_ranks=[0]", "trainer.log_format=json",
-        "trainer.progress_bar=true", "reward.function=test_observe:text_checksum_score"], capture_output=True,
+        "trainer.progress_bar=true", "reward.function=test_observe:checksum_with_fields"], capture_output=True,
         env={"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))})
 
     # stdout: one JSON object per logged step, nothing else; the same records as metrics.jsonl.
@@ -147,8 +154,11 @@ def test_short_ppo_run_validates_logs_samples_profiles_and_prints_json(tmp_path)
     validated = {r["step"]: r for r in records if "val/reward_mean" in r}
     assert sorted(validated) == [0, 2, 3]
     assert "reward/mean" not in records[0]  # step 0 is the baseline, before any rollout
+    for record in records[1:]:  # the dict reward's numeric field, a mean of characters decoded
+        assert 0 <= record["reward/length"] <= record["response/length_max"] and record["reward/timeouts"] == 0
     for record in validated.values():
-        assert {"val/reward_mean/copy", "val/reward_mean/add", "val/response_length_mean"} <= set(record)
+        assert {"val/reward_mean/copy", "val/reward_mean/add", "val/response_length_mean", "val/reward/length",
+                "val/reward/timeouts"} <= set(record)
         assert record["val/reward_mean"] == pytest.approx(
             (3 * record["val/reward_mean/copy"] + 2 * record["val/reward_mean/add"]) / 5)
 
@@ -167,6 +177,7 @@ def test_short_ppo_run_validates_logs_samples_profiles_and_prints_json(tmp_path)
     for sample in samples:
         assert sample["prompt"].startswith("user: copy: ") and isinstance(sample["response"], str)
         assert sample["data_source"] == "copy" and 0.0 <= sample["score"] <= 1.0
+        assert sample["length"] == len(sample["response"]) and sample["first"] == sample["response"][:1]
 
     trace = RunFolder(run_dir).profile_trace(2, 0)
     assert "traceEvents" in json.loads(trace.read_text())

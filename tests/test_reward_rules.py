@@ -4,14 +4,11 @@ from transformers import AutoTokenizer
 
 from verl_mega.data.synthetic import make_task_rows
 from verl_mega.data.tiny_tokenizer import save_tiny_tokenizer
-from verl_mega.roles.reward import (
-    RuleReward,
-    add_score,
-    copy_score,
-    exact_match_score,
-    get_reward_fn,
-    scores_to_token_rewards,
-)
+from verl_mega.rewards.registry import get_reward_fn
+from verl_mega.rewards.rules import add_score, copy_score, exact_match_score
+from verl_mega.roles.reward import RuleReward, scores_to_token_rewards
+
+from .faults.rewards import graded_reward
 
 
 @pytest.mark.parametrize(
@@ -67,8 +64,9 @@ def test_registry_by_module_function(tmp_path, monkeypatch):
 
 
 def test_unknown_name_lists_registered_names():
-    with pytest.raises(ValueError, match=r"unknown reward function 'gsm8k'; registered: add, copy, exact_match"):
-        get_reward_fn("gsm8k")
+    with pytest.raises(ValueError, match=r"unknown reward function 'nosuch'; registered: add, copy, dapo, default, "
+                                         r"exact_match, gsm8k, math \(or give 'module:function'\)"):
+        get_reward_fn("nosuch")
 
 
 def test_missing_module_is_a_clear_error():
@@ -143,3 +141,69 @@ def test_synthetic_ground_truth_earns_full_reward_from_the_reward_named_by_its_d
     for row in make_task_rows(task, 20, seed=0):
         fn = get_reward_fn(row["data_source"])
         assert fn(row["data_source"], row["reward_model"]["ground_truth"], row["reward_model"]["ground_truth"], None) == 1.0
+
+
+# In the worker by name from a module that imports little (the worker imports it anew).
+@pytest.mark.parametrize("spec", [pytest.param(graded_reward, id="in_process"),
+                                  pytest.param("tests.faults.rewards:graded_reward", id="in_the_worker",
+                                               marks=pytest.mark.slow)])
+def test_dict_rewards_give_the_score_numeric_extras_and_sample_fields(tmp_path, spec):
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
+    responses, mask = encode_responses(tokenizer, ["12", "7", "123"], length=5)
+    reward = RuleReward(tokenizer, spec)
+    try:
+        output = reward(responses, mask, ["12", "8", "123"], ["s"] * 3)
+    finally:
+        reward.close()
+    assert (reward.worker is not None) == isinstance(spec, str)
+    assert output.scores.tolist() == [1.0, -1.0, 1.0]
+    assert output.token_level_rewards.sum(dim=-1).tolist() == [1.0, -1.0, 1.0]
+    assert sorted(output.extras) == ["acc", "length"]
+    assert output.extras["acc"].tolist() == [1.0, 0.0, 1.0] and output.extras["length"].tolist() == [2.0, 1.0, 3.0]
+    assert output.sample_fields == ({"pred": "12"}, {"pred": "7"}, {"pred": "123"})
+    assert output.timeouts == {}
+
+
+def test_float_rewards_have_no_extras(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
+    responses, mask = encode_responses(tokenizer, ["1"], length=3)
+    output = RuleReward(tokenizer, "copy")(responses, mask, ["1"])
+    assert output.extras == {} and output.sample_fields == ({},)
+
+
+def test_rows_without_a_field_are_nan_in_its_tensor(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
+    responses, mask = encode_responses(tokenizer, ["1", "2"], length=3)
+
+    def sometimes_a_dict(data_source, solution_str, ground_truth, extra_info):
+        return {"score": 1.0, "acc": 1} if solution_str == "1" else 0.0
+
+    output = RuleReward(tokenizer, sometimes_a_dict)(responses, mask, ["1", "1"])
+    assert output.scores.tolist() == [1.0, 0.0]
+    assert output.extras["acc"][0].item() == 1.0 and output.extras["acc"][1].isnan()
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"acc": 1.0}, "returned dict with fields ['acc'] but no 'score'"),
+    ({"score": "1"}, "returned dict whose 'score' is str '1'; it must be a number"),
+    ({"score": None, "acc": 1}, "returned dict whose 'score' is NoneType 'None'"),
+])
+def test_a_dict_without_a_numeric_score_is_one_line_naming_function_and_row(tmp_path, value, words):
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
+    responses, mask = encode_responses(tokenizer, ["1", "2"], length=3)
+
+    def bad_on_second_row(data_source, solution_str, ground_truth, extra_info):
+        return value if solution_str == "2" else 1.0
+
+    with pytest.raises(ValueError) as error:
+        RuleReward(tokenizer, bad_on_second_row)(responses, mask, ["1", "2"], ["a", "b"])
+    message = str(error.value)
+    assert message.startswith("reward.function 'tests.test_reward_rules:test_a_dict_without_a_numeric_score_is_")
+    assert "on response 1 (data_source 'b'): " + words in message and "\n" not in message
+
+
+def test_a_dict_score_that_is_nan_reaches_the_trainer_as_such(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
+    responses, mask = encode_responses(tokenizer, ["1"], length=3)
+    output = RuleReward(tokenizer, lambda *row: {"score": float("nan")})(responses, mask, ["1"])
+    assert output.scores.isnan().all()  # trainer.nonfinite stops or skips, naming the function and the rows

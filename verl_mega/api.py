@@ -20,7 +20,7 @@ from verl_mega.config import ConfigError, TrainConfig, load_config
 from verl_mega.config.errors import UserError
 from verl_mega.converters.export import export_role
 from verl_mega.data.prompts import as_messages, encode_chat
-from verl_mega.roles.reward import RewardFn, reward_fn_name
+from verl_mega.rewards.registry import RewardFn, reward_fn_name
 from verl_mega.run.folder import RunFolder
 from verl_mega.trainer.main import run
 

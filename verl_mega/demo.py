@@ -32,7 +32,7 @@ from verl_mega.data.synthetic import make_task_rows, preference_pairs, sft_conve
 from verl_mega.data.tables import write_rows
 from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.parallel.spawn import run_torchrun
-from verl_mega.roles.reward import get_reward_fn
+from verl_mega.rewards.registry import get_reward_fn
 from verl_mega.run.folder import RunFolder
 from verl_mega.trainer.plot import read_metrics
 

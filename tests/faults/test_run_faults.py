@@ -126,7 +126,7 @@ def test_bad_data_rows_are_refused_up_front_naming_file_and_row(capsys, inputs, 
     ("none_reward", "returned NoneType 'None'"),
     ("list_reward", "returned list '[1.0]'"),
     ("str_reward", "returned str '1.0'"),
-    ("dict_reward", "returned dict"),
+    ("dict_reward", "returned dict with fields ['acc'] but no 'score'"),
     ("raising_reward", "raised KeyError: 'answer'"),
 ])
 def test_reward_functions_that_misbehave_are_named(inputs, function, words):
@@ -150,7 +150,8 @@ def test_non_finite_rewards_reach_the_trainer_as_such(inputs, function):
     from verl_mega.roles.reward import RuleReward
 
     reward = RuleReward(AutoTokenizer.from_pretrained(inputs["hf"]), f"{REWARDS}:{function}")
-    scores, _ = reward(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), ["1"])
+    scores = reward(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), ["1"]).scores
+    reward.close()
     assert not torch.isfinite(scores).any()  # the trainer stops or skips on them (slow tests below)
 
 
@@ -386,6 +387,26 @@ def test_non_finite_rewards_can_be_skipped_and_counted(inputs, tmp_path):
     final = megatron_legacy.read_shard(run_dir / "final_actor", 2, **coords)
     shared = [k for k in initial.keys() & final.keys() if torch.is_tensor(initial[k])]
     assert shared and all(torch.equal(initial[k], final[k]) for k in shared)
+
+
+@pytest.mark.slow
+def test_late_answers_score_0_are_counted_logged_once_and_leave_no_worker(inputs, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "answers.log"
+    result = world_of_one(inputs, run_dir, f"reward.function={REWARDS}:late_twice", "reward.timeout_s=1",
+                          "trainer.total_steps=2", env={"LATE_REWARD_LOG": str(log)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/timeouts"] for r in records] == [2, 0]
+    assert [r["reward/mean"] for r in records] == [6 / 8, 1.0]  # the two late answers scored 0
+    notes = [line for line in result.stdout.splitlines() if "took longer than reward.timeout_s" in line]
+    assert notes == [f"step 1: reward.function '{REWARDS}:late_twice' on response 0 (data_source 'copy') took "
+                     "longer than reward.timeout_s=1 s: scored 0, its worker replaced; later ones are counted in "
+                     "reward/timeouts, not logged"]
+    answers = [line.split() for line in log.read_text().splitlines()]
+    assert [kind for _, kind in answers] == ["late", "late"] + ["fast"] * 14
+    workers = sorted({int(pid) for pid, _ in answers})
+    assert len(workers) == 3  # a fresh worker after each late answer, then one for the rest of the run
+    assert survivors_after(workers, 5.0) == []
 
 
 @pytest.mark.slow

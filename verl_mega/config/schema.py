@@ -329,7 +329,15 @@ class RewardConfig:
     """What scores a response (rl)."""
 
     function: str = "exact_match"
-    """A registered reward function's name or "module:function"."""
+    """A registered reward function's name (the rewards page lists them; `default` picks one by each row's
+    data_source) or "module:function"."""
+    timeout_s: float = 5.0
+    """Hard time limit per answer, in seconds: a named function other than exact_match / copy / add runs in a
+    worker process that is killed and replaced when an answer takes longer (it scores 0, counted in
+    reward/timeouts). 0: no worker, no limit."""
+    memory_limit_mb: int = 4096
+    """Heap cap of that worker process (RLIMIT_DATA), in MiB: an answer whose parsing allocates more scores 0
+    like a late one. 0: no cap."""
     reward_model: str = ""
     """HF sequence-classification folder; replaces `function` when set."""
 

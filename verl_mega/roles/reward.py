@@ -1,114 +1,25 @@
 """The reward role: rule-based scores for verifiable tasks, or a learned reward model.
 
-Rule reward functions share verl's `compute_score` signature,
-`fn(data_source, solution_str, ground_truth, extra_info) -> float`, so verl reward files can be
-used unchanged through a "module:function" path (the Python API hands over the function itself).
-Sequence scores become token-level rewards at the last valid response token, where PPO/GRPO
+Rule reward functions (verl_mega.rewards) share verl's `compute_score` signature,
+`fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`, so verl reward files can be
+used unchanged through a "module:function" path (the Python API hands over the function itself). A named
+function other than the linear-time string comparisons runs in the scoring worker, under `reward.timeout_s`
+per answer. Sequence scores become token-level rewards at the last valid response token, where PPO/GRPO
 advantage estimation expects the outcome reward.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib
-import inspect
-import numbers
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from verl_mega.config.errors import UserError
+from verl_mega.config.schema import RewardConfig
 from verl_mega.data.prompts import as_messages, encode_chat
-
-RewardFn = Callable[[Any, str, Any, Any], float]
-
-# Near-misses on arithmetic earn at most this much, so an exact answer is always clearly better
-# than any almost-right one.
-ADD_PARTIAL_CREDIT = 0.5
-
-
-def _positional_match_fraction(answer: str, target: str, align_right: bool) -> float:
-    """Matching characters over the longer string's length, so extra characters cost credit too."""
-    longest = max(len(answer), len(target))
-    if longest == 0:
-        return 1.0
-    if align_right:
-        answer, target = answer[::-1], target[::-1]
-    return sum(a == b for a, b in zip(answer, target)) / longest
-
-
-def exact_match_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
-    return float(solution_str.strip() == str(ground_truth).strip())
-
-
-def copy_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
-    """Fraction of positions that repeat the digit string correctly."""
-    return _positional_match_fraction(solution_str.strip(), str(ground_truth).strip(), align_right=False)
-
-
-def add_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
-    """1 for the exact sum; otherwise partial credit for digits right in their place value."""
-    answer, target = solution_str.strip(), str(ground_truth).strip()
-    if answer == target:
-        return 1.0
-    # Aligned from the right: units with units, tens with tens.
-    return ADD_PARTIAL_CREDIT * _positional_match_fraction(answer, target, align_right=True)
-
-
-REWARD_FUNCTIONS: dict[str, RewardFn] = {
-    "exact_match": exact_match_score,
-    "copy": copy_score,
-    "add": add_score,
-}
-
-
-def get_reward_fn(spec: str | RewardFn) -> RewardFn:
-    """A registered name, "package.module:function" for a function defined elsewhere, or the function itself."""
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str):
-        raise UserError(f"reward function {spec!r} is neither a callable nor a name / 'module:function'")
-    name = spec
-    if ":" in name:
-        module_name, _, function_name = name.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise UserError(f"cannot import module {module_name!r} for reward function {name!r}: {error}") from error
-        function = getattr(module, function_name, None)
-        if not callable(function):
-            raise UserError(f"module {module_name!r} has no function {function_name!r} (reward function {name!r})")
-        return function
-    if name not in REWARD_FUNCTIONS:
-        raise UserError(
-            f"unknown reward function {name!r}; registered: {', '.join(sorted(REWARD_FUNCTIONS))} "
-            "(or give 'module:function')"
-        )
-    return REWARD_FUNCTIONS[name]
-
-
-def reward_fn_name(spec: str | RewardFn) -> str:
-    """How a run names its reward function: the registered name or "module:function" as given, or a callable's
-    "module:qualname" (importable back when the function is defined at a module's top level)."""
-    if isinstance(spec, str):
-        return spec
-    module, qualname = getattr(spec, "__module__", None), getattr(spec, "__qualname__", None)
-    return f"{module}:{qualname}" if module and qualname else repr(spec)
-
-
-def reward_fn_provenance(spec: str | RewardFn) -> dict[str, str]:
-    """What scored a run: a registered function by its name (the package version pins its code); any other by
-    the sha256 of its source, so an edited reward file shows up as a different one."""
-    record = {"name": reward_fn_name(spec)}
-    if isinstance(spec, str) and spec in REWARD_FUNCTIONS:
-        return record
-    function = get_reward_fn(spec)
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError):  # a builtin, a functools.partial, a function typed into a REPL
-        source = None
-    record["source_sha256"] = hashlib.sha256(source.encode()).hexdigest() if source is not None else "unavailable"
-    return record
+from verl_mega.rewards.registry import RewardFn, get_reward_fn, needs_time_limit, reward_fn_name
+from verl_mega.rewards.results import Scored, Stopped, Verdict, call_reward
+from verl_mega.rewards.worker import ScoringWorker
 
 
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -127,13 +38,23 @@ def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -
 class RewardOutput(NamedTuple):
     scores: torch.Tensor  # [B]
     token_level_rewards: torch.Tensor  # [B, T]
+    extras: dict[str, torch.Tensor] = {}  # a dict reward's numeric fields, [B] each (NaN where a row lacks one)
+    sample_fields: tuple[dict, ...] = ()  # per row: its non-numeric fields, for the logged samples
+    timeouts: dict[int, str] = {}  # rows a scoring-worker limit stopped (scored 0) -> why
 
 
 class RuleReward:
-    def __init__(self, tokenizer, reward_fn: str | RewardFn = "exact_match"):
+    """A rule reward function over decoded responses. `timeout_s` > 0 runs a named function (except the
+    linear-time ones) in the scoring worker, with that limit per answer and `memory_limit_mb` for its heap;
+    `close()` ends the worker."""
+
+    def __init__(self, tokenizer, reward_fn: str | RewardFn = "exact_match",
+                 timeout_s: float = RewardConfig.timeout_s, memory_limit_mb: int = RewardConfig.memory_limit_mb):
         self.tokenizer = tokenizer
         self.name = reward_fn_name(reward_fn)
         self.reward_fn = get_reward_fn(reward_fn)
+        limited = timeout_s > 0 and needs_time_limit(reward_fn)
+        self.worker = ScoringWorker(self.name, timeout_s, memory_limit_mb) if limited else None
 
     def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         valid_ids = [[token for token, valid in zip(row, mask) if valid]
@@ -152,24 +73,35 @@ class RuleReward:
         data_sources = data_sources if data_sources is not None else [None] * batch_size
         extra_infos = extra_infos if extra_infos is not None else [None] * batch_size
         texts = self.decode(responses, response_mask)
-        rows = zip(data_sources, texts, ground_truths, extra_infos, strict=True)
-        scores = torch.tensor([self._score(row, *args) for row, args in enumerate(rows)], dtype=torch.float32)
+        rows = list(zip(data_sources, texts, ground_truths, extra_infos, strict=True))
+        verdicts = self.worker.score(rows) if self.worker else [call_reward(self.reward_fn, row) for row in rows]
+        timeouts = {row: verdict.reason for row, verdict in enumerate(verdicts) if isinstance(verdict, Stopped)}
+        scored = [self._scored(row, verdict, source) for row, (verdict, source) in enumerate(zip(verdicts,
+                                                                                                data_sources))]
         # NaN/inf pass through: the trainer stops or skips the batch (trainer.nonfinite) and names the rows.
-        return RewardOutput(scores, scores_to_token_rewards(scores, response_mask.cpu()))
+        scores = torch.tensor([result.score for result in scored], dtype=torch.float32)
+        return RewardOutput(scores, scores_to_token_rewards(scores, response_mask.cpu()), numeric_fields(scored),
+                            tuple(result.fields for result in scored), timeouts)
 
-    def _score(self, row: int, source, text: str, truth, info) -> float:
-        """One response's score; a function that raises or returns a non-number is the user's to fix."""
-        where = f"response {row} (data_source {source!r})"
-        try:
-            value = self.reward_fn(source, text, truth, info)
-        except Exception as err:
-            raise UserError(f"reward.function {self.name!r} raised {type(err).__name__}: {err} on {where}") from None
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, numbers.Real):
-            return float(value)
-        raise UserError(f"reward.function {self.name!r} returned {type(value).__name__} {str(value)[:40]!r} on "
-                        f"{where}; it must return a number")
+    def _scored(self, row: int, verdict: Verdict, source) -> Scored:
+        """A stopped answer scores 0; a function that raised or returned a non-score is the user's to fix."""
+        if isinstance(verdict, Stopped):
+            return Scored(0.0, {}, {})
+        if isinstance(verdict, Scored):
+            return verdict
+        raise UserError(f"reward.function {self.name!r} on response {row} (data_source {source!r}): "
+                        f"{verdict.problem}")
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def numeric_fields(scored: Sequence[Scored]) -> dict[str, torch.Tensor]:
+    """Each numeric field of the rows' dicts as a [B] float32 tensor, NaN in the rows without it."""
+    names = sorted({name for result in scored for name in result.metrics})
+    return {name: torch.tensor([result.metrics.get(name, float("nan")) for result in scored], dtype=torch.float32)
+            for name in names}
 
 
 def default_device() -> torch.device:

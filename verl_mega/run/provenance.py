@@ -16,7 +16,7 @@ from pathlib import Path
 from verl_mega.checkpoint.hf_assets import model_sha256
 from verl_mega.config import TrainConfig
 from verl_mega.files.atomic import atomic_write_text
-from verl_mega.roles.reward import RewardFn, reward_fn_provenance
+from verl_mega.rewards.registry import RewardFn, reward_fn_provenance
 
 from .folder import RunFolder
 

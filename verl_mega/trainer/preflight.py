@@ -27,7 +27,7 @@ from verl_mega.models.builder import DTYPES, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_parallel_size, rollout_placement
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
-from verl_mega.roles.reward import RewardFn, get_reward_fn
+from verl_mega.rewards.registry import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.factory import ENGINES
 from verl_mega.run.mirror import parse_mirror_url, require_boto3
@@ -116,6 +116,9 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     else:
         check(lambda: get_reward_fn(reward_fn or config.reward.function), "reward.function: ")
         need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
+        need(config.reward.timeout_s >= 0, f"reward.timeout_s={config.reward.timeout_s} must be >= 0 (0: no limit)")
+        need(config.reward.memory_limit_mb >= 0,
+             f"reward.memory_limit_mb={config.reward.memory_limit_mb} must be >= 0 (0: no cap)")
     if check_files:
         _check_files(config, check, need)
 

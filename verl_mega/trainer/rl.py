@@ -35,7 +35,8 @@ from verl_mega.parallel.layout import rollout_placement
 from verl_mega.roles.actor import Actor, is_on_policy, sampling_temperature, uses_kl_loss
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
-from verl_mega.roles.reward import HFRewardModel, RewardFn, RuleReward, scores_to_token_rewards
+from verl_mega.rewards.registry import RewardFn
+from verl_mega.roles.reward import HFRewardModel, RewardOutput, RuleReward, scores_to_token_rewards
 from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -50,7 +51,7 @@ BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_p
 # The batch's columns the models and the advantage estimator compute, as a non-finite error names them.
 COMPUTED_COLUMNS = {"old_log_probs": "the old log-prob", "values": "the value",
                     "ref_log_probs": "the reference log-prob", "advantages": "the advantage", "returns": "the return"}
-PROMPT_FIELDS = ("raw_prompt", "reward_model", "data_source")  # what the reward and the samples read of a row
+PROMPT_FIELDS = ("raw_prompt", "reward_model", "data_source", "extra_info")  # what the reward and samples read
 
 
 def uses_critic(config: TrainConfig) -> bool:
@@ -137,7 +138,9 @@ class RLJob(TrainingJob):
             self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss, dtype=dtype,
                                  packed_sequences=config.critic.use_packed_sequences,
                                  schedule_steps=optimizer_steps(config, config.critic))
-        self.reward = RuleReward(self.tokenizer, reward_fn or config.reward.function)
+        self.reward = RuleReward(self.tokenizer, reward_fn or config.reward.function, config.reward.timeout_s,
+                                 config.reward.memory_limit_mb)
+        self.timeout_noted = False
         self.reward_model = HFRewardModel(config.reward.reward_model) if config.reward.reward_model else None
 
         rollout_dtype = DTYPES[resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, dtype)]
@@ -217,6 +220,7 @@ class RLJob(TrainingJob):
 
     def close(self) -> None:
         self.rollout.close()
+        self.reward.close()
 
     def train_step(self) -> dict[str, float]:
         """One step, stage by stage in dataflow order; a stage slots in here under its own name."""
@@ -229,17 +233,18 @@ class RLJob(TrainingJob):
                                     [r.logprobs for r in responses])
         self.log_probs_and_values(batch, timer)
         with timer("reward"):
-            scores, token_scores = self.score(batch, rows)
-        self.log_samples(batch, rows, scores)
-        if self.nonfinite_reward(scores):
-            return self.step_metrics({}, batch, scores, timer)
+            reward = self.score(batch, rows)
+        self.log_samples(batch, rows, reward)
+        if self.nonfinite_reward(reward.scores):
+            return self.step_metrics({}, batch, reward, timer)
         reward_baselines = self.remax_baselines(prompts, greedy_responses, timer)
-        metrics = self.compute_advantages(batch, scores, token_scores, rows["index"], reward_baselines)
+        metrics = self.compute_advantages(batch, reward.scores, reward.token_level_rewards, rows["index"],
+                                          reward_baselines)
         if self.nonfinite_batch(batch):
-            return self.step_metrics(metrics, batch, scores, timer)
+            return self.step_metrics(metrics, batch, reward, timer)
         metrics.update(self.update_roles(batch, timer))
         metrics.update(self.rollout_mismatch(batch, rows))
-        return self.step_metrics(metrics, batch, scores, timer)
+        return self.step_metrics(metrics, batch, reward, timer)
 
     # --- stages ---------------------------------------------------------------------------------------
 
@@ -279,7 +284,7 @@ class RLJob(TrainingJob):
         with timer("remax_baseline"):
             batch = build_rollout_batch(prompts["input_ids"], greedy_responses, self.config.data.max_response_length,
                                         self.tokenizer.pad_token_id)
-            scores, _ = self.score(batch, {key: prompts[key] for key in PROMPT_FIELDS})
+            scores = self.score(batch, {key: prompts[key] for key in PROMPT_FIELDS}).scores
         return scores.repeat_interleave(self.config.rollout.n)
 
     @contextlib.contextmanager
@@ -320,11 +325,11 @@ class RLJob(TrainingJob):
                 batch["values"] = self.critic.compute_values(batch, critic.micro_batch_size,
                                                              critic.max_tokens_per_micro_batch).cpu()
 
-    def log_samples(self, batch: dict, rows: dict, scores: torch.Tensor) -> None:
+    def log_samples(self, batch: dict, rows: dict, reward: RewardOutput) -> None:
         """Every `trainer.log_samples_every` steps, rank 0 appends some of the step's samples to generations.jsonl."""
         every = self.config.trainer.log_samples_every
         if every > 0 and (self.step + 1) % every == 0 and self.layout.rank == 0:
-            self.logger.log_samples(self.step + 1, self.sample_rows(batch, rows, scores))
+            self.logger.log_samples(self.step + 1, self.sample_rows(batch, rows, reward))
 
     def update_roles(self, batch: dict, timer: StageTimer) -> dict[str, float]:
         """The critic's update (with one), then the actor's."""
@@ -387,10 +392,11 @@ class RLJob(TrainingJob):
         return {f"rollout_corr/{name}": value
                 for name, value in mismatch_metrics_by_source(train, rollout, mask, correction, sources).items()}
 
-    def sample_rows(self, batch: dict, rows: dict, scores: torch.Tensor) -> list[dict]:
+    def sample_rows(self, batch: dict, rows: dict, reward: RewardOutput) -> list[dict]:
         """`trainer.log_samples` rows of the step for generations.jsonl: the first sample of as many prompts as
         there are, then their second samples, ...; the prompt as the data file gives it, the response as the
-        reward saw it (special tokens dropped)."""
+        reward saw it (special tokens dropped), and a dict reward's extra fields."""
+        scores = reward.scores
         n, total = self.config.rollout.n, len(scores)
         chosen = sorted(range(total), key=lambda row: (row % n, row))[:self.config.trainer.log_samples]
         responses = self.reward.decode(batch["responses"][chosen], batch["response_mask"][chosen])
@@ -399,6 +405,7 @@ class RLJob(TrainingJob):
         for row, sample in zip(chosen, samples):
             if rows["data_source"][row] is not None:
                 sample["data_source"] = str(rows["data_source"][row])
+            sample.update(row_fields(reward, row))
         return samples
 
     def validate(self) -> dict[str, float]:
@@ -412,7 +419,8 @@ class RLJob(TrainingJob):
         mine = [self.val_dataset[i] for i in range(placement.replica, len(self.val_dataset), placement.replicas)]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=config.data.max_response_length,
                                 seed=config.rollout.seed)
-        sums: dict[str | None, list[float]] = {}  # data_source -> [reward sum, rows, response tokens]
+        sums: dict[str | None, list[float]] = {}  # data_source -> [reward sum, rows, response tokens, timeouts]
+        field_sums: dict[str, list[float]] = {}  # a dict reward's numeric field -> [sum, rows with it]
         with self.rollout_engine_awake(StageTimer()):
             for start in range(0, len(mine), config.data.batch_size):
                 items = mine[start:start + config.data.batch_size]
@@ -423,26 +431,48 @@ class RLJob(TrainingJob):
                 batch = build_rollout_batch(prompts, responses, config.data.max_response_length,
                                             self.tokenizer.pad_token_id)
                 rows = {key: [item.get(key) for item in items] for key in PROMPT_FIELDS}
-                scores, _ = self.score(batch, rows)
+                reward = self.score(batch, rows)
                 lengths = batch["response_mask"].sum(dim=-1)
-                for source, score, length in zip(rows["data_source"], scores.tolist(), lengths.tolist()):
-                    entry = sums.setdefault(None if source is None else str(source), [0.0, 0, 0])
+                for row, (source, score, length) in enumerate(zip(rows["data_source"], reward.scores.tolist(),
+                                                                   lengths.tolist())):
+                    entry = sums.setdefault(None if source is None else str(source), [0.0, 0, 0, 0])
                     entry[0], entry[1], entry[2] = entry[0] + score, entry[1] + 1, entry[2] + length
+                    entry[3] += row in reward.timeouts
+                add_field_sums(field_sums, reward.extras)
         totals = _sum_over_ranks(sums, layout.world_size)
-        reward, count, tokens = (sum(values[i] for values in totals.values()) for i in range(3))
-        metrics = {"reward_mean": reward / count, "response_length_mean": tokens / count}
+        reward_sum, count, tokens, timeouts = (sum(values[i] for values in totals.values()) for i in range(4))
+        metrics = {"reward_mean": reward_sum / count, "response_length_mean": tokens / count}
         for source in sorted(name for name in totals if name is not None):
             metrics[f"reward_mean/{source}"] = totals[source][0] / totals[source][1]
+        for name, (total, rows_with_it) in sorted(_sum_over_ranks(field_sums, layout.world_size).items()):
+            metrics[f"reward/{name}"] = total / rows_with_it if rows_with_it else float("nan")
+        if self.reward.worker is not None:
+            metrics["reward/timeouts"] = timeouts
         return metrics
 
-    def score(self, batch: dict, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence scores [B] and the same placed on each response's last token [B, R]."""
-        if self.reward_model is None:
-            truths = [(info or {}).get("ground_truth") for info in rows["reward_model"]]
-            return self.reward(batch["responses"], batch["response_mask"], truths, rows["data_source"])
-        texts = self.reward.decode(batch["responses"], batch["response_mask"])
-        scores = self.reward_model.score(rows["raw_prompt"], texts).float().cpu()
-        return scores, scores_to_token_rewards(scores, batch["response_mask"])
+    def score(self, batch: dict, rows: dict) -> RewardOutput:
+        """Sequence scores [B], the same placed on each response's last token [B, R], and a dict reward's extra
+        fields (none for a reward model)."""
+        if self.reward_model is not None:
+            texts = self.reward.decode(batch["responses"], batch["response_mask"])
+            scores = self.reward_model.score(rows["raw_prompt"], texts).float().cpu()
+            return RewardOutput(scores, scores_to_token_rewards(scores, batch["response_mask"]))
+        truths = [(info or {}).get("ground_truth") for info in rows["reward_model"]]
+        reward = self.reward(batch["responses"], batch["response_mask"], truths, rows["data_source"],
+                             rows.get("extra_info"))
+        self.note_first_timeout(reward, rows)
+        return reward
+
+    def note_first_timeout(self, reward: RewardOutput, rows: dict) -> None:
+        """The run's first answer stopped by the scoring worker's limits goes to the log; later ones are only
+        counted (reward/timeouts), so a policy that learns to emit them does not flood it."""
+        if not reward.timeouts or self.timeout_noted:
+            return
+        row, reason = next(iter(reward.timeouts.items()))
+        self.logger.note(self.step + 1, f"reward.function {self.reward.name!r} on response {row} (data_source "
+                                        f"{rows['data_source'][row]!r}) {reason}: scored 0, its worker replaced; "
+                                        "later ones are counted in reward/timeouts, not logged")
+        self.timeout_noted = True
 
     def compute_advantages(self, batch: dict, scores: torch.Tensor, token_scores: torch.Tensor, uids: list[int],
                            reward_baselines: torch.Tensor | None = None) -> dict[str, float]:
@@ -481,14 +511,33 @@ class RLJob(TrainingJob):
         batch["advantages"], batch["returns"] = advantages.float(), returns.float()
         return metrics
 
-    def step_metrics(self, metrics: dict, batch: dict, scores: torch.Tensor, timer: StageTimer
+    def step_metrics(self, metrics: dict, batch: dict, reward: RewardOutput, timer: StageTimer
                      ) -> dict[str, float]:
-        """The step's `metrics` with its rewards, response lengths, skip count and performance."""
+        """The step's `metrics` with its rewards (and a dict reward's fields), response lengths, skip count and
+        performance."""
         lengths = batch["response_mask"].sum(dim=-1).float()
-        return {**metrics, "trainer/nonfinite_skipped": self.nonfinite_skipped,
+        scores = reward.scores
+        fields = {f"reward/{name}": values.nanmean().item() for name, values in reward.extras.items()}
+        if self.reward.worker is not None:
+            fields["reward/timeouts"] = len(reward.timeouts)
+        return {**metrics, **fields, "trainer/nonfinite_skipped": self.nonfinite_skipped,
                 "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
                 "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
                 **step_performance(timer, batch["attention_mask"].sum().item())}
+
+
+def add_field_sums(sums: dict[str, list[float]], extras: dict[str, torch.Tensor]) -> None:
+    """Add each field's sum and count of rows that have it (not NaN) to `sums`."""
+    for name, values in extras.items():
+        present = ~torch.isnan(values)
+        entry = sums.setdefault(name, [0.0, 0])
+        entry[0], entry[1] = entry[0] + values[present].sum().item(), entry[1] + int(present.sum())
+
+
+def row_fields(reward: RewardOutput, row: int) -> dict:
+    """One response's extra fields for its logged sample: the numeric ones it has, then the others."""
+    numeric = {name: values[row].item() for name, values in reward.extras.items() if not values[row].isnan()}
+    return {**numeric, **reward.sample_fields[row]} if reward.sample_fields else numeric
 
 
 def _sum_over_ranks(sums: dict, world_size: int) -> dict:

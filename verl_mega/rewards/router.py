@@ -1,0 +1,51 @@
+"""`default`: the scorer for each row chosen by its data_source, as verl's `default_compute_score` chooses
+(a verl data file, with its data_source column, scores the same here without naming a function).
+
+verl's code-execution (sandbox) and retrieval-QA sources have no scorer here: a data_source outside the table
+stops the run naming it and the known ones."""
+from __future__ import annotations
+
+from verl_mega.config.errors import UserError
+
+from .math_answers import dapo_score, gsm8k_score, math_score
+from .rules import add_score, copy_score
+
+SCORER_BY_SOURCE = {
+    "openai/gsm8k": gsm8k_score,
+    # MATH and its re-publications: verl's math_reward (or its math-verify variant); 1 / 0.
+    "lighteval/MATH": math_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_score,
+    "HuggingFaceH4/MATH-500": math_score,
+    # NuminaMath's parts, which verl scores with PRIME's math grader: boxed answers as well.
+    **{f"numina_{part}": math_score for part in ("aops_forum", "synthetic_math", "amc_aime", "synthetic_amc",
+                                                  "cn_k12", "olympiads")},
+    # DAPO's data (and verl's "math" source, which verl scores the same way): 1 / -1 with acc and pred.
+    "math_dapo": dapo_score,
+    "math": dapo_score,
+    "math_dapo_reasoning": dapo_score,
+    # This project's synthetic tasks (verl_mega.data.synthetic).
+    "copy": copy_score,
+    "add": add_score,
+}
+SCORER_BY_PREFIX = {"aime": dapo_score}  # aime24, aime2025, ...: DAPO's evaluation sets
+
+
+def known_sources() -> str:
+    return ", ".join([*SCORER_BY_SOURCE, *(f"{prefix}*" for prefix in SCORER_BY_PREFIX)])
+
+
+def scorer_for(data_source):
+    """The scorer of `data_source`; UserError naming it and the known ones when there is none."""
+    source = str(data_source)
+    scorer = SCORER_BY_SOURCE.get(source)
+    if scorer is None:
+        scorer = next((fn for prefix, fn in SCORER_BY_PREFIX.items() if source.startswith(prefix)), None)
+    if scorer is None:
+        raise UserError(f"no scorer for data_source {data_source!r}; known: {known_sources()} "
+                        "(or set reward.function to one scorer for every row)")
+    return scorer
+
+
+def default_score(data_source, solution_str: str, ground_truth, extra_info=None):
+    """The score of the scorer that `data_source` names (a number or a dict, as that scorer returns)."""
+    return scorer_for(data_source)(data_source, solution_str, ground_truth, extra_info)
