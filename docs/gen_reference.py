@@ -60,6 +60,7 @@ CHOICES = {
     (schema.AlgorithmConfig, "kl_penalty"): KL_ESTIMATORS.names(),
     (schema.AlgorithmConfig, "loss"): PREFERENCE_LOSSES.names(),
     (schema.RewardConfig, "function"): [*sorted(REWARD_FUNCTIONS), "module:function"],
+    (schema.FilterGroupsConfig, "on_exhausted"): schema.FILTER_EXHAUSTED_POLICIES,
     (schema.TrainerConfig, "nonfinite"): schema.NONFINITE_POLICIES,
     (schema.TrainerConfig, "log_format"): schema.LOG_FORMATS,
 }

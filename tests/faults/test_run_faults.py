@@ -150,7 +150,7 @@ def test_non_finite_rewards_reach_the_trainer_as_such(inputs, function):
     from verl_mega.roles.reward import RuleReward
 
     reward = RuleReward(AutoTokenizer.from_pretrained(inputs["hf"]), f"{REWARDS}:{function}")
-    scores, _ = reward(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), ["1"])
+    scores = reward(torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), ["1"]).scores
     assert not torch.isfinite(scores).any()  # the trainer stops or skips on them (slow tests below)
 
 

@@ -127,6 +127,7 @@ def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -
 class RewardOutput(NamedTuple):
     scores: torch.Tensor  # [B]
     token_level_rewards: torch.Tensor  # [B, T]
+    extras: dict = {}  # a dict reward's further fields, name -> [B] values (never mutated: a shared default)
 
 
 class RuleReward:

@@ -18,7 +18,7 @@ from verl_mega.algorithms import (
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
-from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES
+from verl_mega.config.schema import FILTER_EXHAUSTED_POLICIES, LOG_FORMATS, NONFINITE_POLICIES
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
@@ -102,6 +102,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     for role in ("actor", "critic"):
         known(f"{role}.optim.lr_decay_style", getattr(config, role).optim.lr_decay_style, LR_DECAY_STYLES)
     known("trainer.nonfinite", config.trainer.nonfinite, NONFINITE_POLICIES)
+    _check_dapo(config, need, known)
     need(config.rollout.engine != "embedded" or p.rollout_tp == 1,
          f"parallel.rollout_tp={p.rollout_tp} needs rollout.engine vllm (the embedded engine runs at rollout TP 1)")
     if config.reward.reward_model:
@@ -112,6 +113,30 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
     if check_files:
         _check_files(config, check, need)
+
+
+def _check_dapo(config: TrainConfig, need, known) -> None:
+    """Dynamic sampling needs groups to compare, and a partial batch it may train on must fill a mini-batch; the
+    overlong buffer must fit in the response budget."""
+    groups, buffer = config.algorithm.filter_groups, config.reward.overlong_buffer
+    budget = config.data.max_response_length
+    if groups.enable:
+        need(config.rollout.n >= 2, f"algorithm.filter_groups.enable with rollout.n={config.rollout.n}: a group of "
+             "one response is never dropped; set rollout.n >= 2 or disable the filter")
+        need(groups.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: no "
+             f"bound), got {groups.max_num_gen_batches}")
+        need(bool(groups.metric), "algorithm.filter_groups.metric is empty: set it to score or a dict reward's field")
+        known("algorithm.filter_groups.on_exhausted", groups.on_exhausted, FILTER_EXHAUSTED_POLICIES)
+        rows = config.data.batch_size * config.rollout.n
+        need(groups.on_exhausted != "train" or config.actor.mini_batch_size < rows,
+             f"algorithm.filter_groups.on_exhausted=train: a partial batch is cut to whole mini-batches, and "
+             f"actor.mini_batch_size={config.actor.mini_batch_size} is the whole batch ({rows} rows), so a partial "
+             "one would never train; lower actor.mini_batch_size or set on_exhausted=stop")
+    if buffer.enable:
+        need(1 <= buffer.len <= budget, f"reward.overlong_buffer.len={buffer.len} must be in [1, "
+             f"data.max_response_length={budget}] (the penalty grows over the budget's last len tokens)")
+        need(buffer.penalty_factor >= 0, f"reward.overlong_buffer.penalty_factor must be >= 0, got "
+             f"{buffer.penalty_factor}")
 
 
 def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, known) -> None:

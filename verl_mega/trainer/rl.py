@@ -2,8 +2,9 @@
 on the same global batch; the roles take their own data-parallel slices, so `train_step` reads as the dataflow
 it runs, one named stage after the other:
 
-    sample prompts -> HybridEngine transition -> generate -> one row per response -> old/ref log-probs, values
-    -> rewards -> advantages -> critic and actor updates -> metrics
+    sample prompts -> HybridEngine transition -> generate -> one row per response -> rewards (overlong penalty)
+    [-> dynamic sampling: drop groups without signal, sample again until the batch is full] -> old/ref log-probs,
+    values -> advantages -> critic and actor updates (overlong filtering) -> metrics
 
 A stage that finds NaN/inf ends the step before anything is applied (or stops the run: `trainer.nonfinite`).
 
@@ -20,7 +21,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller, masked_mean,
+    GroupFilter, RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller,
+    groups_filling_mini_batches, masked_mean, overlong_penalty, truncated_responses,
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -32,7 +34,7 @@ from verl_mega.parallel.layout import rollout_placement
 from verl_mega.roles.actor import Actor, is_on_policy, uses_kl_loss
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
-from verl_mega.roles.reward import HFRewardModel, RewardFn, RuleReward, scores_to_token_rewards
+from verl_mega.roles.reward import HFRewardModel, RewardFn, RewardOutput, RuleReward, scores_to_token_rewards
 from verl_mega.rollout.engine import SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -47,6 +49,9 @@ TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_plus_plus")
 COMPUTED_COLUMNS = {"old_log_probs": "the old log-prob", "values": "the value",
                     "ref_log_probs": "the reference log-prob", "advantages": "the advantage", "returns": "the return"}
 PROMPT_FIELDS = ("raw_prompt", "reward_model", "data_source")  # what the reward and the samples read of a row
+# Seeds of a step's later generation rounds (dynamic sampling) sit this far apart, above any step's first-round
+# seed: each (step, round, replica) samples its own stream, the same on resume.
+ROUND_SEED_STRIDE = 2**31
 
 
 def uses_critic(config: TrainConfig) -> bool:
@@ -64,6 +69,13 @@ def uses_reference(config: TrainConfig) -> bool:
 def one_row_per_response(prompts: dict[str, list], n: int) -> dict[str, list]:
     """Each prompt's fields repeated for its `n` samples, in the order the engine returns the responses."""
     return {key: [value for value in values for _ in range(n)] for key, values in prompts.items()}
+
+
+def rollout_seed(base: int, step: int, gen_round: int, replicas: int, replica: int) -> int:
+    """The sampling seed of a replica's generation round in a step (0-based step and round): a pure function of
+    them, so a resumed run draws what the uninterrupted one drew; round 0 keeps the seeds runs had before
+    dynamic sampling."""
+    return base + step * replicas + replica + gen_round * ROUND_SEED_STRIDE
 
 
 class RLJob(TrainingJob):
@@ -188,21 +200,18 @@ class RLJob(TrainingJob):
     def train_step(self) -> dict[str, float]:
         """One step, stage by stage in dataflow order; a stage slots in here under its own name."""
         timer = StageTimer()
-        prompts = self.next_prompts()
-        responses = self.rollout_stage(prompts["input_ids"], timer)
-        rows = one_row_per_response(prompts, self.config.rollout.n)
-        batch = build_rollout_batch(rows["input_ids"], responses, self.config.data.max_response_length,
-                                    self.tokenizer.pad_token_id)
+        batch, rows, reward, sampling = self.sample_batch(timer)
+        if batch is None:
+            return self.empty_step_metrics(sampling, timer)
         self.log_probs_and_values(batch, timer)
-        with timer("reward"):
-            scores, token_scores = self.score(batch, rows)
+        scores, token_scores = reward.scores, reward.token_level_rewards
         self.log_samples(batch, rows, scores)
         if self.nonfinite_reward(scores):
-            return self.step_metrics({}, batch, scores, timer)
-        metrics = self.compute_advantages(batch, scores, token_scores, rows["index"])
+            return self.step_metrics(sampling, batch, scores, timer)
+        metrics = {**sampling, **self.compute_advantages(batch, scores, token_scores, rows["uid"])}
         if self.nonfinite_batch(batch):
             return self.step_metrics(metrics, batch, scores, timer)
-        metrics.update(self.update_roles(batch, timer))
+        metrics.update(self.update_roles(self.without_overlong(batch), timer))
         return self.step_metrics(metrics, batch, scores, timer)
 
     # --- stages ---------------------------------------------------------------------------------------
@@ -213,11 +222,123 @@ class RLJob(TrainingJob):
         return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
                 **{key: [item.get(key) for item in items] for key in PROMPT_FIELDS}}
 
-    def rollout_stage(self, prompts: list[list[int]], timer: StageTimer) -> list[list[int]]:
-        """The HybridEngine transition, then the responses to `prompts` (n each, every rank gets all)."""
+    def sample_batch(self, timer: StageTimer) -> tuple[dict | None, dict, RewardOutput, dict[str, float]]:
+        """The step's batch (None if no row is left), its rows, their reward and the sampling's metrics, from
+        generation rounds. With dynamic sampling (algorithm.filter_groups) a round's groups whose filter metric
+        is the same for every response are dropped, and rounds follow until data.batch_size groups are kept (cut
+        to exactly that) or max_num_gen_batches rounds ran; then the run stops, or trains on the kept groups cut
+        to whole mini-batches (on_exhausted). Without it: one round, every group kept. Every round draws from
+        the sampler, whose position a checkpoint saves."""
+        config, n = self.config, self.config.rollout.n
+        filter_config = config.algorithm.filter_groups
+        groups = GroupFilter(config.data.batch_size, n, filter_config.max_num_gen_batches if filter_config.enable
+                             else 1, drop_constant=filter_config.enable)
+        kept: list[tuple[dict, list, RewardOutput]] = []
+        generated_scores = []
+        while not groups.done:
+            rows, responses, reward = self.generation_round(timer, groups.rounds)
+            generated_scores.append(reward.scores)
+            keep = groups.keep(self.filter_metric(reward)).repeat_interleave(n).nonzero().flatten().tolist()
+            kept.append((take_rows(rows, keep), take_rows(responses, keep), take_rows(reward, keep)))
+        rows, responses, reward = (concat_rows(list(part)) for part in zip(*kept))
+        if groups.exhausted:
+            rows, responses, reward = (take_rows(part, range(self.partial_batch_rows(groups)))
+                                       for part in (rows, responses, reward))
+        rows["uid"] = [row // n for row in range(len(responses))]  # a group per prompt drawn, even drawn twice
+        metrics = {**groups.metrics(), "filter_groups/generated_score_mean": torch.cat(generated_scores).mean()
+                   .item()} if filter_config.enable else {}
+        if not responses:
+            return None, rows, reward, metrics
+        batch = build_rollout_batch(rows["input_ids"], responses, config.data.max_response_length,
+                                    self.tokenizer.pad_token_id)
+        return batch, rows, reward, {**metrics, **self.overlong_metrics(batch)}
+
+    def generation_round(self, timer: StageTimer, gen_round: int) -> tuple[dict, list[list[int]], RewardOutput]:
+        """data.batch_size prompts drawn, their responses (one row each) and reward, overlong penalty included."""
+        config = self.config
+        prompts = self.next_prompts()
+        responses = self.rollout_stage(prompts["input_ids"], timer, gen_round)
+        rows = one_row_per_response(prompts, config.rollout.n)
+        batch = build_rollout_batch(rows["input_ids"], responses, config.data.max_response_length,
+                                    self.tokenizer.pad_token_id)
+        with timer("reward"):
+            return rows, responses, self.shape_overlong(batch, self.score(batch, rows))
+
+    def filter_metric(self, reward: RewardOutput) -> torch.Tensor:
+        """[B] what dynamic sampling compares within a group: the score, or a dict reward's extra field."""
+        metric = self.config.algorithm.filter_groups.metric
+        if metric == "score":
+            return reward.scores
+        if metric not in reward.extras:
+            raise UserError(f"algorithm.filter_groups.metric={metric!r}: the reward returns no such field (its "
+                            f"fields: score{''.join(', ' + name for name in reward.extras)})")
+        return torch.as_tensor(reward.extras[metric], dtype=torch.float64)
+
+    def partial_batch_rows(self, groups: GroupFilter) -> int:
+        """Dynamic sampling out of rounds: stop (on_exhausted=stop), or the rows of the kept groups that fill whole
+        actor (and critic) mini-batches, so they still split over the data-parallel ranks and micro-batches."""
+        config = self.config
+        filter_config = config.algorithm.filter_groups
+        shortfall = (f"dynamic sampling kept {groups.kept} of data.batch_size={config.data.batch_size} groups in "
+                     f"algorithm.filter_groups.max_num_gen_batches={filter_config.max_num_gen_batches} rounds")
+        if filter_config.on_exhausted == "stop":
+            raise UserError(f"step {self.step + 1}: {shortfall} (too many prompts answered all alike: raise it, set "
+                            "it to 0 for no bound, or on_exhausted=train)")
+        sizes = [config.actor.mini_batch_size] + ([config.critic.mini_batch_size] if self.critic is not None else [])
+        usable = groups_filling_mini_batches(groups.kept, config.rollout.n, sizes)
+        self.logger.note(self.step + 1, f"{shortfall}; training on {usable} of them (whole mini-batches)")
+        return usable * config.rollout.n
+
+    def shape_overlong(self, batch: dict, reward: RewardOutput) -> RewardOutput:
+        """reward.overlong_buffer: DAPO's soft overlong punishment added to the scores (and to the token-level
+        rewards at each response's last token)."""
+        buffer = self.config.reward.overlong_buffer
+        if not buffer.enable:
+            return reward
+        penalty = overlong_penalty(batch["response_mask"].sum(dim=-1), self.config.data.max_response_length,
+                                   buffer.len, buffer.penalty_factor)
+        return reward._replace(scores=reward.scores + penalty, token_level_rewards=reward.token_level_rewards
+                               + scores_to_token_rewards(penalty, batch["response_mask"]))
+
+    def without_overlong(self, batch: dict) -> dict:
+        """algorithm.overlong_filtering: the batch the losses see, truncated responses masked out."""
+        if not self.config.algorithm.overlong_filtering:
+            return batch
+        finished = ~truncated_responses(batch["responses"], batch["response_mask"], self.eos_token_ids)
+        return {**batch, "response_mask": batch["response_mask"] * finished[:, None]}
+
+    def overlong_metrics(self, batch: dict) -> dict[str, float]:
+        """The share of truncated responses and the mean overlong penalty of the batch, where either is on."""
+        buffer, mask = self.config.reward.overlong_buffer, batch["response_mask"]
+        if not (buffer.enable or self.config.algorithm.overlong_filtering):
+            return {}
+        truncated = truncated_responses(batch["responses"], mask, self.eos_token_ids)
+        metrics = {"dapo/overlong_fraction": truncated.float().mean().item()}
+        if buffer.enable:
+            metrics["dapo/overlong_penalty_mean"] = overlong_penalty(
+                mask.sum(dim=-1), self.config.data.max_response_length, buffer.len, buffer.penalty_factor
+            ).mean().item()
+        return metrics
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The tokens a response stops at: the model config's EOS ids (the engines stop there) and the
+        tokenizer's."""
+        eos = self.hf_config.raw.get("eos_token_id")
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return sorted(set(ids) | ({self.tokenizer.eos_token_id} - {None}))
+
+    def empty_step_metrics(self, sampling: dict[str, float], timer: StageTimer) -> dict[str, float]:
+        """A step whose dynamic sampling kept less than one mini-batch: nothing trained, the sampling logged."""
+        self.logger.note(self.step + 1, "no group to train on: this step updates nothing")
+        return {**sampling, "trainer/nonfinite_skipped": self.nonfinite_skipped, **step_performance(timer, 0)}
+
+    def rollout_stage(self, prompts: list[list[int]], timer: StageTimer, gen_round: int = 0) -> list[list[int]]:
+        """The HybridEngine transition, then the responses to `prompts` (n each, every rank gets all); `gen_round`:
+        the step's generation round (dynamic sampling's), which seeds the sampling."""
         with self.rollout_engine_awake(timer):
             with timer("rollout"):
-                return self.generate(prompts)
+                return self.generate(prompts, gen_round)
 
     @contextlib.contextmanager
     def rollout_engine_awake(self, timer: StageTimer):
@@ -282,7 +403,7 @@ class RLJob(TrainingJob):
         kl_in_reward = self.reference is not None and self.config.algorithm.use_kl_in_reward
         return kl_in_reward or not is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows)
 
-    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], gen_round: int = 0) -> list[list[int]]:
         """Each rollout replica generates its share of the prompts; every rank gets all responses."""
         config, layout = self.config, self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
@@ -292,7 +413,7 @@ class RLJob(TrainingJob):
         rollout = config.rollout
         params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                                 max_new_tokens=config.data.max_response_length, n=rollout.n,
-                                seed=rollout.seed + self.step * replicas + replica)
+                                seed=rollout_seed(rollout.seed, self.step, gen_round, replicas, replica))
         responses = [r.token_ids for r in self.rollout.generate(mine, params)] if mine else []
         gathered: list = [None] * layout.world_size
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
@@ -335,7 +456,7 @@ class RLJob(TrainingJob):
                 batch = build_rollout_batch(prompts, responses, config.data.max_response_length,
                                             self.tokenizer.pad_token_id)
                 rows = {key: [item.get(key) for item in items] for key in PROMPT_FIELDS}
-                scores, _ = self.score(batch, rows)
+                scores = self.score(batch, rows).scores
                 lengths = batch["response_mask"].sum(dim=-1)
                 for source, score, length in zip(rows["data_source"], scores.tolist(), lengths.tolist()):
                     entry = sums.setdefault(None if source is None else str(source), [0.0, 0, 0])
@@ -347,14 +468,14 @@ class RLJob(TrainingJob):
             metrics[f"reward_mean/{source}"] = totals[source][0] / totals[source][1]
         return metrics
 
-    def score(self, batch: dict, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, batch: dict, rows: dict) -> RewardOutput:
         """Sequence scores [B] and the same placed on each response's last token [B, R]."""
         if self.reward_model is None:
             truths = [(info or {}).get("ground_truth") for info in rows["reward_model"]]
             return self.reward(batch["responses"], batch["response_mask"], truths, rows["data_source"])
         texts = self.reward.decode(batch["responses"], batch["response_mask"])
         scores = self.reward_model.score(rows["raw_prompt"], texts).float().cpu()
-        return scores, scores_to_token_rewards(scores, batch["response_mask"])
+        return RewardOutput(scores, scores_to_token_rewards(scores, batch["response_mask"]))
 
     def compute_advantages(self, batch: dict, scores: torch.Tensor, token_scores: torch.Tensor,
                            uids: list[int]) -> dict[str, float]:
@@ -395,6 +516,33 @@ class RLJob(TrainingJob):
                 "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
                 "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
                 **step_performance(timer, batch["attention_mask"].sum().item())}
+
+
+def take_rows(rows, index):
+    """The rows `index` of per-row values: a tensor's, a list's, each of a dict's or a NamedTuple's fields."""
+    if isinstance(rows, torch.Tensor):
+        return rows[torch.as_tensor(list(index), dtype=torch.long)]
+    if isinstance(rows, dict):
+        return {key: take_rows(values, index) for key, values in rows.items()}
+    if isinstance(rows, tuple):
+        return type(rows)(*(take_rows(values, index) for values in rows))
+    if isinstance(rows, list):
+        return [rows[i] for i in index]
+    raise TypeError(f"{type(rows).__name__} is not a per-row value")
+
+
+def concat_rows(parts: list):
+    """Per-row values of several parts (tensors, lists, dicts or NamedTuples of them) one after the other."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, dict):
+        return {key: concat_rows([part[key] for part in parts]) for key in first}
+    if isinstance(first, tuple):
+        return type(first)(*(concat_rows(list(fields)) for fields in zip(*parts)))
+    if isinstance(first, list):
+        return [row for part in parts for row in part]
+    raise TypeError(f"{type(first).__name__} is not a per-row value")
 
 
 def _sum_over_ranks(sums: dict, world_size: int) -> dict:
