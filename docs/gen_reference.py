@@ -26,7 +26,7 @@ from typing import Iterator
 
 from verl_mega import cli
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
+    ADV_ESTIMATORS, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
 )
 from verl_mega.config import schema
 from verl_mega.data.prompts import TRUNCATION_SIDES
@@ -60,7 +60,7 @@ CHOICES = {
     (schema.AlgorithmConfig, "kl_penalty"): KL_ESTIMATORS.names(),
     (schema.AlgorithmConfig, "loss"): PREFERENCE_LOSSES.names(),
     (schema.RewardConfig, "function"): [*sorted(REWARD_FUNCTIONS), "module:function"],
-    (schema.FilterGroupsConfig, "on_exhausted"): schema.FILTER_EXHAUSTED_POLICIES,
+    (schema.FilterGroupsConfig, "on_exhausted"): EXHAUSTED_POLICIES,
     (schema.TrainerConfig, "nonfinite"): schema.NONFINITE_POLICIES,
     (schema.TrainerConfig, "log_format"): schema.LOG_FORMATS,
 }

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from verl_mega.algorithms import (
-    GroupFilter, constant_groups, groups_filling_mini_batches, overlong_penalty, truncated_responses,
+    BatchNotFilled, GroupFilter, constant_groups, groups_filling_mini_batches, overlong_penalty, trainable_groups,
+    truncated_responses,
 )
 
 
@@ -82,3 +83,26 @@ def test_truncated_responses_fill_the_budget_without_a_stop_token():
     assert truncated_responses(responses, mask, [eos]).tolist() == [True, False, False, True, False]
     # A second stop id (a model config listing several EOS tokens) finishes a response too.
     assert truncated_responses(responses, mask, [eos, 9]).tolist() == [True, False, False, False, False]
+
+
+def exhausted_filter(kept_groups: int) -> GroupFilter:
+    """A filter out of rounds with `kept_groups` of 8 groups of 4 kept."""
+    groups = GroupFilter(target_groups=8, group_size=4, max_rounds=1)
+    groups.keep(scores(*([[0, 1, 0, 0]] * kept_groups + [[1, 1, 1, 1]] * (8 - kept_groups))))
+    assert groups.exhausted
+    return groups
+
+
+def test_out_of_rounds_the_step_stops_or_trains_on_whole_mini_batches():
+    with pytest.raises(BatchNotFilled, match="kept 5 of 8 groups in 1 rounds"):
+        trainable_groups(exhausted_filter(5), "stop", [8])
+    assert trainable_groups(exhausted_filter(5), "train", [8]) == 4  # 2 groups of 4 rows per mini-batch of 8
+    assert trainable_groups(exhausted_filter(1), "train", [8]) == 0
+    with pytest.raises(ValueError, match="on_exhausted"):
+        trainable_groups(exhausted_filter(5), "skip", [8])
+
+
+def test_a_full_batch_trains_whole_whatever_the_policy():
+    groups = GroupFilter(target_groups=2, group_size=4, max_rounds=1)
+    groups.keep(scores([0, 1, 1, 1], [0, 0, 0, 0.5]))
+    assert trainable_groups(groups, "stop", [8]) == trainable_groups(groups, "train", [8]) == 2

@@ -11,10 +11,13 @@ from verl_mega.algorithms.advantages import (
     register_adv_est,
 )
 from verl_mega.algorithms.dapo import (
+    EXHAUSTED_POLICIES,
+    BatchNotFilled,
     GroupFilter,
     constant_groups,
     groups_filling_mini_batches,
     overlong_penalty,
+    trainable_groups,
     truncated_responses,
 )
 from verl_mega.algorithms.kl import (
@@ -61,6 +64,7 @@ from verl_mega.algorithms.registry import Registry
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "EXHAUSTED_POLICIES",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
@@ -71,6 +75,7 @@ __all__ = [
     "PairLogps",
     "PairLoss",
     "AdaptiveKLController",
+    "BatchNotFilled",
     "FixedKLController",
     "GroupFilter",
     "Registry",
@@ -105,5 +110,6 @@ __all__ = [
     "register_adv_est",
     "register_kl_estimator",
     "register_policy_loss",
+    "trainable_groups",
     "truncated_responses",
 ]

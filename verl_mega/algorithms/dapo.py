@@ -70,6 +70,25 @@ class GroupFilter:
                 "filter_groups/gen_rounds": self.rounds}
 
 
+class BatchNotFilled(Exception):
+    """Dynamic sampling ran out of rounds and was told to stop rather than train on a partial batch."""
+
+
+EXHAUSTED_POLICIES = ("stop", "train")
+
+
+def trainable_groups(groups: GroupFilter, on_exhausted: str, mini_batch_sizes: Sequence[int]) -> int:
+    """How many of the kept groups (the first ones) a step trains on: all of a full batch; out of rounds, under
+    "stop" none (raises BatchNotFilled), under "train" those filling whole mini-batches."""
+    if on_exhausted not in EXHAUSTED_POLICIES:
+        raise ValueError(f"on_exhausted must be one of {EXHAUSTED_POLICIES}, got {on_exhausted!r}")
+    if groups.full:
+        return groups.kept
+    if on_exhausted == "stop":
+        raise BatchNotFilled(f"kept {groups.kept} of {groups.target_groups} groups in {groups.rounds} rounds")
+    return groups_filling_mini_batches(groups.kept, groups.group_size, mini_batch_sizes)
+
+
 def groups_filling_mini_batches(groups: int, group_size: int, mini_batch_sizes: Sequence[int]) -> int:
     """The most of `groups` whose rows split into whole mini-batches of every size in `mini_batch_sizes` (a
     partial batch must still split over the data-parallel ranks and micro-batches, which each mini-batch does);

@@ -385,7 +385,6 @@ class TrainConfig:
 
 
 NONFINITE_POLICIES = ("error", "skip")
-FILTER_EXHAUSTED_POLICIES = ("stop", "train")
 LOG_FORMATS = ("text", "json")
 
 

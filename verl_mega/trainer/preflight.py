@@ -13,12 +13,12 @@ from typing import Callable
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
-    REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
+    ADV_ESTIMATORS, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES,
+    PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
-from verl_mega.config.schema import FILTER_EXHAUSTED_POLICIES, LOG_FORMATS, NONFINITE_POLICIES
+from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
@@ -126,7 +126,7 @@ def _check_dapo(config: TrainConfig, need, known) -> None:
         need(groups.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: no "
              f"bound), got {groups.max_num_gen_batches}")
         need(bool(groups.metric), "algorithm.filter_groups.metric is empty: set it to score or a dict reward's field")
-        known("algorithm.filter_groups.on_exhausted", groups.on_exhausted, FILTER_EXHAUSTED_POLICIES)
+        known("algorithm.filter_groups.on_exhausted", groups.on_exhausted, EXHAUSTED_POLICIES)
         rows = config.data.batch_size * config.rollout.n
         need(groups.on_exhausted != "train" or config.actor.mini_batch_size < rows,
              f"algorithm.filter_groups.on_exhausted=train: a partial batch is cut to whole mini-batches, and "

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    GroupFilter, RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller,
-    groups_filling_mini_batches, masked_mean, overlong_penalty, truncated_responses,
+    BatchNotFilled, GroupFilter, RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller,
+    masked_mean, overlong_penalty, trainable_groups, truncated_responses,
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -234,27 +234,29 @@ class RLJob(TrainingJob):
         groups = GroupFilter(config.data.batch_size, n, filter_config.max_num_gen_batches if filter_config.enable
                              else 1, drop_constant=filter_config.enable)
         kept: list[tuple[dict, list, RewardOutput]] = []
-        generated_scores = []
+        generated = []  # every response of the step's rounds, dropped ones too, for the metrics
         while not groups.done:
-            rows, responses, reward = self.generation_round(timer, groups.rounds)
-            generated_scores.append(reward.scores)
+            rows, responses, reward, batch = self.generation_round(timer, groups.rounds)
+            generated.append({"scores": reward.scores, "responses": batch["responses"],
+                              "response_mask": batch["response_mask"]})
             keep = groups.keep(self.filter_metric(reward)).repeat_interleave(n).nonzero().flatten().tolist()
             kept.append((take_rows(rows, keep), take_rows(responses, keep), take_rows(reward, keep)))
         rows, responses, reward = (concat_rows(list(part)) for part in zip(*kept))
         if groups.exhausted:
-            rows, responses, reward = (take_rows(part, range(self.partial_batch_rows(groups)))
-                                       for part in (rows, responses, reward))
+            usable = range(self.partial_batch_rows(groups))
+            rows, responses, reward = (take_rows(part, usable) for part in (rows, responses, reward))
         rows["uid"] = [row // n for row in range(len(responses))]  # a group per prompt drawn, even drawn twice
-        metrics = {**groups.metrics(), "filter_groups/generated_score_mean": torch.cat(generated_scores).mean()
-                   .item()} if filter_config.enable else {}
-        if not responses:
-            return None, rows, reward, metrics
+        generated = concat_rows(generated)
+        metrics = self.overlong_metrics(generated)
+        if filter_config.enable:
+            metrics.update(groups.metrics())
+            metrics["filter_groups/generated_score_mean"] = generated["scores"].mean().item()
         batch = build_rollout_batch(rows["input_ids"], responses, config.data.max_response_length,
-                                    self.tokenizer.pad_token_id)
-        return batch, rows, reward, {**metrics, **self.overlong_metrics(batch)}
+                                    self.tokenizer.pad_token_id) if responses else None
+        return batch, rows, reward, metrics
 
-    def generation_round(self, timer: StageTimer, gen_round: int) -> tuple[dict, list[list[int]], RewardOutput]:
-        """data.batch_size prompts drawn, their responses (one row each) and reward, overlong penalty included."""
+    def generation_round(self, timer: StageTimer, gen_round: int) -> tuple[dict, list[list[int]], RewardOutput, dict]:
+        """data.batch_size prompts drawn: their rows, responses, reward (overlong penalty included) and batch."""
         config = self.config
         prompts = self.next_prompts()
         responses = self.rollout_stage(prompts["input_ids"], timer, gen_round)
@@ -262,7 +264,7 @@ class RLJob(TrainingJob):
         batch = build_rollout_batch(rows["input_ids"], responses, config.data.max_response_length,
                                     self.tokenizer.pad_token_id)
         with timer("reward"):
-            return rows, responses, self.shape_overlong(batch, self.score(batch, rows))
+            return rows, responses, self.shape_overlong(batch, self.score(batch, rows)), batch
 
     def filter_metric(self, reward: RewardOutput) -> torch.Tensor:
         """[B] what dynamic sampling compares within a group: the score, or a dict reward's extra field."""
@@ -279,13 +281,14 @@ class RLJob(TrainingJob):
         actor (and critic) mini-batches, so they still split over the data-parallel ranks and micro-batches."""
         config = self.config
         filter_config = config.algorithm.filter_groups
+        sizes = [config.actor.mini_batch_size] + ([config.critic.mini_batch_size] if self.critic is not None else [])
         shortfall = (f"dynamic sampling kept {groups.kept} of data.batch_size={config.data.batch_size} groups in "
                      f"algorithm.filter_groups.max_num_gen_batches={filter_config.max_num_gen_batches} rounds")
-        if filter_config.on_exhausted == "stop":
-            raise UserError(f"step {self.step + 1}: {shortfall} (too many prompts answered all alike: raise it, set "
-                            "it to 0 for no bound, or on_exhausted=train)")
-        sizes = [config.actor.mini_batch_size] + ([config.critic.mini_batch_size] if self.critic is not None else [])
-        usable = groups_filling_mini_batches(groups.kept, config.rollout.n, sizes)
+        try:
+            usable = trainable_groups(groups, filter_config.on_exhausted, sizes)
+        except BatchNotFilled:
+            raise UserError(f"step {self.step + 1}: {shortfall}: too many prompts were answered all alike; raise it, "
+                            "set it to 0 for no bound, or set algorithm.filter_groups.on_exhausted=train") from None
         self.logger.note(self.step + 1, f"{shortfall}; training on {usable} of them (whole mini-batches)")
         return usable * config.rollout.n
 
@@ -308,7 +311,7 @@ class RLJob(TrainingJob):
         return {**batch, "response_mask": batch["response_mask"] * finished[:, None]}
 
     def overlong_metrics(self, batch: dict) -> dict[str, float]:
-        """The share of truncated responses and the mean overlong penalty of the batch, where either is on."""
+        """The share of truncated responses and their mean overlong penalty, where either feature is on."""
         buffer, mask = self.config.reward.overlong_buffer, batch["response_mask"]
         if not (buffer.enable or self.config.algorithm.overlong_filtering):
             return {}

@@ -1,0 +1,78 @@
+"""The RL step's DAPO stage: generation seeds per round, rows of several rounds joined into one batch, and
+examples/dapo.yaml: through the pre-flight check, and two steps of it on a tiny model (slow)."""
+import json
+
+import pytest
+import torch
+
+from verl_mega.config import load_config
+from verl_mega.demo import EXAMPLES
+from verl_mega.roles.reward import RewardOutput
+from verl_mega.trainer.preflight import preflight_check
+from verl_mega.trainer.rl import concat_rows, rollout_seed, take_rows
+
+
+def test_rollout_seeds_are_a_pure_function_of_step_round_and_replica():
+    base, replicas = 7, 4
+    # Round 0 keeps the seeds of runs made before dynamic sampling: base + step * replicas + replica.
+    assert [rollout_seed(base, 3, 0, replicas, replica) for replica in range(replicas)] == [19, 20, 21, 22]
+    seeds = {rollout_seed(base, step, gen_round, replicas, replica)
+             for step in range(50) for gen_round in range(10) for replica in range(replicas)}
+    assert len(seeds) == 50 * 10 * replicas
+
+
+def test_rows_of_rounds_are_taken_and_joined_field_by_field():
+    def round_of(offset):
+        scores = torch.arange(4, dtype=torch.float32) + offset
+        reward = RewardOutput(scores, scores[:, None].repeat(1, 3), {"acc": scores > offset + 1})
+        return {"index": [offset + i for i in range(4)], "raw_prompt": ["p"] * 4}, [[i] for i in range(4)], reward
+
+    parts = [tuple(take_rows(part, keep) for part in round_of(offset))
+             for offset, keep in ((0, [2, 3]), (10, []), (20, [0, 1, 2]))]
+    rows, responses, reward = (concat_rows(list(part)) for part in zip(*parts))
+    assert rows == {"index": [2, 3, 20, 21, 22], "raw_prompt": ["p"] * 5}
+    assert responses == [[2], [3], [0], [1], [2]]
+    assert isinstance(reward, RewardOutput)
+    assert reward.scores.tolist() == [2, 3, 20, 21, 22] and reward.token_level_rewards.shape == (5, 3)
+    assert reward.extras["acc"].tolist() == [True, True, False, False, True]
+    with pytest.raises(TypeError, match="not a per-row value"):
+        take_rows(3, [0])
+
+
+def dapo_overrides(hf, data, run_dir):
+    return [f"model.hf_path={hf}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}"]
+
+
+@pytest.fixture
+def copy_rows(tmp_path):
+    from verl_mega.data.synthetic import make_task_rows
+    from verl_mega.data.tables import write_rows
+
+    return write_rows(make_task_rows("copy", 64, seed=0, max_digits=2), tmp_path / "copy.jsonl")
+
+
+def test_the_dapo_example_passes_the_preflight_check_at_its_layout(tiny_models, copy_rows, tmp_path):
+    config = load_config(EXAMPLES / "dapo.yaml", dapo_overrides(tiny_models["qwen2"], copy_rows, tmp_path / "run"))
+    loss = config.actor.loss
+    assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert config.algorithm.filter_groups.enable and config.reward.overlong_buffer.enable
+    assert config.algorithm.overlong_filtering
+    preflight_check(config, world_size=2)
+
+
+@pytest.mark.slow
+def test_two_steps_of_the_dapo_example_log_the_sampling_and_the_overlong_share(tiny_models, copy_rows, tmp_path):
+    """A random tiny model rarely copies a digit and never stops: most groups score all alike (dynamic sampling
+    takes every round it may) and most responses are cut at the budget."""
+    from verl_mega.demo import train
+
+    run_dir = tmp_path / "run"
+    train(EXAMPLES / "dapo.yaml", 1, [*dapo_overrides(tiny_models["qwen2"], copy_rows, run_dir),
+                                      "trainer.total_steps=2", "trainer.tensorboard=false"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["filter_groups/kept_groups"] + record["filter_groups/dropped_groups"] >= 16
+        assert 1 <= record["filter_groups/gen_rounds"] <= 4
+        assert record["dapo/overlong_fraction"] > 0.5
+        assert -0.5 <= record["dapo/overlong_penalty_mean"] < -0.25
