@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from verl_mega.algorithms import (
-    BatchNotFilled, GroupFilter, constant_groups, groups_filling_mini_batches, overlong_penalty, trainable_groups,
-    truncated_responses,
+    BatchNotFilled, GroupFilter, constant_groups, groups_filling_mini_batches, overlong_filtered_mask, overlong_penalty,
+    trainable_groups, truncated_responses,
 )
 
 
@@ -83,6 +83,9 @@ def test_truncated_responses_fill_the_budget_without_a_stop_token():
     assert truncated_responses(responses, mask, [eos]).tolist() == [True, False, False, True, False]
     # A second stop id (a model config listing several EOS tokens) finishes a response too.
     assert truncated_responses(responses, mask, [eos, 9]).tolist() == [True, False, False, False, False]
+    # Overlong filtering: the truncated rows leave the loss's mask, the finished ones keep theirs as they are.
+    assert overlong_filtered_mask(responses, mask, [eos]).tolist() == [[0, 0, 0], [1, 1, 1], [1, 1, 0], [0, 0, 0],
+                                                                       [1, 0, 0]]
 
 
 def exhausted_filter(kept_groups: int) -> GroupFilter:

@@ -117,3 +117,10 @@ def truncated_responses(responses: torch.Tensor, response_mask: torch.Tensor,
     fills_budget = response_mask[:, -1].bool()
     stopped = torch.isin(responses[:, -1], torch.tensor(list(eos_token_ids), dtype=responses.dtype))
     return fills_budget & ~stopped
+
+
+def overlong_filtered_mask(responses: torch.Tensor, response_mask: torch.Tensor,
+                           eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """Overlong filtering: the response mask with the truncated responses' rows zeroed, for the losses."""
+    finished = ~truncated_responses(responses, response_mask, eos_token_ids)
+    return response_mask * finished[:, None]

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
     BatchNotFilled, GroupFilter, RunningMeanStd, apply_kl_penalty, compute_kl, get_adv_estimator, get_kl_controller,
-    masked_mean, overlong_penalty, trainable_groups, truncated_responses,
+    masked_mean, overlong_filtered_mask, overlong_penalty, trainable_groups, truncated_responses,
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -307,8 +307,8 @@ class RLJob(TrainingJob):
         """algorithm.overlong_filtering: the batch the losses see, truncated responses masked out."""
         if not self.config.algorithm.overlong_filtering:
             return batch
-        finished = ~truncated_responses(batch["responses"], batch["response_mask"], self.eos_token_ids)
-        return {**batch, "response_mask": batch["response_mask"] * finished[:, None]}
+        return {**batch, "response_mask": overlong_filtered_mask(batch["responses"], batch["response_mask"],
+                                                                 self.eos_token_ids)}
 
     def overlong_metrics(self, batch: dict) -> dict[str, float]:
         """The share of truncated responses and their mean overlong penalty, where either feature is on."""
