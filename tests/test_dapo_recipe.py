@@ -76,3 +76,22 @@ def test_two_steps_of_the_dapo_example_log_the_sampling_and_the_overlong_share(t
         assert 1 <= record["filter_groups/gen_rounds"] <= 4
         assert record["dapo/overlong_fraction"] > 0.5
         assert -0.5 <= record["dapo/overlong_penalty_mean"] < -0.25
+
+
+@pytest.mark.slow
+def test_out_of_rounds_with_on_exhausted_stop_the_run_ends_with_one_line_naming_the_key(tiny_models, copy_rows,
+                                                                                        tmp_path):
+    """The random model leaves fewer than 16 informative groups after 4 rounds (see the test above)."""
+    import subprocess
+
+    from verl_mega.parallel.spawn import run_torchrun
+
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        run_torchrun(1, "verl_mega.trainer.main", [
+            "--config", str(EXAMPLES / "dapo.yaml"), *dapo_overrides(tiny_models["qwen2"], copy_rows, tmp_path / "run"),
+            "trainer.total_steps=1", "trainer.tensorboard=false", "algorithm.filter_groups.on_exhausted=stop"],
+            capture_output=True)
+    assert failed.value.returncode == 2
+    lines = [line for line in failed.value.stderr.splitlines() if "dynamic sampling kept" in line]
+    assert lines and "in algorithm.filter_groups.max_num_gen_batches=4 rounds" in lines[0]
+    assert "algorithm.filter_groups.on_exhausted=train" in lines[0]
