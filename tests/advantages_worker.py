@@ -21,8 +21,8 @@ def length_reward(data_source, solution_str: str, ground_truth, extra_info=None)
 
 
 def recorded_generate(generate):
-    def run(self, prompts, params=None):
-        responses = generate(self, prompts, params)
+    def run(self, prompts, params=None, **kwargs):
+        responses = generate(self, prompts, params, **kwargs)
         sampling = params or self.config.rollout
         calls.append({"stage": "generate", "prompts": len(prompts), "responses": len(responses),
                       "temperature": sampling.temperature})

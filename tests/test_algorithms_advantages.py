@@ -284,8 +284,6 @@ def test_sum_pi_squared_ignores_vocabulary_padding():
      "algorithm.adv_estimator=grpo_passk compares the responses to each prompt: set rollout.n >= 2, got rollout.n=1"),
     (["algorithm.adv_estimator=gae", "critic.enable=false"],
      "algorithm.adv_estimator=gae takes the critic's values: set critic.enable=true"),
-    (["algorithm.adv_estimator=tir_optimal_token_baseline", "rollout.n=4"],
-     "algorithm.adv_estimator=tir_optimal_token_baseline takes the rollout engine's log-probs"),
     (["algorithm.tir_is_threshold=0"], "algorithm.tir_is_threshold must be > 0, got 0"),
 ])
 def test_preflight_refuses_an_estimator_its_config_cannot_feed(overrides, problem):
@@ -298,7 +296,8 @@ def test_preflight_refuses_an_estimator_its_config_cannot_feed(overrides, proble
     assert len(lines) == 1 and problem in lines[0], lines
 
 
-@pytest.mark.parametrize("estimator", ["remax", "opo", "gpg", "optimal_token_baseline", "grpo_passk"])
+@pytest.mark.parametrize("estimator", ["remax", "opo", "gpg", "optimal_token_baseline", "tir_optimal_token_baseline",
+                                       "grpo_passk"])
 def test_preflight_accepts_each_new_estimator_with_groups(estimator):
     from verl_mega.config import load_config
     from verl_mega.trainer.preflight import preflight_check

@@ -67,6 +67,38 @@ def test_preflight_check_names_the_key(tiny_models, prompt_file, override, world
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.filter_groups.enable=true", "rollout.n=1"],
+     "algorithm.filter_groups.enable with rollout.n=1: a group of one response is never dropped"),
+    (["algorithm.filter_groups.enable=true", "rollout.n=2", "algorithm.filter_groups.max_num_gen_batches=-1"],
+     "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: no bound), got -1"),
+    (["algorithm.filter_groups.enable=true", "rollout.n=2", "algorithm.filter_groups.on_exhausted=skip"],
+     "algorithm.filter_groups.on_exhausted 'skip' is unknown; known: stop, train"),
+    (["algorithm.filter_groups.enable=true", "rollout.n=1", "algorithm.filter_groups.on_exhausted=train"],
+     "algorithm.filter_groups.on_exhausted=train: a partial batch is cut to whole mini-batches, and "
+     "actor.mini_batch_size=4 is the whole batch (4 rows)"),
+    (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=33"],
+     "reward.overlong_buffer.len=33 must be in [1, data.max_response_length=32]"),
+    (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=0"],
+     "reward.overlong_buffer.len=0 must be in [1, data.max_response_length=32]"),
+    (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4", "reward.overlong_buffer.penalty_factor=-1"],
+     "reward.overlong_buffer.penalty_factor must be >= 0, got -1.0"),
+])
+def test_dapo_settings_that_cannot_work_are_refused_naming_the_key(tiny_models, prompt_file, overrides, message):
+    config = load_config(None, good_overrides(tiny_models, prompt_file) + overrides)
+    with pytest.raises(ConfigError) as err:
+        preflight_check(config, world_size=4)
+    # One line per problem, starting with the key.
+    assert any(line.startswith(f"  - {message}") for line in str(err.value).splitlines()), str(err.value)
+
+
+def test_dapo_settings_that_fit_are_taken(tiny_models, prompt_file):
+    config = load_config(None, good_overrides(tiny_models, prompt_file) + [
+        "algorithm.filter_groups.enable=true", "rollout.n=2", "algorithm.filter_groups.on_exhausted=train",
+        "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=32", "algorithm.overlong_filtering=true"])
+    preflight_check(config, world_size=4)
+
+
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
 def test_gpu_memory_utilization_outside_0_1_is_refused_in_one_line(tiny_models, prompt_file, value):
     config = load_config(None, good_overrides(tiny_models, prompt_file) + [f"rollout.gpu_memory_utilization={value}"])

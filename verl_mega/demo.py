@@ -10,6 +10,7 @@
    score and sample replies before and after RL are printed side by side.
 
 `--sft-dpo` (`make demo-dpo`) runs the SFT -> DPO demo instead: `verl-mega sft`, export, `verl-mega dpo`.
+`--dapo` (`make demo-dapo`) runs examples/dapo.yaml from the same warm model instead of the PPO and GRPO runs.
 """
 from __future__ import annotations
 
@@ -52,16 +53,19 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=120, help="GRPO steps (the learning run; DPO steps with --sft-dpo)")
     parser.add_argument("--layout-steps", type=int, default=4, help="PPO steps of the TP2 x PP2 x DP2 run")
     parser.add_argument("--sft-dpo", action="store_true", help="instead: the SFT -> DPO demo (`make demo-dpo`)")
+    parser.add_argument("--dapo", action="store_true", help="instead: examples/dapo.yaml (`make demo-dapo`)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.sft_dpo:
             run_sft_dpo(Path(args.workdir or tmp), args.steps)
+        elif args.dapo:
+            run_dapo(Path(args.workdir or tmp), args.steps)
         else:
             run(Path(args.workdir or tmp), args.steps, args.layout_steps)
 
 
-def run(workdir: Path, steps: int, layout_steps: int) -> None:
-    start = time.perf_counter()
+def warm_start(workdir: Path) -> tuple[Path, Path, list[dict], Path, list[str]]:
+    """The copy task's train and held-out files, the held-out rows, the warm model and its held-out replies."""
     workdir.mkdir(parents=True, exist_ok=True)
     train_rows, heldout_rows = disjoint_copy_rows()
     train_file = write_rows(train_rows, workdir / "copy_train.jsonl")
@@ -71,6 +75,12 @@ def run(workdir: Path, steps: int, layout_steps: int) -> None:
     before = greedy_replies(warm, heldout_rows)
     print(f"[demo] short supervised warm-up ({WARMUP_STEPS} steps): held-out greedy copy score "
           f"{mean_score(before, heldout_rows):.3f}; RL starts from this model", flush=True)
+    return train_file, heldout_file, heldout_rows, warm, before
+
+
+def run(workdir: Path, steps: int, layout_steps: int) -> None:
+    start = time.perf_counter()
+    train_file, heldout_file, heldout_rows, warm, before = warm_start(workdir)
 
     for name, (tp, pp, _) in LAYOUTS.items():
         ckpt = convert_hf_to_mcore(warm, workdir / f"mcore_tp{tp}_pp{pp}", tp=tp, pp=pp, overwrite=True)
@@ -103,6 +113,32 @@ def run(workdir: Path, steps: int, layout_steps: int) -> None:
     print(f"[demo]   {'prompt':<12} {'before RL':<10} after RL (transformers, greedy, from the exported folder)")
     for row, old, new in list(zip(heldout_rows, before, after))[:SAMPLES]:
         print(f"[demo]   {row['prompt'][0]['content']!r:<12} {old!r:<10} {new!r}")
+    print(f"[demo] done in {time.perf_counter() - start:.0f} s")
+
+
+def run_dapo(workdir: Path, steps: int) -> None:
+    """`make demo-dapo`: examples/dapo.yaml (clip-higher, token-mean, dynamic sampling, overlong punishment and
+    filtering) at DP2 from the warm model; the reward, the generation rounds per step and the held-out greedy
+    reward, then RUN/metrics.png."""
+    start = time.perf_counter()
+    train_file, heldout_file, heldout_rows, warm, _ = warm_start(workdir)
+    ckpt = workdir / "mcore_tp1_pp1"
+    convert_hf_to_mcore(warm, ckpt, tp=1, pp=1, overwrite=True)
+    run_dir = workdir / "run_dapo"
+    train(EXAMPLES / "dapo.yaml", 2, [
+        f"model.hf_path={warm}", f"model.actor_ckpt={ckpt}", f"data.train_files=[{train_file}]",
+        f"data.val_files=[{heldout_file}]", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
+        f"trainer.val_every={max(steps // 4, 1)}"])
+    records = read_metrics(RunFolder(run_dir).metrics)
+    steps_logged = [r for r in records if "filter_groups/gen_rounds" in r]
+    for name, key in (("generated score mean (dropped groups too)", "filter_groups/generated_score_mean"),
+                      ("trained reward mean", "reward/mean"), ("generation rounds", "filter_groups/gen_rounds"),
+                      ("truncated share", "dapo/overlong_fraction")):
+        print(f"[demo] DAPO at dp=2, {steps} steps: {name} {reward_curve([r[key] for r in steps_logged])}")
+    validation = [f"step {r['step']}: {r['val/reward_mean']:.2f}" for r in records if "val/reward_mean" in r]
+    print(f"[demo] DAPO held-out greedy reward (the engine's validation): {', '.join(validation)}")
+    if cli(["plot", str(run_dir)]) != 0:
+        raise SystemExit("[demo] plot failed")
     print(f"[demo] done in {time.perf_counter() - start:.0f} s")
 
 

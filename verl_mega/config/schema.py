@@ -283,6 +283,24 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's `algorithm.filter_groups`): groups whose responses all score the same carry
+    no group-relative signal; they are dropped and further prompt batches generated until the batch is full."""
+
+    enable: bool = False
+    """Dynamic sampling: drop the groups (a prompt's rollout.n responses) that all score alike and draw further
+    prompt batches until data.batch_size groups are kept; needs rollout.n >= 2."""
+    metric: str = "score"
+    """What must differ within a group: score (the reward the advantages see, overlong penalty included) or the
+    name of a numeric extra field of a dict reward (e.g. acc)."""
+    max_num_gen_batches: int = 10
+    """Generation rounds (data.batch_size prompts each) a step may take; 0: no bound (verl's meaning)."""
+    on_exhausted: str = "stop"
+    """Out of rounds before the batch is full: stop the run with a message (verl's behaviour), or train on the
+    kept groups, cut to whole actor (and critic) mini-batches; a step that keeps less than one trains nothing."""
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages and the KL penalty (rl); the preference loss and its knobs (preference)."""
 
@@ -307,6 +325,11 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     normalize_rewards: bool = False
     """Scale the rewards by a running standard deviation before the advantages."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_filtering: bool = False
+    """DAPO's overlong filtering (NeMo-RL's grpo.overlong_filtering): responses cut at data.max_response_length
+    without an EOS are masked out of the actor's and critic's losses (they still count in their group's
+    baseline)."""
     loss: str = "dpo"
     """Preference job: a name registered in algorithms.PREFERENCE_LOSSES."""
     beta: float = 0.1
@@ -325,6 +348,20 @@ class AlgorithmConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`): a penalty on the score growing
+    linearly over the last `len` tokens of data.max_response_length."""
+
+    enable: bool = False
+    """Soft overlong punishment: add to each score a penalty falling linearly from 0 to -penalty_factor over the
+    last `len` tokens of data.max_response_length."""
+    len: int = 0
+    """Tokens of the buffer, 1..data.max_response_length: no penalty up to max_response_length - len tokens."""
+    penalty_factor: float = 1.0
+    """The penalty at the full budget (it falls linearly from 0 to -penalty_factor over the buffer)."""
+
+
+@dataclass
 class RewardConfig:
     """What scores a response (rl)."""
 
@@ -340,6 +377,7 @@ class RewardConfig:
     like a late one. 0: no cap."""
     reward_model: str = ""
     """HF sequence-classification folder; replaces `function` when set."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass

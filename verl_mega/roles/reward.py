@@ -42,6 +42,31 @@ class RewardOutput(NamedTuple):
     sample_fields: tuple[dict, ...] = ()  # per row: its non-numeric fields, for the logged samples
     timeouts: dict[int, str] = {}  # rows a scoring-worker limit stopped (scored 0) -> why
 
+    def take(self, rows: Sequence[int]) -> RewardOutput:
+        """The reward of `rows` only, in that order (the timeouts' rows renumbered)."""
+        rows = list(rows)
+        index = torch.as_tensor(rows, dtype=torch.long)
+        position = {row: i for i, row in enumerate(rows)}
+        return RewardOutput(self.scores[index], self.token_level_rewards[index],
+                            {name: values[index] for name, values in self.extras.items()},
+                            tuple(self.sample_fields[row] for row in rows) if self.sample_fields else (),
+                            {position[row]: why for row, why in self.timeouts.items() if row in position})
+
+    @staticmethod
+    def concat(parts: Sequence[RewardOutput]) -> RewardOutput:
+        """The rewards of `parts` one after the other; a dict field some part lacks is NaN on its rows."""
+        sizes = [len(part.scores) for part in parts]
+        offsets = [sum(sizes[:i]) for i in range(len(parts))]
+        names = list(dict.fromkeys(name for part in parts for name in part.extras))
+        extras = {name: torch.cat([part.extras[name] if name in part.extras else torch.full((size,), float("nan"))
+                                   for part, size in zip(parts, sizes)]) for name in names}
+        with_fields = any(part.sample_fields for part in parts)
+        sample_fields = tuple(fields for part, size in zip(parts, sizes)
+                              for fields in (part.sample_fields or ({},) * size)) if with_fields else ()
+        timeouts = {offset + row: why for part, offset in zip(parts, offsets) for row, why in part.timeouts.items()}
+        return RewardOutput(torch.cat([part.scores for part in parts]),
+                            torch.cat([part.token_level_rewards for part in parts]), extras, sample_fields, timeouts)
+
 
 class RuleReward:
     """A rule reward function over decoded responses. `timeout_s` > 0 runs a named function (except the

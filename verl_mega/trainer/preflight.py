@@ -13,8 +13,8 @@ from typing import Callable
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, CORRECTION_MODES, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
-    REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
+    ADV_ESTIMATORS, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES,
+    PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
@@ -108,6 +108,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     for role in ("actor", "critic"):
         known(f"{role}.optim.lr_decay_style", getattr(config, role).optim.lr_decay_style, LR_DECAY_STYLES)
     known("trainer.nonfinite", config.trainer.nonfinite, NONFINITE_POLICIES)
+    _check_dapo(config, need, known)
     need(config.rollout.engine != "embedded" or p.rollout_tp == 1,
          f"parallel.rollout_tp={p.rollout_tp} needs rollout.engine vllm (the embedded engine runs at rollout TP 1)")
     if config.reward.reward_model:
@@ -132,6 +133,30 @@ def _check_rollout_correction(correction, known, need) -> None:
     need(0 <= correction.reject_low < correction.reject_high,
          f"{key}.reject_low={correction.reject_low} must be >= 0 and below {key}.reject_high="
          f"{correction.reject_high}")
+
+
+def _check_dapo(config: TrainConfig, need, known) -> None:
+    """Dynamic sampling needs groups to compare, and a partial batch it may train on must fill a mini-batch; the
+    overlong buffer must fit in the response budget."""
+    groups, buffer = config.algorithm.filter_groups, config.reward.overlong_buffer
+    budget = config.data.max_response_length
+    if groups.enable:
+        need(config.rollout.n >= 2, f"algorithm.filter_groups.enable with rollout.n={config.rollout.n}: a group of "
+             "one response is never dropped; set rollout.n >= 2 or disable the filter")
+        need(groups.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: no "
+             f"bound), got {groups.max_num_gen_batches}")
+        need(bool(groups.metric), "algorithm.filter_groups.metric is empty: set it to score or a dict reward's field")
+        known("algorithm.filter_groups.on_exhausted", groups.on_exhausted, EXHAUSTED_POLICIES)
+        rows = config.data.batch_size * config.rollout.n
+        need(groups.on_exhausted != "train" or config.actor.mini_batch_size < rows,
+             f"algorithm.filter_groups.on_exhausted=train: a partial batch is cut to whole mini-batches, and "
+             f"actor.mini_batch_size={config.actor.mini_batch_size} is the whole batch ({rows} rows), so a partial "
+             "one would never train; lower actor.mini_batch_size or set on_exhausted=stop")
+    if buffer.enable:
+        need(1 <= buffer.len <= budget, f"reward.overlong_buffer.len={buffer.len} must be in [1, "
+             f"data.max_response_length={budget}] (the penalty grows over the budget's last len tokens)")
+        need(buffer.penalty_factor >= 0, f"reward.overlong_buffer.penalty_factor must be >= 0, got "
+             f"{buffer.penalty_factor}")
 
 
 def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, known) -> None:

@@ -3,7 +3,8 @@ on the same global batch; the roles take their own data-parallel slices, so `tra
 it runs, one named stage after the other:
 
     sample prompts -> HybridEngine transition -> generate (tokens and their rollout log-probs) -> one row per
-    response -> old/ref log-probs, values -> rewards -> advantages -> critic and actor updates
+    response -> rewards (overlong penalty) [-> dynamic sampling: drop groups without signal, generate again until
+    the batch is full] -> old/ref log-probs, values -> advantages -> critic and actor updates (overlong filtering)
     -> rollout/training mismatch -> metrics
 
 A stage that finds NaN/inf ends the step before anything is applied (or stops the run: `trainer.nonfinite`).
@@ -22,8 +23,9 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    RunningMeanStd, apply_kl_penalty, compute_kl, estimator_inputs, estimator_knobs, get_adv_estimator,
-    get_kl_controller, masked_mean, mismatch_metrics_by_source, rollout_correction,
+    BatchNotFilled, GroupFilter, RunningMeanStd, apply_kl_penalty, compute_kl, estimator_inputs, estimator_knobs,
+    get_adv_estimator, get_kl_controller, masked_mean, mismatch_metrics_by_source, overlong_filtered_mask,
+    overlong_penalty, rollout_correction, trainable_groups, truncated_responses,
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -52,6 +54,9 @@ BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_p
 COMPUTED_COLUMNS = {"old_log_probs": "the old log-prob", "values": "the value",
                     "ref_log_probs": "the reference log-prob", "advantages": "the advantage", "returns": "the return"}
 PROMPT_FIELDS = ("raw_prompt", "reward_model", "data_source", "extra_info")  # what the reward and samples read
+# Seeds of a step's later generation rounds (dynamic sampling) sit this far apart, above any step's first-round
+# seed: each (step, round, replica) samples its own stream, the same on resume.
+ROUND_SEED_STRIDE = 2**31
 
 
 def uses_critic(config: TrainConfig) -> bool:
@@ -63,8 +68,6 @@ def uses_critic(config: TrainConfig) -> bool:
 # rollout_log_probs: add the batch key's condition here when the rollout batch holds the engine's log-probs.
 ESTIMATOR_INPUT_GAPS = {
     "values": (lambda config: not config.critic.enable, "takes the critic's values: set critic.enable=true"),
-    "rollout_log_probs": (lambda config: True, "takes the rollout engine's log-probs (batch key rollout_log_probs), "
-                                               "which this version's rollout batch does not hold"),
 }
 # Estimators whose every prompt group needs two responses or more (verl refuses fewer).
 MIN_GROUP_SIZE = {"grpo_passk": 2}
@@ -95,6 +98,13 @@ def uses_reference(config: TrainConfig) -> bool:
 def one_row_per_response(prompts: dict[str, list], n: int) -> dict[str, list]:
     """Each prompt's fields repeated for its `n` samples, in the order the engine returns the responses."""
     return {key: [value for value in values for _ in range(n)] for key, values in prompts.items()}
+
+
+def rollout_seed(base: int, step: int, gen_round: int, replicas: int, replica: int) -> int:
+    """The sampling seed of a replica's generation round in a step (0-based step and round): a pure function of
+    them, so a resumed run draws what the uninterrupted one drew; round 0 keeps the seeds runs had before
+    dynamic sampling."""
+    return base + step * replicas + replica + gen_round * ROUND_SEED_STRIDE
 
 
 class RLJob(TrainingJob):
@@ -225,24 +235,18 @@ class RLJob(TrainingJob):
     def train_step(self) -> dict[str, float]:
         """One step, stage by stage in dataflow order; a stage slots in here under its own name."""
         timer = StageTimer()
-        prompts = self.next_prompts()
-        responses, greedy_responses = self.rollout_stage(prompts["input_ids"], timer)
-        rows = one_row_per_response(prompts, self.config.rollout.n)
-        batch = build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
-                                    self.config.data.max_response_length, self.tokenizer.pad_token_id,
-                                    [r.logprobs for r in responses])
+        batch, rows, reward, sampling = self.sample_batch(timer)
+        if batch is None:
+            return self.empty_step_metrics(sampling, timer)
         self.log_probs_and_values(batch, timer)
-        with timer("reward"):
-            reward = self.score(batch, rows)
         self.log_samples(batch, rows, reward)
         if self.nonfinite_reward(reward.scores):
-            return self.step_metrics({}, batch, reward, timer)
-        reward_baselines = self.remax_baselines(prompts, greedy_responses, timer)
-        metrics = self.compute_advantages(batch, reward.scores, reward.token_level_rewards, rows["index"],
-                                          reward_baselines)
+            return self.step_metrics(sampling, batch, reward, timer)
+        metrics = {**sampling, **self.compute_advantages(batch, reward.scores, reward.token_level_rewards, rows["uid"],
+                                                         rows.get("reward_baseline"))}
         if self.nonfinite_batch(batch):
             return self.step_metrics(metrics, batch, reward, timer)
-        metrics.update(self.update_roles(batch, timer))
+        metrics.update(self.update_roles(self.without_overlong(batch), timer))
         metrics.update(self.rollout_mismatch(batch, rows))
         return self.step_metrics(metrics, batch, reward, timer)
 
@@ -254,38 +258,159 @@ class RLJob(TrainingJob):
         return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
                 **{key: [item.get(key) for item in items] for key in PROMPT_FIELDS}}
 
-    def rollout_stage(self, prompts: list[list[int]], timer: StageTimer
-                      ) -> tuple[list[Response], list[list[int]] | None]:
-        """The HybridEngine transition, then the responses to `prompts` (n each, every rank gets all), and, for
-        an estimator that takes a greedy baseline (ReMax), one greedy response per prompt (else None)."""
+    def sample_batch(self, timer: StageTimer) -> tuple[dict | None, dict, RewardOutput, dict[str, float]]:
+        """The step's batch (None if no row is left), its rows, their reward and the sampling's metrics, from
+        generation rounds. With dynamic sampling (algorithm.filter_groups) a round's groups whose filter metric
+        is the same for every response are dropped, and rounds follow until data.batch_size groups are kept (cut
+        to exactly that) or max_num_gen_batches rounds ran; then the run stops, or trains on the kept groups cut
+        to whole mini-batches (on_exhausted). Without it: one round, every group kept. Every round draws from
+        the sampler, whose position a checkpoint saves."""
+        config, n = self.config, self.config.rollout.n
+        filter_config = config.algorithm.filter_groups
+        groups = GroupFilter(config.data.batch_size, n, filter_config.max_num_gen_batches if filter_config.enable
+                             else 1, drop_constant=filter_config.enable)
+        kept: list[tuple[dict, list, RewardOutput]] = []
+        generated = []  # every response of the step's rounds, dropped ones too, for the metrics
+        # One transition for all rounds: the weights do not change between them.
         with self.rollout_engine_awake(timer):
-            with timer("rollout"):
-                responses = self.generate(prompts)
-            greedy = self.greedy_rollout(prompts, timer) if self.uses_greedy_baseline else None
-        return responses, greedy
+            while not groups.done:
+                rows, responses, reward, batch = self.generation_round(timer, groups.rounds)
+                generated.append({"scores": reward.scores, "responses": batch["responses"],
+                                  "response_mask": batch["response_mask"],
+                                  "timeouts": torch.tensor([row in reward.timeouts for row in range(len(responses))])})
+                keep = groups.keep(self.filter_metric(reward)).repeat_interleave(n).nonzero().flatten().tolist()
+                kept.append((take_rows(rows, keep), take_rows(responses, keep), reward.take(keep)))
+        rows, responses = (concat_rows(list(part)) for part in list(zip(*kept))[:2])
+        reward = RewardOutput.concat([part[2] for part in kept])
+        if groups.exhausted:
+            usable = range(self.partial_batch_rows(groups))
+            rows, responses, reward = take_rows(rows, usable), take_rows(responses, usable), reward.take(usable)
+        rows["uid"] = [row // n for row in range(len(responses))]  # a group per prompt drawn, even drawn twice
+        generated = concat_rows(generated)
+        metrics = self.overlong_metrics(generated)
+        if filter_config.enable:
+            metrics.update(groups.metrics())
+            metrics["filter_groups/generated_score_mean"] = generated["scores"].mean().item()
+        if self.reward.worker is not None:  # every answer the worker stopped, in dropped groups too
+            metrics["reward/timeouts"] = int(generated["timeouts"].sum())
+        batch = build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
+                                    config.data.max_response_length, self.tokenizer.pad_token_id,
+                                    [r.logprobs for r in responses]) if responses else None
+        return batch, rows, reward, metrics
+
+    def generation_round(self, timer: StageTimer, gen_round: int) -> tuple[dict, list[Response], RewardOutput, dict]:
+        """data.batch_size prompts drawn: their rows (with ReMax's greedy baseline where the estimator takes it),
+        responses, reward (overlong penalty included) and batch. Runs in the rollout engine's awake window."""
+        config = self.config
+        prompts = self.next_prompts()
+        with timer("rollout"):
+            responses = self.generate(prompts["input_ids"], gen_round=gen_round)
+        rows = one_row_per_response(prompts, config.rollout.n)
+        if self.uses_greedy_baseline:
+            rows["reward_baseline"] = self.remax_baselines(prompts, timer)
+        batch = build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
+                                    config.data.max_response_length, self.tokenizer.pad_token_id,
+                                    [r.logprobs for r in responses])
+        with timer("reward"):
+            return rows, responses, self.shape_overlong(batch, self.agreed_score(batch, rows)), batch
 
     @property
     def uses_greedy_baseline(self) -> bool:
         return "reward_baselines" in estimator_inputs(self.config.algorithm.adv_estimator)
 
-    def greedy_rollout(self, prompts: list[list[int]], timer: StageTimer) -> list[list[int]]:
-        """ReMax's baseline: one greedy response per prompt, from the same engine and weights as the samples
-        (inside their awake window, so it costs no transition); timed as `remax_baseline`."""
+    def remax_baselines(self, prompts: dict, timer: StageTimer) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy response per prompt, from the same engine and weights as the
+        samples (inside their awake window, so it costs no transition), scored like them, repeated for the
+        prompt's n rows [B]; timed as `remax_baseline`."""
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
         with timer("remax_baseline"):
-            return [response.token_ids for response in self.generate(prompts, greedy)]
-
-    def remax_baselines(self, prompts: dict, greedy_responses: list[list[int]] | None, timer: StageTimer
-                        ) -> torch.Tensor | None:
-        """The reward of each prompt's greedy response, scored like the samples, repeated for its n rows [B];
-        None without greedy responses."""
-        if greedy_responses is None:
-            return None
-        with timer("remax_baseline"):
-            batch = build_rollout_batch(prompts["input_ids"], greedy_responses, self.config.data.max_response_length,
+            responses = [response.token_ids for response in self.generate(prompts["input_ids"], greedy)]
+            batch = build_rollout_batch(prompts["input_ids"], responses, self.config.data.max_response_length,
                                         self.tokenizer.pad_token_id)
-            scores = self.score(batch, {key: prompts[key] for key in PROMPT_FIELDS}).scores
+            scores = self.agreed_score(batch, {key: prompts[key] for key in PROMPT_FIELDS}).scores
         return scores.repeat_interleave(self.config.rollout.n)
+
+    def agreed_score(self, batch: dict, rows: dict) -> RewardOutput:
+        """Collective: `score`, rank 0's on every rank. Every rank scores the whole batch, and a reward under a time
+        limit (or any that is not deterministic) can differ between ranks; the batch they filter and train on
+        must not."""
+        reward = self.score(batch, rows)
+        if self.layout.world_size > 1:
+            shared = [reward]
+            dist.broadcast_object_list(shared, src=0)
+            reward = shared[0]
+        return reward
+
+    def filter_metric(self, reward: RewardOutput) -> torch.Tensor:
+        """[B] what dynamic sampling compares within a group: the score, or a dict reward's extra field."""
+        metric = self.config.algorithm.filter_groups.metric
+        if metric == "score":
+            return reward.scores
+        if metric not in reward.extras:
+            raise UserError(f"algorithm.filter_groups.metric={metric!r}: the reward returns no such field (its "
+                            f"fields: score{''.join(', ' + name for name in reward.extras)})")
+        return torch.as_tensor(reward.extras[metric], dtype=torch.float64)
+
+    def partial_batch_rows(self, groups: GroupFilter) -> int:
+        """Dynamic sampling out of rounds: stop (on_exhausted=stop), or the rows of the kept groups that fill whole
+        actor (and critic) mini-batches, so they still split over the data-parallel ranks and micro-batches."""
+        config = self.config
+        filter_config = config.algorithm.filter_groups
+        sizes = [config.actor.mini_batch_size] + ([config.critic.mini_batch_size] if self.critic is not None else [])
+        shortfall = (f"dynamic sampling kept {groups.kept} of data.batch_size={config.data.batch_size} groups in "
+                     f"algorithm.filter_groups.max_num_gen_batches={filter_config.max_num_gen_batches} rounds")
+        try:
+            usable = trainable_groups(groups, filter_config.on_exhausted, sizes)
+        except BatchNotFilled:
+            raise UserError(f"step {self.step + 1}: {shortfall}: too many prompts were answered all alike; raise it, "
+                            "set it to 0 for no bound, or set algorithm.filter_groups.on_exhausted=train") from None
+        self.logger.note(self.step + 1, f"{shortfall}; training on {usable} of them (whole mini-batches)")
+        return usable * config.rollout.n
+
+    def shape_overlong(self, batch: dict, reward: RewardOutput) -> RewardOutput:
+        """reward.overlong_buffer: DAPO's soft overlong punishment added to the scores (and to the token-level
+        rewards at each response's last token)."""
+        buffer = self.config.reward.overlong_buffer
+        if not buffer.enable:
+            return reward
+        penalty = overlong_penalty(batch["response_mask"].sum(dim=-1), self.config.data.max_response_length,
+                                   buffer.len, buffer.penalty_factor)
+        return reward._replace(scores=reward.scores + penalty, token_level_rewards=reward.token_level_rewards
+                               + scores_to_token_rewards(penalty, batch["response_mask"]))
+
+    def without_overlong(self, batch: dict) -> dict:
+        """algorithm.overlong_filtering: the batch the losses see, truncated responses masked out."""
+        if not self.config.algorithm.overlong_filtering:
+            return batch
+        return {**batch, "response_mask": overlong_filtered_mask(batch["responses"], batch["response_mask"],
+                                                                 self.eos_token_ids)}
+
+    def overlong_metrics(self, batch: dict) -> dict[str, float]:
+        """The share of truncated responses and their mean overlong penalty, where either feature is on."""
+        buffer, mask = self.config.reward.overlong_buffer, batch["response_mask"]
+        if not (buffer.enable or self.config.algorithm.overlong_filtering):
+            return {}
+        truncated = truncated_responses(batch["responses"], mask, self.eos_token_ids)
+        metrics = {"dapo/overlong_fraction": truncated.float().mean().item()}
+        if buffer.enable:
+            metrics["dapo/overlong_penalty_mean"] = overlong_penalty(
+                mask.sum(dim=-1), self.config.data.max_response_length, buffer.len, buffer.penalty_factor
+            ).mean().item()
+        return metrics
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The tokens a response stops at: the model config's EOS ids (the engines stop there) and the
+        tokenizer's."""
+        eos = self.hf_config.raw.get("eos_token_id")
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return sorted(set(ids) | ({self.tokenizer.eos_token_id} - {None}))
+
+    def empty_step_metrics(self, sampling: dict[str, float], timer: StageTimer) -> dict[str, float]:
+        """A step whose dynamic sampling kept less than one mini-batch: nothing trained, the sampling logged."""
+        self.logger.note(self.step + 1, "no group to train on: this step updates nothing")
+        return {**sampling, "trainer/nonfinite_skipped": self.nonfinite_skipped, **step_performance(timer, 0)}
+
 
     @contextlib.contextmanager
     def rollout_engine_awake(self, timer: StageTimer):
@@ -354,10 +479,12 @@ class RLJob(TrainingJob):
         estimator_needs = "old_log_probs" in estimator_inputs(self.config.algorithm.adv_estimator)
         return kl_in_reward or estimator_needs or not is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Response]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, gen_round: int = 0
+                 ) -> list[Response]:
         """Each rollout replica generates its share of the prompts; every rank gets all responses, each with its
         tokens' log-probs under the distribution they were sampled from (the engine's own, at no extra pass).
-        `params`: the rollout's sampling (rollout.*, n per prompt) unless given."""
+        `params`: the rollout's sampling (rollout.*, n per prompt, seeded by the step's generation round
+        `gen_round`) unless given."""
         config, layout = self.config, self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         replicas, replica = placement.replicas, placement.replica
@@ -365,8 +492,8 @@ class RLJob(TrainingJob):
         mine = prompts[replica * share:(replica + 1) * share]
         rollout = config.rollout
         params = params or SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                                          max_new_tokens=config.data.max_response_length, n=rollout.n,
-                                          seed=rollout.seed + self.step * replicas + replica, logprobs=True)
+                                          max_new_tokens=config.data.max_response_length, n=rollout.n, logprobs=True,
+                                          seed=rollout_seed(rollout.seed, self.step, gen_round, replicas, replica))
         responses = [Response(replica * share + r.prompt_index, r.token_ids, r.logprobs)
                      for r in self.rollout.generate(mine, params)] if mine else []
         gathered: list = [None] * layout.world_size
@@ -538,6 +665,29 @@ def row_fields(reward: RewardOutput, row: int) -> dict:
     """One response's extra fields for its logged sample: the numeric ones it has, then the others."""
     numeric = {name: values[row].item() for name, values in reward.extras.items() if not values[row].isnan()}
     return {**numeric, **reward.sample_fields[row]} if reward.sample_fields else numeric
+
+
+def take_rows(rows, index):
+    """The rows `index` of per-row values: a tensor's, a list's, or each of a dict's values."""
+    if isinstance(rows, torch.Tensor):
+        return rows[torch.as_tensor(list(index), dtype=torch.long)]
+    if isinstance(rows, dict):
+        return {key: take_rows(values, index) for key, values in rows.items()}
+    if isinstance(rows, list):
+        return [rows[i] for i in index]
+    raise TypeError(f"{type(rows).__name__} is not a per-row value")
+
+
+def concat_rows(parts: list):
+    """Per-row values of several parts (tensors, lists, or dicts of them) one after the other."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, dict):
+        return {key: concat_rows([part[key] for part in parts]) for key in first}
+    if isinstance(first, list):
+        return [row for part in parts for row in part]
+    raise TypeError(f"{type(first).__name__} is not a per-row value")
 
 
 def _sum_over_ranks(sums: dict, world_size: int) -> dict:
