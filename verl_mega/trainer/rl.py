@@ -34,10 +34,10 @@ from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.agree import all_finite
 from verl_mega.parallel.layout import rollout_placement
+from verl_mega.rewards.registry import RewardFn
 from verl_mega.roles.actor import Actor, is_on_policy, sampling_temperature, uses_kl_loss
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
-from verl_mega.rewards.registry import RewardFn
 from verl_mega.roles.reward import HFRewardModel, RewardOutput, RuleReward, scores_to_token_rewards
 from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
@@ -64,8 +64,8 @@ def uses_critic(config: TrainConfig) -> bool:
 
 
 # What a step lacks for an estimator input, by config: (the input is missing, the fix). The other inputs
-# (rewards, scores, mask, uids, old log-probs, sum pi^2, ReMax's greedy baseline) are computed on demand.
-# rollout_log_probs: add the batch key's condition here when the rollout batch holds the engine's log-probs.
+# (rewards, scores, mask, uids, old log-probs, sum pi^2, ReMax's greedy baseline) are computed on demand, and
+# both rollout engines return their log-probs with every response (rollout_log_probs).
 ESTIMATOR_INPUT_GAPS = {
     "values": (lambda config: not config.critic.enable, "takes the critic's values: set critic.enable=true"),
 }
@@ -411,7 +411,6 @@ class RLJob(TrainingJob):
         self.logger.note(self.step + 1, "no group to train on: this step updates nothing")
         return {**sampling, "trainer/nonfinite_skipped": self.nonfinite_skipped, **step_performance(timer, 0)}
 
-
     @contextlib.contextmanager
     def rollout_engine_awake(self, timer: StageTimer):
         """The rollout engine with the actor's current weights and its KV cache, for the body; the training side's
@@ -644,9 +643,8 @@ class RLJob(TrainingJob):
         performance."""
         lengths = batch["response_mask"].sum(dim=-1).float()
         scores = reward.scores
+        # reward/timeouts is the sampling's: it counts the answers of dropped groups too.
         fields = {f"reward/{name}": values.nanmean().item() for name, values in reward.extras.items()}
-        if self.reward.worker is not None:
-            fields["reward/timeouts"] = len(reward.timeouts)
         return {**metrics, **fields, "trainer/nonfinite_skipped": self.nonfinite_skipped,
                 "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
                 "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
