@@ -12,12 +12,16 @@ tokens, hidden 768) and a tiny model's (hidden 64).
 Times are the best of several runs, for both sides: on a shared machine the other runs measure the
 neighbours. On the CPU everything runs on one thread and then on torch's default thread count.
 
-Threads (CPU only): median GAE and log-prob calls on 1 and 2 threads, idle and next to a busy neighbour (a
-2-thread torch process doing matmuls, as another rank on the node would). A parallel region waits for its
-slowest thread and a descheduled one costs a scheduler time slice, so the kernels keep small work on one
-thread; goal: 2 threads never slower than 1, idle or busy.
+Threads (CPU only), `--threads-only` for just this table: each kernel alone (GAE at B=256, T=1024; the log-prob
+partials and backward at a micro-batch's 256x32000 and an update's 2048x32000, float32), median calls on 1 and 2
+threads alternating call by call, idle, beside a steady busy neighbour (a 2-thread torch process doing matmuls,
+as another rank on the node would) and beside a bursty one (a short-lived `python -c pass` every ~0.1 s), over
+--rounds rounds. Per cell: the medians, the ratio 2 threads / 1 thread (median over rounds and its spread) and
+the goal, <= 1.05x, printed PASS or FAIL.
 """
 import argparse
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -31,12 +35,13 @@ from verl_mega.ops import _backend, gae, fallback, rms_norm, token_logprobs
 GAE_SHAPE = (256, 1024)
 RMS_NORM_SHAPES = [(41 * 32, 768), (41 * 32, 64)]
 LOGPROB_SHAPE = (4096, 32000)
-# A micro-batch's worth of tokens: large enough for the kernel to split over threads, small enough that the
-# split is worth little.
-THREADS_LOGPROB_SHAPE = (256, 32000)
-# The busy neighbour stops by itself after this long, should this process die without killing it.
+# The threads table's log-prob shapes: a micro-batch's worth of tokens, and a large update's.
+THREADS_LOGPROB_SHAPES = [(256, 32000), (2048, 32000)]
+THREADS_GOAL = 1.05
+# Neighbours stop by themselves after this long, should this process die without killing them.
 NEIGHBOUR_SECONDS = 300
-NEIGHBOUR = f"""
+# Steady: a 2-thread torch process doing matmuls, as another rank on the node would.
+BUSY_NEIGHBOUR = f"""
 import time, torch
 torch.set_num_threads(2)
 a = torch.randn(512, 512)
@@ -44,6 +49,11 @@ deadline = time.monotonic() + {NEIGHBOUR_SECONDS}
 while time.monotonic() < deadline:
     a @ a
 """
+# Bursty: a short-lived process every ~0.1 s (a Python start-up, ~20-40 ms of CPU, then a pause), as data
+# workers, evaluation scripts and other ranks' launches do.
+BURSTY_NEIGHBOUR = (f"end=$((SECONDS + {NEIGHBOUR_SECONDS})); "
+                    f"while [ $SECONDS -lt $end ]; do '{sys.executable}' -c pass; sleep 0.1; done")
+NEIGHBOURS = {"idle": None, "busy": [sys.executable, "-c", BUSY_NEIGHBOUR], "bursty": ["bash", "-c", BURSTY_NEIGHBOUR]}
 
 
 def synchronize(device: torch.device) -> None:
@@ -173,56 +183,102 @@ def bench_logprobs(device):
               f"{ours_b / 2**20:.2f} MiB vs {theirs_b / 2**20:.1f} MiB = {100 * ours_b / theirs_b:.1f} %{goals}")
 
 
-def thread_medians(label):
-    """Median GAE and log-prob forward calls on 1 and 2 threads, printed under `label`. The thread counts
-    alternate call by call, so that a change in the machine's load while a row is measured (the machine is
-    shared) weighs on both medians alike rather than on whichever thread count ran second."""
+def thread_cells():
+    """The calls of the threads table: name -> (call, calls per round), each a compiled CPU kernel alone."""
+    kernels = _backend.kernels_for(torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     rewards, values = torch.randn(*GAE_SHAPE, generator=generator), torch.randn(*GAE_SHAPE, generator=generator)
     mask = torch.rand(*GAE_SHAPE, generator=generator) > 0.2
-    logits = torch.randn(*THREADS_LOGPROB_SHAPE, generator=generator)
-    labels = torch.randint(0, THREADS_LOGPROB_SHAPE[1], THREADS_LOGPROB_SHAPE[:1], generator=generator)
-    calls = {
-        f"GAE {GAE_SHAPE[0]}x{GAE_SHAPE[1]}": (lambda: gae(rewards, values, mask, 1.0, 0.95), 200),
-        f"log-prob {THREADS_LOGPROB_SHAPE[0]}x{THREADS_LOGPROB_SHAPE[1]}": (
-            lambda: token_logprobs(logits, labels), 150),
-        "torch log_softmax, same logits": (lambda: torch.log_softmax(logits, dim=-1), 150),
-    }
+    cells = {f"GAE {GAE_SHAPE[0]}x{GAE_SHAPE[1]}": (lambda: kernels.gae(rewards, values, mask, 1.0, 0.95), 200)}
+    for (tokens, vocab), calls in zip(THREADS_LOGPROB_SHAPES, (60, 16)):
+        logits = torch.randn(tokens, vocab, generator=generator)
+        labels = torch.randint(0, vocab, (tokens,), generator=generator)
+        row_max, sum_exp, _, _ = kernels.logprob_partials(logits, labels, 0, False)
+        log_z, upstream = row_max + sum_exp.log(), torch.randn(tokens, generator=generator)
+        cells[f"log-prob {tokens}x{vocab} forward"] = (
+            lambda logits=logits, labels=labels: kernels.logprob_partials(logits, labels, 0, False), calls)
+        cells[f"log-prob {tokens}x{vocab} backward"] = (
+            lambda logits=logits, labels=labels, log_z=log_z, upstream=upstream: kernels.logprob_backward(
+                logits, labels, 0, log_z, upstream, None, None), calls)
+    return cells
+
+
+def thread_medians(call, calls):
+    """Median seconds of `call` on 1 and on 2 threads. The thread counts alternate call by call, so that a
+    change in the machine's load (the machine is shared) weighs on both medians alike."""
+    times = {1: [], 2: []}
     threads_before = torch.get_num_threads()
-    for name, (call, repeats) in calls.items():
-        times = {1: [], 2: []}
-        for repeat in range(repeats + 1):
+    try:
+        for repeat in range(calls + 1):
             for threads in times:
                 torch.set_num_threads(threads)
                 start = time.perf_counter()
                 call()
                 if repeat:  # the first round warms up
                     times[threads].append(time.perf_counter() - start)
-        one, two = (statistics.median(times[threads]) * 1e3 for threads in times)
-        print(f"{label:>5} {name}: median {one:.3f} ms on 1 thread, {two:.3f} ms on 2 ({two / one:.2f}x)")
-    torch.set_num_threads(threads_before)
-
-
-def bench_threads():
-    thread_medians("idle")
-    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR])
-    try:
-        time.sleep(1.0)  # past its imports, into the matmul loop
-        thread_medians("busy")
     finally:
-        neighbour.kill()
+        torch.set_num_threads(threads_before)
+    return statistics.median(times[1]), statistics.median(times[2])
+
+
+def start_neighbour(condition):
+    """The neighbour process of a condition, in its own process group (the bursty one is a shell and its
+    children), or None when idle."""
+    if NEIGHBOURS[condition] is None:
+        return None
+    neighbour = subprocess.Popen(NEIGHBOURS[condition], start_new_session=True)
+    time.sleep(1.0)  # past its imports, into its loop
+    return neighbour
+
+
+def stop_neighbour(neighbour):
+    if neighbour is not None:
+        os.killpg(neighbour.pid, signal.SIGKILL)
         neighbour.wait()
+
+
+def bench_threads(rounds):
+    """The 1- vs 2-thread table: per cell the median of the per-round medians, the ratio 2 threads / 1 thread
+    (median over rounds, with its spread min-max) and the goal checked on that median ratio."""
+    cells = thread_cells()
+    ratios = {(condition, name): [] for condition in NEIGHBOURS for name in cells}
+    medians = {key: ([], []) for key in ratios}
+    for _ in range(rounds):
+        for condition in NEIGHBOURS:
+            neighbour = start_neighbour(condition)
+            try:
+                for name, (call, calls) in cells.items():
+                    one, two = thread_medians(call, calls)
+                    medians[condition, name][0].append(one)
+                    medians[condition, name][1].append(two)
+                    ratios[condition, name].append(two / one)
+            finally:
+                stop_neighbour(neighbour)
+    print(f"threads: medians over {rounds} round(s) of per-round medians; ratio = 2 threads / 1 thread, "
+          f"goal <= {THREADS_GOAL:.2f}x per cell")
+    print(f"{'neighbour':<10} {'kernel':<32} {'1 thread ms':>12} {'2 threads ms':>13} {'ratio':>6} "
+          f"{'spread':>12}  goal")
+    failed = 0
+    for (condition, name), cell_ratios in ratios.items():
+        one, two = (statistics.median(times) * 1e3 for times in medians[condition, name])
+        ratio = statistics.median(cell_ratios)
+        verdict = "PASS" if ratio <= THREADS_GOAL else "FAIL"
+        failed += verdict == "FAIL"
+        print(f"{condition:<10} {name:<32} {one:>12.3f} {two:>13.3f} {ratio:>6.2f} "
+              f"{min(cell_ratios):>5.2f}-{max(cell_ratios):<5.2f}  {verdict}")
+    print(f"threads goal: {len(ratios) - failed} of {len(ratios)} cells PASS")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--threads-only", action="store_true", help="only the 1- vs 2-thread medians (CPU)")
+    parser.add_argument("--threads-only", action="store_true", help="only the 1- vs 2-thread table (CPU)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the 1- vs 2-thread table")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     print(f"device {device}, torch {torch.__version__}, kernels: {backend_name(device)}")
     if device.type == "cpu":
-        bench_threads()
+        bench_threads(args.rounds)
         if args.threads_only:
             return
     thread_counts = sorted({1, torch.get_num_threads()}) if device.type == "cpu" else [torch.get_num_threads()]

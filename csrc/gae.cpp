@@ -1,8 +1,11 @@
 // Masked GAE on the CPU. The recursion is sequential in time, so the SIMD lanes run different sequences:
-// a group of kLanes sequences is scanned backwards together, groups in parallel, leftovers one at a time.
+// a group of kLanes sequences is scanned backwards together, group after group, leftovers one at a time, all on
+// the calling thread (docs/kernels.md says why).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
+
+#include <algorithm>
 
 #include "cpu_helpers.h"
 #include "cpu_kernels.h"
@@ -85,16 +88,14 @@ void gae_kernel(const at::Tensor& rewards, const at::Tensor& values, const at::T
                                         returns.data_ptr<acc_t>());
   };
   const int64_t groups = (batch + lanes - 1) / lanes;
-  parallel_rows(groups, rows_per_task(steps * lanes), [&](int64_t begin, int64_t end) {
-    for (int64_t group = begin; group < end; ++group) {
-      const int64_t first = group * lanes;
-      if (first + lanes <= batch) {
-        scan(vec_t<acc_t>{}, first);
-      } else {
-        for (int64_t sequence = first; sequence < batch; ++sequence) scan(acc_t{}, sequence);
-      }
+  for (int64_t group = 0; group < groups; ++group) {
+    const int64_t first = group * lanes;
+    if (first + lanes <= batch) {
+      scan(vec_t<acc_t>{}, first);
+    } else {
+      for (int64_t sequence = first; sequence < batch; ++sequence) scan(acc_t{}, sequence);
     }
-  });
+  }
 }
 
 }  // namespace

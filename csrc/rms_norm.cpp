@@ -1,20 +1,27 @@
 // RMSNorm over the last dimension of [rows, hidden] on the CPU, forward and backward. torch fuses both on CUDA,
 // but on the CPU its backward is autograd's decomposition, one pass over the rows per operation.
-// Rows are independent; the weight gradient is a sum over rows, kept per task and added in task order, so the
-// result does not depend on the number of threads.
+// Rows run one after another on the calling thread (docs/kernels.md says why). The weight gradient is a sum over
+// rows, taken per block of rows and the blocks' sums added in block order: the order the kernel has always used.
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 
-#include <vector>
+#include <algorithm>
 
 #include "cpu_helpers.h"
 #include "cpu_kernels.h"
 
 namespace verl_mega {
 namespace {
+
+// Elements per block of the weight gradient's sum (whole rows, at least one): fixes its summation order.
+constexpr int64_t kElementsPerBlock = 1 << 16;
+
+int64_t rows_per_block(int64_t hidden) {
+  return std::max<int64_t>(1, kElementsPerBlock / std::max<int64_t>(hidden, 1));
+}
 
 // Each row is read in vectors of kLanes<acc_t> (whole vectors, then the tail one by one).
 template <typename scalar_t, typename acc_t>
@@ -98,11 +105,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x, const a
   at::Tensor rstd = at::empty({rows}, x.options().dtype(accumulation_type(x.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_forward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    parallel_rows(rows, rows_per_task(hidden), [&](int64_t begin, int64_t end) {
-      forward_rows<scalar_t, acc_t>(x.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
-                                    static_cast<acc_t>(eps), hidden, begin, end, y.mutable_data_ptr<scalar_t>(),
-                                    rstd.mutable_data_ptr<acc_t>());
-    });
+    forward_rows<scalar_t, acc_t>(x.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
+                                  static_cast<acc_t>(eps), hidden, 0, rows, y.mutable_data_ptr<scalar_t>(),
+                                  rstd.mutable_data_ptr<acc_t>());
   });
   return {y, rstd};
 }
@@ -115,17 +120,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, c
   TORCH_CHECK(rstd.dim() == 1 && rstd.size(0) == x.size(0) && rstd.scalar_type() == accumulation_type(x.scalar_type()),
               "rstd must be the forward's");
   const int64_t rows = x.size(0), hidden = x.size(1);
-  const int64_t per_task = rows_per_task(hidden), tasks = (rows + per_task - 1) / per_task;
+  const int64_t per_block = rows_per_block(hidden), blocks = (rows + per_block - 1) / per_block;
   at::Tensor grad_x = at::empty_like(x);
-  at::Tensor partials = at::zeros({std::max<int64_t>(tasks, 1), hidden}, rstd.options());
+  at::Tensor partials = at::zeros({std::max<int64_t>(blocks, 1), hidden}, rstd.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_backward", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    parallel_rows(rows, per_task, [&](int64_t begin, int64_t end) {
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t begin = block * per_block, end = std::min(rows, begin + per_block);
       backward_rows<scalar_t, acc_t>(grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                                      weight.const_data_ptr<scalar_t>(), rstd.const_data_ptr<acc_t>(), hidden, begin,
                                      end, grad_x.mutable_data_ptr<scalar_t>(),
-                                     partials.mutable_data_ptr<acc_t>() + (begin / per_task) * hidden);
-    });
+                                     partials.mutable_data_ptr<acc_t>() + block * hidden);
+    }
   });
   return {grad_x, partials.sum(0).to(weight.scalar_type())};
 }

@@ -1,5 +1,6 @@
-// Token log-prob partials and their fused backward on the CPU: rows in parallel, each row in two passes
-// (max, then sum-exp) while it sits in cache, never materialising a [rows, vocab] intermediate.
+// Token log-prob partials and their fused backward on the CPU: row after row on the calling thread
+// (docs/kernels.md says why), each row in two passes (max, then sum-exp) while it sits in cache, never
+// materialising a [rows, vocab] intermediate.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
@@ -50,38 +51,36 @@ void partials_kernel(const at::Tensor& logits, const at::Tensor& labels, int64_t
   acc_t* label_out = label_logit.data_ptr<acc_t>();
   acc_t* shifted_out = shifted_sum ? shifted_sum->data_ptr<acc_t>() : nullptr;
 
-  parallel_rows(rows, rows_per_task(vocab), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const scalar_t* x = x_all + row * vocab;
-      vec max_v = splat<vec>(-std::numeric_limits<acc_t>::infinity());
-      acc_t max_s = -std::numeric_limits<acc_t>::infinity();
-      for_each_column<acc_t>(x, vocab, [&](int64_t, auto v) {
-        if constexpr (std::is_same_v<decltype(v), vec>) max_v = max_of(max_v, v);
-        else max_s = max_of(max_s, v);
-      });
-      const acc_t m = max_of(lane_max<acc_t>(max_v), max_s);
+  for (int64_t row = 0; row < rows; ++row) {
+    const scalar_t* x = x_all + row * vocab;
+    vec max_v = splat<vec>(-std::numeric_limits<acc_t>::infinity());
+    acc_t max_s = -std::numeric_limits<acc_t>::infinity();
+    for_each_column<acc_t>(x, vocab, [&](int64_t, auto v) {
+      if constexpr (std::is_same_v<decltype(v), vec>) max_v = max_of(max_v, v);
+      else max_s = max_of(max_s, v);
+    });
+    const acc_t m = max_of(lane_max<acc_t>(max_v), max_s);
 
-      // Two accumulator pairs (vector body, scalar tail); the entropy sum costs one multiply-add more.
-      vec sum_v = splat<vec>(0), shifted_v = splat<vec>(0);
-      acc_t sum_s = 0, shifted_s = 0;
-      for_each_column<acc_t>(x, vocab, [&](int64_t, auto v) {
-        const auto d = floor_exponent(v - m);
-        const auto e = exp_floored(d);
-        if constexpr (std::is_same_v<decltype(v), vec>) {
-          sum_v += e;
-          if (shifted_out) shifted_v += e * d;
-        } else {
-          sum_s += e;
-          if (shifted_out) shifted_s += e * d;
-        }
-      });
-      max_out[row] = m;
-      sum_out[row] = lane_sum<acc_t>(sum_v) + sum_s;
-      if (shifted_out) shifted_out[row] = lane_sum<acc_t>(shifted_v) + shifted_s;
-      const int64_t column = local_column(label_all[row], vocab_start, vocab);
-      label_out[row] = column >= 0 ? static_cast<acc_t>(x[column]) : acc_t(0);
-    }
-  });
+    // Two accumulator pairs (vector body, scalar tail); the entropy sum costs one multiply-add more.
+    vec sum_v = splat<vec>(0), shifted_v = splat<vec>(0);
+    acc_t sum_s = 0, shifted_s = 0;
+    for_each_column<acc_t>(x, vocab, [&](int64_t, auto v) {
+      const auto d = floor_exponent(v - m);
+      const auto e = exp_floored(d);
+      if constexpr (std::is_same_v<decltype(v), vec>) {
+        sum_v += e;
+        if (shifted_out) shifted_v += e * d;
+      } else {
+        sum_s += e;
+        if (shifted_out) shifted_s += e * d;
+      }
+    });
+    max_out[row] = m;
+    sum_out[row] = lane_sum<acc_t>(sum_v) + sum_s;
+    if (shifted_out) shifted_out[row] = lane_sum<acc_t>(shifted_v) + shifted_s;
+    const int64_t column = local_column(label_all[row], vocab_start, vocab);
+    label_out[row] = column >= 0 ? static_cast<acc_t>(x[column]) : acc_t(0);
+  }
 }
 
 template <typename scalar_t>
@@ -100,28 +99,26 @@ void backward_kernel(const at::Tensor& logits, const at::Tensor& labels, int64_t
   TORCH_CHECK(grad_ent == nullptr || mean != nullptr, "an entropy gradient needs mean_logit");
   scalar_t* out_all = grad_logits.data_ptr<scalar_t>();
 
-  parallel_rows(rows, rows_per_task(vocab), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const scalar_t* x = x_all + row * vocab;
-      scalar_t* out = out_all + row * vocab;
-      const acc_t lz = log_z[row];
-      const acc_t g = grad_lp ? grad_lp[row] : acc_t(0);
-      const acc_t h = grad_ent ? grad_ent[row] : acc_t(0);
-      const acc_t mean_x = grad_ent ? mean[row] : acc_t(0);
-      // -p_j (g + h (x_j - E[x])), with x_j floored where p_j vanishes so that -inf logits give 0, not NaN.
-      auto softmax_part = [&](auto v) {
-        const auto d = floor_exponent(v - lz);
-        return -exp_floored(d) * (g + h * (d + (lz - mean_x)));
-      };
-      for_each_column<acc_t>(x, vocab, [&](int64_t j, auto v) {
-        if constexpr (std::is_same_v<decltype(v), acc_t>) out[j] = static_cast<scalar_t>(softmax_part(v));
-        else store<acc_t>(out + j, softmax_part(v));
-      });
-      // Recomputed in acc_t rather than added to the rounded value, which matters for bfloat16.
-      const int64_t column = local_column(label_all[row], vocab_start, vocab);
-      if (column >= 0) out[column] = static_cast<scalar_t>(softmax_part(static_cast<acc_t>(x[column])) + g);
-    }
-  });
+  for (int64_t row = 0; row < rows; ++row) {
+    const scalar_t* x = x_all + row * vocab;
+    scalar_t* out = out_all + row * vocab;
+    const acc_t lz = log_z[row];
+    const acc_t g = grad_lp ? grad_lp[row] : acc_t(0);
+    const acc_t h = grad_ent ? grad_ent[row] : acc_t(0);
+    const acc_t mean_x = grad_ent ? mean[row] : acc_t(0);
+    // -p_j (g + h (x_j - E[x])), with x_j floored where p_j vanishes so that -inf logits give 0, not NaN.
+    auto softmax_part = [&](auto v) {
+      const auto d = floor_exponent(v - lz);
+      return -exp_floored(d) * (g + h * (d + (lz - mean_x)));
+    };
+    for_each_column<acc_t>(x, vocab, [&](int64_t j, auto v) {
+      if constexpr (std::is_same_v<decltype(v), acc_t>) out[j] = static_cast<scalar_t>(softmax_part(v));
+      else store<acc_t>(out + j, softmax_part(v));
+    });
+    // Recomputed in acc_t rather than added to the rounded value, which matters for bfloat16.
+    const int64_t column = local_column(label_all[row], vocab_start, vocab);
+    if (column >= 0) out[column] = static_cast<scalar_t>(softmax_part(static_cast<acc_t>(x[column])) + g);
+  }
 }
 
 }  // namespace

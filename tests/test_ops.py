@@ -251,7 +251,7 @@ def test_gae_kernel_matches_reference(device, batch, steps, kind, dtype):
 
 
 def inputs_split_into_tasks():
-    """Inputs large enough for the CPU kernels to split into tasks (csrc/cpu_helpers.h)."""
+    """Inputs of many 2^16-element blocks of rows (the size the CPU kernels once split over threads)."""
     logits, labels = random_logits(600, 1000), random_labels(600, vocab=1000)  # 10 tasks of 65 rows
     shape = (1027, 260)  # 5 tasks of 31 SIMD groups; 1027 leaves sequences outside the groups
     rewards, values = random_logits(*shape, scale=1.0), random_logits(*shape, seed=3)
@@ -273,8 +273,8 @@ def kernel_outputs(kernels, threads):
 
 
 def test_cpu_kernels_same_bits_on_any_thread_count():
-    """Work goes to helper threads only while a core is idle (the kernels read the machine's load), so the
-    two-thread calls repeat until at least one has likely split; each must match one thread bit for bit."""
+    """The kernels run on the calling thread whatever torch's thread count (docs/kernels.md); calls at two
+    threads, repeated, must match one thread bit for bit."""
     one_thread = kernel_outputs(compiled_for(torch.device("cpu")), 1)
     for got, want in zip(one_thread, kernel_outputs(fallback, 1), strict=True):
         assert_relative_close(got, want)
