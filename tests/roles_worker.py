@@ -29,6 +29,14 @@ POLICY_LOSS_CASES = {
     "kl_cov": dict(kl_cov_ratio=0.2, ppo_kl_coef=1.0),
     "gpg": dict(loss_agg_mode="seq-mean-token-sum-norm"),
 }
+# The rollout correction on the vanilla loss, at the same layouts: token-level TIS capped at 1.1 and IcePop's
+# token band [0.8, 1.25], against rollout log-probs that are the old ones with noise, so the cap truncates and
+# the band rejects some tokens of this batch.
+CORRECTION_CASES = {
+    "vanilla+rollout_correction": dict(weights="token", weight_cap=1.1, reject="token", reject_low=0.8,
+                                       reject_high=1.25),
+}
+ROLLOUT_NOISE = 0.2
 # At (2,2,2) gpg's micro-batches are grouped by a token budget of one full row instead: one row each, trimmed to
 # its own response length, so Dr. GRPO's constant is compared across micro-batches cut differently.
 TOKEN_BUDGET_CASES = {"gpg": PROMPT + RESPONSE}
@@ -96,7 +104,7 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, dtype: str, tp: int
     from verl_mega.models import HFModelConfig, family_for
     from verl_mega.checkpoint.manifest import Manifest
     from verl_mega.parallel.state import current_layout, init_parallel
-    from verl_mega.config import OptimConfig, PolicyLossConfig, ValueLossConfig
+    from verl_mega.config import OptimConfig, PolicyLossConfig, RolloutCorrectionConfig, ValueLossConfig
     from verl_mega.roles.actor import Actor
     from verl_mega.roles.critic import Critic
     from verl_mega.roles.reference import make_reference
@@ -142,6 +150,14 @@ def run_layout(ckpt_root: Path, hf_dir: Path, out_dir: Path, dtype: str, tp: int
                                                max_tokens=TOKEN_BUDGET_CASES.get(name, 0) if layout.dp > 1 else 0)
             updated = gather_hf_weights(loss_actor.model.module, cfg, family)
             loss_updates[name] = {"metrics": metrics, "weights": updated}
+        rollout_noise = torch.randn(hf_logprobs.shape, generator=torch.Generator().manual_seed(2))
+        corrected_batch = {**batch, "rollout_log_probs": batch["old_log_probs"] + ROLLOUT_NOISE * rollout_noise}
+        for name, correction in CORRECTION_CASES.items():
+            corrected = Actor(ckpt, optim, PolicyLossConfig(), schedule_steps=4, dtype=dtype,
+                              correction=RolloutCorrectionConfig(**correction))
+            metrics = corrected.update_policy(corrected_batch, ppo_epochs=1, mini_batch_size=MINI_BATCH,
+                                              micro_batch_size=MICRO_BATCH)
+            loss_updates[name] = {"metrics": metrics, "weights": gather_hf_weights(corrected.model.module, cfg, family)}
     result = {
         "hf_log_probs": hf_logprobs, "ref_log_probs": batch["ref_log_probs"], "log_probs": scored["log_probs"],
         "entropy": scored["entropy"], "response_mask": batch["response_mask"], "actor_metrics": actor_metrics,

@@ -15,7 +15,7 @@ import torch
 from verl_mega.converters.parity import ROUNDING_SITES
 from verl_mega.parallel.spawn import run_torchrun
 
-from roles_worker import POLICY_LOSS_CASES
+from roles_worker import CORRECTION_CASES, POLICY_LOSS_CASES
 
 pytestmark = pytest.mark.slow
 
@@ -126,10 +126,11 @@ def test_ppo_update_is_layout_invariant(results, layout):
         assert rel_diff(after["vf_loss"], before["vf_loss"]) <= REL_TOL
 
 
-@pytest.mark.parametrize("loss", sorted(POLICY_LOSS_CASES))
+@pytest.mark.parametrize("loss", sorted(POLICY_LOSS_CASES) + sorted(CORRECTION_CASES))
 def test_each_policy_loss_update_is_layout_invariant(results, loss):
     """(2,2,2) against (1,1,1): DP slices, TP shards and pipeline stages; clip_cov and kl_cov select within the
-    same micro-batches, gpg (Dr. GRPO's constant norm) is cut into other micro-batches (roles_worker)."""
+    same micro-batches, gpg (Dr. GRPO's constant norm) is cut into other micro-batches, and the rollout
+    correction's weights and rejection act on the vanilla loss (roles_worker)."""
     reference, result = (results[layout]["loss_updates"][loss] for layout in [(1, 1, 1), (2, 2, 2)])
     assert result["metrics"].keys() == reference["metrics"].keys()
     print(f"{loss}: {reference['metrics']}")
