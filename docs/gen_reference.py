@@ -26,8 +26,8 @@ from typing import Iterator
 
 from verl_mega import cli
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES,
-    PREFERENCE_LOSSES,
+    ADV_ESTIMATORS, BYPASS_LOSS_TYPES, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS,
+    LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
 )
 from verl_mega.config import schema
 from verl_mega.data.prompts import TRUNCATION_SIDES
@@ -55,6 +55,7 @@ CHOICES = {
     (schema.PolicyLossConfig, "policy_loss"): POLICY_LOSSES.names(),
     (schema.PolicyLossConfig, "loss_agg_mode"): LOSS_AGG_MODES.names(),
     (schema.PolicyLossConfig, "kl_loss_type"): KL_ESTIMATORS.names(),
+    (schema.PolicyLossConfig, "bypass_loss_type"): BYPASS_LOSS_TYPES,
     (schema.ValueLossConfig, "loss_agg_mode"): LOSS_AGG_MODES.names(),
     (schema.KLControlConfig, "type"): KL_CONTROLLERS,
     (schema.AlgorithmConfig, "adv_estimator"): ADV_ESTIMATORS.names(),

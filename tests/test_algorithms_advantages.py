@@ -371,3 +371,16 @@ def test_optimal_token_baseline_run_takes_sum_pi_squared_from_the_old_log_prob_p
             torch.tensor(step["token_scores"]), mask, step["uids"], torch.tensor(step["old_log_probs"]), sum_pi_squared)
         torch.testing.assert_close(torch.tensor(step["advantages"]), expected)
         assert not torch.allclose(expected, returns)  # the baseline is not zero
+
+
+def test_every_verl_estimator_name_is_registered_and_the_vectorized_ones_are_the_same_math():
+    from verl_mega.algorithms import ADV_ESTIMATORS
+
+    verl_names = {"gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo",
+                  "grpo_passk", "gpg", "rloo_vectorized", "grpo_vectorized", "optimal_token_baseline",
+                  "tir_optimal_token_baseline"}
+    assert verl_names <= set(ADV_ESTIMATORS.names())
+    scores, mask, index = torch.tensor([1.0, 0.0, 0.5, 2.0]), torch.ones(4, 3), [0, 0, 1, 1]
+    for name in ("grpo", "rloo"):
+        vectorized = ADV_ESTIMATORS.get(f"{name}_vectorized")(scores, mask, index)
+        assert all(torch.equal(a, b) for a, b in zip(vectorized, ADV_ESTIMATORS.get(name)(scores, mask, index)))

@@ -8,7 +8,9 @@ import torch
 
 from verl_mega.algorithms import POLICY_LOSSES, agg_loss
 from verl_mega.algorithms.losses import compute_value_loss, entropy_from_logits
-from verl_mega.algorithms.policy_losses import compute_policy_loss, get_policy_loss_fn, policy_loss_metric_names
+from verl_mega.algorithms.policy_losses import (
+    compute_policy_loss, get_policy_loss_fn, old_log_probs_from_rollout, policy_loss_metric_names,
+)
 from verl_mega.config import PolicyLossConfig
 
 
@@ -111,7 +113,7 @@ def test_entropy_from_logits_and_aggregation():
 
 # --- the other policy losses, on small batches computed by hand --------------------------------------------------
 
-VERL_NAMES = ["vanilla", "gspo", "cispo", "geo_mean", "sapo", "clip_cov", "kl_cov", "gpg"]
+VERL_NAMES = ["vanilla", "gspo", "cispo", "geo_mean", "sapo", "clip_cov", "kl_cov", "gpg", "bypass_mode"]
 
 
 def run_loss(name, log_ratios, advantages, mask, log_prob=None, **kwargs):
@@ -289,3 +291,27 @@ def test_geo_mean_weights_each_response_by_its_weights_geometric_mean():
     loss, _ = get_policy_loss_fn("geo_mean")(*args, loss_agg_mode="seq-mean-token-mean",
                                              rollout_is_weights=torch.tensor([[4.0, 1.0], [1.0, 1.0]]))
     assert loss.item() == pytest.approx((-2.0 + 1.0) / 2, rel=1e-6)
+
+
+def test_bypass_mode_is_ppo_on_the_rollout_ratio_or_weighted_reinforce():
+    """verl's bypass mode: the old log-probs are the rollout's. ppo_clip is the vanilla loss on pi / pi_rollout;
+    reinforce is -w A log pi with the given weights (hand-computed), and never clips."""
+    rollout = torch.tensor([[-1.0, -2.0, -0.5]])
+    log_prob = torch.tensor([[-0.8, -2.5, -0.5]], requires_grad=True)
+    advantages, mask = torch.tensor([[1.0, -1.0, 2.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    bypass = get_policy_loss_fn("bypass_mode")
+    assert old_log_probs_from_rollout("bypass_mode") and not old_log_probs_from_rollout("vanilla")
+    clipped, clipped_metrics = bypass(rollout, log_prob, advantages, mask, clip_ratio=0.2)
+    vanilla, vanilla_metrics = compute_policy_loss(rollout, log_prob, advantages, mask, clip_ratio=0.2)
+    assert torch.equal(clipped, vanilla) and clipped_metrics.keys() == vanilla_metrics.keys()
+    weights = torch.tensor([[1.5, 0.5, 1.0]])
+    loss, metrics = bypass(rollout, log_prob, advantages, mask, bypass_loss_type="reinforce",
+                           rollout_is_weights=weights)
+    # token-mean over the 2 masked-in tokens of -w A log pi: (-(1.5)(1)(-0.8) - (0.5)(-1)(-2.5)) / 2
+    assert loss.item() == pytest.approx((1.2 - 1.25) / 2)
+    loss.backward()
+    torch.testing.assert_close(log_prob.grad, torch.tensor([[-1.5 / 2, 0.5 / 2, 0.0]]))
+    assert metrics["pg_clipfrac"].item() == 0 and metrics["pg_clipfrac_lower"].item() == 0
+    assert metrics["ppo_kl"].item() == pytest.approx(((-1.0 + 0.8) + (-2.0 + 2.5)) / 2)
+    with pytest.raises(ValueError, match="bypass_loss_type must be one of ppo_clip, reinforce"):
+        bypass(rollout, log_prob, advantages, mask, bypass_loss_type="ppo")

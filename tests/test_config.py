@@ -225,6 +225,7 @@ def test_job_names_and_their_old_spellings_load_as_one_name(tmp_path, given, job
     ("actor.loss.tau_neg=-1", "actor.loss.tau_neg must be > 0, got -1"),
     ("actor.loss.clip_ratio_c=1", "actor.loss.clip_ratio_c must be > 1 (dual-clip), got 1"),
     ("actor.loss.extra.tau_pos=2", "actor.loss.extra repeats ['tau_pos']: set actor.loss.tau_pos instead"),
+    ("actor.loss.bypass_loss_type=ppo", "actor.loss.bypass_loss_type 'ppo' is unknown; known: ppo_clip, reinforce"),
 ])
 def test_preflight_refuses_policy_loss_knobs_out_of_range(tiny_models, prompt_file, override, message):
     config = load_config(None, good_overrides(tiny_models, prompt_file) + ["actor.loss.policy_loss=clip_cov", override])

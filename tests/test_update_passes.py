@@ -93,6 +93,17 @@ def test_truncated_importance_weights_change_the_update(results):
 
 
 @pytest.mark.slow
+def test_bypass_mode_is_vanilla_ppo_with_the_rollout_log_probs_as_the_old_ones(results):
+    """Two epochs of two mini-batches without old log-probs: bypass mode takes the rollout's, bitwise what vanilla
+    PPO does given them; off-policy, no first forward is kept for the mismatch metrics."""
+    bypass, vanilla = results["skip_old_pass"]["bypass_mode"], results["skip_old_pass"]["vanilla_on_rollout"]
+    assert bypass["metrics"] == vanilla["metrics"]
+    for name, tensor in vanilla["weights"].items():
+        assert torch.equal(bypass["weights"][name], tensor), name
+    assert bypass["first_forward_log_probs"] is None
+
+
+@pytest.mark.slow
 def test_trainer_log_probs_at_the_rollout_temperature(results):
     """The actor's and the reference's log-probs at temperature 0.7 (TP 2) are HF's on logits / 0.7."""
     run = results["temperature"]

@@ -4,8 +4,9 @@ converted from HF_DIR.
 
 - tp2: one epoch over one mini-batch, once with old log-probs from a separate forward and once taking them
   from the update's own first forward (`skip_old_pass`); then from the first forward again with planted
-  rollout log-probs in the batch, the rollout correction off and on (token-level TIS); saves every result,
-  with the first forward's log-probs the update leaves behind.
+  rollout log-probs in the batch, the rollout correction off and on (token-level TIS); then bypass mode over
+  two epochs against vanilla PPO given the rollout's log-probs as its old ones; saves every result, with the
+  first forward's log-probs the update leaves behind.
 - tp2: the actor's and the reference's log-probs at temperature 0.7 beside HF's on logits / 0.7
   (`temperature`).
 - dp2: log-probs and two PPO steps with micro-batches of MICRO_BATCH rows, and again grouped by a token
@@ -48,13 +49,13 @@ def training_batch(ckpt: Path, cfg) -> dict[str, torch.Tensor]:
     return batch
 
 
-def fresh_actor(ckpt: Path, use_distributed_optimizer: bool, **options):
+def fresh_actor(ckpt: Path, use_distributed_optimizer: bool, policy_loss: str = "vanilla", **options):
     from verl_mega.config import OptimConfig, PolicyLossConfig
     from verl_mega.roles.actor import Actor
 
     return Actor(ckpt, OptimConfig(**OPTIM, use_distributed_optimizer=use_distributed_optimizer),
-                 PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1), schedule_steps=4,
-                 **options)
+                 PolicyLossConfig(policy_loss=policy_loss, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1),
+                 schedule_steps=4, **options)
 
 
 def skip_old_pass(ckpt_root: Path, out_dir: Path) -> None:
@@ -82,6 +83,21 @@ def skip_old_pass(ckpt_root: Path, out_dir: Path) -> None:
                                       micro_batch_size=MICRO_BATCH)
         result[name] = {"metrics": metrics, "weights": gather_hf_weights(actor.model.module, cfg, family),
                         "old_log_probs": old_log_probs, "first_forward_log_probs": actor.first_forward_log_probs}
+    # verl's bypass mode over two epochs of two mini-batches (off-policy, so no first forward stands in for the
+    # old log-probs): the rollout's log-probs are the old ones, no pass runs, and the update is vanilla PPO's
+    # given them as its old log-probs.
+    rollout_log_probs = result["rollout_log_probs"]["old_log_probs"] + 0.3 * torch.randn(
+        batch["responses"].shape, generator=torch.Generator().manual_seed(5))
+    for name, policy_loss, old_key in (("bypass_mode", "bypass_mode", None),
+                                       ("vanilla_on_rollout", "vanilla", "old_log_probs")):
+        actor = fresh_actor(ckpt, use_distributed_optimizer=False, policy_loss=policy_loss)
+        update_batch = {**batch, "rollout_log_probs": rollout_log_probs * batch["response_mask"]}
+        if old_key:
+            update_batch[old_key] = update_batch["rollout_log_probs"]
+        metrics = actor.update_policy(update_batch, ppo_epochs=2, mini_batch_size=MINI_BATCH,
+                                      micro_batch_size=MICRO_BATCH)
+        result[name] = {"metrics": metrics, "weights": gather_hf_weights(actor.model.module, cfg, family),
+                        "first_forward_log_probs": actor.first_forward_log_probs}
     result["response_mask"] = batch["response_mask"]
     if current_layout().rank == 0:
         torch.save(result, out_dir / "skip_old_pass.pt")

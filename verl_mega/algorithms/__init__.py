@@ -59,14 +59,17 @@ from verl_mega.algorithms.masked import (
 )
 from verl_mega.algorithms.normalize import RunningMeanStd
 from verl_mega.algorithms.policy_losses import (
+    BYPASS_LOSS_TYPES,
     POLICY_LOSSES,
     compute_policy_loss,
+    compute_policy_loss_bypass_mode,
     compute_policy_loss_cispo,
     compute_policy_loss_geo_mean,
     compute_policy_loss_gpg,
     compute_policy_loss_gspo,
     compute_policy_loss_sapo,
     get_policy_loss_fn,
+    old_log_probs_from_rollout,
     policy_loss_metric_names,
     register_policy_loss,
 )
@@ -92,6 +95,7 @@ from verl_mega.algorithms.rollout_correction import (
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "BYPASS_LOSS_TYPES",
     "CORRECTION_MODES",
     "CORRECTION_OFF",
     "Correction",
@@ -123,6 +127,7 @@ __all__ = [
     "compute_opo_outcome_advantage",
     "compute_optimal_token_baseline_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_bypass_mode",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_geo_mean",
@@ -157,6 +162,7 @@ __all__ = [
     "overlong_filtered_mask",
     "overlong_penalty",
     "pair_metrics",
+    "old_log_probs_from_rollout",
     "policy_loss_metric_names",
     "register_adv_est",
     "register_kl_estimator",

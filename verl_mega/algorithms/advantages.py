@@ -107,7 +107,8 @@ def broadcast_to_tokens(seq_values, response_mask):
     return seq_values.unsqueeze(-1) * response_mask
 
 
-@register_adv_est("grpo")
+# verl's *_vectorized estimators are the same math computed another way: one function here serves both names.
+@register_adv_est("grpo", "grpo_vectorized")
 def compute_grpo_outcome_advantage(scores, response_mask, index, *, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
     """GRPO (Shao et al. 2024): (score - group mean) / (group std + epsilon).
 
@@ -131,7 +132,7 @@ def compute_dr_grpo_outcome_advantage(scores, response_mask, index):
     return compute_grpo_outcome_advantage(scores, response_mask, index, norm_adv_by_std_in_grpo=False)
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", "rloo_vectorized")
 def compute_rloo_outcome_advantage(scores, response_mask, index):
     """RLOO (Ahmadian et al. 2024): score minus the mean score of the other responses to the same prompt."""
     check_outcome_inputs(scores, response_mask)

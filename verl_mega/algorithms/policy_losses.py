@@ -24,12 +24,14 @@ _MAX_LOG_RATIO = 20.0
 _MAX_SEQUENCE_LOG_RATIO = 10.0
 
 
-def register_policy_loss(*names: str, metrics: tuple[str, ...] = PPO_METRICS):
+def register_policy_loss(*names: str, metrics: tuple[str, ...] = PPO_METRICS, old_from_rollout: bool = False):
     """Decorator registering a policy loss under `names`; `metrics` are the keys of the dict it returns (the
-    actor needs them before the first micro-batch, on every pipeline stage)."""
+    actor needs them before the first micro-batch, on every pipeline stage). `old_from_rollout`: the loss takes
+    the rollout engine's log-probs as its old log-probs (verl's bypass mode), so no old-log-prob pass runs."""
 
     def decorator(fn):
         fn.metric_names = metrics
+        fn.old_from_rollout = old_from_rollout
         return POLICY_LOSSES.register(*names)(fn)
 
     return decorator
@@ -37,6 +39,11 @@ def register_policy_loss(*names: str, metrics: tuple[str, ...] = PPO_METRICS):
 
 def policy_loss_metric_names(name: str) -> tuple[str, ...]:
     return get_policy_loss_fn(name).metric_names
+
+
+def old_log_probs_from_rollout(name: str) -> bool:
+    """Whether the policy loss `name` takes the rollout's log-probs as its old log-probs (bypass mode)."""
+    return get_policy_loss_fn(name).old_from_rollout
 
 
 def check_policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights) -> None:
@@ -213,3 +220,30 @@ def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, *
     pg_losses = -advantages * log_prob
     pg_loss = agg_loss(weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode)
     return pg_loss, {"ppo_kl": ppo_kl(log_ratio(old_log_prob, log_prob), response_mask)}
+
+
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
+@register_policy_loss("bypass_mode", old_from_rollout=True)
+def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response_mask, *,
+                                    loss_agg_mode="token-mean", rollout_is_weights=None,
+                                    bypass_loss_type="ppo_clip", **knobs):
+    """verl's bypass mode: `old_log_prob` is the rollout engine's log-prob (the actor passes rollout_log_probs),
+    so the update needs no old-log-prob pass, on-policy or not.
+
+    - ppo_clip: PPO's clipped surrogate (vanilla) on the ratio pi / pi_rollout: the ratio is the importance
+      correction and the clip bounds it, so `rollout_is_weights` should carry only a rejection's zeros (the
+      actor passes no truncated weights: they would count the correction twice).
+    - reinforce: -w * A * log pi (gpg), w = `rollout_is_weights`, the truncated pi / pi_rollout the actor
+      computes from algorithm.rollout_correction (None: plain REINFORCE). Its clip fractions are 0.
+    """
+    if bypass_loss_type == "ppo_clip":
+        return compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode=loss_agg_mode,
+                                   rollout_is_weights=rollout_is_weights, **knobs)
+    if bypass_loss_type != "reinforce":
+        raise ValueError(f"bypass_loss_type must be one of {', '.join(BYPASS_LOSS_TYPES)}, got {bypass_loss_type!r}")
+    pg_loss, metrics = compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask,
+                                               loss_agg_mode=loss_agg_mode, rollout_is_weights=rollout_is_weights)
+    never = torch.zeros((), dtype=metrics["ppo_kl"].dtype, device=log_prob.device)
+    return pg_loss, {"pg_clipfrac": never, "ppo_kl": metrics["ppo_kl"], "pg_clipfrac_lower": never}

@@ -49,7 +49,7 @@ class OptimConfig:
 class PolicyLossConfig:
     """The actor's loss: the policy-gradient surrogate, its clipping, entropy bonus and KL loss.
 
-    Every field from `clip_ratio` to `tau_neg` is a knob of one or more policy losses, under verl's name; the
+    Every field from `clip_ratio` to `bypass_loss_type` is a knob of one or more policy losses, under verl's name; the
     actor passes them all (`knobs()`) and each loss reads its own (docs/jobs/policy-losses.md)."""
 
     policy_loss: str = "vanilla"
@@ -80,6 +80,10 @@ class PolicyLossConfig:
     tau_neg: float = 1.05
     """sapo: temperature of the soft gate for tokens with a zero or negative advantage (> tau_pos damps them
     faster)."""
+    bypass_loss_type: str = "ppo_clip"
+    """bypass_mode (the rollout's log-probs as the old ones, no old-log-prob pass): ppo_clip (PPO's clip on
+    pi / pi_rollout, which is the correction) or reinforce (-w A log pi, w the truncated pi / pi_rollout of
+    algorithm.rollout_correction's weights). verl's policy_loss.rollout_correction.loss_type."""
     loss_agg_mode: str = "token-mean"
     """How per-token losses are averaged into the batch's loss."""
     entropy_coeff: float = 0.0
@@ -104,7 +108,8 @@ class PolicyLossConfig:
 
 # PolicyLossConfig's fields that are knobs of a policy loss (verl's names).
 POLICY_LOSS_KNOBS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "clip_cov_ratio", "clip_cov_lb",
-                     "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "tau_pos", "tau_neg")
+                     "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "tau_pos", "tau_neg",
+                     "bypass_loss_type")
 
 
 @dataclass

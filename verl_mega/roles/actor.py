@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.algorithms import (
-    CORRECTION_OFF, agg_loss, compute_kl, get_policy_loss_fn, policy_loss_metric_names, rollout_correction,
+    CORRECTION_OFF, agg_loss, compute_kl, get_policy_loss_fn, old_log_probs_from_rollout, policy_loss_metric_names,
+    rollout_correction,
 )
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.config import OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
@@ -100,6 +101,7 @@ class Actor:
         self.loss = loss or PolicyLossConfig()
         self._policy_loss = get_policy_loss_fn(self.loss.policy_loss)
         self._policy_loss_knobs = self.loss.knobs()
+        self._old_from_rollout = old_log_probs_from_rollout(self.loss.policy_loss)
         self.temperature = temperature
         self.correction = correction or RolloutCorrectionConfig()
         # The on-policy update's first-forward log-probs: per micro-batch (row indices, [b, r]) while it runs,
@@ -132,7 +134,11 @@ class Actor:
         """
         if self.uses_kl_loss and "ref_log_probs" not in batch:
             raise ValueError("use_kl_loss is set but the batch has no 'ref_log_probs'")
-        if "old_log_probs" not in batch and not is_on_policy(ppo_epochs, mini_batch_size, batch_size(batch)):
+        on_policy = is_on_policy(ppo_epochs, mini_batch_size, batch_size(batch))
+        if self._old_from_rollout and "rollout_log_probs" not in batch:
+            raise ValueError(f"policy_loss={self.loss.policy_loss} takes the rollout's log-probs as the old ones, and "
+                             "the batch has no 'rollout_log_probs'")
+        if "old_log_probs" not in batch and not (on_policy or self._old_from_rollout):
             raise ValueError(f"the batch has no 'old_log_probs': they equal the update's own forward only for one "
                              f"epoch over one mini-batch, not ppo_epochs={ppo_epochs} with mini_batch_size="
                              f"{mini_batch_size} of {batch_size(batch)} rows")
@@ -140,7 +146,8 @@ class Actor:
         if self.uses_kl_loss:
             names.append("kl_loss")
         # Only the mismatch metrics read them, and only a batch with rollout log-probs has those.
-        keeps_first_forward = "old_log_probs" not in batch and "rollout_log_probs" in batch
+        # Off-policy (bypass mode), a later mini-batch's first forward no longer sees the rollout's weights.
+        keeps_first_forward = "old_log_probs" not in batch and "rollout_log_probs" in batch and on_policy
         self.first_forward_log_probs = None
         self._first_forward = [] if keeps_first_forward else None
         if keeps_first_forward:
@@ -198,14 +205,15 @@ class Actor:
         on = lambda key: micro_batch[key].to(logits.device)  # noqa: E731
         log_prob, entropy = response_logprobs(logits, micro_batch, self.vocab_size, return_entropy=True,
                                               temperature=self.temperature)
-        if "old_log_probs" in micro_batch:
-            old_log_prob = on("old_log_probs")
+        if self._first_forward is not None:
+            self._first_forward.append((micro_batch[ROW_INDEX], log_prob.detach().float().cpu()))
+        if self._old_from_rollout:  # bypass mode: the rollout's ratio is the loss's own; the weights use pi_current
+            old_log_prob, train_log_prob = on("rollout_log_probs"), log_prob.detach()
         else:
-            old_log_prob = log_prob.detach()
-            if self._first_forward is not None:
-                self._first_forward.append((micro_batch[ROW_INDEX], old_log_prob.float().cpu()))
+            old_log_prob = on("old_log_probs") if "old_log_probs" in micro_batch else log_prob.detach()
+            train_log_prob = old_log_prob
         mask = on("response_mask")
-        rollout_is_weights = self._rollout_is_weights(old_log_prob, micro_batch, mask)
+        rollout_is_weights = self._rollout_is_weights(train_log_prob, micro_batch, mask)
         pg_loss, pg_metrics = self._policy_loss(old_log_prob, log_prob, on("advantages"), mask,
                                                 loss_agg_mode=loss_config.loss_agg_mode,
                                                 rollout_is_weights=rollout_is_weights, **self._policy_loss_knobs)
@@ -221,15 +229,19 @@ class Actor:
             metrics["kl_loss"] = kl_loss * share.loss
         return loss * share.loss, metrics
 
-    def _rollout_is_weights(self, old_log_prob: torch.Tensor, micro_batch: Batch, mask: torch.Tensor
+    def _rollout_is_weights(self, train_log_prob: torch.Tensor, micro_batch: Batch, mask: torch.Tensor
                             ) -> torch.Tensor | None:
-        """The rollout correction's weights of each token's policy-gradient loss, from the ratio of the old
-        log-probs (π_train) to the rollout's; None (no weighting) when it is off or the batch has no rollout
-        log-probs."""
+        """The rollout correction's weights of each token's policy-gradient loss, from the ratio of the trainer's
+        log-probs (π_train: the old ones, or the current ones in bypass mode) to the rollout's; None (no
+        weighting) when it is off or the batch has no rollout log-probs. In bypass mode with PPO's clip, the clip
+        already bounds the ratio to the rollout, so only the rejection applies."""
         config = self.correction
-        if "rollout_log_probs" not in micro_batch or config.weights == config.reject == CORRECTION_OFF:
+        weights = config.weights
+        if self._old_from_rollout and self.loss.bypass_loss_type == "ppo_clip":
+            weights = CORRECTION_OFF
+        if "rollout_log_probs" not in micro_batch or weights == config.reject == CORRECTION_OFF:
             return None
         return rollout_correction(
-            old_log_prob, micro_batch["rollout_log_probs"].to(old_log_prob.device), mask, weights=config.weights,
+            train_log_prob, micro_batch["rollout_log_probs"].to(train_log_prob.device), mask, weights=weights,
             weight_cap=config.weight_cap, reject=config.reject, reject_low=config.reject_low,
             reject_high=config.reject_high).loss_weights

@@ -13,8 +13,8 @@ from typing import Callable
 from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES,
-    PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
+    ADV_ESTIMATORS, BYPASS_LOSS_TYPES, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS,
+    LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
@@ -97,7 +97,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     if alg.adv_estimator in ADV_ESTIMATORS:
         check_estimator_config(config, need)
     known("actor.loss.policy_loss", a.loss.policy_loss, POLICY_LOSSES.names())
-    _check_policy_loss_knobs(a.loss, check, need)
+    _check_policy_loss_knobs(a.loss, check, need, known)
     for key, value in (("actor.loss.loss_agg_mode", a.loss.loss_agg_mode),
                        ("critic.loss.loss_agg_mode", c.loss.loss_agg_mode)):
         known(key, value, LOSS_AGG_MODES.names())
@@ -199,13 +199,14 @@ def _check_counts(config: TrainConfig, need) -> None:
         need(0 <= getattr(alg, key) <= 1, f"algorithm.{key} must be in [0, 1], got {getattr(alg, key)}")
 
 
-def _check_policy_loss_knobs(loss, check, need) -> None:
+def _check_policy_loss_knobs(loss, check, need, known) -> None:
     """The knobs' ranges, which the losses would otherwise refuse at the first micro-batch."""
     need(loss.clip_ratio_c > 1, f"actor.loss.clip_ratio_c must be > 1 (dual-clip), got {loss.clip_ratio_c}")
     for key in ("clip_cov_ratio", "kl_cov_ratio"):
         need(0 < getattr(loss, key) <= 1, f"actor.loss.{key} must be in (0, 1], got {getattr(loss, key)}")
     for key in ("tau_pos", "tau_neg"):
         need(getattr(loss, key) > 0, f"actor.loss.{key} must be > 0, got {getattr(loss, key)}")
+    known("actor.loss.bypass_loss_type", loss.bypass_loss_type, BYPASS_LOSS_TYPES)
     check(loss.knobs)
 
 

@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
     BatchNotFilled, GroupFilter, RunningMeanStd, apply_kl_penalty, compute_kl, estimator_inputs, estimator_knobs,
-    get_adv_estimator, get_kl_controller, masked_mean, mismatch_metrics_by_source, overlong_filtered_mask,
-    overlong_penalty, rollout_correction, trainable_groups, truncated_responses,
+    get_adv_estimator, get_kl_controller, masked_mean, mismatch_metrics_by_source, old_log_probs_from_rollout,
+    overlong_filtered_mask, overlong_penalty, rollout_correction, trainable_groups, truncated_responses,
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
@@ -472,11 +472,14 @@ class RLJob(TrainingJob):
 
     def needs_old_log_probs(self, rows: int) -> bool:
         """A separate old-log-prob pass is redundant when the update is on-policy (the actor then takes them from
-        its first forward, bitwise the same), unless the KL penalty in the reward needs them before the update."""
+        its first forward, bitwise the same) or its loss takes the rollout's log-probs as the old ones (bypass
+        mode), unless the KL penalty in the reward or the estimator needs them before the update."""
         actor = self.config.actor
         kl_in_reward = self.reference is not None and self.config.algorithm.use_kl_in_reward
         estimator_needs = "old_log_probs" in estimator_inputs(self.config.algorithm.adv_estimator)
-        return kl_in_reward or estimator_needs or not is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows)
+        update_needs = not (old_log_probs_from_rollout(actor.loss.policy_loss)
+                            or is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows))
+        return kl_in_reward or estimator_needs or update_needs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, gen_round: int = 0
                  ) -> list[Response]:
