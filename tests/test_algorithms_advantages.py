@@ -373,6 +373,16 @@ def test_optimal_token_baseline_run_takes_sum_pi_squared_from_the_old_log_prob_p
         assert not torch.allclose(expected, returns)  # the baseline is not zero
 
 
+@pytest.mark.slow
+def test_bypass_mode_run_trains_two_epochs_without_the_old_log_prob_pass(tmp_path):
+    """verl's bypass mode in the trainer: two epochs per batch (off-policy), yet no old-log-prob pass runs; the
+    loss takes the rollout engine's log-probs as the old ones."""
+    calls, records = run_advantages_worker(tmp_path, "actor.loss.policy_loss=bypass_mode", "actor.ppo_epochs=2")
+    steps = [c for c in calls if c["stage"] == "advantages"]
+    assert len(steps) == 2 and all("old_log_probs" not in step for step in steps)
+    assert all("timing/old_log_prob" not in record and "actor/pg_loss" in record for record in records)
+
+
 def test_every_verl_estimator_name_is_registered_and_the_vectorized_ones_are_the_same_math():
     from verl_mega.algorithms import ADV_ESTIMATORS
 
