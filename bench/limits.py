@@ -185,7 +185,8 @@ def step_overrides(scale: str) -> list[str]:
     return [f"data.batch_size={PROMPTS_PER_STEP}", f"rollout.n={SAMPLES_PER_PROMPT}",
             f"data.max_prompt_length={settings['max_prompt_length']}",
             f"data.max_response_length={settings['max_new_tokens']}", f"actor.optim.lr={settings['lr']}",
-            "actor.optim.lr_decay_style=constant", "actor.loss.entropy_coeff=0.0", "actor.ppo_epochs=1",
+            f"actor.optim.min_lr={settings['lr']}", "actor.optim.lr_decay_style=constant",
+            "actor.loss.entropy_coeff=0.0", "actor.ppo_epochs=1",
             f"actor.mini_batch_size={half}", f"actor.micro_batch_size={half}", "actor.loss.use_kl_loss=true",
             "model.dtype=fp32"]
 
@@ -301,15 +302,27 @@ def compute_rows(shape: Shape, tokens: StepTokens, record: dict, gemm: float) ->
     return rows
 
 
-def rollout_row(shape: Shape, tokens: StepTokens, record: dict, gemm: float, bandwidth: float) -> tuple:
-    """Decode against the bandwidth bound, the prefill's FLOPs at the GEMM rate taken out of the stage."""
+def decode_step_flops(shape: Shape, sequences: int) -> float:
+    """One token step's matmul FLOPs: the projections and the LM head at one position per sequence."""
+    return sequences * 2 * (body_params(shape) + shape.hidden * shape.vocab)
+
+
+def rollout_row(shape: Shape, tokens: StepTokens, record: dict, gemm: float, bandwidth: float,
+                decode_gemm: float) -> tuple:
+    """Decode against the bandwidth bound, the prefill's FLOPs at the GEMM rate taken out of the stage. A
+    failing row splits the time beyond the bytes into the decode's matmuls at their own measured rate (one
+    row per sequence) and the rest (Python, attention, sampling per token step)."""
     seconds, prefill = record["timing/rollout"], prefill_flops(shape, tokens)
     decode_seconds = seconds - prefill / gemm
     volume, steps = decode_bytes(shape, tokens), decode_steps(tokens)
     achieved = volume / decode_seconds
     ratio = achieved / bandwidth
-    per_step_ms = 1e3 * (decode_seconds - volume / bandwidth) / max(steps, 1)
-    limit = f"decode: Python per token step ({per_step_ms:.1f} ms/step beyond the bytes)"
+    per_step = 1e3 * decode_seconds / max(steps, 1)
+    matmuls = 1e3 * decode_step_flops(shape, tokens.sequences) / decode_gemm
+    term = (f"{tokens.sequences}-row matmuls at their measured rate" if matmuls > per_step - matmuls
+            else "Python, attention and sampling per token step")
+    limit = (f"decode: {term} ({per_step:.1f} ms per step: {matmuls:.1f} ms of {tokens.sequences}-row matmuls, "
+             f"{1e3 * volume / bandwidth / max(steps, 1):.1f} ms of bytes)")
     return (f"rollout ({steps} decode steps, prefill {prefill / 1e9:.2f} GFLOP)", f"{mib(volume)} read",
             f"{bandwidth / 1e9:.1f} GB/s", f"{achieved / 1e9:.2f} GB/s", f"{ratio:.0%}",
             verdict(ratio >= GOALS["decode"], limit))
@@ -367,16 +380,19 @@ def bench_scale(scale: str, work: Path, threads: int, steps: int) -> None:
     settings = SCALES[scale]
     planned = StepTokens(SEQUENCES_PER_STEP, settings["max_prompt_length"] / 2, settings["max_new_tokens"])
     before = (gemm_rate(micro_batch_gemms(shape, planned)), copy_bandwidth())
+    load_before = os.getloadavg()[0]
     record = run_step(hf_dir, work, scale, steps)
     transition = run_transition(hf_dir, work, threads)
     tokens = step_tokens(record)
     # Bounds measured before and after the step; the better of each is the machine's.
     gemm = max(before[0], gemm_rate(micro_batch_gemms(shape, tokens)))
     bandwidth = max(before[1], copy_bandwidth())
+    decode_gemm = gemm_rate(gemm_work(shape, tokens.sequences, tokens.sequences))
     print_table(f"{scale}: {shape}, {tokens.sequences} sequences x ({tokens.prompt:.1f} prompt + "
-                f"{tokens.response:.1f} response) tokens, step {record['perf/step_seconds']:.3f} s, load average "
-                f"{os.getloadavg()[0]:.1f}",
-                [*compute_rows(shape, tokens, record, gemm), rollout_row(shape, tokens, record, gemm, bandwidth),
+                f"{tokens.response:.1f} response) tokens, step {record['perf/step_seconds']:.3f} s; load average "
+                f"{load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after",
+                [*compute_rows(shape, tokens, record, gemm),
+                 rollout_row(shape, tokens, record, gemm, bandwidth, decode_gemm),
                  *transition_rows(transition), outside_row(record)])
 
 

@@ -1,7 +1,7 @@
 """bench/limits.py's accounting: FLOPs and bytes of a tiny shape, computed by hand here (no timing)."""
-from bench.limits import (Shape, StepTokens, attention_flops, body_params, decode_bytes, decode_steps, forward_flops,
-                          gemm_work, kv_bytes_per_position, outside_seconds, prefill_flops, step_tokens,
-                          update_flops, weight_bytes)
+from bench.limits import (Shape, StepTokens, attention_flops, body_params, decode_bytes, decode_step_flops,
+                          decode_steps, forward_flops, gemm_work, kv_bytes_per_position, outside_seconds,
+                          prefill_flops, step_tokens, update_flops, weight_bytes)
 
 # head_dim 4; fused q/k/v out = (2 + 2 * 1) * 4 = 16
 SHAPE = Shape(hidden=8, layers=2, ffn=16, heads=2, kv_heads=1, vocab=10)
@@ -60,3 +60,7 @@ def test_outside_is_the_step_less_its_model_stages():
 def test_step_tokens_split_the_counted_tokens_into_prompts_and_responses():
     record = {"perf/tokens_per_second": 100.0, "perf/step_seconds": 2.0, "response/length_mean": 3.25}
     assert step_tokens(record) == StepTokens(32, 3.0, 3.25)
+
+
+def test_a_decode_step_multiplies_every_weight_once_per_sequence():
+    assert decode_step_flops(SHAPE, sequences=2) == 2 * 2 * (1152 + 80)
