@@ -295,7 +295,7 @@ def compute_rows(shape: Shape, tokens: StepTokens, record: dict, gemm: float) ->
         achieved = flops / seconds
         ratio = achieved / gemm
         beyond = seconds - flops / gemm
-        limit = (f"{stage.split('_')[0]}: non-GEMM work (attention, norms, elementwise, loss, Python per op"
+        limit = (f"{stage.replace('_', ' ')}: non-GEMM work (attention, norms, elementwise, loss, Python per op"
                  f"{' at tiny shapes' if shape.hidden < 256 else ''}), {beyond:.3f} s beyond the GEMM bound")
         rows.append((stage, f"{flops / 1e9:.2f} GFLOP", f"{gemm / 1e9:.1f} GFLOP/s", f"{achieved / 1e9:.1f} GFLOP/s",
                      f"{ratio:.0%}", verdict(ratio >= GOALS["pass"], limit)))
