@@ -376,7 +376,8 @@ def mib(nbytes: float) -> str:
 def bench_scale(scale: str, work: Path, threads: int, steps: int) -> None:
     hf_dir = BUILDERS[scale](work / "hf")
     shape = Shape.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    # The step's token counts are known only after it ran, so the first GEMM measurement takes its limits.
+    # The step's token counts are known only after it ran: the first GEMM measurement takes the configured
+    # lengths (half the prompt limit, the whole response limit).
     settings = SCALES[scale]
     planned = StepTokens(SEQUENCES_PER_STEP, settings["max_prompt_length"] / 2, settings["max_new_tokens"])
     before = (gemm_rate(micro_batch_gemms(shape, planned)), copy_bandwidth())
