@@ -91,3 +91,10 @@ def test_an_unknown_data_source_is_one_line_naming_it_and_the_known_ones():
     message = str(error.value)
     assert "no scorer for data_source 'hiyouga/geometry3k'" in message and "\n" not in message
     assert "known: openai/gsm8k, lighteval/MATH" in message and "aime*" in message
+
+
+def test_a_huge_unknown_data_source_is_shown_by_its_start():
+    with pytest.raises(UserError) as error:
+        default_score("x" * 1_000_000 + "\n", "\\boxed{1}", "1")
+    message = str(error.value)
+    assert f"no scorer for data_source '{'x' * 80}'..." in message and len(message) < 1000 and "\n" not in message

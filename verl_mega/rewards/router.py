@@ -28,6 +28,7 @@ SCORER_BY_SOURCE = {
     "add": add_score,
 }
 SCORER_BY_PREFIX = {"aime": dapo_score}  # aime24, aime2025, ...: DAPO's evaluation sets
+SHOWN_CHARS = 80
 
 
 def known_sources() -> str:
@@ -40,8 +41,9 @@ def scorer_for(data_source):
     scorer = SCORER_BY_SOURCE.get(source)
     if scorer is None:
         scorer = next((fn for prefix, fn in SCORER_BY_PREFIX.items() if source.startswith(prefix)), None)
-    if scorer is None:
-        raise UserError(f"no scorer for data_source {data_source!r}; known: {known_sources()} "
+    if scorer is None:  # a data file's value, of any length: the message shows its start
+        shown = repr(source[:SHOWN_CHARS]) + ("..." if len(source) > SHOWN_CHARS else "")
+        raise UserError(f"no scorer for data_source {shown}; known: {known_sources()} "
                         "(or set reward.function to one scorer for every row)")
     return scorer
 
