@@ -12,10 +12,11 @@ import torch
 SIDES = ("left", "right")
 
 
-def pad_rows(rows: Sequence[Sequence[int]], pad_token_id: int, *, side: str, width: int | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_rows(rows: Sequence[Sequence[int]], pad_token_id: int, *, side: str, width: int | None = None,
+             dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, mask) of shape [len(rows), width] (default: the longest row); rows longer than `width` are cut
-    on the far side from the padding, keeping their start (right padding) or their end (left padding)."""
+    on the far side from the padding, keeping their start (right padding) or their end (left padding).
+    `dtype`: the ids' (per-token values other than ids, e.g. log-probs, pad the same way)."""
     if side not in SIDES:
         raise ValueError(f"side must be one of {SIDES}, got {side!r}")
     width = max((len(row) for row in rows), default=0) if width is None else width
@@ -27,7 +28,7 @@ def pad_rows(rows: Sequence[Sequence[int]], pad_token_id: int, *, side: str, wid
         ids.append([pad_token_id] * padding + row if side == "left" else row + [pad_token_id] * padding)
         mask.append([0] * padding + [1] * len(row) if side == "left" else [1] * len(row) + [0] * padding)
     shape = (len(rows), width)
-    return (torch.tensor(ids, dtype=torch.long).reshape(shape), torch.tensor(mask, dtype=torch.long).reshape(shape))
+    return torch.tensor(ids, dtype=dtype).reshape(shape), torch.tensor(mask, dtype=torch.long).reshape(shape)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -35,10 +35,7 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
 def right_padded_values(values: Sequence[Sequence[float]], responses: Sequence[Sequence[int]], width: int
                         ) -> torch.Tensor:
     """One float per response token, [rows, width] float32, cut and padded (with 0) as the responses are."""
-    rows = []
     for row, tokens in zip(values, responses):
         if len(row) != len(tokens):
             raise ValueError(f"a response of {len(tokens)} tokens came with {len(row)} log-probs")
-        kept = list(row)[:width]
-        rows.append(kept + [0.0] * (width - len(kept)))
-    return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), width)
+    return pad_rows(values, 0.0, side="right", width=width, dtype=torch.float32)[0]
