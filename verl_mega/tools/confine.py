@@ -84,7 +84,7 @@ def enter_namespaces(status, allow_network: bool) -> bool:
     if libc.unshare(flags) != 0:
         reason = os.strerror(ctypes.get_errno())
         if not allow_network:
-            status.write(f"refused the kernel gives no network namespace here ({reason})\n")
+            status.write(f"refused no network namespace can be made here ({reason})\n")
             sys.exit(1)
         status.write(f"namespaces none ({reason})\n")
         return False
@@ -111,7 +111,7 @@ def exit_status(wait_status: int) -> int:
 
 def confine(spec: dict, status, stdlib: list[str], namespaced: bool) -> None:
     folder = os.getcwd()
-    drop_privileges(spec["uid"])
+    status.write(f"uid {drop_privileges(spec['uid'])}\n")
     limits = spec["limits"]
     for name, value in limits.items():
         resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
@@ -121,20 +121,29 @@ def confine(spec: dict, status, stdlib: list[str], namespaced: bool) -> None:
     status.close()
 
 
-def drop_privileges(uid: int) -> None:
+def drop_privileges(uid: int) -> str:
     """No capabilities, none to regain by exec (empty bounding set), no new privileges; as root also a real
     uid of its own, since RLIMIT_NPROC does not count for a real uid 0. The effective uid stays: the
-    interpreter's files may sit under a folder only root reads."""
-    last = int(open("/proc/sys/kernel/cap_last_cap").read())
+    interpreter's files may sit under a folder only root reads. Which real uid the code runs as: "own",
+    "user" (not root: RLIMIT_NPROC counts the user's processes of this namespace) or "root" (a root without
+    CAP_SETUID: RLIMIT_NPROC does not count)."""
+    with open("/proc/sys/kernel/cap_last_cap") as handle:
+        last = int(handle.read())
     for capability in range(last + 1):
-        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)  # fails without CAP_SETPCAP: nothing to drop then
+    real_uid = "user"
     if os.getuid() == 0:
-        os.setgroups([])
-        os.setresuid(uid, 0, 0)
+        try:
+            os.setgroups([])
+            os.setresuid(uid, 0, 0)
+            real_uid = "own"
+        except PermissionError:
+            real_uid = "root"
     header, data = CapHeader(0x20080522, 0), (CapData * 2)()
     if libc.capset(ctypes.byref(header), data) != 0:
         raise OSError(ctypes.get_errno(), "capset")
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    return real_uid
 
 
 def landlock(read_paths, device_paths, folder: str, restrict_network: bool) -> int:

@@ -61,7 +61,7 @@ class PythonSandbox:
         self.scratch_dir = scratch_dir
 
     def probe(self) -> dict[str, str]:
-        """What the kernel gives the sandbox here ({"namespaces": ..., "landlock": ABI version}), from an empty
+        """What the kernel gives the sandbox here ({"namespaces": ..., "uid": ..., "landlock": ABI version}), from an empty
         program; a ConfigError where it cannot start."""
         result, status = self._run("", sandboxed_status=True)
         refused = [line for line in status if line.startswith("refused")]
@@ -70,7 +70,7 @@ class PythonSandbox:
                               "without network access unless tools.python.allow_network=true")
         if not result.ok:
             raise ConfigError(f"tools.python: the sandbox does not start here: {result.text[:300]}")
-        return dict(line.split(" ", 1) for line in status if line.startswith(("namespaces", "landlock")))
+        return dict(line.split(" ", 1) for line in status if line.startswith(("namespaces", "landlock", "uid")))
 
     def run(self, code: str) -> ToolResult:
         return self._run(code)[0]
