@@ -86,13 +86,14 @@ class PythonSandbox:
         return self._result(output, outcome, status, returncode, time.monotonic() - start), status
 
     def _execute(self, folder: str) -> tuple[str, str | None, list[str], int]:
-        """(output, "timeout" / "output_truncated" / None, status lines, exit code) of one program."""
+        """(output, "timeout" / "output_truncated" / None, status lines, exit code) of one program. Unbuffered
+        (-u): stdout and stderr share the pipe, and the model reads them in the order they were written."""
         status_read, status_write = os.pipe()
         spec = {"limits": self._limits(), "allow_network": self.config.allow_network, "status_fd": status_write,
                 "code_path": os.path.join(folder, "main.py")}
         env = {"HOME": folder, "TMPDIR": folder, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         try:
-            process = subprocess.Popen([sys.executable, "-I", "-S", CONFINE, json.dumps(spec)], cwd=folder, env=env,
+            process = subprocess.Popen([sys.executable, "-I", "-S", "-u", CONFINE, json.dumps(spec)], cwd=folder, env=env,
                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        start_new_session=True, pass_fds=(status_write,))
         finally:

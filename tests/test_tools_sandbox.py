@@ -1,0 +1,171 @@
+"""The python tool's sandbox against hostile code (issue 28's list): a fork bomb, an infinite loop, a 100 GB
+allocation, writing outside its folder, reading the trainer's files and environment, opening sockets,
+printing without end. Each is contained within the limits and counted as its failure category, and no
+process it started outlives the call (every process of the sandbox has its cwd in the scratch folder)."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from verl_mega.config.schema import ConfigError, PythonSandboxConfig, ToolsConfig
+from verl_mega.tools import ToolCall, ToolSet
+from verl_mega.tools.sandbox import PythonSandbox
+
+LIMIT_S = 1.0
+PROCESSES = 8
+SECRET = "verl-mega-test-secret-4711"
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    folder = tmp_path / "scratch"
+    folder.mkdir()
+    return folder
+
+
+@pytest.fixture
+def sandbox(scratch):
+    config = PythonSandboxConfig(cpu_seconds=5, memory_mb=512, file_size_mb=1, open_files=32, processes=PROCESSES)
+    return PythonSandbox(config, timeout_s=LIMIT_S, max_output_chars=1000, scratch_dir=str(scratch))
+
+
+def sandbox_processes(scratch) -> list[psutil.Process]:
+    """The processes whose working folder is (or was: deleted since) under `scratch`."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.cwd().startswith(str(scratch)):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def run_contained(sandbox, scratch, code: str):
+    """The result of `code`, checked to leave no process and no folder behind."""
+    start = time.monotonic()
+    result = sandbox.run(code)
+    assert time.monotonic() - start < LIMIT_S + 1.0
+    assert sandbox_processes(scratch) == []
+    assert list(scratch.iterdir()) == []
+    return result
+
+
+def test_plain_code_runs_and_prints(sandbox, scratch):
+    result = run_contained(sandbox, scratch, "import math\nprint(math.factorial(10))")
+    assert (result.text, result.ok, result.error) == ("3628800\n", True, None)
+
+
+def test_code_that_raises_gives_its_traceback(sandbox, scratch):
+    result = run_contained(sandbox, scratch, "def f():\n    raise ValueError('boom')\nf()")
+    assert (result.ok, result.error) == (False, "raised")
+    assert "ValueError: boom" in result.text and 'File "main.py", line 2' in result.text
+    assert "confine" not in result.text  # the sandbox's own frames are not shown
+
+
+def test_an_infinite_loop_is_stopped_at_the_wall_clock_limit(sandbox, scratch):
+    result = run_contained(sandbox, scratch, "print('started', flush=True)\nwhile True:\n    pass")
+    assert (result.ok, result.error) == (False, "timeout") and "started" in result.text
+
+
+def test_a_fork_bomb_stops_at_the_process_limit_and_dies_with_the_call(sandbox, scratch):
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    result = run_contained(sandbox, scratch, bomb)
+    assert result.error == "timeout"
+
+
+def test_children_left_behind_even_in_their_own_session_die_with_the_call(sandbox, scratch):
+    code = ("import os, time\nstarted = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
+            "    except OSError:\n        break\n    if pid == 0:\n        os.setsid()\n        time.sleep(60)\n"
+            "        os._exit(0)\n    started += 1\nprint(started)")
+    result = run_contained(sandbox, scratch, code)
+    assert result.ok and 0 < int(result.text) < PROCESSES
+
+
+def test_a_100_gb_allocation_is_a_memory_error(sandbox, scratch):
+    result = run_contained(sandbox, scratch, "data = bytearray(100 * 2**30)")
+    assert result.error == "raised" and "MemoryError" in result.text
+
+
+def test_printing_a_gigabyte_is_cut_at_the_output_limit_at_once(sandbox, scratch):
+    result = run_contained(sandbox, scratch, "import sys\nfor _ in range(2**14):\n    sys.stdout.write('x' * 2**16)")
+    assert (result.ok, result.error) == (True, "output_truncated")
+    assert len(result.text) == 1000 and result.seconds < LIMIT_S
+
+
+def test_a_file_past_the_size_limit_is_refused(sandbox, scratch):
+    code = "import os\ntry:\n    open('big', 'wb').write(b'x' * 2 * 2**20)\nfinally:\n    print(os.path.getsize('big'))"
+    result = run_contained(sandbox, scratch, code)  # Python ignores SIGXFSZ: the write fails with EFBIG
+    assert (result.ok, result.error) == (False, "raised") and "File too large" in result.text
+    assert result.text.startswith(f"{2**20}\n")
+
+
+def test_the_code_writes_only_inside_its_own_folder(sandbox, scratch, tmp_path):
+    outside = tmp_path / "escaped.txt"
+    code = (f"open('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())\n"
+            f"open({str(outside)!r}, 'w').write('escaped')")
+    result = run_contained(sandbox, scratch, code)
+    assert result.error == "raised" and result.text.startswith("ok\n") and "PermissionError" in result.text
+    assert not outside.exists()
+
+
+@pytest.mark.parametrize("target", ["planted file", "trainer environ", "home"])
+def test_the_code_reads_neither_the_trainer_s_files_nor_its_environment(sandbox, scratch, tmp_path, monkeypatch,
+                                                                         target):
+    monkeypatch.setenv("VERL_MEGA_TEST_SECRET", SECRET)
+    planted = tmp_path / "secret.txt"
+    planted.write_text(SECRET)
+    path = {"planted file": str(planted), "trainer environ": f"/proc/{os.getpid()}/environ",
+            "home": os.path.expanduser("~/.bashrc")}[target]
+    code = f"import os\nprint(sorted(os.environ))\nprint(open({path!r}, errors='replace').read())"
+    result = run_contained(sandbox, scratch, code)
+    assert SECRET not in result.text and "VERL_MEGA_TEST_SECRET" not in result.text
+    assert result.text.startswith("['HOME', 'LANG', 'PATH', 'TMPDIR']\n") and "PermissionError" in result.text
+
+
+def test_the_code_reaches_no_socket_of_the_host(sandbox, scratch):
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.bind(("127.0.0.1", 0))
+        udp.settimeout(0.2)
+        tcp_port, udp_port = server.getsockname()[1], udp.getsockname()[1]
+        server.settimeout(0.2)
+        code = ("import socket\nfor attempt in (lambda: socket.create_connection(('127.0.0.1', %d), timeout=0.5),\n"
+                "                lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', %d))):\n"
+                "    try:\n        attempt()\n        print('reached')\n    except OSError as error:\n"
+                "        print('refused', error.errno)") % (tcp_port, udp_port)
+        result = run_contained(sandbox, scratch, code)
+        with pytest.raises(socket.timeout):
+            server.accept()
+        with pytest.raises(socket.timeout):
+            udp.recv(1)
+    assert result.ok and "reached" not in result.text and result.text.count("refused") == 2
+
+
+def test_a_toolset_checks_the_code_argument_before_starting_a_process():
+    with ToolSet(["python"], ToolsConfig(timeout_s=LIMIT_S)) as tools:
+        assert tools.call(ToolCall("python", {"code": 7})).error == "bad_arguments"
+        assert tools.call(ToolCall("python", '{"code": "print(6 * 7)"}')).text == "42\n"
+
+
+PROBE = ("from verl_mega.config.schema import PythonSandboxConfig, ToolsConfig\n"
+         "from verl_mega.tools import ToolCall, ToolSet\n"
+         "for allow in (False, True):\n"
+         "    try:\n"
+         "        tools = ToolSet(['python'], ToolsConfig(python=PythonSandboxConfig(allow_network=allow)))\n"
+         "        print(tools.call(ToolCall('python', {'code': 'print(42)'})).text.strip())\n"
+         "    except Exception as error:\n"
+         "        print(type(error).__name__, error)")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="takes the namespaces away by running as a root without capabilities")
+def test_without_a_network_namespace_the_python_tool_starts_only_when_the_config_allows_it():
+    run = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", PROBE],
+                         capture_output=True, text=True, timeout=120)
+    assert run.stdout.splitlines() == [
+        "ConfigError tools.python: no network namespace can be made here (Operation not permitted); the python "
+        "tool runs only without network access unless tools.python.allow_network=true", "42"], run.stderr
