@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from verl_mega.config.schema import ConfigError, ToolsConfig
+from verl_mega.config.schema import ConfigError, ToolsConfig, load_config
 from verl_mega.tools import ERROR_CATEGORIES, TOOLS, ToolCall, ToolSet, register_tool, tool_schema
 from verl_mega.tools.arguments import ArgumentError, check_arguments
+from verl_mega.trainer.preflight import preflight_check
 
 LIMIT_S = 0.5
 
@@ -242,3 +243,21 @@ def test_the_calculator_refuses_what_is_not_bounded_arithmetic_at_once(expressio
         result = tools.call(ToolCall("calculator", {"expression": expression}))
     assert (result.ok, result.error) == (False, "raised") and message in result.text
     assert time.monotonic() - start < 0.2
+
+
+@pytest.mark.parametrize("limits, message", [
+    ({"timeout_s": 0}, "tools.timeout_s must be > 0, got 0"),
+    ({"workers": 0}, "tools.workers must be an integer >= 1, got 0"),
+    ({"max_output_chars": 0}, "tools.max_output_chars must be an integer >= 1, got 0"),
+])
+def test_a_limit_out_of_range_is_refused_naming_its_key(limits, message):
+    with pytest.raises(ConfigError, match=message):
+        ToolSet(["calculator"], ToolsConfig(**limits))
+
+
+def test_the_preflight_check_lists_every_tools_limit_out_of_range():
+    config = load_config(None, ["model.hf_path=x", "tools.python.memory_mb=8", "tools.python.processes=0"])
+    with pytest.raises(ConfigError) as caught:
+        preflight_check(config, world_size=1, check_files=False)
+    assert "tools.python.memory_mb must be an integer >= 64, got 8" in str(caught.value)
+    assert "tools.python.processes must be an integer >= 1, got 0" in str(caught.value)

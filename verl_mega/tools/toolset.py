@@ -11,6 +11,7 @@ from verl_mega.config.schema import ConfigError, ToolsConfig
 
 from .arguments import ArgumentError, check_arguments, parse_arguments
 from .functions import FunctionTool, describe
+from .limits import limit_problems
 from .registry import resolve_tool
 from .results import ToolCall, ToolResult, failure
 from .sandbox import PythonTool
@@ -21,9 +22,12 @@ CONFIGURED_TOOLS = {"python": PythonTool}
 
 class ToolSet:
     """The tools named in `names` (registered names, built-ins or "module:function"), limited by `config`.
-    An unknown or unimportable name, or one given twice, is a ConfigError naming it."""
+    An unknown or unimportable name, one given twice or a limit out of its range is a ConfigError naming it."""
 
     def __init__(self, names: Sequence[str], config: ToolsConfig):
+        problems = limit_problems(config)
+        if problems:
+            raise ConfigError(problems[0])
         self.config = config
         self._tools: dict = {}
         for spec in names:
