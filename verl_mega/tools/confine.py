@@ -64,11 +64,20 @@ def main() -> None:
     spec["uid"] = UID_BASE + os.getpid()  # B's pid, before the code is in a namespace where it reads 1
     namespaced = enter_namespaces(status, spec["allow_network"])
     if namespaced:
+        alive_read, alive_write = os.pipe()  # B holds the write end: EOF on it means B is gone
         reaper = os.fork()
         if reaper:
             status.write(f"reaper {reaper}\n")
             os._exit(exit_status(os.waitpid(reaper, 0)[1]))
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        os.close(alive_write)
+        os.set_blocking(alive_read, False)
+        try:
+            os.read(alive_read, 1)
+        except BlockingIOError:  # B still lives, so the death signal is armed in time
+            pass
+        else:  # EOF: B died before PR_SET_PDEATHSIG was set
+            os._exit(1)
         code = os.fork()
         if code:
             status.close()
