@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -102,6 +103,15 @@ def test_a_file_past_the_size_limit_is_refused(sandbox, scratch):
     result = run_contained(sandbox, scratch, code)  # Python ignores SIGXFSZ: the write fails with EFBIG
     assert (result.ok, result.error) == (False, "raised") and "File too large" in result.text
     assert result.text.startswith(f"{2**20}\n")
+
+
+def test_the_files_together_stop_at_the_folder_s_size(scratch):
+    config = PythonSandboxConfig(file_size_mb=1, folder_mb=4)
+    sandbox = PythonSandbox(config, timeout_s=LIMIT_S, max_output_chars=1000, scratch_dir=str(scratch))
+    code = "for index in range(100):\n    open(f'part{index}', 'wb').write(b'x' * 2**20)"
+    result = run_contained(sandbox, scratch, code)
+    assert result.error == "raised" and "No space left on device" in result.text
+    assert str(scratch) not in Path("/proc/self/mountinfo").read_text()  # the tmpfs was the sandbox's only
 
 
 def test_the_code_writes_only_inside_its_own_folder(sandbox, scratch, tmp_path):

@@ -21,7 +21,8 @@ import signal
 import sys
 import traceback
 
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
@@ -62,34 +63,43 @@ def main() -> None:
     status = os.fdopen(spec["status_fd"], "w", buffering=1)
     stdlib = [path for path in sys.path[1:] if os.path.exists(path)]  # [0]: this file's folder
     spec["uid"] = UID_BASE + os.getpid()  # B's pid, before the code is in a namespace where it reads 1
+    with open(spec["code_path"]) as handle:  # before the folder's tmpfs hides the file
+        source = handle.read()
     namespaced = enter_namespaces(status, spec["allow_network"])
     if namespaced:
-        alive_read, alive_write = os.pipe()  # B holds the write end: EOF on it means B is gone
-        reaper = os.fork()
-        if reaper:
-            status.write(f"reaper {reaper}\n")
-            os._exit(exit_status(os.waitpid(reaper, 0)[1]))
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        os.close(alive_write)
-        os.set_blocking(alive_read, False)
-        try:
-            os.read(alive_read, 1)
-        except BlockingIOError:  # B still lives, so the death signal is armed in time
-            pass
-        else:  # EOF: B died before PR_SET_PDEATHSIG was set
-            os._exit(1)
-        code = os.fork()
-        if code:
-            status.close()
-            os._exit(reap_until(code))
+        become_namespace_init(status)
     confine(spec, status, stdlib, namespaced)
-    run_code(spec["code_path"], stdlib)
+    run_code(source, stdlib)
+
+
+def become_namespace_init(status) -> None:
+    """Fork R, pid 1 of the new process namespace, which forks U and reaps; B waits for R and exits with its
+    status. Returns in U only."""
+    alive_read, alive_write = os.pipe()  # B holds the write end: EOF on it means B is gone
+    reaper = os.fork()
+    if reaper:
+        status.write(f"reaper {reaper}\n")
+        os._exit(exit_status(os.waitpid(reaper, 0)[1]))
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.close(alive_write)
+    os.set_blocking(alive_read, False)
+    try:
+        os.read(alive_read, 1)
+    except BlockingIOError:  # B still lives, so the death signal is armed in time
+        pass
+    else:  # EOF: B died before PR_SET_PDEATHSIG was set
+        os._exit(1)
+    os.close(alive_read)
+    code = os.fork()
+    if code:
+        status.close()
+        os._exit(reap_until(code))
 
 
 def enter_namespaces(status, allow_network: bool) -> bool:
-    """Whether this process now has a network and a process namespace of its own."""
+    """Whether this process now has a network, a process and a mount namespace of its own."""
     uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNET | CLONE_NEWPID | (0 if uid == 0 else CLONE_NEWUSER)
+    flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | (0 if uid == 0 else CLONE_NEWUSER)
     if libc.unshare(flags) != 0:
         reason = os.strerror(ctypes.get_errno())
         if not allow_network:
@@ -101,7 +111,7 @@ def enter_namespaces(status, allow_network: bool) -> bool:
         write_file("/proc/self/setgroups", "deny")
         write_file("/proc/self/uid_map", f"{uid} {uid} 1")
         write_file("/proc/self/gid_map", f"{gid} {gid} 1")
-    status.write("namespaces net pid" + ("" if uid == 0 else " user") + "\n")
+    status.write("namespaces net pid mount" + ("" if uid == 0 else " user") + "\n")
     return True
 
 
@@ -120,6 +130,11 @@ def exit_status(wait_status: int) -> int:
 
 def confine(spec: dict, status, stdlib: list[str], namespaced: bool) -> None:
     folder = os.getcwd()
+    if namespaced:
+        mount_folder(folder, spec["folder_mb"])
+        status.write(f"folder tmpfs {spec['folder_mb']} MiB\n")
+    else:
+        status.write("folder disk\n")
     status.write(f"uid {drop_privileges(spec['uid'])}\n")
     limits = spec["limits"]
     for name, value in limits.items():
@@ -128,6 +143,17 @@ def confine(spec: dict, status, stdlib: list[str], namespaced: bool) -> None:
     status.write(f"landlock {abi}\n")
     status.write("ready\n")
     status.close()
+
+
+def mount_folder(folder: str, size_mb: int) -> None:
+    """A tmpfs of `size_mb` over the code's folder, in this mount namespace only (mounts made private first,
+    so nothing propagates to the host's), so the code cannot fill the host's disk; it ends with the namespace."""
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+    options = f"size={size_mb}m,mode=0700".encode()
+    if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+        raise OSError(ctypes.get_errno(), f"mount tmpfs {folder}")
+    os.chdir(folder)  # the working folder was the one beneath the mount
 
 
 def drop_privileges(uid: int) -> str:
@@ -194,9 +220,7 @@ def allow(ruleset: int, path: str, access: int) -> None:
         os.close(fd)
 
 
-def run_code(code_path: str, stdlib: list[str]) -> None:
-    with open(code_path) as handle:
-        source = handle.read()
+def run_code(source: str, stdlib: list[str]) -> None:
     sys.path[:] = stdlib
     sys.argv[:] = ["main.py"]
     try:

@@ -6,7 +6,7 @@ from verl_mega.config.schema import ToolsConfig
 
 # (key, smallest value): below it a limit would refuse everything or could not start an interpreter.
 SMALLEST = (("max_output_chars", 1), ("max_argument_chars", 2), ("workers", 1), ("python.cpu_seconds", 1),
-            ("python.memory_mb", 64), ("python.file_size_mb", 1), ("python.open_files", 16),
+            ("python.memory_mb", 64), ("python.file_size_mb", 1), ("python.folder_mb", 1), ("python.open_files", 16),
             ("python.processes", 1))
 
 

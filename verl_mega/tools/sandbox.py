@@ -61,21 +61,21 @@ class PythonSandbox:
         self.scratch_dir = scratch_dir
 
     def probe(self) -> dict[str, str]:
-        """What the kernel gives the sandbox here ({"namespaces": ..., "uid": ..., "landlock": ABI version}), from an empty
-        program; a ConfigError where it cannot start."""
-        result, status = self._run("", sandboxed_status=True)
+        """What the kernel gives the sandbox here ({"namespaces", "folder", "uid", "landlock": ABI version}), from
+        an empty program; a ConfigError where it cannot start."""
+        result, status = self._run("")
         refused = [line for line in status if line.startswith("refused")]
         if refused:
             raise ConfigError(f"tools.python: {refused[0].removeprefix('refused ')}; the python tool runs only "
                               "without network access unless tools.python.allow_network=true")
         if not result.ok:
             raise ConfigError(f"tools.python: the sandbox does not start here: {result.text[:300]}")
-        return dict(line.split(" ", 1) for line in status if line.startswith(("namespaces", "landlock", "uid")))
+        return dict(line.split(" ", 1) for line in status if line.startswith(("namespaces", "landlock", "uid", "folder")))
 
     def run(self, code: str) -> ToolResult:
         return self._run(code)[0]
 
-    def _run(self, code: str, sandboxed_status: bool = False) -> tuple[ToolResult, list[str]]:
+    def _run(self, code: str) -> tuple[ToolResult, list[str]]:
         start = time.monotonic()
         folder = tempfile.mkdtemp(prefix="verl_mega_python_", dir=self.scratch_dir)
         try:
@@ -89,7 +89,8 @@ class PythonSandbox:
         """(output, "timeout" / "output_truncated" / None, status lines, exit code) of one program. Unbuffered
         (-u): stdout and stderr share the pipe, and the model reads them in the order they were written."""
         status_read, status_write = os.pipe()
-        spec = {"limits": self._limits(), "allow_network": self.config.allow_network, "status_fd": status_write,
+        spec = {"limits": self._limits(), "allow_network": self.config.allow_network, "folder_mb": self.config.folder_mb,
+                "status_fd": status_write,
                 "code_path": os.path.join(folder, "main.py")}
         env = {"HOME": folder, "TMPDIR": folder, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         try:
