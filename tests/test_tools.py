@@ -76,6 +76,15 @@ async def shout(text: str) -> str:
     return text.upper()
 
 
+def leave(text: str) -> str:
+    """Raises SystemExit, as a careless tool might.
+
+    Args:
+        text: Anything.
+    """
+    raise SystemExit(3)
+
+
 def number(text: str) -> str:
     """Returns a number, not a string.
 
@@ -185,6 +194,7 @@ def test_good_arguments_reach_the_tool():
 
 @pytest.mark.parametrize("name, category, text", [
     ("explode", "raised", "error: RuntimeError: no x"),
+    ("leave", "raised", "error: SystemExit: 3"),
     ("number", "not_a_string", "returned int, not a string"),
     ("hang", "timeout", "took more than 0.5 s"),
     ("hang_async", "timeout", "took more than 0.5 s"),

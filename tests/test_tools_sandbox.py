@@ -21,6 +21,18 @@ PROCESSES = 8
 SECRET = "verl-mega-test-secret-4711"
 
 
+def namespaces_refused() -> bool:
+    """Whether this machine's kernel refuses the sandbox's namespaces (any other failure fails the tests)."""
+    try:
+        PythonSandbox(PythonSandboxConfig(), timeout_s=30, max_output_chars=100).probe()
+    except ConfigError as error:
+        return "no network namespace can be made here" in str(error)
+    return False
+
+
+pytestmark = pytest.mark.skipif(namespaces_refused(), reason="the kernel refuses the sandbox's namespaces")
+
+
 @pytest.fixture
 def scratch(tmp_path):
     folder = tmp_path / "scratch"
@@ -159,6 +171,15 @@ def test_a_toolset_checks_the_code_argument_before_starting_a_process():
     with ToolSet(["python"], ToolsConfig(timeout_s=LIMIT_S)) as tools:
         assert tools.call(ToolCall("python", {"code": 7})).error == "bad_arguments"
         assert tools.call(ToolCall("python", '{"code": "print(6 * 7)"}')).text == "42\n"
+        assert tools.sandbox_features["landlock"].isdigit() and "folder" in tools.sandbox_features
+
+
+def test_concurrent_programs_each_get_their_own_folder_and_result(scratch):
+    calls = [ToolCall("python", {"code": f"import os\nopen('mine', 'w').write('{index}')\n"
+                                         f"print(os.listdir('.'), open('mine').read())"}) for index in range(4)]
+    with ToolSet(["python"], ToolsConfig(timeout_s=5, workers=4)) as tools:
+        results = tools.call_many(calls)
+    assert [result.text for result in results] == [f"['mine'] {index}\n" for index in range(4)]
 
 
 PROBE = ("from verl_mega.config.schema import PythonSandboxConfig, ToolsConfig\n"

@@ -42,6 +42,13 @@ class ToolSet:
     def names(self) -> list[str]:
         return list(self._tools)
 
+    @property
+    def sandbox_features(self) -> dict[str, str]:
+        """What the python tool's sandbox got on this machine (namespaces, folder, uid, Landlock ABI); {} without
+        the python tool. Worth logging once per run: the threat model depends on it (docs/tools.md)."""
+        python = self._tools.get(PythonTool.name)
+        return dict(python.features) if isinstance(python, PythonTool) else {}
+
     def call(self, call: ToolCall) -> ToolResult:
         """The result of one call; a failure of any kind is a result with ok=False, never an exception."""
         start = time.monotonic()
