@@ -68,7 +68,7 @@ def main() -> None:
     namespaced = enter_namespaces(status, spec["allow_network"])
     if namespaced:
         become_namespace_init(status)
-    confine(spec, status, stdlib, namespaced)
+    confine(spec, status, stdlib, namespaced, source)
     run_code(source, stdlib)
 
 
@@ -128,10 +128,11 @@ def exit_status(wait_status: int) -> int:
     return 128 + os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else os.WEXITSTATUS(wait_status)
 
 
-def confine(spec: dict, status, stdlib: list[str], namespaced: bool) -> None:
+def confine(spec: dict, status, stdlib: list[str], namespaced: bool, source: str) -> None:
     folder = os.getcwd()
     if namespaced:
         mount_folder(folder, spec["folder_mb"])
+        write_file("main.py", source)  # again, beneath the mount: tracebacks quote its lines
         status.write(f"folder tmpfs {spec['folder_mb']} MiB\n")
     else:
         status.write("folder disk\n")

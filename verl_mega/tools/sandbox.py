@@ -23,7 +23,7 @@ from .results import ToolResult, failure, success
 CONFINE = str(Path(__file__).with_name("confine.py"))
 MIB = 1 << 20
 REAPER_GONE_S = 2.0  # the namespace's processes are killed by the kernel once its pid 1 is: at most this long
-SIGNAL_ERRORS = {signal.SIGXCPU: "cpu_limit", signal.SIGKILL: "cpu_limit", signal.SIGXFSZ: "file_size_limit"}
+SIGNAL_ERRORS = {signal.SIGXCPU: "cpu_limit", signal.SIGXFSZ: "file_size_limit"}
 
 
 def python(code: str) -> str:
