@@ -84,6 +84,19 @@ def test_plain_code_runs_and_prints(sandbox, scratch):
     assert (result.text, result.ok, result.error) == ("3628800\n", True, None)
 
 
+@pytest.mark.parametrize("code, text", [("import sys\nprint('bye')\nsys.exit(3)", "bye\n"),
+                                        ("import sys\nsys.exit(200)", "error: the program exited with status 200")])
+def test_code_that_exits_with_an_error_status_is_counted_as_raised(sandbox, scratch, code, text):
+    result = run_contained(sandbox, scratch, code)
+    assert (result.ok, result.error, result.text) == (False, "raised", text)
+
+
+def test_a_long_output_with_its_error_stays_within_the_output_limit(quick_sandbox, scratch):
+    result = run_contained(quick_sandbox, scratch, "print('y' * 990, flush=True)\nwhile True:\n    pass")
+    assert result.error == "timeout" and len(result.text) == 1000
+    assert result.text.startswith("yyy") and result.text.endswith("error: the program ran past 1 s and was stopped")
+
+
 def test_code_that_raises_gives_its_traceback(sandbox, scratch):
     result = run_contained(sandbox, scratch, "def f():\n    raise ValueError('boom')\nf()")
     assert (result.ok, result.error) == (False, "raised")
@@ -121,7 +134,8 @@ def test_the_limits_are_set_in_the_code_s_process(sandbox, scratch):
 @pytest.mark.parametrize("signal_name, category", [("SIGXCPU", "cpu_limit"), ("SIGXFSZ", "file_size_limit"),
                                                    ("SIGSEGV", "killed")])
 def test_a_program_ended_by_a_signal_is_counted_by_it(sandbox, scratch, signal_name, category):
-    code = f"import os, signal\nsignal.signal(signal.{signal_name}, signal.SIG_DFL)\nos.kill(os.getpid(), signal.{signal_name})"
+    code = (f"import os, signal\nsignal.signal(signal.{signal_name}, signal.SIG_DFL)\n"
+            f"os.kill(os.getpid(), signal.{signal_name})")
     result = run_contained(sandbox, scratch, code)
     assert (result.ok, result.error) == (False, category) and signal_name in result.text
 
@@ -190,10 +204,11 @@ def test_the_code_reaches_no_socket_of_the_host(sandbox, scratch):
         udp.settimeout(0.2)
         tcp_port, udp_port = server.getsockname()[1], udp.getsockname()[1]
         server.settimeout(0.2)
-        code = ("import socket\nfor attempt in (lambda: socket.create_connection(('127.0.0.1', %d), timeout=0.5),\n"
-                "                lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', %d))):\n"
+        code = ("import socket\nudp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                f"for attempt in (lambda: socket.create_connection(('127.0.0.1', {tcp_port}), timeout=0.5),\n"
+                f"                lambda: udp.sendto(b'x', ('127.0.0.1', {udp_port}))):\n"
                 "    try:\n        attempt()\n        print('reached')\n    except OSError as error:\n"
-                "        print('refused', error.errno)") % (tcp_port, udp_port)
+                "        print('refused', error.errno)")
         result = run_contained(sandbox, scratch, code)
         with pytest.raises(socket.timeout):
             server.accept()

@@ -132,7 +132,7 @@ def confine(spec: dict, status, stdlib: list[str], namespaced: bool, source: str
     folder = os.getcwd()
     if namespaced:
         mount_folder(folder, spec["folder_mb"])
-        write_file("main.py", source)  # again, beneath the mount: tracebacks quote its lines
+        write_file("main.py", source)  # again, into the tmpfs: tracebacks quote its lines
         status.write(f"folder tmpfs {spec['folder_mb']} MiB\n")
     else:
         status.write("folder disk\n")

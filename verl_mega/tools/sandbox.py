@@ -30,7 +30,8 @@ def python(code: str) -> str:
     """Run a Python 3 program in a sandbox and return what it prints (stdout and stderr).
 
     Args:
-        code: A complete Python program (standard library only, no network, no files outside its own folder); print the values you need.
+        code: A complete Python program (standard library only, no network, no files outside its own
+            folder); print the values you need.
     """
     raise NotImplementedError("the schema's function: PythonTool runs the code")
 
@@ -70,7 +71,8 @@ class PythonSandbox:
                               "without network access unless tools.python.allow_network=true")
         if not result.ok:
             raise ConfigError(f"tools.python: the sandbox does not start here: {result.text[:300]}")
-        return dict(line.split(" ", 1) for line in status if line.startswith(("namespaces", "landlock", "uid", "folder")))
+        features = ("namespaces", "folder", "uid", "landlock")
+        return dict(line.split(" ", 1) for line in status if line.startswith(features))
 
     def run(self, code: str) -> ToolResult:
         return self._run(code)[0]
@@ -89,14 +91,14 @@ class PythonSandbox:
         """(output, "timeout" / "output_truncated" / None, status lines, exit code) of one program. Unbuffered
         (-u): stdout and stderr share the pipe, and the model reads them in the order they were written."""
         status_read, status_write = os.pipe()
-        spec = {"limits": self._limits(), "allow_network": self.config.allow_network, "folder_mb": self.config.folder_mb,
-                "status_fd": status_write,
+        spec = {"limits": self._limits(), "allow_network": self.config.allow_network,
+                "folder_mb": self.config.folder_mb, "status_fd": status_write,
                 "code_path": os.path.join(folder, "main.py")}
         env = {"HOME": folder, "TMPDIR": folder, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         try:
-            process = subprocess.Popen([sys.executable, "-I", "-S", "-u", CONFINE, json.dumps(spec)], cwd=folder, env=env,
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       start_new_session=True, pass_fds=(status_write,))
+            process = subprocess.Popen([sys.executable, "-I", "-S", "-u", CONFINE, json.dumps(spec)], cwd=folder,
+                                       env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(status_write,))
         finally:
             os.close(status_write)
         with os.fdopen(status_read) as status_pipe:
@@ -117,21 +119,31 @@ class PythonSandbox:
     def _result(self, output: str, outcome: str | None, status: list[str], returncode: int,
                 seconds: float) -> ToolResult:
         if outcome == "output_truncated":
-            return success(output + "\n[output truncated]", self.max_output_chars, seconds)
+            return ToolResult(text=output[: self.max_output_chars], ok=True, error="output_truncated",
+                              seconds=seconds)
         if outcome == "timeout":
-            return failure("timeout", f"{output}\nerror: the program ran past {self.timeout_s:g} s and was "
-                                      "stopped", seconds)
+            return self._failure("timeout", output, f"the program ran past {self.timeout_s:g} s and was stopped",
+                                 seconds)
         if "ready" not in status:
             reason = next((line for line in status if line.startswith("refused")), output.strip()[-300:])
             return failure("sandbox", f"error: the sandbox could not be set up: {reason}", seconds)
         died_of = signal_of(returncode)
         if died_of:
             category = SIGNAL_ERRORS.get(died_of, "killed")
-            return failure(category, f"{output}\nerror: the program was killed by {signal.Signals(died_of).name} "
-                                     f"({category.replace('_', ' ')})", seconds)
+            return self._failure(category, output, f"the program was killed by {died_of.name} "
+                                                   f"({category.replace('_', ' ')})", seconds)
         if returncode != 0:
-            return failure("raised", output or f"error: the program exited with status {returncode}", seconds)
+            return self._failure("raised", output, f"the program exited with status {returncode}", seconds)
         return success(output, self.max_output_chars, seconds)
+
+    def _failure(self, category: str, output: str, note: str, seconds: float) -> ToolResult:
+        """The output, its start kept, and an `error:` line after it, within max_output_chars together (the
+        traceback alone when the code raised: it says it all)."""
+        if category == "raised" and output:
+            return failure(category, output[: self.max_output_chars], seconds)
+        note = f"error: {note}"
+        kept = output[: max(self.max_output_chars - len(note) - 1, 0)]
+        return failure(category, (f"{kept}\n{note}" if kept else note)[: self.max_output_chars], seconds)
 
 
 def read_bounded(process: subprocess.Popen, deadline: float, max_chars: int) -> tuple[str, str | None]:
@@ -200,10 +212,10 @@ def running(pid: int) -> bool:
         return False
 
 
-def signal_of(returncode: int) -> int | None:
+def signal_of(returncode: int) -> signal.Signals | None:
     """The signal that ended the program: negative from Popen, 128 + the signal through the namespace's pid 1."""
-    if returncode < 0:
-        return -returncode
-    if 128 < returncode < 128 + 65:
-        return returncode - 128
-    return None
+    number = -returncode if returncode < 0 else returncode - 128
+    try:
+        return signal.Signals(number) if number > 0 else None
+    except ValueError:  # an exit status above 128 that is no signal's: the code's own sys.exit
+        return None
