@@ -225,6 +225,14 @@ def test_call_many_runs_the_calls_at_once_and_keeps_their_order():
     assert [result.text for result in results] == ["0", "1", "2"]
 
 
+def test_submit_returns_at_once_and_its_future_gives_the_result():
+    with toolset("hang", "add") as tools:
+        start = time.monotonic()
+        slow, fast = tools.submit(ToolCall("hang", {"text": "x"})), tools.submit(ToolCall("add", {"a": 1}))
+        assert time.monotonic() - start < 0.2
+        assert fast.result(timeout=2).text == "2.0" and slow.result(timeout=2).error == "timeout"
+
+
 def test_the_checks_read_nullable_and_enum_schemas():
     check_arguments({"mode": None}, {"properties": {"mode": {"type": "string", "nullable": True}}})
     with pytest.raises(ArgumentError, match="must be one of"):

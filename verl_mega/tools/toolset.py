@@ -3,7 +3,7 @@ checked and contained so that it never raises, and many calls run at once."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Sequence
 
@@ -61,6 +61,11 @@ class ToolSet:
     def call_many(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """The results of `calls`, in their order, run at once (up to tools.workers)."""
         return list(self._pool.map(self.call, calls))
+
+    def submit(self, call: ToolCall) -> Future:
+        """Start `call` in the pool and return at once: a Future of its ToolResult (which never raises), so the
+        caller can go on decoding other samples while the tool runs."""
+        return self._pool.submit(self.call, call)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
