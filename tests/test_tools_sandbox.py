@@ -232,21 +232,38 @@ def test_concurrent_programs_each_get_their_own_folder_and_result(scratch):
     assert [result.text for result in results] == [f"['main.py', 'mine'] {index}\n" for index in range(4)]
 
 
-PROBE = ("from verl_mega.config.schema import PythonSandboxConfig, ToolsConfig\n"
-         "from verl_mega.tools import ToolCall, ToolSet\n"
-         "for allow in (False, True):\n"
-         "    try:\n"
-         "        tools = ToolSet(['python'], ToolsConfig(python=PythonSandboxConfig(allow_network=allow)))\n"
-         "        print(tools.call(ToolCall('python', {'code': 'print(42)'})).text.strip())\n"
-         "    except Exception as error:\n"
-         "        print(type(error).__name__, error)")
+WITHOUT_NAMESPACES = """
+import os, sys, time
+from verl_mega.config.schema import ConfigError, PythonSandboxConfig
+from verl_mega.tools.sandbox import PythonSandbox
+def sandbox(allow_network):
+    config = PythonSandboxConfig(allow_network=allow_network, processes=8)
+    return PythonSandbox(config, timeout_s=20, max_output_chars=1000, scratch_dir=sys.argv[1])
+try:
+    sandbox(False).probe()
+except ConfigError as error:
+    print(error)
+allowed = sandbox(True)
+print(allowed.probe())
+start = time.monotonic()
+result = allowed.run(sys.argv[2])
+print(result.text.strip(), result.error, time.monotonic() - start < 10)
+"""
+LEAVE_CHILDREN = ("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
+                  "        time.sleep(60)\n        os._exit(0)\nprint('left 3')")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0, reason="takes the namespaces away by running as a root without capabilities")
-def test_without_a_network_namespace_the_python_tool_starts_only_when_the_config_allows_it():
-    run = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", PROBE],
-                         capture_output=True, text=True, timeout=120)
-    assert run.stdout.splitlines() == [
-        "ConfigError tools.python: no network namespace can be made here (Operation not permitted); the python "
-        "tool runs only without network access unless tools.python.allow_network=true", "42"], run.stderr
+@pytest.mark.skipif(os.geteuid() != 0, reason="takes the namespaces away by running as a root without CAP_SYS_ADMIN")
+def test_without_namespaces_the_python_tool_starts_only_when_allowed_and_still_leaves_no_process(scratch):
+    """Run as a root without CAP_SYS_ADMIN (as in a default Docker container): no namespace can be made. The
+    python tool refuses; allowed, it runs, and the children it leaves in their own sessions are found by the
+    sandbox's uid and killed, the call not waiting for them."""
+    run = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-all", sys.executable, "-c",
+                          WITHOUT_NAMESPACES, str(scratch), LEAVE_CHILDREN], capture_output=True, text=True, timeout=120)
+    refusal, features, outcome = run.stdout.splitlines()
+    assert refusal == ("tools.python: no network namespace can be made here (Operation not permitted); the python "
+                       "tool runs only without network access unless tools.python.allow_network=true"), run.stderr
+    assert features.startswith("{'namespaces': 'none (Operation not permitted)', 'folder': 'disk', 'uid': 'own'")
+    assert outcome == "left 3 None True"
+    assert sandbox_processes(scratch) == []

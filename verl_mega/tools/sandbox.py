@@ -17,6 +17,7 @@ from pathlib import Path
 
 from verl_mega.config.schema import ConfigError, PythonSandboxConfig, ToolsConfig
 
+from .confine import UID_BASE
 from .registry import tool_schema
 from .results import ToolResult, failure, success
 
@@ -108,6 +109,8 @@ class PythonSandbox:
                 kill_group(process)
             status = status_pipe.read().splitlines()
         wait_gone(reaper_pid(status))
+        if "uid own" in status and not reaper_pid(status):  # no namespaces: the sandbox's uid finds the rest
+            kill_uid(UID_BASE + process.pid)
         return output, outcome, status, process.returncode
 
     def _limits(self) -> dict[str, int]:
@@ -147,38 +150,51 @@ class PythonSandbox:
 
 
 def read_bounded(process: subprocess.Popen, deadline: float, max_chars: int) -> tuple[str, str | None]:
-    """The process's output until it closes it, the deadline passes ("timeout") or there are more than
-    max_chars characters ("output_truncated"); at most 4 bytes a character are ever held."""
+    """The program's output until its first process exits (what it wrote by then), the deadline passes
+    ("timeout") or there are more than max_chars characters ("output_truncated"); at most 4 bytes a character
+    are ever held. The exit is watched through a pidfd, so a descendant holding the pipe open does not keep
+    the call waiting."""
     cap = 4 * max_chars + 4
-    chunks, size = [], 0
+    output = bytearray()
     fd = process.stdout.fileno()
-    with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return decoded(chunks), "timeout"
-            if not selector.select(remaining):
-                continue
-            chunk = os.read(fd, min(65536, cap - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-            if size >= cap:
-                break
-    text = decoded(chunks)
+    os.set_blocking(fd, False)
+    exited = os.pidfd_open(process.pid)
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            selector.register(exited, selectors.EVENT_READ)
+            while len(output) < cap:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return decoded(output), "timeout"
+                ready = {key.fd for key, _ in selector.select(remaining)}
+                if fd in ready and read_some(fd, output, cap) == 0:  # end of output: wait for the exit
+                    selector.unregister(fd)
+                if exited in ready:
+                    while len(output) < cap and read_some(fd, output, cap):  # what it wrote before it ended
+                        pass
+                    break
+    finally:
+        os.close(exited)
+    text = decoded(output)
     if len(text) > max_chars:
         return text[:max_chars], "output_truncated"
-    try:
-        process.wait(max(deadline - time.monotonic(), 0.0))
-    except subprocess.TimeoutExpired:  # output closed, still running
-        return text, "timeout"
     return text, None
 
 
-def decoded(chunks: list[bytes]) -> str:
-    return b"".join(chunks).decode("utf-8", errors="replace")
+def read_some(fd: int, output: bytearray, cap: int) -> int | None:
+    """Append what `fd` has (up to `cap` bytes in all) to `output`: the bytes read, 0 at its end, None when
+    nothing is there yet."""
+    try:
+        chunk = os.read(fd, min(65536, cap - len(output)))
+    except BlockingIOError:
+        return None
+    output += chunk
+    return len(chunk)
+
+
+def decoded(output: bytes) -> str:
+    return bytes(output).decode("utf-8", errors="replace")
 
 
 def kill_group(process: subprocess.Popen) -> None:
@@ -190,6 +206,34 @@ def kill_group(process: subprocess.Popen) -> None:
         pass
     process.wait()
     process.stdout.close()
+
+
+def kill_uid(uid: int) -> None:
+    """SIGKILL every live process of real uid `uid` (the sandbox's own, one per call) until none is left:
+    without the namespaces, descendants that left the process group (setsid) end here."""
+    for _ in range(1000):  # each round kills all it sees; at most tools.python.processes can be forking
+        alive = processes_of(uid)
+        if not alive:
+            return
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def processes_of(uid: int) -> list[int]:
+    """The live (not zombie) processes whose real uid is `uid`, read from /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/status") as handle:
+                fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        except (OSError, ValueError):  # not a process, or gone meanwhile
+            continue
+        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
+            found.append(int(name))
+    return found
 
 
 def reaper_pid(status: list[str]) -> int | None:
