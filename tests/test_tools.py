@@ -146,6 +146,7 @@ def test_a_registered_tool_is_named_by_its_registered_name():
     (["os;rm:f"], "must look like 'package.module:function'"),
     ([f"{HERE}:undocumented"], "tool 'undocumented': no JSON schema .* no docstring"),
     (["calculator", "calculator"], "tool 'calculator' is named twice"),
+    ("calculator", "the tool names must be a list, got the string 'calculator'"),
 ])
 def test_a_bad_tool_name_is_a_one_line_config_error_naming_it(names, message):
     with pytest.raises(ConfigError, match=message) as caught:

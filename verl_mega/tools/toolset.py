@@ -25,6 +25,8 @@ class ToolSet:
     An unknown or unimportable name, one given twice or a limit out of its range is a ConfigError naming it."""
 
     def __init__(self, names: Sequence[str], config: ToolsConfig):
+        if isinstance(names, str):  # one name where a list is due: iterating it would name each letter
+            raise ConfigError(f"the tool names must be a list, got the string {names[:80]!r}")
         problems = limit_problems(config)
         if problems:
             raise ConfigError(problems[0])
