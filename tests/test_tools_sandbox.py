@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -77,6 +78,18 @@ def run_contained(sandbox, scratch, code: str):
     assert sandbox_processes(scratch) == []
     assert list(scratch.iterdir()) == []
     return result
+
+
+def test_the_check_for_left_processes_sees_a_running_program(sandbox, scratch):
+    """The premise of every `run_contained`: while a program runs, its processes are found by their folder."""
+    code = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\ntime.sleep(1.5)"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(sandbox.run, code)
+        seen, deadline = [], time.monotonic() + 10
+        while len(seen) < 4 and time.monotonic() < deadline:  # the interpreter, pid 1, the code, its child
+            seen = sandbox_processes(scratch)
+        assert len(seen) == 4 and running.result().ok
+    assert sandbox_processes(scratch) == []
 
 
 def test_plain_code_runs_and_prints(sandbox, scratch):
