@@ -1,18 +1,19 @@
 """The python tool's sandbox from the inside: run by verl_mega.tools.sandbox as a fresh interpreter
-(`python -I -S confine.py SPEC`, cwd a fresh empty folder, an emptied environment), it confines itself, then
-runs the model's code. Standard library only, and nothing of the package: it runs by path.
+(`python -I -S -u confine.py SPEC`, cwd a fresh folder holding main.py, an emptied environment), it confines
+itself, then runs the model's code. Standard library only, and nothing of the package: it runs by path (the
+parent imports only UID_BASE from it).
 
-    this process (B)      unshares a network and a process namespace (a user namespace too when not root),
-                          or runs on without them where the spec allows it
+    this process (B)      unshares a network, a process and a mount namespace (a user namespace too when not
+                          root), or runs on without them where the spec allows it
     R, pid 1 of the new   dies with B (PR_SET_PDEATHSIG) and takes every process of the namespace with it
     process namespace
-    U, the code           capabilities dropped, a real uid of its own when started as root (so that
-                          RLIMIT_NPROC counts), resource limits, Landlock (files: the standard library and
-                          system libraries read-only, its folder read-write; TCP; signals and abstract sockets
-                          scoped to itself) where the kernel has it, then the code
+    U, the code           a tmpfs over its folder; capabilities dropped, a real uid of its own when started as
+                          root (so that RLIMIT_NPROC counts), resource limits, Landlock (files: the standard
+                          library and system libraries read-only, its folder read-write; TCP; signals and
+                          abstract sockets scoped to itself) where the kernel has it, then the code
 
-Progress goes to the status pipe, one line each ("namespaces ...", "landlock ...", "ready"), so the parent
-tells a sandbox that could not be set up from code that failed."""
+Progress goes to the status pipe, one line each ("reaper PID", "namespaces ...", "folder ...", "uid ...",
+"landlock ...", "ready"), so the parent tells a sandbox that could not be set up from code that failed."""
 import ctypes
 import json
 import os
