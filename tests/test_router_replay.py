@@ -193,6 +193,7 @@ def near_tie_rollout(tmp_path_factory, one_rank):
 def test_replayed_log_probs_equal_the_rollout_s_and_differ_without(near_tie_rollout):
     from verl_mega.config import OptimConfig
     from verl_mega.roles.actor import Actor
+    from verl_mega.roles.reference import Reference
 
     ckpt, batch = near_tie_rollout
     mask = batch["response_mask"].bool()
@@ -206,4 +207,7 @@ def test_replayed_log_probs_equal_the_rollout_s_and_differ_without(near_tie_roll
     print(f"max |trainer - rollout| log-prob: {gaps}; router mismatch: {mismatch}")
     assert gaps["rollout"] < 1e-5
     assert gaps["off"] > 1e-2
+    # The reference (the same weights here) replays too.
+    reference = Reference(ckpt, router_replay="rollout").compute_ref_log_prob(batch, 4).cpu()
+    assert (reference - batch["rollout_log_probs"])[mask].abs().max() < 1e-5
     assert 0 < mismatch["off"] < 0.5 and 0 < mismatch["rollout"] < 0.5

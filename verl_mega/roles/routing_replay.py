@@ -96,6 +96,8 @@ def attach_routing_replay(model, replay: bool) -> None:
     if config.moe_router_fusion or config.moe_router_load_balancing_type == "sinkhorn":
         raise ConfigError("routing replay needs megatron's unfused top-k router: unset moe_router_fusion and sinkhorn "
                           "load balancing")
+    if config.recompute_granularity is not None:  # the recomputed forward runs outside `replaying`
+        raise ConfigError("routing replay does not reach forwards recomputed in backward: unset recompute_granularity")
     numbers = moe_layer_numbers(config)
     routes = []
     for module in model.modules():
