@@ -132,6 +132,30 @@ def test_embedded_engine_records_the_routing_of_a_full_forward(tiny_models):
         assert torch.equal(response.routed_experts.sort(-1).values, full.sort(-1).values)
 
 
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            vocab_size=300, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])),
+    ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=16)),
+])
+def test_routers_of_other_moe_families_are_found_without_family_code(model_type, extra):
+    """transformers names each family's router class; the recorder needs no verl_mega family spec."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verl_mega.rollout.routing import RouterRecorder
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**TINY, **extra})).eval()
+    with torch.no_grad(), RouterRecorder(model) as recorder:
+        model(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]))
+        routes = recorder.take(2, 3)
+    assert routes.shape == (2, 3, 2, 2)  # one of the three layers dense
+    assert len({tuple(expert) for expert in routes.reshape(-1, 2).sort(-1).values.tolist()}) > 1
+
+
 def test_recording_a_dense_model_is_refused(tiny_models):
     from verl_mega.rollout.embedded import EmbeddedEngine
 
