@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
@@ -84,7 +84,7 @@ class Response:
     prompt_index: int
     token_ids: list[int]
     logprobs: list[float] | None = None
-    routed_experts: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)  # a tensor has no truth value for ==
 
 
 class RolloutEngine(ABC):
