@@ -33,6 +33,7 @@ from verl_mega.config import schema
 from verl_mega.data.prompts import TRUNCATION_SIDES
 from verl_mega.models.builder import DTYPES
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
+from verl_mega.roles.routing_replay import REPLAY_SETTINGS
 from verl_mega.rewards.registry import REWARD_FUNCTIONS
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.factory import ENGINES
@@ -51,6 +52,7 @@ CHOICES = {
     (schema.RolloutConfig, "engine"): ENGINES,
     (schema.RolloutConfig, "dtype"): ["auto", *DTYPES],
     (schema.UpdateSchedule, "use_packed_sequences"): PACKING_SETTINGS,
+    (schema.ActorConfig, "router_replay"): REPLAY_SETTINGS,
     (schema.OptimConfig, "lr_decay_style"): LR_DECAY_STYLES,
     (schema.PolicyLossConfig, "policy_loss"): POLICY_LOSSES.names(),
     (schema.PolicyLossConfig, "loss_agg_mode"): LOSS_AGG_MODES.names(),

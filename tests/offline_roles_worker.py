@@ -3,6 +3,9 @@ of the actor on fixed batches; saves the metrics and the updated weights (full, 
 
 Run by tests/test_offline_layout_invariance.py as `offline_roles_worker CKPT_ROOT OUT_DIR CASE [CASE ...]`, a
 CASE being MODEL:DTYPE:TP,PP,EP (MODEL a folder name under CKPT_ROOT, converted to MODEL/tp{TP}pp{PP}ep{EP}).
+A CASE ending in :replay runs routing replay instead (an MoE model): the log-probs of the batch without and with
+a drawn routing replayed and, at TP 1, one on-policy PPO update with it replayed (its metrics hold the router
+mismatch).
 """
 from __future__ import annotations
 
@@ -67,12 +70,52 @@ def run_case(ckpt_root: Path, out_dir: Path, model: str, dtype: str, tp: int, pp
     dist.barrier()
 
 
+def drawn_routing(batch: dict[str, torch.Tensor], experts: int, moe_layers: int, top_k: int) -> torch.Tensor:
+    """A rollout routing for every valid token of `batch` (distinct experts drawn per token and layer), the same
+    on every rank; NOT_RECORDED at padding."""
+    from verl_mega.roles.routing_replay import NOT_RECORDED
+
+    generator = torch.Generator().manual_seed(1)
+    rows, columns = batch["input_ids"].shape
+    draws = torch.rand(rows, columns, moe_layers, experts, generator=generator).argsort(dim=-1)[..., :top_k]
+    return draws.masked_fill(~batch["attention_mask"].bool()[..., None, None], NOT_RECORDED).to(torch.int16)
+
+
+def run_replay_case(ckpt_root: Path, out_dir: Path, model: str, dtype: str, tp: int, pp: int, ep: int) -> None:
+    from verl_mega.checkpoint.manifest import Manifest
+    from verl_mega.config import OptimConfig
+    from verl_mega.models import HFModelConfig
+    from verl_mega.parallel.state import init_parallel
+    from verl_mega.roles.actor import Actor
+
+    layout = init_parallel(tp, pp, ep)
+    ckpt = ckpt_root / model / f"tp{tp}pp{pp}ep{ep}"
+    cfg = HFModelConfig.from_dict(Manifest.read(ckpt).hf_config)
+    actor = Actor(ckpt, OptimConfig(lr=1e-2, adam_eps=1e-2, use_distributed_optimizer=layout.dp > 1),
+                  schedule_steps=1, dtype=dtype, router_replay="rollout")
+    batch = fixed_batch(cfg.vocab_size, pad_id=0)
+    # Response tokens only: untrimmed micro-batches (pipeline stages of the CPU MoE path) give padding a value too.
+    natural = actor.compute_log_prob(batch, MICRO_BATCH)["log_probs"].cpu() * batch["response_mask"]
+    batch["routed_experts"] = drawn_routing(batch, cfg.num_experts, cfg.num_layers, cfg.moe_top_k)
+    replayed = actor.compute_log_prob(batch, MICRO_BATCH)["log_probs"].cpu() * batch["response_mask"]
+    result = {"natural": natural, "replayed": replayed}
+    # megatron trains MoE layers at TP > 1 only with sequence parallelism, which verl_mega does not turn on.
+    if tp == 1:
+        batch["advantages"] = torch.linspace(-1.0, 1.0, BATCH)[:, None] * batch["response_mask"]
+        result["update"] = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=BATCH,
+                                               micro_batch_size=MICRO_BATCH)
+    if layout.rank == 0:
+        torch.save(result, out_dir / f"{case_name(model, dtype, tp, pp, ep, layout.dp)}_replay.pt")
+    dist.barrier()
+
+
 def main(argv: list[str]) -> None:
     ckpt_root, out_dir, *cases = argv
     for case in cases:
-        model, dtype, sizes = case.split(":")
+        model, dtype, sizes, *replay = case.split(":")
         tp, pp, ep = (int(size) for size in sizes.split(","))
-        run_case(Path(ckpt_root), Path(out_dir), model, dtype, tp, pp, ep)
+        run = run_replay_case if replay == ["replay"] else run_case
+        run(Path(ckpt_root), Path(out_dir), model, dtype, tp, pp, ep)
     from verl_mega.parallel.state import destroy_parallel
 
     destroy_parallel()

@@ -3,7 +3,9 @@ the losses are normalised by the global batch's loss tokens / pairs, not per ran
 
 - fp32, dense model: (TP, PP, DP) = (1,1,1) vs (2,1,1), (1,2,1), (1,1,2) and (2,2,2), within REL_TOL;
 - fp32, tiny Mixtral: expert parallel EP=2 (DP=2, distributed optimizer) vs EP=1, within REL_TOL;
-- bf16, dense model: (2,1,1) vs (1,1,1), within what bf16 rounding explains (test_layout_invariance's bounds).
+- bf16, dense model: (2,1,1) vs (1,1,1), within what bf16 rounding explains (test_layout_invariance's bounds);
+- fp32, tiny Mixtral, routing replay: a drawn routing replayed at TP=2, PP=2 and EP=2 gives the log-probs (and
+  but at TP=2 the PPO update, with its router mismatch) of (1,1,1), and log-probs other than the model's own.
 The distributed optimizer is on wherever DP > 1. Three torchrun launches (1, 2 and 8 processes); the 8-process
 one runs the (2,2,2) case alone.
 """
@@ -23,9 +25,9 @@ pytestmark = pytest.mark.slow
 DENSE, MOE = "qwen2", "mixtral"
 # processes -> the worker's cases (MODEL:DTYPE:TP,PP,EP) that one launch runs in turn; DP = processes / (TP·PP).
 LAUNCHES = {
-    1: [f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,1", f"{DENSE}:bf16:1,1,1"],
+    1: [f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,1", f"{DENSE}:bf16:1,1,1", f"{MOE}:fp32:1,1,1:replay"],
     2: [f"{DENSE}:fp32:2,1,1", f"{DENSE}:fp32:1,2,1", f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,2",
-        f"{DENSE}:bf16:2,1,1"],
+        f"{DENSE}:bf16:2,1,1", f"{MOE}:fp32:2,1,1:replay", f"{MOE}:fp32:1,2,1:replay", f"{MOE}:fp32:1,1,2:replay"],
     8: [f"{DENSE}:fp32:2,2,1"],
 }
 FP32_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]  # (tp, pp, dp), each against (1,1,1)
@@ -68,6 +70,8 @@ def results(tmp_path_factory):
             last[f"{job}_weights"] = {key: tensor for stage in loaded
                                       for key, tensor in stage[f"{job}_weights"].items()}
         merged[name] = last
+    for path in out.glob("*_replay.pt"):
+        merged[path.stem] = torch.load(path)
     return merged
 
 
@@ -124,3 +128,20 @@ def test_dpo_metrics_at_the_initial_policy(results):
     assert metrics["rewards/accuracy"] == 1.0
     assert metrics["loss"] == pytest.approx(-torch.nn.functional.logsigmoid(torch.tensor(0.5 * 2 / 7)).item(),
                                             rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 2)],
+                         ids=lambda layout: "tp{}pp{}ep{}dp{}".format(*layout))
+def test_routing_replay_is_layout_invariant(results, layout):
+    """Every token goes to the drawn experts at any layout: micro-batches, pipeline stages and expert-parallel
+    ranks each slice the routing as they slice the tokens."""
+    reference = results[case_name(MOE, "fp32", 1, 1, 1, 1) + "_replay"]
+    result = results[case_name(MOE, "fp32", *layout) + "_replay"]
+    assert (reference["replayed"] - reference["natural"]).abs().max() > 1e-2, "the drawn routing changed nothing"
+    for name in ("natural", "replayed"):
+        assert rel_diff(result[name], reference[name]) <= REL_TOL, name
+    # Drawn at random, most (token, layer) routings are not the router's own top-2 of 4 experts (5 in 6 expected).
+    assert 0.5 < reference["update"]["router_mismatch"] <= 1.0
+    if "update" in result:  # not at TP 2 (see offline_roles_worker.run_replay_case)
+        for name, value in reference["update"].items():
+            assert rel_diff(result["update"][name], value) <= REL_TOL, name

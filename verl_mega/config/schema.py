@@ -240,6 +240,12 @@ class ActorConfig(UpdateSchedule):
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    router_replay: str = "off"
+    """MoE models: off (each training forward routes tokens by its own router) or rollout (the old-log-prob,
+    reference and update forwards send every token to the experts the rollout engine chose for it: routing replay,
+    R3; embedded engine only). actor/router_mismatch reports the share of routings that differ either way.
+    verl's actor_rollout_ref.actor.megatron.router_replay.mode=R3 (with rollout.enable_rollout_routing_replay);
+    slime's --use-rollout-routing-replay."""
 
 
 @dataclass

@@ -3,6 +3,10 @@
 `apply_shims()` changes nothing on a GPU node with transformer-engine, so such runs execute unmodified
 megatron-core. On CPU each patch below stands in for one CUDA assumption, and its comment names the
 megatron-core 0.16 code it stands in for and what fails without it.
+
+Routing replay needs no patch: it sets megatron-core's own `TopKRouter.router_replay` hook (the object whose
+`get_replay_topk` the unfused top-k routing calls; 0.16 and Megatron-LM's main of Aug 2026, 0.20, alike), on
+CPU and GPU the same way; see `roles.routing_replay`.
 """
 from __future__ import annotations
 

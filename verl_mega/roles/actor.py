@@ -4,6 +4,7 @@ Batches follow `roles.batching` (every rank passes the same global batch; result
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from verl_mega.parallel.state import current_layout, device
 from .batching import Batch, batch_size, pad_response_columns
 from .logprobs import vocab_parallel_logprobs, vocab_parallel_sum_pi_squared
 from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
+from .routing_replay import ROUTED_EXPERTS, attach_routing_replay, is_moe, replays, reset_mismatch, router_mismatch
 from .trainable import TrainableModel
 
 
@@ -91,11 +93,13 @@ def is_on_policy(ppo_epochs: int, mini_batch_size: int, rows: int) -> bool:
 class Actor:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None, *,
                  schedule_steps: int, packed_sequences: str = "auto", temperature: float = 1.0,
-                 correction: RolloutCorrectionConfig | None = None, **config_overrides):
+                 correction: RolloutCorrectionConfig | None = None, router_replay: str = "off", **config_overrides):
         """`packed_sequences`: auto | true | false, `actor.use_packed_sequences` (see `resolve_sequence_packing`).
         `temperature`: the PPO log-probs' (`sampling_temperature` of the rollout's). `correction`: what the PPO
-        update does with a batch's `rollout_log_probs` (`algorithm.rollout_correction`; default: nothing)."""
+        update does with a batch's `rollout_log_probs` (`algorithm.rollout_correction`; default: nothing).
+        `router_replay`: off | rollout, `actor.router_replay` (see `roles.routing_replay`)."""
         module, self.vocab_size = load_gpt_model(ckpt_dir, **config_overrides)
+        attach_routing_replay(module, replays(router_replay))
         packed = resolve_sequence_packing(packed_sequences, module, "actor.use_packed_sequences")
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or PolicyLossConfig()
@@ -108,6 +112,8 @@ class Actor:
         # then [B, R] for the whole batch on every rank (None where the batch brought its old log-probs).
         self._first_forward: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.first_forward_log_probs: torch.Tensor | None = None
+        # The old-log-prob pass's router mismatch, for the update's metrics (None: not measured).
+        self._pass_router_mismatch: float | None = None
 
     @property
     def model(self):
@@ -115,9 +121,28 @@ class Actor:
 
     def compute_log_prob(self, batch: Batch, micro_batch_size: int, return_entropy: bool = False,
                          max_tokens: int = 0, return_sum_pi_squared: bool = False):
-        """{'log_probs'[, 'entropy'][, 'sum_pi_squared']} of the response tokens, [B, R] float32 on every rank."""
-        return compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy,
-                                         max_tokens, self.trainable.packed, self.temperature, return_sum_pi_squared)
+        """{'log_probs'[, 'entropy'][, 'sum_pi_squared']} of the response tokens, [B, R] float32 on every rank.
+        With the rollout's `routed_experts` in `batch`, the router mismatch is measured too (see `update_policy`)."""
+        with self._router_mismatch_measured(batch, True) as measured:
+            outputs = compute_response_logprobs(self.model, self.vocab_size, batch, micro_batch_size, return_entropy,
+                                                max_tokens, self.trainable.packed, self.temperature,
+                                                return_sum_pi_squared)
+        self._pass_router_mismatch = measured.get("router_mismatch")
+        return outputs
+
+    @contextlib.contextmanager
+    def _router_mismatch_measured(self, batch: Batch, measure: bool):
+        """Collective after the body: {'router_mismatch': ...} (see `routing_replay.router_mismatch`) over the
+        body's forwards, when `measure` and the batch brings the rollout's routing of an MoE model; else {}."""
+        measured = {}
+        measures = measure and ROUTED_EXPERTS in batch and is_moe(self.model)
+        if measures:
+            reset_mismatch(self.model)
+        yield measured
+        if measures:
+            mismatch = router_mismatch(self.model)
+            if mismatch is not None:
+                measured["router_mismatch"] = mismatch
 
     @property
     def uses_kl_loss(self) -> bool:
@@ -130,7 +155,10 @@ class Actor:
         Without 'old_log_probs' in `batch` the update is on-policy: allowed for one epoch over one mini-batch,
         where the old log-probs are by definition the first (and only) forward's, which it uses, detached; they
         are then left in `first_forward_log_probs` ([B, R] on every rank) when the batch has `rollout_log_probs`,
-        for the mismatch metrics.
+        for the mismatch metrics. With the rollout's `routed_experts` in `batch`, metrics include `router_mismatch`:
+        the share of (token, MoE layer) pairs the router would route elsewhere than the rollout did (replayed or
+        not), at the rollout's weights: the old-log-prob pass's (`compute_log_prob` before this update), else this
+        on-policy update's own forward; absent where neither ran.
         """
         if self.uses_kl_loss and "ref_log_probs" not in batch:
             raise ValueError("use_kl_loss is set but the batch has no 'ref_log_probs'")
@@ -152,8 +180,13 @@ class Actor:
         self._first_forward = [] if keeps_first_forward else None
         if keeps_first_forward:
             batch = {**batch, ROW_INDEX: torch.arange(batch_size(batch))}
-        metrics = self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
-                                              self.loss.loss_agg_mode, names, self._micro_batch_loss, max_tokens)
+        with self._router_mismatch_measured(batch, "old_log_probs" not in batch and on_policy) as measured:
+            metrics = self.trainable.train_epochs(batch, ppo_epochs, mini_batch_size, micro_batch_size,
+                                                  self.loss.loss_agg_mode, names, self._micro_batch_loss, max_tokens)
+        mismatch = measured.get("router_mismatch", self._pass_router_mismatch if "old_log_probs" in batch else None)
+        self._pass_router_mismatch = None
+        if mismatch is not None:
+            metrics["router_mismatch"] = mismatch
         if keeps_first_forward:
             self.first_forward_log_probs = self._gathered_first_forward(tuple(batch["responses"].shape))
         return metrics

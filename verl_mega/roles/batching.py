@@ -3,7 +3,8 @@
 A batch is a dict of tensors sharing the batch dimension: `input_ids`, `attention_mask`, `position_ids` [B, L]
 (prompt left-padded, response right-padded, so each row's valid tokens are contiguous), `responses` and
 `response_mask` [B, R] (the last R columns of `input_ids`), plus per-token training inputs
-(`old_log_probs`, `advantages`, `ref_log_probs`, `values`, `returns`) [B, R].
+(`old_log_probs`, `advantages`, `ref_log_probs`, `values`, `returns`) [B, R], and for routing replay the
+rollout's `routed_experts` [B, L, moe_layers, top_k].
 
 Contract with callers: every rank passes the same global batch; the role takes its data-parallel slice
 (`dp_slice`) and returns results for the whole batch (gathered over DP), so trainers stay layout-agnostic.
@@ -47,7 +48,8 @@ def split_rows(batch: Batch, rows: int, what: str) -> Iterator[Batch]:
         yield select_rows(batch, start, start + rows)
 
 
-SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+# Per-column tensors [B, L, ...] (`routed_experts`: see roles.routing_replay), sliced as the tokens are.
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "routed_experts")
 
 
 def _used_columns(attention_mask: torch.Tensor, response_length: int) -> list[tuple[int, int]]:

@@ -23,6 +23,7 @@ from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout, device
 
 from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, micro_batches, pad_response_columns
+from .routing_replay import NOT_RECORDED, ROUTED_EXPERTS, check_routed_experts, replaying, sequence_first
 
 
 def stage_forward(stage_model, micro_batch: Batch, packed: bool = False) -> torch.Tensor:
@@ -38,7 +39,8 @@ def forward_rows(stage_model, rows: ModelRows) -> torch.Tensor:
     device, so it runs without the CPU shims' per-op hook."""
     here = device()
     extra = {} if rows.packed_seq_params is None else {"packed_seq_params": rows.packed_seq_params.to(here)}
-    with cuda_device_rewrite_paused(), _output_layer_at(stage_model, rows.response_positions.to(here)):
+    with (cuda_device_rewrite_paused(), _output_layer_at(stage_model, rows.response_positions.to(here)),
+          replaying(stage_model, rows.routed_experts)):
         return stage_model(
             rows.input_ids.to(here),
             rows.position_ids.to(here),
@@ -58,6 +60,8 @@ class ModelRows:
     # [b, R] long: for each response-predicting column of the padded layout (`response_window`), its position
     # in the last stage's sequence-first [s, b', ...] output flattened to [s * b', ...]
     response_positions: torch.Tensor
+    # [s * b', moe_layers, top_k]: the rollout's experts of each token in that order (routing replay), or None
+    routed_experts: torch.Tensor | None = None
 
 
 def model_rows(micro_batch: Batch, transformer_engine: bool, packed: bool) -> ModelRows:
@@ -75,8 +79,10 @@ def model_rows(micro_batch: Batch, transformer_engine: bool, packed: bool) -> Mo
         return _right_aligned_rows(micro_batch)
     ids, mask = micro_batch["input_ids"], micro_batch["attention_mask"]
     unrotated = torch.zeros(ids.shape[0], dtype=torch.long)
+    routes = micro_batch.get(ROUTED_EXPERTS)
     return ModelRows(ids, micro_batch["position_ids"], causal_padding_mask(mask), None,
-                     _rotated_response_positions(unrotated, ids.shape[1], micro_batch["responses"].shape[1]))
+                     _rotated_response_positions(unrotated, ids.shape[1], micro_batch["responses"].shape[1]),
+                     None if routes is None else sequence_first(routes))
 
 
 def _right_aligned_rows(micro_batch: Batch) -> ModelRows:
@@ -84,8 +90,10 @@ def _right_aligned_rows(micro_batch: Batch) -> ModelRows:
     rows, width = ids.shape
     first_token = pack_layout(mask).row_starts
     columns = (torch.arange(width) + first_token[:, None]) % width
+    routes = micro_batch.get(ROUTED_EXPERTS)
     return ModelRows(ids.gather(1, columns), micro_batch["position_ids"].gather(1, columns), None, None,
-                     _rotated_response_positions(first_token, width, micro_batch["responses"].shape[1]))
+                     _rotated_response_positions(first_token, width, micro_batch["responses"].shape[1]),
+                     None if routes is None else sequence_first(routes[torch.arange(rows)[:, None], columns]))
 
 
 def _rotated_response_positions(shift: torch.Tensor, width: int, response_length: int) -> torch.Tensor:
@@ -106,8 +114,10 @@ def _packed_rows(micro_batch: Batch) -> ModelRows:
     offsets = columns[None, :] - layout.row_starts[:, None]
     offsets = torch.minimum(offsets.clamp_min(0), (layout.lengths - 1).clamp_min(0)[:, None])
     positions = (layout.cu_seqlens_padded[:-1].long()[:, None] + offsets).clamp(0, max(layout.total - 1, 0))
+    routes = micro_batch.get(ROUTED_EXPERTS)
     return ModelRows(pack(micro_batch["input_ids"], layout), layout.position_ids(), None,
-                     _PackedSeqParams(layout), positions)
+                     _PackedSeqParams(layout), positions,
+                     None if routes is None else pack(routes, layout, fill=NOT_RECORDED)[0])
 
 
 @dataclass(frozen=True)
@@ -218,6 +228,7 @@ def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: 
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
+    check_routed_experts(model, batch)
     local = dp_slice(batch, layout.dp_rank, layout.dp)
     pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model))
     outputs = forward_only_outputs(model, pieces, partial(stage_forward, packed=packed), per_token)
@@ -273,6 +284,7 @@ def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_m
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     layout = current_layout()
+    check_routed_experts(model, mini_batch)
     local = dp_slice(mini_batch, layout.dp_rank, layout.dp)
     pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model))
     dp_group = ps.get_data_parallel_group()

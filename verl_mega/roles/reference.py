@@ -8,16 +8,19 @@ import torch
 from .actor import compute_response_logprobs, load_gpt_model
 from .batching import Batch
 from .megatron_step import resolve_sequence_packing
+from .routing_replay import attach_routing_replay, replays
 
 
 class Reference:
     """No DDP and no optimizer: the pipeline schedules run the bare GPTModel forward-only."""
 
     def __init__(self, ckpt_dir: str | Path, packed_sequences: str = "auto", temperature: float = 1.0,
-                 **config_overrides):
+                 router_replay: str = "off", **config_overrides):
         """`packed_sequences`: the actor's `actor.use_packed_sequences`, whose model this is. `temperature`: the
-        log-probs' (see `response_logprobs`), the actor's."""
+        log-probs' (see `response_logprobs`), the actor's. `router_replay`: the actor's `actor.router_replay`:
+        with `rollout`, the reference routes every token as the rollout did too."""
         self.model, self.vocab_size = load_gpt_model(ckpt_dir, **config_overrides)
+        attach_routing_replay(self.model, replays(router_replay))
         self.temperature = temperature
         self.packed = resolve_sequence_packing(packed_sequences, self.model, "actor.use_packed_sequences")
         self.model.requires_grad_(False)

@@ -11,6 +11,9 @@ token. What a rollout needs is narrower, and four things make this loop cheaper:
 Sampling follows `SamplingParams`: temperature, then top-k, then top-p (as transformers and vLLM order them).
 The log-prob returned with each token is taken from the same filtered logits the token was drawn from, so it
 costs one log-softmax per step and no extra forward (see `SamplingParams.logprobs`).
+With a `RouterRecorder` (an MoE model, `SamplingParams.routed_experts`), each row also gets the experts every
+token it ran through the model was routed to: its prompt's (from the shared prefill), then its response's but
+the last (never fed back).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .engine import SamplingParams
+from .routing import RouterRecorder
 
 # Finished rows are dropped from the batch once they are this fraction of it: each drop copies the KV cache of
 # the rows left, so dropping at every stop would copy it up to once per row.
@@ -68,12 +72,14 @@ def draw_from(scores: torch.Tensor, greedy: bool) -> torch.Tensor:
 class Decoded:
     tokens: list[list[int]]  # per row, prompt-major (the n samples of prompt 0 first), ending at a stop token
     logprobs: list[list[float]] | None  # of those tokens, under the distribution each was drawn from
+    # per row [prompt tokens + response tokens - 1, moe_layers, top_k]: the experts of each token the model ran
+    routed_experts: list[torch.Tensor] | None = None
 
 
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
-           stop_token_ids: set[int]) -> Decoded:
+           stop_token_ids: set[int], recorder: RouterRecorder | None = None) -> Decoded:
     """`params.n` continuations of each left-padded prompt row of `input_ids`, until a stop token or
-    `params.max_new_tokens`; call under `torch.no_grad()`."""
+    `params.max_new_tokens`; call under `torch.no_grad()`, inside `recorder` (entered) to record the routing."""
     device, n = input_ids.device, params.n
     cache = DynamicCache(config=model.config)
     capacity = input_ids.shape[1] + params.max_new_tokens
@@ -82,6 +88,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
     positions = (attention_mask.cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, **cached,
                    use_cache=True, logits_to_keep=1).logits[:, -1]
+    routing = None if recorder is None else _Routing(recorder, input_ids, attention_mask, params)
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits, attention_mask = logits.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
@@ -115,7 +122,30 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params:
         position = position + 1
         logits = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=position, **cached,
                        use_cache=True).logits[:, -1]
-    return Decoded(tokens, logprobs)
+        if routing is not None:
+            routing.record_step(active, step)
+    return Decoded(tokens, logprobs, None if routing is None else routing.per_row(tokens, n))
+
+
+class _Routing:
+    """The routing of one `decode`: each prompt's from the prefill, then each step's fed token per row."""
+
+    def __init__(self, recorder: RouterRecorder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 params: SamplingParams):
+        self.recorder = recorder
+        prefill = recorder.take(*input_ids.shape).cpu()
+        valid = attention_mask.bool().cpu()
+        self.prompts = [prefill[row][valid[row]] for row in range(len(prefill))]
+        rows = input_ids.shape[0] * params.n
+        # The token fed at step s is response token s of the rows still generating; -1 until written.
+        self.steps = prefill.new_full((rows, params.max_new_tokens, *prefill.shape[2:]), -1)
+
+    def record_step(self, active: list[int], step: int) -> None:
+        self.steps[active, step] = self.recorder.take(len(active), 1)[:, 0].cpu()
+
+    def per_row(self, tokens: list[list[int]], n: int) -> list[torch.Tensor]:
+        return [torch.cat([self.prompts[row // n], self.steps[row, :len(row_tokens) - 1]])
+                for row, row_tokens in enumerate(tokens)]
 
 
 class ReservedLayer(DynamicLayer):

@@ -12,6 +12,7 @@ so no family knowledge is repeated here.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Sequence
 
 import torch
@@ -22,9 +23,12 @@ from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from .decode_attention import use_decode_attention
 from .decoding import decode
 from .engine import Response, RolloutEngine, SamplingParams
+from .routing import RouterRecorder
 
 
 class EmbeddedEngine(RolloutEngine):
+    records_routing = True  # through forward hooks on the transformers model's routers (`rollout.routing`)
+
     def __init__(self, raw_hf_config: dict, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device | None = None):
         from transformers import AutoModelForCausalLM
@@ -62,12 +66,15 @@ class EmbeddedEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Response]:
         input_ids, attention_mask = self._left_padded(prompts)
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), cuda_device_rewrite_paused():
+        recorder = RouterRecorder(self.model) if params.routed_experts else None
+        with (torch.no_grad(), torch.random.fork_rng(devices=devices), cuda_device_rewrite_paused(),
+              recorder or contextlib.nullcontext()):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             decoded = decode(self.model, input_ids, attention_mask, params,
-                             set(self._eos) | set(params.stop_token_ids))
-        return [Response(row // params.n, tokens, None if decoded.logprobs is None else decoded.logprobs[row])
+                             set(self._eos) | set(params.stop_token_ids), recorder)
+        return [Response(row // params.n, tokens, None if decoded.logprobs is None else decoded.logprobs[row],
+                         None if decoded.routed_experts is None else decoded.routed_experts[row])
                 for row, tokens in enumerate(decoded.tokens)]
 
     def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:

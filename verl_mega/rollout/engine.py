@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
@@ -19,6 +19,8 @@ class SamplingParams:
     temperature 1; where top-k / top-p are on, that distribution is the filtered one, renormalised over the
     tokens kept (vLLM's `processed_logprobs`, the only form vLLM reports with the temperature applied), so the
     log-prob is then larger than the unfiltered one by -log(the probability mass kept).
+    With `routed_experts` (an MoE model, an engine whose `records_routing`), each response also carries the
+    experts its tokens were routed to (`Response.routed_experts`).
     """
 
     temperature: float = 1.0
@@ -29,6 +31,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     logprobs: bool = False
+    routed_experts: bool = False
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -74,13 +77,21 @@ class WeightFeed:
 
 @dataclass(frozen=True)
 class Response:
+    """`routed_experts`: [prompt tokens + response tokens - 1, moe_layers, top_k] int16, the top-k experts each
+    MoE layer (in layer order) chose for every token the engine ran through the model: the prompt's, at its
+    prefill, then each response token's but the last, which is never fed back."""
+
     prompt_index: int
     token_ids: list[int]
     logprobs: list[float] | None = None
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)  # a tensor has no truth value for ==
 
 
 class RolloutEngine(ABC):
     """Weights arrive from the HybridEngine's stream; memory is given back between rollouts."""
+
+    # Whether `generate` can return `Response.routed_experts` (`SamplingParams.routed_experts`) for an MoE model.
+    records_routing = False
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Response]:

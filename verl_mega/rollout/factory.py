@@ -39,6 +39,11 @@ def resolve_engine(engine: str, rollout_tp: int = 1) -> str:
     return choose_engine(engine, rollout_tp, vllm_preferred())
 
 
+def engine_records_routing(engine: str) -> bool:
+    """Whether what `engine` runs on this machine returns each token's routed experts (routing replay)."""
+    return (VLLMEngine if resolve_engine(engine) == "vllm" else EmbeddedEngine).records_routing
+
+
 def resolve_rollout_dtype(engine: str, dtype: str, model_dtype: str) -> str:
     """The dtype the rollout engine runs and the HybridEngine streams: `dtype` unless `auto`, then bf16 for
     vLLM (what it serves fastest) and the model's own for the embedded engine (it generates with the very

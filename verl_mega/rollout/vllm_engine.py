@@ -59,6 +59,10 @@ def kv_cache_bytes(hf_config: HFModelConfig, dtype: torch.dtype, tokens: int) ->
 
 
 class VLLMEngine(RolloutEngine):
+    # vLLM 0.32 captures routed experts (`enable_return_routed_experts`) in its GPU V2 model runner only; the CPU
+    # build's runner (the V1 GPU runner's subclass) has no capture, and the V2 path is not wired here.
+    records_routing = False
+
     def __init__(self, hf_dir: str | Path, feed: WeightFeed, *, max_model_len: int, dtype: torch.dtype = torch.bfloat16,
                  max_num_seqs: int = 64, gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization,
                  seed: int = 0, load_format: str = "dummy"):

@@ -29,7 +29,8 @@ from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_pa
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
 from verl_mega.rewards.registry import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
-from verl_mega.rollout.factory import ENGINES
+from verl_mega.roles.routing_replay import REPLAY_SETTINGS
+from verl_mega.rollout.factory import ENGINES, engine_records_routing
 from verl_mega.run.mirror import parse_mirror_url, require_boto3
 from verl_mega.tools.limits import limit_problems
 
@@ -90,6 +91,11 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         _check_batch_sizes(config, world_size, dp, need)
     known("rollout.engine", config.rollout.engine, ENGINES)
     known("rollout.dtype", config.rollout.dtype, ["auto", *DTYPES])
+    known("actor.router_replay", a.router_replay, REPLAY_SETTINGS)
+    if a.router_replay == "rollout" and config.rollout.engine in ENGINES:
+        need(engine_records_routing(config.rollout.engine),
+             f"actor.router_replay=rollout: rollout.engine={config.rollout.engine} runs vLLM here, which cannot return "
+             "the experts it routed each token to; set rollout.engine=embedded or actor.router_replay=off")
     # The embedded engine generates with the very policy being trained: another dtype would only make the
     # samples drift from the log-probs the actor computes, without speeding anything up on CPU.
     need(config.rollout.engine != "embedded" or config.rollout.dtype in ("auto", config.model.dtype),
@@ -321,6 +327,9 @@ def _check_model(config: TrainConfig, check, need) -> bool:
         model = check(lambda: load_hf_model_config(m.hf_path, m.family_spec or None)[0], "model.hf_path: ")
         if model is not None:
             check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+            need(config.actor.router_replay != "rollout" or model.num_experts is not None,
+                 f"actor.router_replay=rollout replays the routing of MoE layers and model.hf_path {m.hf_path} is a "
+                 f"dense {model.model_type} model: set actor.router_replay=off")
             if m.actor_ckpt and Path(m.actor_ckpt, MANIFEST_NAME).is_file():
                 check(lambda: check_actor_checkpoint(m.actor_ckpt, model, config), "model.actor_ckpt: ")
     return has_model

@@ -15,6 +15,7 @@ reward; it starts before the first step, so the curve shows where training began
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -137,11 +138,13 @@ class RLJob(TrainingJob):
         packed = config.actor.use_packed_sequences
         # The log-probs of the update and of the KL term are the sampling distribution's (logits / temperature).
         temperature = sampling_temperature(config.rollout.temperature)
+        replay = config.actor.router_replay
         self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
                            schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed,
-                           temperature=temperature, correction=config.algorithm.rollout_correction)
+                           temperature=temperature, correction=config.algorithm.rollout_correction,
+                           router_replay=replay)
         self.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), dtype=dtype,
-                                        packed_sequences=packed, temperature=temperature)
+                                        packed_sequences=packed, temperature=temperature, router_replay=replay)
         self.critic = None
         if self.uses_critic:
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
@@ -161,6 +164,13 @@ class RLJob(TrainingJob):
                                            + config.data.max_response_length, dtype=rollout_dtype,
                                            gpu_memory_utilization=config.rollout.gpu_memory_utilization)
 
+        # An MoE model's rollout routing, where the engine can record it: replayed (actor.router_replay), and
+        # compared with the trainer's own either way (actor/router_mismatch).
+        self.records_routing = self.hf_config.num_experts is not None and self.rollout.records_routing
+        if replay == "rollout" and not self.rollout.records_routing:
+            raise UserError(f"actor.router_replay=rollout: the {type(self.rollout).__name__} rollout engine cannot "
+                            "return the experts it routed each token to; set rollout.engine=embedded or "
+                            "actor.router_replay=off")
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
@@ -295,7 +305,7 @@ class RLJob(TrainingJob):
             metrics["reward/timeouts"] = int(generated["timeouts"].sum())
         batch = build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
                                     config.data.max_response_length, self.tokenizer.pad_token_id,
-                                    [r.logprobs for r in responses]) if responses else None
+                                    [r.logprobs for r in responses], rollout_routing(responses)) if responses else None
         return batch, rows, reward, metrics
 
     def generation_round(self, timer: StageTimer, gen_round: int) -> tuple[dict, list[Response], RewardOutput, dict]:
@@ -310,7 +320,7 @@ class RLJob(TrainingJob):
             rows["reward_baseline"] = self.remax_baselines(prompts, timer)
         batch = build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
                                     config.data.max_response_length, self.tokenizer.pad_token_id,
-                                    [r.logprobs for r in responses])
+                                    [r.logprobs for r in responses], rollout_routing(responses))
         with timer("reward"):
             return rows, responses, self.shape_overlong(batch, self.agreed_score(batch, rows)), batch
 
@@ -495,8 +505,9 @@ class RLJob(TrainingJob):
         rollout = config.rollout
         params = params or SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                                           max_new_tokens=config.data.max_response_length, n=rollout.n, logprobs=True,
+                                          routed_experts=self.records_routing,
                                           seed=rollout_seed(rollout.seed, self.step, gen_round, replicas, replica))
-        responses = [Response(replica * share + r.prompt_index, r.token_ids, r.logprobs)
+        responses = [dataclasses.replace(r, prompt_index=replica * share + r.prompt_index)
                      for r in self.rollout.generate(mine, params)] if mine else []
         gathered: list = [None] * layout.world_size
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
@@ -666,6 +677,12 @@ def row_fields(reward: RewardOutput, row: int) -> dict:
     """One response's extra fields for its logged sample: the numeric ones it has, then the others."""
     numeric = {name: values[row].item() for name, values in reward.extras.items() if not values[row].isnan()}
     return {**numeric, **reward.sample_fields[row]} if reward.sample_fields else numeric
+
+
+def rollout_routing(responses: list[Response]) -> list[torch.Tensor] | None:
+    """The responses' routed experts, where the engine recorded them (see `Response.routed_experts`)."""
+    routes = [response.routed_experts for response in responses]
+    return None if any(route is None for route in routes) else routes
 
 
 def take_rows(rows, index):

@@ -6,15 +6,18 @@ from typing import Sequence
 import torch
 
 from verl_mega.data.padding import pad_rows, position_ids
+from verl_mega.roles.routing_replay import NOT_RECORDED, ROUTED_EXPERTS
 
 
 def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                         max_response_length: int, pad_token_id: int,
-                        rollout_log_probs: Sequence[Sequence[float]] | None = None) -> dict[str, torch.Tensor]:
+                        rollout_log_probs: Sequence[Sequence[float]] | None = None,
+                        routed_experts: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Prompts left-padded to the longest, responses right-padded to `max_response_length`, so each row's
     valid tokens are contiguous and the response is the last R columns. `rollout_log_probs`: the engine's
     log-prob of each response token (`SamplingParams.logprobs`), kept as `rollout_log_probs` [B, R] float32
-    (0 at padding)."""
+    (0 at padding). `routed_experts`: the engine's routing of each row (`Response.routed_experts`), kept as
+    `routed_experts` [B, L, moe_layers, top_k] (see `roles.routing_replay`)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     prompt_ids, prompt_mask = pad_rows(prompts, pad_token_id, side="left")
@@ -29,7 +32,30 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
     }
     if rollout_log_probs is not None:
         batch["rollout_log_probs"] = right_padded_values(rollout_log_probs, responses, max_response_length)
+    if routed_experts is not None:
+        batch[ROUTED_EXPERTS] = routing_columns(routed_experts, prompts, responses, prompt_ids.shape[1],
+                                                max_response_length)
     return batch
+
+
+def routing_columns(routes: Sequence[torch.Tensor], prompts: Sequence[Sequence[int]],
+                    responses: Sequence[Sequence[int]], prompt_width: int, response_width: int) -> torch.Tensor:
+    """Each row's routing [prompt + response - 1 tokens, moe_layers, top_k] placed in the batch's columns, the
+    prompt's ending at `prompt_width` and the response's cut at `response_width`; NOT_RECORDED elsewhere (padding
+    and each response's last token, which the engine never ran)."""
+    if len(routes) != len(prompts):
+        raise ValueError(f"{len(prompts)} responses but {len(routes)} routings")
+    per_token = tuple(routes[0].shape[1:]) if routes else (0, 0)
+    out = torch.full((len(prompts), prompt_width + response_width, *per_token), NOT_RECORDED, dtype=torch.int16)
+    for row, (route, prompt, response) in enumerate(zip(routes, prompts, responses)):
+        ran = len(prompt) + len(response) - 1
+        if tuple(route.shape) != (ran, *per_token):
+            raise ValueError(f"a response of {len(response)} tokens to a prompt of {len(prompt)} came with routing "
+                             f"{tuple(route.shape)}; expected {(ran, *per_token)} (every token the engine ran)")
+        prompt_part, response_part = route[:len(prompt)], route[len(prompt):][:response_width]
+        out[row, prompt_width - len(prompt):prompt_width] = prompt_part
+        out[row, prompt_width:prompt_width + len(response_part)] = response_part
+    return out
 
 
 def right_padded_values(values: Sequence[Sequence[float]], responses: Sequence[Sequence[int]], width: int
