@@ -94,6 +94,32 @@ def test_stacked_experts_export_one_tensor_per_expert(stacked_pair, tmp_path):
     assert_same_tensors(per_expert, tmp_path / "hf")
 
 
+def test_dist_checkpoint_keys_of_a_model_mixing_dense_and_moe_layers_are_found():
+    """megatron keys such a model layer by layer in a dist checkpoint, the experts stacked within each layer (the
+    keys below are what megatron-core 0.16 writes for the tiny model: layer 1 dense). Every tensor the export
+    reads must find its key and its index in it."""
+    from verl_mega.checkpoint.torch_dist import _dist_key
+    from verl_mega.models.sharding import rank_slots
+
+    config = HFModelConfig.from_dict({"model_type": "qwen3_moe", **SIZES, "mlp_only_layers": [1]})
+    attention = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
+                 "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
+                 "self_attention.linear_proj.weight")
+    moe = ("mlp.linear_fc1.layer_norm_weight", "mlp.router.weight", "mlp.experts.experts.linear_fc1.weight",
+           "mlp.experts.experts.linear_fc2.weight")
+    dense = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+    keys = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"}
+    keys |= {f"decoder.layers.{layer}.{name}"
+             for layer in range(4) for name in attention + (dense if layer == 1 else moe)}
+    found = {slot.global_name: _dist_key(slot, keys) for slot in rank_slots(config, qwen3_moe.SPEC)}
+    assert found["decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"] == (
+        "decoder.layers.2.mlp.experts.experts.linear_fc2.weight", (1,))
+    assert found["decoder.layers.0.pre_mlp_layernorm.weight"] == (
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight", ())
+    assert found["decoder.layers.1.mlp.linear_fc1.weight"] == ("decoder.layers.1.mlp.linear_fc1.weight", ())
+    assert {key for key, _ in found.values()} == keys
+
+
 def test_stacked_experts_of_another_expert_count_are_refused(stacked_pair, tmp_path):
     _, stacked = stacked_pair
     hf_dir = tmp_path / "hf"
@@ -128,7 +154,8 @@ def test_experts_stored_in_both_spellings_are_refused(stacked_pair, tmp_path):
     ("model.layers.0.self_attn.q_norm.weight", (16,), [32]),  # head_dim
 ])
 def test_experts_dense_layers_and_norms_are_checked_against_config(tmp_path, name, wrong, implied):
-    assert_wrong_shape_refused(make_tiny_hf_model(tmp_path / "hf", "qwen3_moe"), tmp_path / "ckpt", name, wrong, implied)
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen3_moe")
+    assert_wrong_shape_refused(hf_dir, tmp_path / "ckpt", name, wrong, implied)
 
 
 def test_missing_moe_size_is_a_config_error(tmp_path):
