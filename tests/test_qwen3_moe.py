@@ -61,19 +61,25 @@ def test_qwen3_moe_config_names_the_family(tmp_path):
 # --- transformers 5's stacked experts ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def stacked_pair(tmp_path_factory):
-    """(a tiny Qwen3-MoE as transformers writes it by default, the same model saved with its experts stacked)."""
+def save_stacked(root, family: str):
+    """(a tiny `family` model as transformers writes it by default, the same model saved with its experts
+    stacked)."""
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("qwen3_moe_stacked")
-    per_expert = make_tiny_hf_model(root / "per_expert", "qwen3_moe")
+    per_expert = make_tiny_hf_model(root / "per_expert", family)
     AutoModelForCausalLM.from_pretrained(per_expert).save_pretrained(root / "stacked", save_original_format=False)
     return per_expert, root / "stacked"
 
 
-def test_stacked_experts_convert_to_the_shards_of_per_expert_ones(stacked_pair, tmp_path):
-    per_expert, stacked = stacked_pair
+@pytest.fixture(scope="module")
+def stacked_pair(tmp_path_factory):
+    return save_stacked(tmp_path_factory.mktemp("qwen3_moe_stacked"), "qwen3_moe")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_stacked_experts_convert_to_the_shards_of_per_expert_ones(family, tmp_path):
+    """Qwen2-MoE's routed experts stack the same way (its shared expert stays one tensor each)."""
+    per_expert, stacked = save_stacked(tmp_path / "hf", family)
     assert "model.layers.0.mlp.experts.gate_up_proj" in hf_tensors(stacked)
     for name, source in (("per_expert", per_expert), ("stacked", stacked)):
         convert_hf_to_mcore(source, tmp_path / name, tp=2, ep=2)

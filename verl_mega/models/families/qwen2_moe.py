@@ -1,7 +1,7 @@
 """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): routed experts beside a shared expert with a sigmoid gate;
 dense layers where `mlp_only_layers` or `decoder_sparse_step` say so; always q/k/v biases."""
 from ..hf_config import HFModelConfig
-from ..spec import FamilySpec, qwen2_moe_rules
+from ..spec import FamilySpec, qwen2_moe_rules, qwen_expert_stacks
 
 
 def moe_layers(hf_config: HFModelConfig) -> list[bool]:
@@ -29,4 +29,5 @@ SPEC = FamilySpec(
     moe=True,
     moe_layers=moe_layers,
     transformer_overrides=transformer_overrides,
+    expert_stacks=qwen_expert_stacks(),
 )
