@@ -173,3 +173,20 @@ def test_missing_moe_size_is_a_config_error(tmp_path):
         convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
     assert str(err.value) == (f"{hf_dir / 'config.json'}: model_type 'qwen3_moe' needs 'moe_intermediate_size' as a "
                               "positive integer, got None")
+
+
+def test_training_at_tp_above_1_is_refused_naming_the_key(tiny_models, tmp_path):
+    """Before any process starts, instead of megatron's error at the first training forward."""
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"copy: {i}", "reward_model": {"ground_truth": str(i)}})
+                                 for i in range(8)))
+    overrides = [f"model.hf_path={tiny_models['qwen3_moe']}", f"data.train_files=[{prompts}]", "data.batch_size=4",
+                 "actor.mini_batch_size=4", "critic.mini_batch_size=4"]
+    preflight_check(load_config(None, overrides + ["parallel.ep=2"]), world_size=2)
+    with pytest.raises(ConfigError) as err:
+        preflight_check(load_config(None, overrides + ["parallel.tp=2"]), world_size=2)
+    assert ("parallel.tp=2: an MoE model (qwen3_moe) trains at parallel.tp=1 only (megatron needs sequence "
+            "parallelism for MoE with TP); spread it with parallel.ep and parallel.pp") in str(err.value)

@@ -319,6 +319,10 @@ def _check_model(config: TrainConfig, check, need) -> bool:
         model = check(lambda: load_hf_model_config(m.hf_path, m.family_spec or None)[0], "model.hf_path: ")
         if model is not None:
             check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+            # megatron's MoE layer refuses to train at TP > 1 without sequence parallelism, which is not run here.
+            need(not (model.num_experts and p.tp > 1), f"parallel.tp={p.tp}: an MoE model ({model.model_type}) "
+                 "trains at parallel.tp=1 only (megatron needs sequence parallelism for MoE with TP); spread it "
+                 "with parallel.ep and parallel.pp")
             if m.actor_ckpt and Path(m.actor_ckpt, MANIFEST_NAME).is_file():
                 check(lambda: check_actor_checkpoint(m.actor_ckpt, model, config), "model.actor_ckpt: ")
     return has_model
