@@ -164,6 +164,21 @@ def test_experts_dense_layers_and_norms_are_checked_against_config(tmp_path, nam
     assert_wrong_shape_refused(hf_dir, tmp_path / "ckpt", name, wrong, implied)
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("decoder_sparse_step", 0, "model_type 'qwen3_moe' needs 'decoder_sparse_step' as a positive integer, got 0"),
+    ("decoder_sparse_step", "2", "model_type 'qwen3_moe' needs 'decoder_sparse_step' as a positive integer, got '2'"),
+    ("mlp_only_layers", "1", "'mlp_only_layers' must be a list of layer numbers, got '1'"),
+    ("mlp_only_layers", [1.0], "'mlp_only_layers' must be a list of layer numbers, got [1.0]"),
+])
+def test_bad_sparsity_keys_are_config_errors(tmp_path, key, value, message):
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen3_moe", tokenizer=False)
+    raw = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**raw, key: value}))
+    with pytest.raises(ValueError) as err:
+        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
+    assert str(err.value) == f"{hf_dir / 'config.json'}: {message}"
+
+
 def test_missing_moe_size_is_a_config_error(tmp_path):
     hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen3_moe", tokenizer=False)
     raw = json.loads((hf_dir / "config.json").read_text())

@@ -54,6 +54,7 @@ def load_hf_model_config(hf_dir, family_spec: str | None = None) -> tuple[HFMode
         for rule in family.rules:  # the sizes a family's own tensors read from config.json, checked here
             if rule.shape is not None:
                 rule.shape(config)
+        family.moe_layer_pattern(config)  # and which layers are MoE
         return config, family
     except ValueError as err:
         raise ValueError(f"{Path(hf_dir) / 'config.json'}: {str(err).removeprefix('config.json: ')}") from None
