@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from verl_mega.checkpoint.manifest import Manifest
-from verl_mega.checkpoint.model_io import hf_rank_state_dict, load_canonical_state_dict
-from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.checkpoint.model_io import hf_rank_state_dict, load_canonical_state_dict, open_hf_checkpoint
 from verl_mega.checkpoint.torch_dist import DIST_DIR
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import build_gpt_model, transformer_config
@@ -37,8 +36,8 @@ def _write_rank(hf_dir: Path, root: Path) -> None:
     config = transformer_config(hf_config, family, tp=layout.tp, pp=layout.pp, ep=layout.ep, dtype=manifest.dtype)
     model = build_gpt_model(hf_config, family, config, padded_vocab=manifest.padded_vocab_size,
                             pre_process=layout.is_first_stage, post_process=layout.is_last_stage)
-    state_dict = hf_rank_state_dict(SafetensorsReader(hf_dir), hf_config, family, manifest, layout.tp_rank,
-                                    layout.pp_rank, layout.ep_rank)
+    reader = open_hf_checkpoint(hf_dir, hf_config, family)
+    state_dict = hf_rank_state_dict(reader, hf_config, family, manifest, layout.tp_rank, layout.pp_rank, layout.ep_rank)
     load_canonical_state_dict(model, state_dict, f"the converted shard of rank {layout.rank}")
     out = root / DIST_DIR
     out.mkdir(exist_ok=True)

@@ -20,8 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from verl_mega.checkpoint.manifest import Manifest
-from verl_mega.checkpoint.model_io import build_model_from_checkpoint
-from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.checkpoint.model_io import build_model_from_checkpoint, open_hf_checkpoint
 from verl_mega.models.builder import DTYPES, uses_transformer_engine
 from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.parallel.spawn import in_distributed_job, run_torchrun
@@ -85,7 +84,7 @@ def check_pair(hf_dir: str | Path, ckpt_dir: str | Path, family_spec: str | None
     raw_type = raw.get("model_type") if isinstance(raw, dict) else None
     mirrored = manifest.family_spec is not None and raw_type != stored.model_type
     hf_config, family = load_hf_model_config(hf_dir, None if mirrored else manifest.family_spec)
-    check_hf_tensors(SafetensorsReader(hf_dir), hf_config, family)
+    check_hf_tensors(open_hf_checkpoint(hf_dir, hf_config, family), hf_config, family)
     if manifest.role != "actor":
         raise ValueError(f"{ckpt_dir} holds the {manifest.role}'s weights; logit parity needs an actor checkpoint")
     for field in ("model_type",) * (not mirrored) + ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

@@ -1,5 +1,6 @@
-"""torchrun worker for the SFT / preference layout tests: at each case given, one SFT update and one DPO update
-of the actor on fixed batches; saves the metrics and the updated weights (full, HF-named).
+"""torchrun worker for the SFT / preference layout tests: at each case given, one SFT update, one DPO update and
+one on-policy PPO update of the actor on fixed batches; saves the metrics and the updated weights (full,
+HF-named).
 
 Run by tests/test_offline_layout_invariance.py as `offline_roles_worker CKPT_ROOT OUT_DIR CASE [CASE ...]`, a
 CASE being MODEL:DTYPE:TP,PP,EP (MODEL a folder name under CKPT_ROOT, converted to MODEL/tp{TP}pp{PP}ep{EP}).
@@ -33,7 +34,7 @@ def case_name(model: str, dtype: str, tp: int, pp: int, ep: int, dp: int) -> str
 
 def run_case(ckpt_root: Path, out_dir: Path, model: str, dtype: str, tp: int, pp: int, ep: int) -> None:
     from verl_mega.checkpoint.manifest import Manifest
-    from verl_mega.config import AlgorithmConfig, OptimConfig
+    from verl_mega.config import AlgorithmConfig, OptimConfig, PolicyLossConfig
     from verl_mega.models import HFModelConfig, family_for
     from verl_mega.parallel.state import init_parallel
     from verl_mega.roles.actor import Actor
@@ -65,6 +66,13 @@ def run_case(ckpt_root: Path, out_dir: Path, model: str, dtype: str, tp: int, pp
     result["dpo_metrics"] = actor.update_on_sequences(batch, BATCH, MICRO_BATCH, PAIR_METRICS,
                                                       pair_sequence_loss(AlgorithmConfig(loss="dpo", beta=0.5)))
     result["dpo_weights"] = gather_hf_weights(actor.model.module, cfg, family)
+
+    # On-policy (one epoch, one mini-batch: the old log-probs are the first forward's), as GRPO updates.
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(3))
+    actor = Actor(ckpt, optim, PolicyLossConfig(), schedule_steps=1, dtype=dtype)
+    result["ppo_metrics"] = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=BATCH,
+                                                micro_batch_size=MICRO_BATCH)
+    result["ppo_weights"] = gather_hf_weights(actor.model.module, cfg, family)
     if layout.tp_rank == 0 and layout.dp_rank == 0:
         torch.save(result, out_dir / f"{case_name(model, dtype, tp, pp, ep, layout.dp)}_stage{layout.pp_rank}.pt")
     dist.barrier()

@@ -8,7 +8,7 @@ import pytest
 from verl_mega.parallel.spawn import run_torchrun
 
 FAMILIES = ("llama", "qwen2", "mixtral")
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # 8 heads over 4 query groups so that TP=4 holds whole groups and GQA is still exercised.
 TEST_SIZES = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
 
@@ -47,5 +47,12 @@ def test_regroup_matches_checkpoint_slices(hybrid_models, tmp_path, tp, pp, dp):
 
 @pytest.mark.slow
 def test_regroup_gathers_experts_over_expert_parallel_ranks(hybrid_models, tmp_path):
+    """With the embedded engine's greedy generation from the gathered experts equal to transformers' on the
+    exported weights."""
+    from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
+
     args = ["--tp", "1", "--pp", "1", *_converted(hybrid_models, tmp_path, 1, 1, ep=2, families=MOE_FAMILIES)]
+    for family in MOE_FAMILIES:
+        exported = convert_mcore_to_hf(tmp_path / f"{family}_tp1_pp1_ep2", tmp_path / f"{family}_export")
+        args += ["--greedy", f"{family}={exported}"]
     run_torchrun(2, "tests.hybrid_worker", args)

@@ -1,13 +1,16 @@
-"""One SFT update and one DPO update give the same loss, metrics, grad norm and updated weights at every layout:
-the losses are normalised by the global batch's loss tokens / pairs, not per rank or micro-batch. Dropout off.
+"""One SFT update, one DPO update and one on-policy PPO update give the same loss, metrics, grad norm and updated
+weights at every layout: the losses are normalised by the global batch's loss tokens / pairs, not per rank or
+micro-batch. Dropout off.
 
 - fp32, dense model: (TP, PP, DP) = (1,1,1) vs (2,1,1), (1,2,1), (1,1,2) and (2,2,2), within REL_TOL;
 - fp32, tiny Mixtral: expert parallel EP=2 (DP=2, distributed optimizer) vs EP=1, within REL_TOL;
+- fp32, tiny Qwen3-MoE (an MoE and a dense layer): (TP, PP, EP, DP) = (1,2,2,4) vs (1,1,1,1), within REL_TOL
+  (megatron trains MoE at TP > 1 only with sequence parallelism, which verl_mega does not run);
 - bf16, dense model: (2,1,1) vs (1,1,1), within what bf16 rounding explains (test_layout_invariance's bounds);
-- fp32, tiny Mixtral, routing replay: a drawn routing replayed at TP=2, PP=2 and EP=2 gives the log-probs (and
-  but at TP=2 the PPO update, with its router mismatch) of (1,1,1), and log-probs other than the model's own.
+- fp32, tiny Mixtral, routing replay: a drawn routing replayed at TP=2, PP=2 and EP=2 gives the log-probs (and,
+  except at TP=2, the PPO update with its router mismatch) of (1,1,1), and log-probs other than the model's own.
 The distributed optimizer is on wherever DP > 1. Three torchrun launches (1, 2 and 8 processes); the 8-process
-one runs the (2,2,2) case alone.
+one runs the (2,2,2) and (1,2,2,4) cases.
 """
 import os
 from pathlib import Path
@@ -22,17 +25,19 @@ from .test_layout_invariance import BF16_AGGREGATE_TOL, REL_TOL, bf16_weight_tol
 
 pytestmark = pytest.mark.slow
 
-DENSE, MOE = "qwen2", "mixtral"
+DENSE, MOE, QWEN3_MOE = "qwen2", "mixtral", "qwen3_moe"
 # processes -> the worker's cases (MODEL:DTYPE:TP,PP,EP) that one launch runs in turn; DP = processes / (TP·PP).
 LAUNCHES = {
-    1: [f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,1", f"{DENSE}:bf16:1,1,1", f"{MOE}:fp32:1,1,1:replay"],
+    1: [f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,1", f"{DENSE}:bf16:1,1,1", f"{MOE}:fp32:1,1,1:replay",
+        f"{QWEN3_MOE}:fp32:1,1,1"],
     2: [f"{DENSE}:fp32:2,1,1", f"{DENSE}:fp32:1,2,1", f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,2",
         f"{DENSE}:bf16:2,1,1", f"{MOE}:fp32:2,1,1:replay", f"{MOE}:fp32:1,2,1:replay", f"{MOE}:fp32:1,1,2:replay"],
-    8: [f"{DENSE}:fp32:2,2,1"],
+    8: [f"{DENSE}:fp32:2,2,1", f"{QWEN3_MOE}:fp32:1,2,2"],
 }
 FP32_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]  # (tp, pp, dp), each against (1,1,1)
 BF16_LAYOUTS = [(1, 1, 1), (2, 1, 1)]
 UPDATE_STEPS = 1  # optimizer steps per update (mini-batch = the whole batch)
+JOBS = ("sft", "dpo", "ppo")
 # bf16: the smooth aggregates (test_layout_invariance's BF16_AGGREGATE_TOL): the SFT loss (a token mean of
 # log-probs), the grad norms, and the DPO log-probs of chosen / rejected (sums of log-probs). DPO's rewards and
 # margins are differences of nearly equal policy and reference log-probs: no relative bound fits them.
@@ -47,7 +52,7 @@ def results(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("offline_roles")
     ckpt_root = root / "ckpt"
-    for model in (DENSE, MOE):
+    for model in (DENSE, MOE, QWEN3_MOE):
         hf_dir = make_tiny_hf_model(root / "hf" / model, model, num_hidden_layers=2)
         for case in (case for cases in LAUNCHES.values() for case in cases if case.startswith(f"{model}:")):
             tp, pp, ep = (int(size) for size in case.split(":")[2].split(","))
@@ -66,7 +71,7 @@ def results(tmp_path_factory):
         stages = sorted(out.glob(f"{name}_stage*.pt"))
         loaded = [torch.load(stage) for stage in stages]
         last = loaded[-1]
-        for job in ("sft", "dpo"):
+        for job in JOBS:
             last[f"{job}_weights"] = {key: tensor for stage in loaded
                                       for key, tensor in stage[f"{job}_weights"].items()}
         merged[name] = last
@@ -87,7 +92,7 @@ def compare_fp32(reference: dict, result: dict, job: str) -> None:
     assert worst <= REL_TOL
 
 
-@pytest.mark.parametrize("job", ["sft", "dpo"])
+@pytest.mark.parametrize("job", JOBS)
 @pytest.mark.parametrize("layout", FP32_LAYOUTS, ids=lambda layout: "tp{}pp{}dp{}".format(*layout))
 def test_one_update_is_layout_invariant(results, layout, job):
     tp, pp, dp = layout
@@ -95,11 +100,22 @@ def test_one_update_is_layout_invariant(results, layout, job):
                  job)
 
 
-@pytest.mark.parametrize("job", ["sft", "dpo"])
+@pytest.mark.parametrize("job", JOBS)
 def test_one_moe_update_is_expert_parallel_invariant(results, job):
     """Routing has no auxiliary loss and no token dropping here, so EP only moves where each expert runs."""
     reference, result = results[case_name(MOE, "fp32", 1, 1, 1, 1)], results[case_name(MOE, "fp32", 1, 1, 2, 2)]
     assert any(".experts." in name for name in reference[f"{job}_weights"])
+    compare_fp32(reference, result, job)
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_one_qwen3_moe_update_is_invariant_over_pipeline_and_expert_parallel(results, job):
+    """PP puts the MoE layer and the dense layer on two stages, EP halves the experts per rank, DP 4 splits the
+    batch into one micro-batch per rank."""
+    reference = results[case_name(QWEN3_MOE, "fp32", 1, 1, 1, 1)]
+    result = results[case_name(QWEN3_MOE, "fp32", 1, 2, 2, 4)]
+    assert any(".experts." in name for name in reference[f"{job}_weights"])
+    assert any(".q_norm." in name for name in reference[f"{job}_weights"])
     compare_fp32(reference, result, job)
 
 

@@ -16,6 +16,8 @@ from .test_convert import assert_same_tensors
 
 # The other way round from the tiny model's defaults: renormalised top-k, every second layer MoE.
 VARIANT = dict(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[])
+# Qwen3-MoE the other way round likewise: top-k weights not renormalised, every second layer MoE.
+QWEN3_MOE_VARIANT = dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])
 
 
 @pytest.mark.parametrize("sparsity, expected", [
@@ -46,7 +48,10 @@ def test_norm_topk_prob_selects_megatron_routing():
 @pytest.mark.slow
 def test_logit_parity_at_expert_parallel_and_round_trip(tiny_models, tmp_path):
     sources = {"qwen2_moe": tiny_models["qwen2_moe"], "mixtral": tiny_models["mixtral"],
-               "qwen2_moe-variant": make_tiny_hf_model(tmp_path / "variant", "qwen2_moe", seed=1, **VARIANT)}
+               "qwen2_moe-variant": make_tiny_hf_model(tmp_path / "variant", "qwen2_moe", seed=1, **VARIANT),
+               "qwen3_moe": tiny_models["qwen3_moe"],
+               "qwen3_moe-variant": make_tiny_hf_model(tmp_path / "qwen3_variant", "qwen3_moe", seed=1,
+                                                       **QWEN3_MOE_VARIANT)}
     pairs = []
     for name, hf_dir in sources.items():
         convert_hf_to_mcore(hf_dir, tmp_path / name, tp=2, ep=2)

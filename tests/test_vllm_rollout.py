@@ -61,13 +61,14 @@ def qwen2(tmp_path_factory):
     return tiny_checkpoints(tmp_path_factory.mktemp("vllm_qwen2"), "qwen2")
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def moe(request, tmp_path_factory):
-    """A tiny Mixtral (experts only) or Qwen2-MoE (experts, a shared expert and its gate, a dense layer).
-    vLLM's CPU MoE kernel pads each rank's expert width to a multiple of 32, and its reload then fails on the
-    padded weights (measured: a 16-wide slice, even for vLLM's own whole-tensor reload), so Qwen2-MoE's experts
-    are 64 wide here (32 per rank at TP 2); Mixtral's are intermediate_size, 256."""
-    sizes = {"moe_intermediate_size": 64} if request.param == "qwen2_moe" else {}
+    """A tiny Mixtral (experts only), Qwen2-MoE (experts, a shared expert and its gate, a dense layer) or
+    Qwen3-MoE (q/k norms, experts, a dense layer). vLLM's CPU MoE kernel pads each rank's expert width to a
+    multiple of 32, and its reload then fails on the padded weights (measured: a 16-wide slice, even for vLLM's
+    own whole-tensor reload), so the Qwen experts are 64 wide here (32 per rank at TP 2); Mixtral's are
+    intermediate_size, 256."""
+    sizes = {"moe_intermediate_size": 64} if request.param in ("qwen2_moe", "qwen3_moe") else {}
     return tiny_checkpoints(tmp_path_factory.mktemp(f"vllm_{request.param}"), request.param, **sizes)
 
 

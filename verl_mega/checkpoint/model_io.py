@@ -12,12 +12,31 @@ from verl_mega.config.errors import UserError
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES, build_gpt_model, transformer_config
 from verl_mega.models.sharding import merge_hf_to_mcore, rank_slots, shard_pieces
-from verl_mega.models.spec import canonical_names
+from verl_mega.models.spec import LAYER, FamilySpec, canonical_names
 from verl_mega.parallel.state import current_layout
 
 from . import megatron_legacy
 from .manifest import Manifest
+from .safetensors_io import SafetensorsReader
 from .torch_dist import load_torch_dist
+
+
+def open_hf_checkpoint(hf_dir: str | Path, hf_config: HFModelConfig, family: FamilySpec) -> SafetensorsReader:
+    """A reader of an HF checkpoint under the names the family's rules use, whichever spelling the files use for
+    the experts: one tensor per expert (transformers 4.x, and 5.x's `save_pretrained`) or the family's expert
+    stacks (transformers 5's in-memory spelling), split into per-expert tensors without reading them."""
+    reader = SafetensorsReader(hf_dir)
+    for layer, is_moe in enumerate(family.moe_layer_pattern(hf_config)):
+        for stack in family.expert_stacks if is_moe else ():
+            stacked = stack.stacked.replace(LAYER, str(layer))
+            if stacked not in reader:
+                continue
+            shape = reader.shape(stacked)
+            if len(shape) != 3 or shape[0] != hf_config.num_experts:
+                raise ValueError(f"the checkpoint at {reader.dir}: tensor '{stacked}' has shape {shape}, not "
+                                 f"[{hf_config.num_experts} experts, rows, columns] as config.json implies")
+            reader.split_rows(stacked, stack.part_names(layer, hf_config.num_experts))
+    return reader
 
 
 def hf_rank_state_dict(reader, hf_config, family, manifest: Manifest, tp_rank: int, pp_rank: int, ep_rank: int) -> dict:

@@ -10,6 +10,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from safetensors import SafetensorError
@@ -78,6 +79,24 @@ class SafetensorsReader:
         if entry is None:
             raise KeyError(f"tensor '{name}' is not in the checkpoint at {self.dir}")
         return entry
+
+    def split_rows(self, name: str, parts: Sequence[str]) -> None:
+        """Present tensor `name`, seen as a matrix of its last dimension's columns, as the tensors `parts`:
+        consecutive blocks of equal rows, top to bottom (an expert stack's per-expert tensors). Nothing is read:
+        each part is the stacked tensor's bytes at its own offset."""
+        entry = self._entry(name)
+        rows = math.prod(entry.shape[:-1])
+        if len(entry.shape) < 2 or rows % len(parts):
+            raise ValueError(f"tensor '{name}' of shape {list(entry.shape)} does not split into {len(parts)} "
+                             "blocks of whole rows")
+        stored = [part for part in parts if part in self._entries]
+        if stored:
+            raise ValueError(f"tensor '{stored[0]}' is stored twice: on its own and inside '{name}'")
+        block, columns = rows // len(parts), entry.shape[-1]
+        del self._entries[name]
+        for index, part in enumerate(parts):
+            offset = entry.offset + index * block * columns * entry.dtype.itemsize
+            self._entries[part] = _Entry(entry.path, entry.dtype, (block, columns), offset)
 
     def shape(self, name: str) -> list[int]:
         return list(self._entry(name).shape)

@@ -79,15 +79,18 @@ def _check_dist_tensor(slot, hf_config, tensor: torch.Tensor, path: str) -> None
 
 def _dist_key(slot, metadata) -> tuple[str, tuple[int, ...]]:
     """The stored key of a slot and its index in the layer (and expert) axes."""
-    rule_name = slot.rule.mcore
-    key = rule_name.replace(".{layer}", "").replace("local_experts.{expert}", "experts")
-    index = tuple(i for i in (slot.layer, slot.expert) if i is not None)
-    # megatron's local spec saves an MoE layer's pre-MLP norm under the dense TE name.
-    candidates = [key, key.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")]
-    for candidate in candidates:
-        if candidate in metadata:
-            return candidate, index
-    raise ValueError(f"dist checkpoint lacks '{key}' (for {slot.global_name}); it was written for another model")
+    rule_name = slot.rule.mcore.replace("local_experts.{expert}", "experts")
+    expert = () if slot.expert is None else (slot.expert,)
+    stored = [(rule_name.replace(".{layer}", ""), tuple(i for i in (slot.layer, slot.expert) if i is not None))]
+    if slot.layer is not None:  # a model mixing dense and MoE layers is keyed layer by layer (`moe_layer_freq`)
+        stored.append((rule_name.replace("{layer}", str(slot.layer)), expert))
+    for key, index in stored:
+        # megatron's local spec saves an MoE layer's pre-MLP norm under the dense TE name.
+        for candidate in (key, key.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")):
+            if candidate in metadata:
+                return candidate, index
+    raise ValueError(f"dist checkpoint lacks '{stored[0][0]}' (for {slot.global_name}); it was written for another "
+                     "model")
 
 
 @contextlib.contextmanager

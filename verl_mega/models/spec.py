@@ -159,6 +159,22 @@ FUSED_HALVES = Fusion(_unfuse_halves)
 
 
 @dataclass(frozen=True)
+class ExpertStack:
+    """An HF tensor holding one MoE layer's experts stacked, [experts, rows, columns]: transformers 5's
+    in-memory spelling, which `save_pretrained(save_original_format=False)` writes. Expert e's block is its
+    `parts` (per-expert names, the spelling the rules use and transformers writes by default) concatenated on
+    rows, so each part is a run of whole rows of the stacked tensor seen as a matrix."""
+
+    stacked: str
+    parts: tuple[str, ...]
+
+    def part_names(self, layer: int, num_experts: int) -> list[str]:
+        """The per-expert tensors of the stacked one of `layer`, top to bottom."""
+        return [part.replace(LAYER, str(layer)).replace(EXPERT, str(expert))
+                for expert in range(num_experts) for part in self.parts]
+
+
+@dataclass(frozen=True)
 class TensorRule:
     """One megatron tensor and the HF tensors it is made of.
 
@@ -207,6 +223,8 @@ class FamilySpec:
     finish_model: Callable[[Any, HFModelConfig], None] | None = None
     # "package.module:NAME" for a spec declared outside verl_mega (recorded in manifests); None: built in.
     origin: str | None = field(default=None, compare=False)
+    # Stacked spellings of the experts an HF checkpoint may use instead of the rules' per-expert names.
+    expert_stacks: tuple[ExpertStack, ...] = ()
 
     def has_qkv_bias(self, hf_config: HFModelConfig) -> bool:
         return self.qkv_bias or hf_config.attention_bias
@@ -322,33 +340,60 @@ def config_size(hf_config: HFModelConfig, key: str) -> int:
     return value
 
 
+def _fc1_shape(key: str) -> Callable[[HFModelConfig], tuple[int, int]]:
+    return lambda hf_config: (2 * config_size(hf_config, key), hf_config.hidden_size)
+
+
+def _fc2_shape(key: str) -> Callable[[HFModelConfig], tuple[int, int]]:
+    return lambda hf_config: (hf_config.hidden_size, config_size(hf_config, key))
+
+
+_QWEN_HF_EXPERT = _H + "mlp.experts.{expert}."
+
+
+def _qwen_routed_expert_rules() -> tuple[TensorRule, ...]:
+    """An MoE layer's norm, router (no bias) and routed experts, each named like a dense MLP
+    (`mlp.experts.{e}.gate_proj`, ...) and `moe_intermediate_size` wide (Qwen2-MoE, Qwen3-MoE)."""
+    expert = _L + "mlp.experts.local_experts.{expert}."
+    return (
+        TensorRule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), when="moe_layer"),
+        TensorRule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), when="moe_layer"),
+        TensorRule(expert + "linear_fc1.weight",
+                   (_QWEN_HF_EXPERT + "gate_proj.weight", _QWEN_HF_EXPERT + "up_proj.weight"), GATE_UP,
+                   tp_dim=0, when="moe_layer", shape=_fc1_shape("moe_intermediate_size")),
+        TensorRule(expert + "linear_fc2.weight", (_QWEN_HF_EXPERT + "down_proj.weight",), tp_dim=1, when="moe_layer",
+                   shape=_fc2_shape("moe_intermediate_size")),
+    )
+
+
+def qwen_expert_stacks() -> tuple[ExpertStack, ...]:
+    """transformers 5's stacked spelling of `_qwen_routed_expert_rules`' experts: gate and up in one tensor."""
+    return (
+        ExpertStack(_H + "mlp.experts.gate_up_proj",
+                    (_QWEN_HF_EXPERT + "gate_proj.weight", _QWEN_HF_EXPERT + "up_proj.weight")),
+        ExpertStack(_H + "mlp.experts.down_proj", (_QWEN_HF_EXPERT + "down_proj.weight",)),
+    )
+
+
 def qwen2_moe_rules() -> tuple[TensorRule, ...]:
     """Routed experts named like a dense MLP each, plus a shared expert whose output a sigmoid gate scales;
     the layers that are not MoE have a dense MLP."""
     mlp, shared = _H + "mlp.", _L + "mlp.shared_experts."
-    expert = _L + "mlp.experts.local_experts.{expert}."
-    hf_expert = mlp + "experts.{expert}."
-
-    def fc1(key):
-        return lambda hf_config: (2 * config_size(hf_config, key), hf_config.hidden_size)
-
-    def fc2(key):
-        return lambda hf_config: (hf_config.hidden_size, config_size(hf_config, key))
-
-    return _embedding_rules() + _attention_rules() + (
-        TensorRule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), when="moe_layer"),
-        TensorRule(_L + "mlp.router.weight", (mlp + "gate.weight",), when="moe_layer"),
-        TensorRule(expert + "linear_fc1.weight", (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"), GATE_UP,
-                   tp_dim=0, when="moe_layer", shape=fc1("moe_intermediate_size")),
-        TensorRule(expert + "linear_fc2.weight", (hf_expert + "down_proj.weight",), tp_dim=1, when="moe_layer",
-                   shape=fc2("moe_intermediate_size")),
+    return _embedding_rules() + _attention_rules() + _qwen_routed_expert_rules() + (
         TensorRule(shared + "linear_fc1.weight", (mlp + "shared_expert.gate_proj.weight", mlp + "shared_expert.up_proj.weight"),
-                   GATE_UP, tp_dim=0, when="moe_layer", shape=fc1("shared_expert_intermediate_size")),
+                   GATE_UP, tp_dim=0, when="moe_layer", shape=_fc1_shape("shared_expert_intermediate_size")),
         TensorRule(shared + "linear_fc2.weight", (mlp + "shared_expert.down_proj.weight",), tp_dim=1, when="moe_layer",
-                   shape=fc2("shared_expert_intermediate_size")),
+                   shape=_fc2_shape("shared_expert_intermediate_size")),
         TensorRule(shared + "gate_weight", (mlp + "shared_expert_gate.weight",), when="moe_layer",
                    shape=lambda hf_config: (1, hf_config.hidden_size)),
     ) + _dense_mlp_rules(when="dense_layer")
+
+
+def qwen3_moe_rules() -> tuple[TensorRule, ...]:
+    """Qwen3's attention (per-head q/k norms) with routed experts and no shared expert; the layers that are not
+    MoE have a dense MLP `intermediate_size` wide."""
+    return (_embedding_rules() + _attention_rules(qk_norm=True) + _qwen_routed_expert_rules()
+            + _dense_mlp_rules(when="dense_layer"))
 
 
 def gemma2_rules() -> tuple[TensorRule, ...]:

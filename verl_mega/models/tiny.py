@@ -30,6 +30,10 @@ FAMILY_EXTRAS: dict[str, dict[str, Any]] = {
     # head_dim 24 ≠ 64/4; a window of 5 tokens, so that sequences of 16 reach past it.
     "gemma2": dict(head_dim=24, sliding_window=5, query_pre_attn_scalar=20, attn_logit_softcapping=4.0,
                    final_logit_softcapping=6.0),
+    # head_dim 32 ≠ 64/4; layer 1 dense (intermediate_size wide); the top-2 weights renormalised, as the
+    # checkpoints set it.
+    "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                      norm_topk_prob=True),
 }
 
 

@@ -330,6 +330,10 @@ def _check_model(config: TrainConfig, check, need) -> bool:
             need(config.actor.router_replay != "rollout" or model.num_experts is not None,
                  f"actor.router_replay=rollout replays the routing of MoE layers and model.hf_path {m.hf_path} is a "
                  f"dense {model.model_type} model: set actor.router_replay=off")
+            # megatron's MoE layer refuses to train at TP > 1 without sequence parallelism, which is not run here.
+            need(not (model.num_experts and p.tp > 1), f"parallel.tp={p.tp}: an MoE model ({model.model_type}) "
+                 "trains at parallel.tp=1 only (megatron needs sequence parallelism for MoE with TP); spread it "
+                 "with parallel.ep and parallel.pp")
             if m.actor_ckpt and Path(m.actor_ckpt, MANIFEST_NAME).is_file():
                 check(lambda: check_actor_checkpoint(m.actor_ckpt, model, config), "model.actor_ckpt: ")
     return has_model

@@ -1,12 +1,14 @@
 """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): routed experts beside a shared expert with a sigmoid gate;
 dense layers where `mlp_only_layers` or `decoder_sparse_step` say so; always q/k/v biases."""
 from ..hf_config import HFModelConfig
-from ..spec import FamilySpec, qwen2_moe_rules
+from ..spec import FamilySpec, config_size, qwen2_moe_rules, qwen_expert_stacks
 
 
 def moe_layers(hf_config: HFModelConfig) -> list[bool]:
-    dense = set(hf_config.raw.get("mlp_only_layers") or [])
-    step = hf_config.raw.get("decoder_sparse_step", 1)
+    dense = hf_config.raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(type(layer) is not int for layer in dense):
+        raise ValueError(f"config.json: 'mlp_only_layers' must be a list of layer numbers, got {dense!r}")
+    step = config_size(hf_config, "decoder_sparse_step") if "decoder_sparse_step" in hf_config.raw else 1
     return [layer not in dense and (layer + 1) % step == 0 for layer in range(hf_config.num_layers)]
 
 
@@ -29,4 +31,5 @@ SPEC = FamilySpec(
     moe=True,
     moe_layers=moe_layers,
     transformer_overrides=transformer_overrides,
+    expert_stacks=qwen_expert_stacks(),
 )
