@@ -10,7 +10,7 @@ stream must generate what transformers generates from the exported checkpoint.
         [--next --tp TP --pp PP --case ...]
 
 `--next` starts another layout of the same world size in the same processes (each group checked in turn), so
-that several layouts pay one start-up.
+that several layouts pay one start-up; rank 0 prints GROUP_DONE after each group.
 """
 from __future__ import annotations
 
@@ -158,9 +158,17 @@ def run_group(argv: list[str]) -> None:
         run_case(family_name, hf_dir, ckpt_dir, int(ep), args.tp, args.pp, greedy.get(family_name))
 
 
+GROUP_DONE = "hybrid_worker: layout group {index} passed"  # printed by rank 0 once every rank is through it
+
+
 def main(argv=None) -> None:
-    for group in layout_groups(sys.argv[1:] if argv is None else argv):
+    import torch.distributed as dist
+
+    for index, group in enumerate(layout_groups(sys.argv[1:] if argv is None else argv)):
         run_group(group)
+        dist.barrier()
+        if current_layout().rank == 0:
+            print(GROUP_DONE.format(index=index), flush=True)
     destroy_parallel()
 
 

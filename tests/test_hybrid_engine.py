@@ -55,33 +55,45 @@ def layout_group(hybrid_models, root, tp: int, pp: int, dp: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def launches(hybrid_models, tmp_path_factory) -> dict[int, str]:
-    """world size -> the end of its launch's output where it failed (absent where it passed); one launch per world
-    size runs that size's layouts in turn (`--next` between them)."""
+def outcomes(hybrid_models, tmp_path_factory) -> dict:
+    """(TP, PP, DP) of each of LAYOUTS, and EP_LAYOUT -> None where its layout group passed, else why not: the end
+    of its launch's output for the group the launch failed in (the worker's message names the case), "not run"
+    for the groups after it. One launch per world size runs that size's groups in turn (`--next` between them)."""
+    from hybrid_worker import GROUP_DONE
+
     root = tmp_path_factory.mktemp("hybrid")
-    groups: dict[int, list[list[str]]] = {}
+    launches: dict[int, list[tuple]] = {}
     for tp, pp, dp in LAYOUTS:
-        groups.setdefault(tp * pp * dp, []).append(layout_group(hybrid_models, root, tp, pp, dp))
+        launches.setdefault(tp * pp * dp, []).append(((tp, pp, dp), layout_group(hybrid_models, root, tp, pp, dp)))
     tp, pp, ep = EP_LAYOUT
-    groups.setdefault(tp * pp * ep, []).append(
-        ["--tp", str(tp), "--pp", str(pp), *_converted(hybrid_models, root, tp, pp, ep=ep, families=MOE_FAMILIES)])
-    failures = {}
-    for world, layouts in groups.items():
-        args = [arg for index, group in enumerate(layouts) for arg in [*(["--next"] if index else []), *group]]
+    launches.setdefault(tp * pp * ep, []).append(
+        (EP_LAYOUT, ["--tp", str(tp), "--pp", str(pp), *_converted(hybrid_models, root, tp, pp, ep=ep,
+                                                                   families=MOE_FAMILIES)]))
+    outcomes = {}
+    for world, groups in launches.items():
+        args = [arg for index, (_, group) in enumerate(groups) for arg in [*(["--next"] if index else []), *group]]
         try:
             run_torchrun(world, "tests.hybrid_worker", args, capture_output=True)
+            output, failure = None, None
         except subprocess.CalledProcessError as failed:
-            failures[world] = f"{failed}\n{(failed.stdout or '')[-2000:]}\n{(failed.stderr or '')[-4000:]}"
-    return failures
+            output = failed.stdout or ""
+            failure = f"{failed}\n{output[-2000:]}\n{(failed.stderr or '')[-4000:]}"
+        for index, (key, _) in enumerate(groups):
+            if failure is None or GROUP_DONE.format(index=index) in output:
+                outcomes[key] = None
+            elif index == 0 or GROUP_DONE.format(index=index - 1) in output:
+                outcomes[key] = failure  # the group its launch failed in
+            else:
+                outcomes[key] = "not run: its launch failed in an earlier layout group"
+    return outcomes
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
-def test_regroup_matches_checkpoint_slices(launches, tp, pp, dp):
-    assert tp * pp * dp not in launches, launches.get(tp * pp * dp)
+def test_regroup_matches_checkpoint_slices(outcomes, tp, pp, dp):
+    assert outcomes[(tp, pp, dp)] is None, outcomes[(tp, pp, dp)]
 
 
 @pytest.mark.slow
-def test_regroup_gathers_experts_over_expert_parallel_ranks(launches):
-    tp, pp, ep = EP_LAYOUT
-    assert tp * pp * ep not in launches, launches.get(tp * pp * ep)
+def test_regroup_gathers_experts_over_expert_parallel_ranks(outcomes):
+    assert outcomes[EP_LAYOUT] is None, outcomes[EP_LAYOUT]
