@@ -20,7 +20,8 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def layout_grid(tmp_path_factory):
     """The folder of the layout grids' results (tests/layout_grid.py): three torchrun launches, once per session,
-    shared by tests/test_layout_invariance.py and tests/test_offline_layout_invariance.py."""
+    shared by tests/test_layout_invariance.py, test_offline_layout_invariance.py, test_update_passes.py and
+    test_training_state.py."""
     from layout_grid import run_layout_grid
 
     return run_layout_grid(tmp_path_factory.mktemp("layout_grid"))

@@ -2,7 +2,8 @@
 and tests/test_offline_layout_invariance.py (SFT and DPO updates) compare results computed at several (TP, PP, DP)
 layouts. A layout's world size fixes its launch, so both grids ride on the same three torchrun launches (1, 2
 and 8 processes) of tests/layout_grid_worker.py, each process running every case of its world size in turn:
-three start-ups of megatron-core per session instead of nine. Each test reads its cases from the folder.
+three start-ups of megatron-core per session instead of nine. Two other files' worker runs on the role grid's
+model and checkpoints ride along (SHARED_CASES). Each test reads its cases from the folder.
 """
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ OFFLINE_LAUNCHES = {
 }
 
 
+# processes -> other test files' cases on the role grid's checkpoints: tests/update_passes_worker.py's updates
+# (into ROOT/passes) and tests/training_state_worker.py's save at (TP, PP) = (2, 2) (into ROOT/state; its
+# resume phase needs fresh processes, so tests/test_training_state.py launches it).
+SHARED_CASES = {2: ["update_passes"], 8: ["state_save:2,2"]}
+
+
 def launch_cases(nproc: int) -> list[str]:
-    """The worker's cases for the launch of `nproc` processes: the role grid (fp32 first, as it ran alone), then
-    the offline grid."""
+    """The worker's cases for the launch of `nproc` processes: the role grid (fp32 first, as it ran alone), the
+    offline grid, then SHARED_CASES."""
     roles = [f"roles:{dtype}:{layout}" for dtype in ROLE_DTYPES for layout in ROLE_LAUNCHES.get(nproc, [])]
-    return roles + [f"offline:{case}" for case in OFFLINE_LAUNCHES.get(nproc, [])]
+    return roles + [f"offline:{case}" for case in OFFLINE_LAUNCHES.get(nproc, [])] + SHARED_CASES.get(nproc, [])
 
 
 def convert_inputs(root: Path) -> None:
@@ -53,11 +60,11 @@ def convert_inputs(root: Path) -> None:
 def run_layout_grid(root: Path) -> Path:
     """Converts the inputs under `root`, runs the three launches and returns `root` (see layout_grid_worker)."""
     convert_inputs(root)
-    for folder in [*(f"roles/out_{dtype}" for dtype in ROLE_DTYPES), "offline/out"]:
+    for folder in [*(f"roles/out_{dtype}" for dtype in ROLE_DTYPES), "offline/out", "passes", "state"]:
         (root / folder).mkdir()
     tests_dir = str(Path(__file__).parent)
     # The workers live next to this file; the rest of PYTHONPATH keeps this checkout's verl_mega first.
     env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
-    for nproc in sorted({*ROLE_LAUNCHES, *OFFLINE_LAUNCHES}):
+    for nproc in sorted({*ROLE_LAUNCHES, *OFFLINE_LAUNCHES, *SHARED_CASES}):
         run_torchrun(nproc, "layout_grid_worker", [str(root), *launch_cases(nproc)], env=env)
     return root

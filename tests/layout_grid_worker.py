@@ -4,9 +4,11 @@ for both grids (tests/layout_grid.py launches it).
 
     layout_grid_worker ROOT CASE [CASE ...]
 
-a CASE being `roles:DTYPE:TP,PP` (ROOT/roles/ckpt/tp{TP}pp{PP}, results in ROOT/roles/out_{DTYPE}) or
-`offline:MODEL:DTYPE:TP,PP,EP` (ROOT/offline/ckpt/MODEL/tp{TP}pp{PP}ep{EP}, results in ROOT/offline/out). A case
-that raises stops the launch with an error naming that case.
+a CASE being `roles:DTYPE:TP,PP` (ROOT/roles/ckpt/tp{TP}pp{PP}, results in ROOT/roles/out_{DTYPE}),
+`offline:MODEL:DTYPE:TP,PP,EP` (ROOT/offline/ckpt/MODEL/tp{TP}pp{PP}ep{EP}, results in ROOT/offline/out),
+`update_passes` (tests/update_passes_worker.py on the role grid's checkpoints, into ROOT/passes) or
+`state_save:TP,PP` (tests/training_state_worker.py's save phase on them, into ROOT/state). A case that raises
+stops the launch with an error naming that case.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import offline_roles_worker
 import roles_worker
+import training_state_worker
+import update_passes_worker
 
 
 def run_case(root: Path, case: str) -> None:
@@ -29,8 +33,14 @@ def run_case(root: Path, case: str) -> None:
         tp, pp, ep = (int(size) for size in sizes.split(","))
         offline = root / "offline"
         offline_roles_worker.run_case(offline / "ckpt", offline / "out", model, dtype, tp, pp, ep)
+    elif kind == "update_passes":
+        update_passes_worker.run_passes(root / "roles" / "ckpt", root / "roles" / "hf", root / "passes")
+    elif kind == "state_save":
+        (sizes,) = spec
+        tp, pp = (int(size) for size in sizes.split(","))
+        training_state_worker.save_phase(root / "roles" / "ckpt", root / "state", tp, pp)
     else:
-        raise ValueError(f"unknown case kind {kind!r} in {case!r}: roles or offline")
+        raise ValueError(f"unknown case kind {kind!r} in {case!r}: roles, offline, update_passes or state_save")
 
 
 def main(argv: list[str]) -> None:
