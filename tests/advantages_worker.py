@@ -1,12 +1,15 @@
-"""A short RL job in this process (a world of one) whose generation and advantage stages record what they were
-given and what they returned, each step's after a marker; written as JSON.
+"""Short RL jobs run in turn in this process (each a world of one) whose generation and advantage stages record
+what they were given and what they returned; written as JSON, NAME -> {"code", "error", "calls"}.
 
-    python -m tests.advantages_worker OUT.json --config FILE.yaml [key=value ...]
+    python -m tests.advantages_worker OUT.json --case NAME --config FILE.yaml [key=value ...] [--case NAME ...]
 
-The stages are the real ones: the wrappers only note each call, then make it.
+One process for every case: each would otherwise pay megatron-core's start-up for a run of seconds. A case that
+raises is recorded with its traceback's end and the next one runs. The stages are the real ones: the wrappers
+only note each call, then make it.
 """
 import json
 import sys
+import traceback
 
 from verl_mega.trainer import rl as job_module
 from verl_mega.trainer.main import main
@@ -43,11 +46,33 @@ def recorded_advantages(compute_advantages):
     return run
 
 
+def split_cases(argv: list[str]) -> dict[str, list[str]]:
+    """`--case NAME ARGS... --case NAME ARGS...` -> NAME -> that case's trainer arguments."""
+    cases, current = {}, None
+    args = iter(argv)
+    for arg in args:
+        if arg == "--case":
+            current = cases.setdefault(next(args), [])
+        elif current is None:
+            raise SystemExit("advantages_worker: the arguments after OUT.json start with --case NAME")
+        else:
+            current.append(arg)
+    return cases
+
+
+def run_case(argv: list[str]) -> dict:
+    calls.clear()
+    try:
+        code, error = main(argv), None
+    except Exception:  # recorded for that case's test; the other cases still run
+        code, error = None, traceback.format_exc()[-3000:]
+    return {"code": code, "error": error, "calls": list(calls)}
+
+
 if __name__ == "__main__":
     job = job_module.RLJob
     job.generate = recorded_generate(job.generate)
     job.compute_advantages = recorded_advantages(job.compute_advantages)
-    code = main(sys.argv[2:])
+    results = {name: run_case(argv) for name, argv in split_cases(sys.argv[2:]).items()}
     with open(sys.argv[1], "w") as out:
-        json.dump(calls, out)
-    sys.exit(code)
+        json.dump(results, out)

@@ -6,11 +6,16 @@ peak must stay within the planner's figure. Then every parameter is moved (a sta
 the next transition must carry the moved weights. With --greedy, the embedded engine loaded from the
 stream must generate what transformers generates from the exported checkpoint.
 
-    --case FAMILY,HF_DIR,CKPT_DIR,EP   (repeatable)
+    --tp TP --pp PP --case FAMILY,HF_DIR,CKPT_DIR,EP [--case ...] [--greedy FAMILY=EXPORTED_HF_DIR ...]
+        [--next --tp TP --pp PP --case ...]
+
+`--next` starts another layout of the same world size in the same processes (each group checked in turn), so
+that several layouts pay one start-up; rank 0 prints GROUP_DONE after each group.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -129,7 +134,18 @@ def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp:
         check_transition(engine, reader, hf_dir, cfg, family, manifest.padded_vocab_size, TRAINING_STEP_SHIFT, label)
 
 
-def main(argv=None) -> None:
+def layout_groups(argv: list[str]) -> list[list[str]]:
+    """The arguments of each layout group: `argv` split at `--next`."""
+    groups = [[]]
+    for arg in argv:
+        if arg == "--next":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    return groups
+
+
+def run_group(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--pp", type=int, required=True)
@@ -140,6 +156,19 @@ def main(argv=None) -> None:
     for case in args.case:
         family_name, hf_dir, ckpt_dir, ep = case.split(",")
         run_case(family_name, hf_dir, ckpt_dir, int(ep), args.tp, args.pp, greedy.get(family_name))
+
+
+GROUP_DONE = "hybrid_worker: layout group {index} passed"  # printed by rank 0 once every rank is through it
+
+
+def main(argv=None) -> None:
+    import torch.distributed as dist
+
+    for index, group in enumerate(layout_groups(sys.argv[1:] if argv is None else argv)):
+        run_group(group)
+        dist.barrier()
+        if current_layout().rank == 0:
+            print(GROUP_DONE.format(index=index), flush=True)
     destroy_parallel()
 
 

@@ -1,16 +1,14 @@
-"""torchrun worker for the SFT / preference layout tests: at each case given, one SFT update, one DPO update and
-one on-policy PPO update of the actor on fixed batches; saves the metrics and the updated weights (full,
-HF-named).
+"""The SFT / preference layout tests' cases, run inside tests/layout_grid_worker.py's torchrun launches: at each
+case, one SFT update, one DPO update and one on-policy PPO update of the actor on fixed batches; saves the metrics
+and the updated weights (full, HF-named).
 
-Run by tests/test_offline_layout_invariance.py as `offline_roles_worker CKPT_ROOT OUT_DIR CASE [CASE ...]`, a
-CASE being MODEL:DTYPE:TP,PP,EP (MODEL a folder name under CKPT_ROOT, converted to MODEL/tp{TP}pp{PP}ep{EP}).
-A CASE ending in :replay runs routing replay instead (an MoE model): the log-probs of the batch without and with
+A case is MODEL:DTYPE:TP,PP,EP (MODEL a folder name under CKPT_ROOT, converted to MODEL/tp{TP}pp{PP}ep{EP}). A
+case ending in :replay runs routing replay instead (an MoE model): the log-probs of the batch without and with
 a drawn routing replayed and, at TP 1, one on-policy PPO update with it replayed (its metrics hold the router
 mismatch).
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -117,17 +115,9 @@ def run_replay_case(ckpt_root: Path, out_dir: Path, model: str, dtype: str, tp: 
     dist.barrier()
 
 
-def main(argv: list[str]) -> None:
-    ckpt_root, out_dir, *cases = argv
-    for case in cases:
-        model, dtype, sizes, *replay = case.split(":")
-        tp, pp, ep = (int(size) for size in sizes.split(","))
-        run = run_replay_case if replay == ["replay"] else run_case
-        run(Path(ckpt_root), Path(out_dir), model, dtype, tp, pp, ep)
-    from verl_mega.parallel.state import destroy_parallel
-
-    destroy_parallel()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+def run_named_case(ckpt_root: Path, out_dir: Path, case: str) -> None:
+    """One case as the launch names it: MODEL:DTYPE:TP,PP,EP[:replay]."""
+    model, dtype, sizes, *replay = case.split(":")
+    tp, pp, ep = (int(size) for size in sizes.split(","))
+    run = run_replay_case if replay == ["replay"] else run_case
+    run(ckpt_root, out_dir, model, dtype, tp, pp, ep)

@@ -306,9 +306,19 @@ def test_preflight_accepts_each_new_estimator_with_groups(estimator):
                                        "critic.enable=false"]), 1, check_files=False)
 
 
-def run_advantages_worker(tmp_path, *overrides: str) -> tuple[list[dict], list[dict]]:
-    """Two steps of GRPO's demo recipe at a small size (4 prompts x 2 samples, one on-policy update each) with
-    `overrides`, in one process; the recorded stage calls (tests/advantages_worker.py) and the metrics."""
+# The trainer runs of the tests below (name -> overrides of GRPO's demo recipe at a small size), all in one
+# process of tests/advantages_worker.py.
+ADVANTAGE_RUNS = {
+    "remax": ["algorithm.adv_estimator=remax"],
+    "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
+    "bypass_mode": ["actor.loss.policy_loss=bypass_mode", "actor.ppo_epochs=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def advantage_runs(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
+    """name -> (the worker's record: exit code, error and stage calls; the metrics) of two steps of each of ADVANTAGE_RUNS (4 prompts x 2
+    samples, one on-policy update each), one process for all."""
     import json
     import os
     import subprocess
@@ -319,27 +329,40 @@ def run_advantages_worker(tmp_path, *overrides: str) -> tuple[list[dict], list[d
     from verl_mega.demo import EXAMPLES
     from verl_mega.models.tiny import make_tiny_hf_model
 
-    hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)
-    train = write_rows(make_task_rows("copy", 16, seed=0, max_digits=2), tmp_path / "train.jsonl")
-    out, run_dir = tmp_path / "calls.json", tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.advantages_worker", str(out), "--config", str(EXAMPLES / "grpo_demo.yaml"),
-         f"model.hf_path={hf}", f"data.train_files=[{train}]", f"trainer.run_dir={run_dir}",
-         "trainer.total_steps=2", "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8",
-         "actor.micro_batch_size=4", "actor.ppo_epochs=1", "trainer.tensorboard=false",
-         "reward.function=tests.advantages_worker:length_reward", *overrides],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    root = tmp_path_factory.mktemp("advantage_runs")
+    hf = make_tiny_hf_model(root / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)
+    train = write_rows(make_task_rows("copy", 16, seed=0, max_digits=2), root / "train.jsonl")
+    common = ["--config", str(EXAMPLES / "grpo_demo.yaml"), f"model.hf_path={hf}", f"data.train_files=[{train}]",
+              "trainer.total_steps=2", "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8",
+              "actor.micro_batch_size=4", "actor.ppo_epochs=1", "trainer.tensorboard=false",
+              "reward.function=tests.advantages_worker:length_reward"]
+    cases = [arg for name, overrides in ADVANTAGE_RUNS.items()
+             for arg in ["--case", name, *common, f"trainer.run_dir={root / name}", *overrides]]
+    out = root / "calls.json"
+    result = subprocess.run([sys.executable, "-m", "tests.advantages_worker", str(out), *cases], capture_output=True,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return json.loads(out.read_text()), records
+    runs = {}
+    for name, run in json.loads(out.read_text()).items():
+        metrics = root / name / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+        runs[name] = ({**run, "stderr": result.stderr[-3000:]}, records)
+    return runs
+
+
+def advantage_run(runs: dict, name: str) -> tuple[list[dict], list[dict]]:
+    """That run's stage calls and metrics; fails naming the run (with its error) where it did not finish."""
+    run, records = runs[name]
+    assert run["code"] == 0, f"run {name}: exit {run['code']}\n{run['error'] or run['stderr']}"
+    return run["calls"], records
 
 
 @pytest.mark.slow
-def test_remax_run_takes_one_greedy_baseline_per_prompt_and_subtracts_it(tmp_path):
+def test_remax_run_takes_one_greedy_baseline_per_prompt_and_subtracts_it(advantage_runs):
     """Each step generates the samples and then one greedy response per prompt, in the same awake window, and
     the advantages are the reward minus the greedy response's reward on every response token."""
     n = 2
-    calls, records = run_advantages_worker(tmp_path, "algorithm.adv_estimator=remax")
+    calls, records = advantage_run(advantage_runs, "remax")
     generations = [(c["prompts"], c["responses"], c["temperature"]) for c in calls if c["stage"] == "generate"]
     assert generations == [(4, 4 * n, 1.0), (4, 4, 0.0)] * 2, generations
     steps = [c for c in calls if c["stage"] == "advantages"]
@@ -357,10 +380,10 @@ def test_remax_run_takes_one_greedy_baseline_per_prompt_and_subtracts_it(tmp_pat
 
 
 @pytest.mark.slow
-def test_optimal_token_baseline_run_takes_sum_pi_squared_from_the_old_log_prob_pass(tmp_path):
+def test_optimal_token_baseline_run_takes_sum_pi_squared_from_the_old_log_prob_pass(advantage_runs):
     """The update is on-policy (which skips the old-log-prob pass), yet the estimator's old log-probs and
     sum pi^2 are computed, and the advantages are the estimator's on them."""
-    calls, records = run_advantages_worker(tmp_path, "algorithm.adv_estimator=optimal_token_baseline")
+    calls, records = advantage_run(advantage_runs, "optimal_token_baseline")
     steps = [c for c in calls if c["stage"] == "advantages"]
     assert len(steps) == 2 and all("timing/old_log_prob" in record for record in records)
     for step in steps:
@@ -374,10 +397,10 @@ def test_optimal_token_baseline_run_takes_sum_pi_squared_from_the_old_log_prob_p
 
 
 @pytest.mark.slow
-def test_bypass_mode_run_trains_two_epochs_without_the_old_log_prob_pass(tmp_path):
+def test_bypass_mode_run_trains_two_epochs_without_the_old_log_prob_pass(advantage_runs):
     """verl's bypass mode in the trainer: two epochs per batch (off-policy), yet no old-log-prob pass runs; the
     loss takes the rollout engine's log-probs as the old ones."""
-    calls, records = run_advantages_worker(tmp_path, "actor.loss.policy_loss=bypass_mode", "actor.ppo_epochs=2")
+    calls, records = advantage_run(advantage_runs, "bypass_mode")
     steps = [c for c in calls if c["stage"] == "advantages"]
     assert len(steps) == 2 and all("old_log_probs" not in step for step in steps)
     assert all("timing/old_log_prob" not in record and "actor/pg_loss" in record for record in records)

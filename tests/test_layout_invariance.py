@@ -3,23 +3,21 @@
 One fixed batch (left-padded prompts, right-padded responses), dropout off. In fp32 every layout must give
 HF's log-probs, and the same PPO metrics, grad norm and updated weights as (1,1,1); the critic starts at
 zero values and lowers its loss. In bf16 the same update agrees within what bf16 rounding explains (see
-BF16_* below). Three torchrun launches per dtype: 1, 2 (three layouts in turn) and 8 processes; in fp32 the
-(1,1,1) and (2,2,2) launches also train one actor per further policy loss (gspo, cispo, ...) and compare them.
+BF16_* below). Both dtypes run in the three torchrun launches (1, 2: three layouts in turn, and 8 processes)
+that tests/layout_grid.py shares with the offline grid; in fp32 the (1,1,1) and (2,2,2) layouts also train one
+actor per further policy loss (gspo, cispo, ...) and compare them.
 """
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from verl_mega.converters.parity import ROUNDING_SITES
-from verl_mega.parallel.spawn import run_torchrun
 
 from roles_worker import CORRECTION_CASES, POLICY_LOSS_CASES
 
 pytestmark = pytest.mark.slow
 
-LAUNCHES = {1: ["1,1"], 2: ["2,1", "1,2", "1,1"], 8: ["2,2"]}
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
 REL_TOL = 1e-5
 LOGPROB_ATOL = 1e-5  # every layout's log-probs equal transformers' within this (fp32)
@@ -57,29 +55,10 @@ def rel_diff(value, reference) -> float:
     return ((value - reference).norm() / reference.norm().clamp_min(1e-12)).item()
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """(root, HF folder) with root/ckpt/tp{T}pp{P} converted for every layout."""
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.models.tiny import make_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("roles")
-    hf_dir = make_tiny_hf_model(root / "hf", "qwen2", num_hidden_layers=2)
-    for tp, pp in {(tp, pp) for tp, pp, _ in LAYOUTS}:
-        convert_hf_to_mcore(hf_dir, root / "ckpt" / f"tp{tp}pp{pp}", tp=tp, pp=pp)
-    return root, hf_dir
-
-
-def run_layouts(root: Path, hf_dir: Path, dtype: str) -> dict:
-    """(tp, pp, dp) -> the last stage's saved results, with `weights` (and each further policy loss's) merged
-    over the pipeline stages."""
-    out = root / f"out_{dtype}"
-    out.mkdir()
-    tests_dir = str(Path(__file__).parent)
-    # roles_worker lives next to this file; the rest of PYTHONPATH keeps this checkout's verl_mega first.
-    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
-    for nproc, layouts in LAUNCHES.items():
-        run_torchrun(nproc, "roles_worker", [str(root / "ckpt"), str(hf_dir), str(out), dtype, *layouts], env=env)
+def role_results(grid: Path, dtype: str) -> dict:
+    """(tp, pp, dp) -> the last stage's saved results in `dtype`, with `weights` (and each further policy loss's)
+    merged over the pipeline stages."""
+    out = grid / "roles" / f"out_{dtype}"
     merged = {}
     for tp, pp, dp in LAYOUTS:
         stages = [torch.load(out / f"tp{tp}pp{pp}dp{dp}_stage{stage}.pt") for stage in range(pp)]
@@ -89,18 +68,18 @@ def run_layouts(root: Path, hf_dir: Path, dtype: str) -> dict:
             update["weights"] = {name: tensor for stage in stages
                                  for name, tensor in stage["loss_updates"][loss]["weights"].items()}
         merged[(tp, pp, dp)] = last
-    merged["hf_dir"] = hf_dir
+    merged["hf_dir"] = grid / "roles" / "hf"
     return merged
 
 
 @pytest.fixture(scope="module")
-def results(converted):
-    return run_layouts(*converted, "fp32")
+def results(layout_grid):
+    return role_results(layout_grid, "fp32")
 
 
 @pytest.fixture(scope="module")
-def bf16_results(converted):
-    return run_layouts(*converted, "bf16")
+def bf16_results(layout_grid):
+    return role_results(layout_grid, "bf16")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "tp{}pp{}dp{}".format(*layout))

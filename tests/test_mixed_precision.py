@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from verl_mega.parallel.spawn import run_torchrun
-from verl_mega.run import checkpoints as run_checkpoints
 
-from .test_resume import records, run, setup, train_command  # noqa: F401  (setup is a fixture)
+from trainer_runs import RUNS, records
 
 DP = 2
 
@@ -62,39 +61,25 @@ def test_fp32_main_weights_and_the_next_update_round_trip_bitwise(state_round_tr
     assert [name for name in straight if not torch.equal(straight[name], resumed[name])] == []
 
 
-def config_command(setup, run_dir, nproc, example, *overrides):
-    from verl_mega.demo import EXAMPLES
-
-    command = train_command(setup, run_dir, nproc, *overrides)
-    command[command.index("--config") + 1] = str(EXAMPLES / example)
-    return command
-
-
-RUNS = {"ppo_gae": "ppo_gae_demo.yaml", "grpo": "grpo_demo.yaml"}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", RUNS)
-def test_bf16_run_saves_resumes_at_another_layout_and_exports(setup, tmp_path, algorithm):
-    from megatron.core import dist_checkpointing
+def test_bf16_run_saves_resumes_at_another_layout_and_exports(bf16_layout_runs, tmp_path, algorithm):
+    """tests/trainer_runs.py's bf16 run at (2, 2, 2), resumed at (2, 1, 2) (the ppo_gae one shared with
+    tests/test_resume.py): fp32 main weights and moments beside bf16 model tensors, then an export in bf16."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     from verl_mega.cli import main as cli
 
-    run_dir = tmp_path / "run"
-    common = ["model.dtype=bf16", "data.batch_size=8", "actor.mini_batch_size=8", "critic.mini_batch_size=8"]
-    run(config_command(setup, run_dir, 8, RUNS[algorithm], "parallel.tp=2", "parallel.pp=2",
-                       "trainer.total_steps=2", *common))
-    (saved,) = run_checkpoints.complete_checkpoints(run_dir)
-    stored = dist_checkpointing.load_tensors_metadata(str(saved / "actor"))
-    assert stored["decoder.final_layernorm.weight"].dtype == torch.bfloat16
-    assert stored["optimizer.state.fp32_param.decoder.final_layernorm.weight"].dtype == torch.float32
-    assert stored["optimizer.state.exp_avg.decoder.final_layernorm.weight"].dtype == torch.float32
+    shared = bf16_layout_runs(algorithm)
+    run_dir = shared["run_dir"]
+    (saved,) = shared["first_checkpoints"]
+    stored = shared["stored_dtypes"]
+    assert stored["decoder.final_layernorm.weight"] == torch.bfloat16
+    assert stored["optimizer.state.fp32_param.decoder.final_layernorm.weight"] == torch.float32
+    assert stored["optimizer.state.exp_avg.decoder.final_layernorm.weight"] == torch.float32
 
-    resumed = run(config_command(setup, run_dir, 4, RUNS[algorithm], "parallel.tp=2", "parallel.pp=1",
-                                 "trainer.total_steps=4", *common))
-    assert f"resumed from {saved} at step 2" in resumed.stdout
+    assert f"resumed from {saved} at step 2" in shared["resumed"].stdout
     assert sorted(records(run_dir)) == [1, 2, 3, 4]
     assert all(all(map(_finite, record.values())) for record in records(run_dir).values())
 

@@ -9,31 +9,19 @@ micro-batch. Dropout off.
 - bf16, dense model: (2,1,1) vs (1,1,1), within what bf16 rounding explains (test_layout_invariance's bounds);
 - fp32, tiny Mixtral, routing replay: a drawn routing replayed at TP=2, PP=2 and EP=2 gives the log-probs (and,
   except at TP=2, the PPO update with its router mismatch) of (1,1,1), and log-probs other than the model's own.
-The distributed optimizer is on wherever DP > 1. Three torchrun launches (1, 2 and 8 processes); the 8-process
-one runs the (2,2,2) and (1,2,2,4) cases.
+The distributed optimizer is on wherever DP > 1. The cases (tests/layout_grid.py's OFFLINE_LAUNCHES) run in the
+three torchrun launches (1, 2 and 8 processes) shared with the role grid of tests/test_layout_invariance.py.
 """
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
+from layout_grid import DENSE, MOE, QWEN3_MOE
 from offline_roles_worker import case_name
-from verl_mega.parallel.spawn import run_torchrun
 
 from .test_layout_invariance import BF16_AGGREGATE_TOL, REL_TOL, bf16_weight_tol, rel_diff
 
 pytestmark = pytest.mark.slow
 
-DENSE, MOE, QWEN3_MOE = "qwen2", "mixtral", "qwen3_moe"
-# processes -> the worker's cases (MODEL:DTYPE:TP,PP,EP) that one launch runs in turn; DP = processes / (TP·PP).
-LAUNCHES = {
-    1: [f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,1", f"{DENSE}:bf16:1,1,1", f"{MOE}:fp32:1,1,1:replay",
-        f"{QWEN3_MOE}:fp32:1,1,1"],
-    2: [f"{DENSE}:fp32:2,1,1", f"{DENSE}:fp32:1,2,1", f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,2",
-        f"{DENSE}:bf16:2,1,1", f"{MOE}:fp32:2,1,1:replay", f"{MOE}:fp32:1,2,1:replay", f"{MOE}:fp32:1,1,2:replay"],
-    8: [f"{DENSE}:fp32:2,2,1", f"{QWEN3_MOE}:fp32:1,2,2"],
-}
 FP32_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]  # (tp, pp, dp), each against (1,1,1)
 BF16_LAYOUTS = [(1, 1, 1), (2, 1, 1)]
 UPDATE_STEPS = 1  # optimizer steps per update (mini-batch = the whole batch)
@@ -45,26 +33,9 @@ BF16_COMPARED = {"sft": ("loss", "grad_norm"), "dpo": ("grad_norm", "logps/chose
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(layout_grid):
     """case_name(...) -> that case's last-stage results, weights merged over the pipeline stages."""
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.models.tiny import make_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("offline_roles")
-    ckpt_root = root / "ckpt"
-    for model in (DENSE, MOE, QWEN3_MOE):
-        hf_dir = make_tiny_hf_model(root / "hf" / model, model, num_hidden_layers=2)
-        for case in (case for cases in LAUNCHES.values() for case in cases if case.startswith(f"{model}:")):
-            tp, pp, ep = (int(size) for size in case.split(":")[2].split(","))
-            target = ckpt_root / model / f"tp{tp}pp{pp}ep{ep}"
-            if not target.exists():
-                convert_hf_to_mcore(hf_dir, target, tp=tp, pp=pp, ep=ep)
-    out = root / "out"
-    out.mkdir()
-    tests_dir = str(Path(__file__).parent)
-    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
-    for nproc, cases in LAUNCHES.items():
-        run_torchrun(nproc, "offline_roles_worker", [str(ckpt_root), str(out), *cases], env=env)
+    out = layout_grid / "offline" / "out"
     merged = {}
     for path in out.glob("*_stage0.pt"):
         name = path.name[:-len("_stage0.pt")]

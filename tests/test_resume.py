@@ -1,53 +1,22 @@
 """Checkpoint and resume of the PPO trainer: exact after SIGKILL, at another layout, refusals."""
-import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from verl_mega.parallel.spawn import free_port
 from verl_mega.run import checkpoints as run_checkpoints
 
-NOT_COMPARED = ("timing/", "perf/", "val/seconds")  # wall-clock figures
+from trainer_runs import NOT_COMPARED  # noqa: F401  (other test files import it from here)
+from trainer_runs import PARTIAL_SAVE, PLANTED, make_inputs, records, run, train_command
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from verl_mega.data.synthetic import make_task_rows
-    from verl_mega.data.tables import write_rows
-    from verl_mega.models.tiny import make_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("resume")
-    hf = make_tiny_hf_model(root / "hf", "qwen2", vocab_size=64, num_hidden_layers=2)
-    data = write_rows(make_task_rows("copy", 64, seed=0, max_digits=2), root / "copy.jsonl")
-    return root, hf, data
-
-
-def train_command(setup, run_dir, nproc, *overrides):
-    from verl_mega.demo import EXAMPLES
-
-    root, hf, data = setup
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-            str(free_port()), "-m", "verl_mega.trainer.main", "--config", str(EXAMPLES / "ppo_gae_demo.yaml"),
-            f"model.hf_path={hf}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
-            "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", "critic.mini_batch_size=4",
-            "actor.micro_batch_size=2", "critic.micro_batch_size=2", "trainer.save_every=2", *overrides]
-
-
-def run(command):
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def records(run_dir):
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)}
-            for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return make_inputs(tmp_path_factory.mktemp("resume"))
 
 
 def final_actor_weights(run_dir) -> dict:
@@ -108,20 +77,19 @@ def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(setup, tmp_
 
 
 @pytest.mark.slow
-def test_resume_at_another_layout_and_partial_saves_are_ignored(setup, tmp_path):
-    run_dir = tmp_path / "run"
-    eight_prompts = ["data.batch_size=8", "actor.mini_batch_size=8", "critic.mini_batch_size=8"]
-    run(train_command(setup, run_dir, 8, "parallel.tp=2", "parallel.pp=2", "trainer.total_steps=2", *eight_prompts))
-    assert [p.name for p in run_checkpoints.complete_checkpoints(run_dir)] == ["step_000002"]
-    # A save killed half-way leaves only a temp folder behind.
-    partial = run_dir / "checkpoints" / ".step_000004.tmp"
-    (partial / "actor").mkdir(parents=True)
-    result = run(train_command(setup, run_dir, 4, "parallel.tp=2", "parallel.pp=1", "trainer.total_steps=3",
-                               *eight_prompts))
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_000002'} at step 2" in result.stdout
+def test_resume_at_another_layout_and_partial_saves_are_ignored(bf16_layout_runs):
+    """(2, 2, 2) for 2 steps, then (2, 1, 2) to step 4 beside a planted half-written save of step 4 (the bf16 PPO
+    run that tests/test_mixed_precision.py checks too): the resume starts from the complete step 2 and the step 4
+    save starts its temp folder afresh."""
+    record = bf16_layout_runs("ppo_gae")
+    run_dir = record["run_dir"]
+    assert [p.name for p in record["first_checkpoints"]] == ["step_000002"]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_000002'} at step 2" in record["resumed"].stdout
     steps = sorted(records(run_dir))
-    assert steps == [1, 2, 3]
+    assert steps == [1, 2, 3, 4]
     assert (run_dir / "final_actor" / "verl_mega_manifest.json").is_file()
+    assert not (run_dir / "checkpoints" / PARTIAL_SAVE).exists()
+    assert not (run_dir / "checkpoints" / "step_000004" / PLANTED).exists()
 
 
 @pytest.mark.slow

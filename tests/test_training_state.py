@@ -3,7 +3,8 @@
 Two torchrun launches of 8 processes on a 2-layer qwen2 with tied embeddings, for the plain and the
 distributed optimizer: the first runs update A at (TP, PP, DP) = (2, 2, 2), saves, runs update B; the second
 (a fresh process) loads the saved state at (2, 2, 2), (2, 1, 4) and (1, 2, 4) and runs update B. At the
-saving layout the resumed update must match bitwise; at the others, within REL_TOL.
+saving layout the resumed update must match bitwise; at the others, within REL_TOL. The first is a case of the
+layout grids' 8-process launch (tests/layout_grid.py), on the role grid's model and checkpoints.
 """
 import os
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from verl_mega.parallel.spawn import run_torchrun
+
+from layout_grid import SHARED_CASES
 
 SAVE_LAYOUT = (2, 2)
 OTHER_LAYOUTS = [(2, 1), (1, 2)]
@@ -33,23 +36,16 @@ def merged_stages(out: Path, name: str, pp: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(layout_grid):
     """'uninterrupted' and (tp, pp) -> kind -> {actor_metrics, critic_metrics, actor_weights, critic_weights}."""
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.models.tiny import make_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("training_state")
-    hf_dir = make_tiny_hf_model(root / "hf", "qwen2", num_hidden_layers=2)
-    assert _tied(hf_dir)
-    for tp, pp in [SAVE_LAYOUT, *OTHER_LAYOUTS]:
-        convert_hf_to_mcore(hf_dir, root / "ckpt" / f"tp{tp}pp{pp}", tp=tp, pp=pp)
-    out = root / "out"
-    out.mkdir()
+    ckpt_root, out = layout_grid / "roles" / "ckpt", layout_grid / "state"
+    assert _tied(layout_grid / "roles" / "hf")
+    assert "state_save:{},{}".format(*SAVE_LAYOUT) in SHARED_CASES[8], "the grid saves at SAVE_LAYOUT"
+    assert all((ckpt_root / f"tp{tp}pp{pp}").is_dir() for tp, pp in OTHER_LAYOUTS), "the role grid converts them"
     tests_dir = str(Path(__file__).parent)
     env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
     layouts = [f"{tp},{pp}" for tp, pp in [SAVE_LAYOUT, *OTHER_LAYOUTS]]
-    run_torchrun(8, "training_state_worker", ["save", str(root / "ckpt"), str(out), layouts[0]], env=env)
-    run_torchrun(8, "training_state_worker", ["resume", str(root / "ckpt"), str(out), *layouts], env=env)
+    run_torchrun(8, "training_state_worker", ["resume", str(ckpt_root), str(out), *layouts], env=env)
     results = {"uninterrupted": {kind: merged_stages(out, f"uninterrupted_{kind}", SAVE_LAYOUT[1]) for kind in KINDS},
                "wrong_model_refusal": torch.load(out / "wrong_model_refusal.pt")}
     for tp, pp in [SAVE_LAYOUT, *OTHER_LAYOUTS]:

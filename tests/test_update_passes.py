@@ -1,5 +1,6 @@
 """The actor's update does not depend on which passes computed its inputs, nor on how rows are grouped into
-micro-batches (tests/update_passes_worker.py under torchrun, 2 processes, tiny Qwen2, fp32).
+micro-batches (tests/update_passes_worker.py under torchrun, 2 processes, tiny Qwen2, fp32: a case of the layout
+grids' 2-process launch, tests/layout_grid.py, on the role grid's model and checkpoints).
 
 - The reference pass runs only when a KL term can be non-zero (fast, config only).
 - Old log-probs taken from the update's first forward (one epoch over one mini-batch) give bitwise the same
@@ -9,15 +10,13 @@ micro-batches (tests/update_passes_worker.py under torchrun, 2 processes, tiny Q
 - On the CPU every megatron linear layer adds its weight gradient into DDP's buffer inside the GEMM, and the
   update equals megatron's unfused path within the same rounding.
 """
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
 from verl_mega.config import TrainConfig
-from verl_mega.parallel.spawn import run_torchrun
 from verl_mega.trainer.rl import uses_reference
+
+from layout_grid import SHARED_CASES
 
 # The two runs compute the same sums in other orders and with other matrix shapes (other blockings). In fp32
 # (unit roundoff u = 2**-24 = 6e-8) a sum of n terms reordered moves by about sqrt(n) u relative to the sum of
@@ -37,23 +36,12 @@ def whole_update(weights: dict, initial: dict) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.models.tiny import make_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("passes")
-    hf_dir = make_tiny_hf_model(root / "hf", "qwen2", num_hidden_layers=2)
-    for tp in (1, 2):
-        convert_hf_to_mcore(hf_dir, root / "ckpt" / f"tp{tp}pp1", tp=tp, pp=1)
-    out = root / "out"
-    out.mkdir()
-    tests_dir = str(Path(__file__).parent)
-    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
-    run_torchrun(2, "update_passes_worker", [str(root / "ckpt"), str(hf_dir), str(out)], env=env)
-    results = {path.stem: torch.load(path) for path in out.glob("*.pt")}
+def results(layout_grid):
     from safetensors.torch import load_file
 
-    results["initial"] = load_file(hf_dir / "model.safetensors")
+    assert "update_passes" in SHARED_CASES[2]
+    results = {path.stem: torch.load(path) for path in (layout_grid / "passes").glob("*.pt")}
+    results["initial"] = load_file(layout_grid / "roles" / "hf" / "model.safetensors")
     return results
 
 

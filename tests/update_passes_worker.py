@@ -181,14 +181,18 @@ def fused_weight_gradients(ckpt_root: Path, out_dir: Path) -> None:
     dist.barrier()
 
 
-def main(argv: list[str]) -> None:
-    from verl_mega.parallel.state import destroy_parallel
-
-    ckpt_root, hf_dir, out_dir = (Path(arg) for arg in argv)
+def run_passes(ckpt_root: Path, hf_dir: Path, out_dir: Path) -> None:
+    """Every run above, in turn (also a case of tests/layout_grid_worker.py)."""
     skip_old_pass(ckpt_root, out_dir)
     temperature(ckpt_root, hf_dir, out_dir)
     token_budget(ckpt_root, out_dir)
     fused_weight_gradients(ckpt_root, out_dir)
+
+
+def main(argv: list[str]) -> None:
+    from verl_mega.parallel.state import destroy_parallel
+
+    run_passes(*(Path(arg) for arg in argv))
     destroy_parallel()
 
 

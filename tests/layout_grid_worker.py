@@ -1,0 +1,57 @@
+"""torchrun worker for the layout grids: one launch runs, in turn, the role cases of tests/roles_worker.py and the
+SFT / preference cases of tests/offline_roles_worker.py, so that each process pays megatron-core's start-up once
+for both grids (tests/layout_grid.py launches it).
+
+    layout_grid_worker ROOT CASE [CASE ...]
+
+a CASE being `roles:DTYPE:TP,PP` (ROOT/roles/ckpt/tp{TP}pp{PP}, results in ROOT/roles/out_{DTYPE}),
+`offline:MODEL:DTYPE:TP,PP,EP` (ROOT/offline/ckpt/MODEL/tp{TP}pp{PP}ep{EP}, results in ROOT/offline/out),
+`update_passes` (tests/update_passes_worker.py on the role grid's checkpoints, into ROOT/passes) or
+`state_save:TP,PP` (tests/training_state_worker.py's save phase on them, into ROOT/state). A case that raises
+stops the launch with an error naming that case.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import offline_roles_worker
+import roles_worker
+import training_state_worker
+import update_passes_worker
+
+
+def run_case(root: Path, case: str) -> None:
+    kind, *spec = case.split(":")
+    if kind == "roles":
+        dtype, sizes = spec
+        tp, pp = (int(size) for size in sizes.split(","))
+        roles = root / "roles"
+        roles_worker.run_layout(roles / "ckpt", roles / "hf", roles / f"out_{dtype}", dtype, tp, pp)
+    elif kind == "offline":
+        offline = root / "offline"
+        offline_roles_worker.run_named_case(offline / "ckpt", offline / "out", ":".join(spec))
+    elif kind == "update_passes":
+        update_passes_worker.run_passes(root / "roles" / "ckpt", root / "roles" / "hf", root / "passes")
+    elif kind == "state_save":
+        (sizes,) = spec
+        tp, pp = (int(size) for size in sizes.split(","))
+        training_state_worker.save_phase(root / "roles" / "ckpt", root / "state", tp, pp)
+    else:
+        raise ValueError(f"unknown case kind {kind!r} in {case!r}: roles, offline, update_passes or state_save")
+
+
+def main(argv: list[str]) -> None:
+    from verl_mega.parallel.state import destroy_parallel
+
+    root, *cases = argv
+    for case in cases:
+        try:
+            run_case(Path(root), case)
+        except Exception as error:
+            raise RuntimeError(f"layout grid case {case} failed: {error}") from error
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
