@@ -58,7 +58,7 @@ def _mixes_dense_and_moe_layers(hf_config: HFModelConfig, family: FamilySpec) ->
 
 def transformer_config(hf_config: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
                        dtype: str = "fp32", **overrides):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     params_dtype = DTYPES[dtype]
     on_gpu = torch.cuda.is_available()
@@ -97,7 +97,7 @@ def transformer_config(hf_config: HFModelConfig, family: FamilySpec, *, tp: int 
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
         )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if family.mla else TransformerConfig)(**kwargs)
 
 
 def layer_spec(family: FamilySpec, hf_config: HFModelConfig, config, implementation: str = "auto"):
@@ -149,7 +149,8 @@ def transformer_engine_available() -> bool:
 
 def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, padded_vocab: int,
                     pre_process: bool = True, post_process: bool = True, implementation: str = "auto"):
-    """This rank's GPTModel; RoPE frequencies are HF's, so any supported scaling matches exactly."""
+    """This rank's GPTModel; RoPE frequencies are HF's, so any supported scaling matches exactly (multi-latent
+    attention computes its own, YaRN included, in each layer)."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
@@ -164,7 +165,8 @@ def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, pad
         rotary_percent=hf_config.rotary_percent,
         rotary_base=int(hf_config.rope_theta) if float(hf_config.rope_theta).is_integer() else hf_config.rope_theta,
     )
-    model.rotary_pos_emb.inv_freq = rope_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
+    if not family.mla:
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
     if family.finish_model is not None:
         family.finish_model(model, hf_config)
     _fuse_rms_norm_backward(model)
