@@ -4,7 +4,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "gemma2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "gemma2", "deepseek_v3")
 
 
 @pytest.fixture(scope="session")

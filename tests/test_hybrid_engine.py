@@ -8,9 +8,11 @@ import pytest
 from verl_mega.parallel.spawn import run_torchrun
 
 FAMILIES = ("llama", "qwen2", "mixtral")
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
-# 8 heads over 4 query groups so that TP=4 holds whole groups and GQA is still exercised.
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")
+# 8 heads over 4 query groups so that TP=4 holds whole groups and GQA is still exercised; multi-latent attention
+# has as many key/value heads as query heads.
 TEST_SIZES = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+FAMILY_SIZES = {"deepseek_v3": dict(num_key_value_heads=8)}
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +20,8 @@ def hybrid_models(tmp_path_factory):
     from verl_mega.models.tiny import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("hybrid_models")
-    return {family: make_tiny_hf_model(root / family, family, **TEST_SIZES) for family in {*FAMILIES, *MOE_FAMILIES}}
+    return {family: make_tiny_hf_model(root / family, family, **{**TEST_SIZES, **FAMILY_SIZES.get(family, {})})
+            for family in {*FAMILIES, *MOE_FAMILIES}}
 
 
 def _converted(hybrid_models, tmp_path, tp: int, pp: int, ep: int = 1, families=FAMILIES) -> list[str]:
@@ -47,5 +50,10 @@ def test_regroup_matches_checkpoint_slices(hybrid_models, tmp_path, tp, pp, dp):
 
 @pytest.mark.slow
 def test_regroup_gathers_experts_over_expert_parallel_ranks(hybrid_models, tmp_path):
+    """DeepSeek-V3 also generates greedily as transformers does from the export: its router's expert bias (a
+    buffer, not a parameter) is streamed too."""
+    from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
+
     args = ["--tp", "1", "--pp", "1", *_converted(hybrid_models, tmp_path, 1, 1, ep=2, families=MOE_FAMILIES)]
-    run_torchrun(2, "tests.hybrid_worker", args)
+    exported = convert_mcore_to_hf(tmp_path / "deepseek_v3_tp1_pp1_ep2", tmp_path / "deepseek_v3_export")
+    run_torchrun(2, "tests.hybrid_worker", [*args, "--greedy", f"deepseek_v3={exported}"])

@@ -179,6 +179,14 @@ def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, pad
     return model
 
 
+def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """Name -> tensor for what a checkpoint of the model holds: its parameters and its saved buffers (the router's
+    expert bias, which megatron updates outside the gradient)."""
+    saved = model.state_dict(keep_vars=True)
+    buffers = {name: buffer for name, buffer in model.named_buffers() if name in saved}
+    return {**dict(model.named_parameters()), **buffers}
+
+
 def unwrap_model(model):
     """The GPTModel inside megatron's DDP / Float16Module wrappers."""
     while hasattr(model, "module"):

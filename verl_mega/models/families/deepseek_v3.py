@@ -136,6 +136,9 @@ def check_config(hf_config: HFModelConfig) -> None:
     _q_lora_rank(hf_config)
     if raw.get("rope_interleave", True) is not True:
         _refuse("rope_interleave", "must be true: megatron's MLA reads the rope dims in DeepSeek's interleaved layout")
+    if hf_config.num_kv_heads != hf_config.num_heads:
+        _refuse("num_key_value_heads", f"={hf_config.num_kv_heads} must equal num_attention_heads={hf_config.num_heads} "
+                "(multi-latent attention expands keys and values for every head)")
     if hf_config.attention_bias:
         _refuse("attention_bias", "must be false: megatron's MLA projections have no bias")
     if raw.get("scoring_func", "sigmoid") != "sigmoid":
