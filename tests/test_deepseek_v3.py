@@ -89,3 +89,16 @@ def test_yarn_is_refused_for_families_without_multi_latent_attention(tmp_path):
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}})
     with pytest.raises(ValueError, match="rope type 'yarn' is supported for multi-latent attention families"):
         convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
+
+
+def test_expert_bias_stays_fp32_in_a_bf16_checkpoint_and_its_export(tiny_hf, tmp_path):
+    """A bf16 bias would round away the small differences between experts that choose them."""
+    from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+    from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
+
+    convert_hf_to_mcore(tiny_hf, tmp_path / "ckpt", dtype="bf16")
+    exported = SafetensorsReader(convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "hf"))
+    original = SafetensorsReader(tiny_hf)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert exported.dtype(name) == torch.float32 and torch.equal(exported.read(name), original.read(name))
+    assert exported.dtype("model.layers.1.mlp.gate.weight") == torch.bfloat16

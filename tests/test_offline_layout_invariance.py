@@ -2,7 +2,8 @@
 the losses are normalised by the global batch's loss tokens / pairs, not per rank or micro-batch. Dropout off.
 
 - fp32, dense model: (TP, PP, DP) = (1,1,1) vs (2,1,1), (1,2,1), (1,1,2) and (2,2,2), within REL_TOL;
-- fp32, tiny Mixtral: expert parallel EP=2 (DP=2, distributed optimizer) vs EP=1, within REL_TOL;
+- fp32, tiny Mixtral and DeepSeek-V3 (whose router's expert bias megatron moves after the step): expert parallel
+  EP=2 (DP=2, distributed optimizer) vs EP=1, within REL_TOL;
 - bf16, dense model: (2,1,1) vs (1,1,1), within what bf16 rounding explains (test_layout_invariance's bounds).
 The distributed optimizer is on wherever DP > 1. Three torchrun launches (1, 2 and 8 processes); the 8-process
 one runs the (2,2,2) case alone.
@@ -20,12 +21,12 @@ from .test_layout_invariance import BF16_AGGREGATE_TOL, REL_TOL, bf16_weight_tol
 
 pytestmark = pytest.mark.slow
 
-DENSE, MOE = "qwen2", "mixtral"
+DENSE, MOE, MLA = "qwen2", "mixtral", "deepseek_v3"
 # processes -> the worker's cases (MODEL:DTYPE:TP,PP,EP) that one launch runs in turn; DP = processes / (TP·PP).
 LAUNCHES = {
-    1: [f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,1", f"{DENSE}:bf16:1,1,1"],
+    1: [f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,1", f"{DENSE}:bf16:1,1,1", f"{MLA}:fp32:1,1,1"],
     2: [f"{DENSE}:fp32:2,1,1", f"{DENSE}:fp32:1,2,1", f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,2",
-        f"{DENSE}:bf16:2,1,1"],
+        f"{DENSE}:bf16:2,1,1", f"{MLA}:fp32:1,1,2"],
     8: [f"{DENSE}:fp32:2,2,1"],
 }
 FP32_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]  # (tp, pp, dp), each against (1,1,1)
@@ -45,7 +46,7 @@ def results(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("offline_roles")
     ckpt_root = root / "ckpt"
-    for model in (DENSE, MOE):
+    for model in (DENSE, MOE, MLA):
         hf_dir = make_tiny_hf_model(root / "hf" / model, model, num_hidden_layers=2)
         for case in (case for cases in LAUNCHES.values() for case in cases if case.startswith(f"{model}:")):
             tp, pp, ep = (int(size) for size in case.split(":")[2].split(","))
@@ -92,9 +93,10 @@ def test_one_update_is_layout_invariant(results, layout, job):
 
 
 @pytest.mark.parametrize("job", ["sft", "dpo"])
-def test_one_moe_update_is_expert_parallel_invariant(results, job):
+@pytest.mark.parametrize("model", [MOE, MLA])
+def test_one_moe_update_is_expert_parallel_invariant(results, model, job):
     """Routing has no auxiliary loss and no token dropping here, so EP only moves where each expert runs."""
-    reference, result = results[case_name(MOE, "fp32", 1, 1, 1, 1)], results[case_name(MOE, "fp32", 1, 1, 2, 2)]
+    reference, result = results[case_name(model, "fp32", 1, 1, 1, 1)], results[case_name(model, "fp32", 1, 1, 2, 2)]
     assert any(".experts." in name for name in reference[f"{job}_weights"])
     compare_fp32(reference, result, job)
 

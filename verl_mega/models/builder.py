@@ -176,7 +176,17 @@ def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, pad
     # the optimizer's fp32 main weights and from the norms computing in fp32 (torch's rms_norm upcasts).
     # The RoPE frequencies are a plain attribute, not a buffer, and stay fp32.
     model.to(dtype=config.params_dtype)
+    _keep_expert_bias_fp32(model)
     return model
+
+
+def _keep_expert_bias_fp32(model) -> None:
+    """megatron keeps the router's expert bias (DeepSeek-V3) in fp32 and would switch it back at the first forward,
+    giving it new storage: done here instead, before anything (the HybridEngine) holds on to the tensor."""
+    for module in model.modules():
+        bias = getattr(module, "expert_bias", None)
+        if isinstance(bias, torch.Tensor) and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
 
 
 def checkpoint_tensors(model) -> dict[str, torch.Tensor]:

@@ -182,6 +182,8 @@ class TensorRule:
     `when`: a condition the tensor exists under: of the config ("qkv_bias", "untied") or of its layer
     ("moe_layer", "dense_layer", for families mixing both). `shape`: the whole (TP-merged) megatron tensor's
     shape for a config, for tensors the shared names of `expected_shapes` do not cover (None: those names').
+    `fp32`: stored in fp32 whatever the model's dtype (DeepSeek-V3's expert bias, as megatron and transformers
+    keep it: a bf16 bias would round away the small differences that choose the experts).
     """
 
     mcore: str
@@ -192,6 +194,11 @@ class TensorRule:
     fusion: Fusion | None = None
     when: str | None = None
     shape: Callable[[HFModelConfig], tuple[int, ...]] | None = field(default=None, compare=False)
+    fp32: bool = False
+
+    def stored_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype this tensor is stored in within a model or checkpoint of `dtype`."""
+        return torch.float32 if self.fp32 else dtype
 
     @property
     def per_layer(self) -> bool:

@@ -71,7 +71,7 @@ def _moe_rules() -> tuple[TensorRule, ...]:
         TensorRule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), when="moe_layer"),
         TensorRule(_L + "mlp.router.weight", (mlp + "gate.weight",), when="moe_layer"),
         TensorRule(_L + "mlp.router.expert_bias", (mlp + "gate.e_score_correction_bias",), when="moe_layer",
-                   shape=lambda c: (c.num_experts,)),
+                   shape=lambda c: (c.num_experts,), fp32=True),
         TensorRule(expert + "linear_fc1.weight", (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"), GATE_UP,
                    tp_dim=0, when="moe_layer", shape=lambda c: (2 * ffn(c), c.hidden_size)),
         TensorRule(expert + "linear_fc2.weight", (hf_expert + "down_proj.weight",), tp_dim=1, when="moe_layer",
