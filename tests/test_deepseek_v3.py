@@ -102,3 +102,13 @@ def test_expert_bias_stays_fp32_in_a_bf16_checkpoint_and_its_export(tiny_hf, tmp
     name = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert exported.dtype(name) == torch.float32 and torch.equal(exported.read(name), original.read(name))
     assert exported.dtype("model.layers.1.mlp.gate.weight") == torch.bfloat16
+
+
+def test_vllm_at_rollout_tp2_is_refused(tiny_hf):
+    """vLLM replicates the down-projections that megatron (and so the rollout-TP stream) splits."""
+    from verl_mega.rollout.engine import WeightFeed
+    from verl_mega.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match="^vLLM replicates deepseek_v3's q and kv down-projections .* use "
+                                         "rollout_tp=1 with vLLM$"):
+        VLLMEngine(tiny_hf, WeightFeed(2, 0, 384, 300), max_model_len=64)
