@@ -59,6 +59,13 @@ def to_canonical_name(name: str, moe: bool, mla: bool = False) -> str:
     return name
 
 
+def local_spellings(name: str) -> list[str]:
+    """The local layer spec's names a canonical name may stand for (megatron's local MLA spec, unlike its q/k/v one,
+    keeps them in dist checkpoints)."""
+    return [name[: -len(te_suffix)] + local_suffix for table in (_LOCAL_TO_TE, _MLA_LOCAL_TO_TE)
+            for local_suffix, te_suffix in table.items() if name.endswith("." + te_suffix)]
+
+
 def _layer_prefixes(names: Sequence[str], suffix: str) -> tuple[str, ...]:
     return tuple(name.removesuffix(suffix) for name in names if name.endswith("." + suffix))
 
