@@ -112,3 +112,22 @@ def test_vllm_on_cpu_is_refused_naming_the_engine(tiny_hf):
     with pytest.raises(ValueError, match="^vLLM's CPU build runs multi-latent attention .* use "
                                          "rollout.engine=embedded on CPU$"):
         VLLMEngine(tiny_hf, WeightFeed(1, 0, 384, 300), max_model_len=64)
+
+
+@pytest.mark.parametrize("layer, converts", [(4, True), (5, False)])
+def test_multi_token_prediction_layers_are_skipped(tiny_hf, tmp_path, layer, converts):
+    """DeepSeek-V3's checkpoints carry `num_nextn_predict_layers` (here 1) layers after the last: not converted."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_hf, hf_dir)
+    tensors = load_file(hf_dir / "model.safetensors")
+    tensors[f"model.layers.{layer}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    if converts:
+        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
+    else:
+        with pytest.raises(ValueError, match=f"tensor 'model.layers.{layer}.eh_proj.weight' is not part of a deepseek_v3"):
+            convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
