@@ -33,27 +33,26 @@ def _q_rows(hf_config: HFModelConfig) -> int:
 
 def _attention_rules() -> tuple[TensorRule, ...]:
     attn, mla = _H + "self_attn.", _L + "self_attention."
-    hidden = lambda c: c.hidden_size  # noqa: E731
     return (
-        TensorRule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), shape=lambda c: (hidden(c),)),
+        TensorRule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), shape=lambda c: (c.hidden_size,)),
         TensorRule(mla + "linear_q_proj.weight", (attn + "q_proj.weight",), tp_dim=0, when="q_full",
-                   shape=lambda c: (_q_rows(c), hidden(c))),
+                   shape=lambda c: (_q_rows(c), c.hidden_size)),
         # megatron's local spec makes both down-projections column-parallel (gathered after): rows split over TP.
         TensorRule(mla + "linear_q_down_proj.weight", (attn + "q_a_proj.weight",), tp_dim=0, when="q_lora",
-                   shape=lambda c: (_q_lora_rank(c), hidden(c))),
+                   shape=lambda c: (_q_lora_rank(c), c.hidden_size)),
         TensorRule(mla + "linear_q_up_proj.layer_norm_weight", (attn + "q_a_layernorm.weight",), when="q_lora",
                    shape=lambda c: (_q_lora_rank(c),)),
         TensorRule(mla + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), tp_dim=0, when="q_lora",
                    shape=lambda c: (_q_rows(c), _q_lora_rank(c))),
         TensorRule(mla + "linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), tp_dim=0,
-                   shape=lambda c: (_sizes(c)["kv_lora_rank"] + _sizes(c)["qk_rope_head_dim"], hidden(c))),
+                   shape=lambda c: (_sizes(c)["kv_lora_rank"] + _sizes(c)["qk_rope_head_dim"], c.hidden_size)),
         TensorRule(mla + "linear_kv_up_proj.layer_norm_weight", (attn + "kv_a_layernorm.weight",),
                    shape=lambda c: (_sizes(c)["kv_lora_rank"],)),
         TensorRule(mla + "linear_kv_up_proj.weight", (attn + "kv_b_proj.weight",), tp_dim=0,
                    shape=lambda c: (c.num_heads * (_sizes(c)["qk_nope_head_dim"] + _sizes(c)["v_head_dim"]),
                                     _sizes(c)["kv_lora_rank"])),
         TensorRule(mla + "linear_proj.weight", (attn + "o_proj.weight",), tp_dim=1,
-                   shape=lambda c: (hidden(c), c.num_heads * _sizes(c)["v_head_dim"])),
+                   shape=lambda c: (c.hidden_size, c.num_heads * _sizes(c)["v_head_dim"])),
     )
 
 
@@ -133,7 +132,7 @@ def _refuse(key: str, why: str) -> None:
 def check_config(hf_config: HFModelConfig) -> None:
     """What megatron's MLA and router cannot reproduce of transformers' DeepseekV3, refused up front."""
     raw, sizes = hf_config.raw, _sizes(hf_config)
-    _q_lora_rank(hf_config)
+    _q_lora_rank(hf_config)  # a positive integer or null
     if raw.get("rope_interleave", True) is not True:
         _refuse("rope_interleave", "must be true: megatron's MLA reads the rope dims in DeepSeek's interleaved layout")
     if hf_config.num_kv_heads != hf_config.num_heads:
