@@ -102,6 +102,14 @@ def check_hf_tensors(reader: SafetensorsReader, hf_config, family) -> None:
 
 
 def _unread_extra(name: str, hf_config) -> bool:
-    """Tensors some HF checkpoints carry that the model does not read: a tied LM head stored anyway, and the
-    RoPE frequencies older transformers versions saved as a buffer (recomputed from the config here)."""
-    return (hf_config.tie_word_embeddings and name == "lm_head.weight") or name.endswith(".rotary_emb.inv_freq")
+    """Tensors some HF checkpoints carry that the model does not read: a tied LM head stored anyway, the RoPE
+    frequencies older transformers versions saved as a buffer (recomputed from the config here), and DeepSeek-V3's
+    multi-token-prediction layers after the last one (`num_nextn_predict_layers`; transformers skips them too)."""
+    return (hf_config.tie_word_embeddings and name == "lm_head.weight") or name.endswith(".rotary_emb.inv_freq") \
+        or _prediction_layer(name, hf_config)
+
+
+def _prediction_layer(name: str, hf_config) -> bool:
+    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    extra = hf_config.raw.get("num_nextn_predict_layers") if hf_config.model_type == "deepseek_v3" else None
+    return layer.isdigit() and type(extra) is int and 0 <= int(layer) - hf_config.num_layers < extra

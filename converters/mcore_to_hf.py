@@ -22,7 +22,7 @@ from verl_mega.files.atomic import atomic_output_dir
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES
 from verl_mega.models.expected_shapes import mcore_shard_shape
-from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
+from verl_mega.models.sharding import fp32_hf_names, rank_slots, split_mcore_to_hf, strip_vocab_padding
 
 HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -48,10 +48,13 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], manifest: Manife
     dtype = dtype or manifest.dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    hf_config = HFModelConfig.from_dict(manifest.hf_config)
+    kept_fp32 = fp32_hf_names(hf_config, family_for(hf_config, manifest.family_spec, recorded=True))
     with atomic_output_dir(out_dir, overwrite, sources=sources) as tmp:
         writer = SafetensorsWriter(tmp, max_shard_bytes)
         for name, tensor in tensors:
-            writer.add(name, _finite(name, tensor, tensor.to(DTYPES[dtype]), dtype))
+            written = tensor.to(torch.float32 if name in kept_fp32 else DTYPES[dtype])
+            writer.add(name, _finite(name, tensor, written, dtype))
         writer.close()
         _write_hf_files(assets, manifest, tmp, dtype, keep_remote_code)
     return Path(out_dir)

@@ -5,7 +5,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "gemma2", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "gemma2", "qwen3_moe", "deepseek_v3")
 
 
 @pytest.fixture(scope="session")

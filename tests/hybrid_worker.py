@@ -22,6 +22,7 @@ import torch
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models.sharding import rank_slots, tp_part
+from verl_mega.models.builder import checkpoint_tensors
 from verl_mega.parallel.layout import rollout_vocab_rows
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -126,9 +127,9 @@ def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp:
         check_transition(engine, reader, hf_dir, cfg, family, manifest.padded_vocab_size, 0.0, label)
     if greedy_export:
         check_greedy_parity(engines[0], cfg, greedy_export, f"{family_name} tp={tp} pp={pp}")
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(TRAINING_STEP_SHIFT)
+    with torch.no_grad():  # a step moves the parameters and (DeepSeek-V3) the router's expert bias
+        for tensor in checkpoint_tensors(model).values():
+            tensor.add_(TRAINING_STEP_SHIFT)
     for engine in engines:
         label = f"{family_name} tp={tp} pp={pp} dp={layout.dp} ep={ep} -> t_g={engine.rollout_tp} after a step"
         check_transition(engine, reader, hf_dir, cfg, family, manifest.padded_vocab_size, TRAINING_STEP_SHIFT, label)

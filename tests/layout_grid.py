@@ -12,16 +12,17 @@ from pathlib import Path
 
 from verl_mega.parallel.spawn import run_torchrun
 
-DENSE, MOE, QWEN3_MOE = "qwen2", "mixtral", "qwen3_moe"
+DENSE, MOE, QWEN3_MOE, MLA = "qwen2", "mixtral", "qwen3_moe", "deepseek_v3"
 # processes -> (TP, PP) layouts of the role grid, run in each of ROLE_DTYPES; DP = processes / (TP·PP).
 ROLE_LAUNCHES = {1: ["1,1"], 2: ["2,1", "1,2", "1,1"], 8: ["2,2"]}
 ROLE_DTYPES = ("fp32", "bf16")
 # processes -> the offline grid's cases (MODEL:DTYPE:TP,PP,EP[:replay], see tests/offline_roles_worker.py).
 OFFLINE_LAUNCHES = {
     1: [f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,1", f"{DENSE}:bf16:1,1,1", f"{MOE}:fp32:1,1,1:replay",
-        f"{QWEN3_MOE}:fp32:1,1,1"],
+        f"{QWEN3_MOE}:fp32:1,1,1", f"{MLA}:fp32:1,1,1"],
     2: [f"{DENSE}:fp32:2,1,1", f"{DENSE}:fp32:1,2,1", f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,2",
-        f"{DENSE}:bf16:2,1,1", f"{MOE}:fp32:2,1,1:replay", f"{MOE}:fp32:1,2,1:replay", f"{MOE}:fp32:1,1,2:replay"],
+        f"{DENSE}:bf16:2,1,1", f"{MOE}:fp32:2,1,1:replay", f"{MOE}:fp32:1,2,1:replay", f"{MOE}:fp32:1,1,2:replay",
+        f"{MLA}:fp32:1,1,2"],
     8: [f"{DENSE}:fp32:2,2,1", f"{QWEN3_MOE}:fp32:1,2,2"],
 }
 
@@ -49,7 +50,7 @@ def convert_inputs(root: Path) -> None:
     for tp, pp in {tuple(map(int, layout.split(","))) for layouts in ROLE_LAUNCHES.values() for layout in layouts}:
         convert_hf_to_mcore(hf_dir, roles / "ckpt" / f"tp{tp}pp{pp}", tp=tp, pp=pp)
     offline = root / "offline"
-    for model in (DENSE, MOE, QWEN3_MOE):
+    for model in (DENSE, MOE, QWEN3_MOE, MLA):
         hf_dir = make_tiny_hf_model(offline / "hf" / model, model, num_hidden_layers=2)
         for case in (case for cases in OFFLINE_LAUNCHES.values() for case in cases if case.startswith(f"{model}:")):
             tp, pp, ep = (int(size) for size in case.split(":")[2].split(","))

@@ -150,7 +150,7 @@ def test_bf16_verify_fails_a_wrong_conversion(tiny_models, tmp_path, capsys):
 @pytest.mark.slow
 def test_torch_dist_round_trip_and_loads_at_another_layout(tiny_models, tmp_path):
     pairs = []
-    for family in ("llama", "qwen2", "mixtral"):
+    for family in ("llama", "qwen2", "mixtral", "deepseek_v3"):  # deepseek_v3: layers keyed apart, local MLA names
         ckpt = tmp_path / f"{family}-dist"
         manifest = convert_hf_to_mcore(tiny_models[family], ckpt, tp=2, pp=1, fmt="torch_dist")
         assert manifest.format == "torch_dist" and (ckpt / "iter_0000000" / "metadata.json").is_file()

@@ -13,9 +13,11 @@ import pytest
 from verl_mega.parallel.spawn import run_torchrun
 
 FAMILIES = ("llama", "qwen2", "mixtral")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# 8 heads over 4 query groups so that TP=4 holds whole groups and GQA is still exercised.
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+# 8 heads over 4 query groups so that TP=4 holds whole groups and GQA is still exercised; multi-latent attention
+# has as many key/value heads as query heads.
 TEST_SIZES = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+FAMILY_SIZES = {"deepseek_v3": dict(num_key_value_heads=8)}
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 2), (4, 1, 1)]  # (TP, PP, DP) of the dense families
 GREEDY_LAYOUT = (2, 2, 1)  # where the embedded engine's greedy generation is also compared
 EP_LAYOUT = (1, 1, 2)  # (TP, PP, EP) of the MoE families: expert parallel over 2 ranks
@@ -26,7 +28,8 @@ def hybrid_models(tmp_path_factory):
     from verl_mega.models.tiny import make_tiny_hf_model
 
     root = tmp_path_factory.mktemp("hybrid_models")
-    return {family: make_tiny_hf_model(root / family, family, **TEST_SIZES) for family in {*FAMILIES, *MOE_FAMILIES}}
+    return {family: make_tiny_hf_model(root / family, family, **{**TEST_SIZES, **FAMILY_SIZES.get(family, {})})
+            for family in {*FAMILIES, *MOE_FAMILIES}}
 
 
 def _converted(hybrid_models, root, tp: int, pp: int, ep: int = 1, families=FAMILIES) -> list[str]:
@@ -106,4 +109,6 @@ def test_regroup_matches_checkpoint_slices(outcomes, tp, pp, dp):
 
 @pytest.mark.slow
 def test_regroup_gathers_experts_over_expert_parallel_ranks(outcomes):
+    """Each MoE family then generates greedily as transformers does from its export; DeepSeek-V3's router's expert
+    bias (a buffer, not a parameter) is streamed too."""
     assert outcomes[EP_LAYOUT] is None, outcomes[EP_LAYOUT]

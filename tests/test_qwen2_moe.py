@@ -13,6 +13,7 @@ from verl_mega.models.tiny import make_tiny_hf_model
 
 from .faults.convert_tools import assert_wrong_shape_refused, edit_json
 from .test_convert import assert_same_tensors
+from .test_deepseek_v3 import VARIANTS as DEEPSEEK_VARIANTS
 
 # The other way round from the tiny model's defaults: renormalised top-k, every second layer MoE.
 VARIANT = dict(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[])
@@ -51,7 +52,10 @@ def test_logit_parity_at_expert_parallel_and_round_trip(tiny_models, tmp_path):
                "qwen2_moe-variant": make_tiny_hf_model(tmp_path / "variant", "qwen2_moe", seed=1, **VARIANT),
                "qwen3_moe": tiny_models["qwen3_moe"],
                "qwen3_moe-variant": make_tiny_hf_model(tmp_path / "qwen3_variant", "qwen3_moe", seed=1,
-                                                       **QWEN3_MOE_VARIANT)}
+                                                       **QWEN3_MOE_VARIANT),
+               "deepseek_v3": tiny_models["deepseek_v3"]}
+    for name, extra in DEEPSEEK_VARIANTS.items():  # sharing this launch: a torchrun start costs more than a model
+        sources[f"deepseek_v3-{name}"] = make_tiny_hf_model(tmp_path / name, "deepseek_v3", seed=1, **extra)
     pairs = []
     for name, hf_dir in sources.items():
         convert_hf_to_mcore(hf_dir, tmp_path / name, tp=2, ep=2)

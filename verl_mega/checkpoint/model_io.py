@@ -45,7 +45,7 @@ def hf_rank_state_dict(reader, hf_config, family, manifest: Manifest, tp_rank: i
     dtype = DTYPES[manifest.dtype]
     return {
         slot.local_name: merge_hf_to_mcore(slot, hf_config, reader, tp_rank, manifest.tp, manifest.padded_vocab_size)
-        .to(dtype).contiguous()
+        .to(slot.rule.stored_dtype(dtype)).contiguous()
         for slot in rank_slots(hf_config, family, pp_rank, manifest.pp, ep_rank, manifest.ep)
     }
 
@@ -59,9 +59,10 @@ def hf_rank_shard_plan(reader, hf_config, family, manifest: Manifest, tp_rank: i
     state_dict, streamed = {}, {}
     for slot in rank_slots(hf_config, family, pp_rank, manifest.pp, ep_rank, manifest.ep):
         pieces = shard_pieces(slot, hf_config, reader.shape, tp_rank, manifest.tp, manifest.padded_vocab_size)
-        if pieces is None or any(reader.dtype(piece.name) != dtype for piece in pieces):
+        stored = slot.rule.stored_dtype(dtype)
+        if pieces is None or any(reader.dtype(piece.name) != stored for piece in pieces):
             tensor = merge_hf_to_mcore(slot, hf_config, reader, tp_rank, manifest.tp,
-                                       manifest.padded_vocab_size).to(dtype)
+                                       manifest.padded_vocab_size).to(stored)
             owns_storage = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
             if not (owns_storage and tensor.is_contiguous()):  # a slice of an unfused tensor
                 tensor = tensor.clone(memory_format=torch.contiguous_format)
@@ -70,7 +71,7 @@ def hf_rank_shard_plan(reader, hf_config, family, manifest: Manifest, tp_rank: i
         shape = [sum(piece.rows for piece in pieces), *reader.shape(pieces[0].name)[1:]]
         if pieces[0].parts > 1:
             shape[1] //= pieces[0].parts
-        state_dict[slot.local_name] = torch.empty(shape, dtype=dtype)
+        state_dict[slot.local_name] = torch.empty(shape, dtype=stored)
         streamed[slot.local_name] = functools.partial(_write_pieces, reader, pieces)
     return state_dict, streamed
 

@@ -17,6 +17,7 @@ import torch
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.expected_shapes import mcore_shape
 from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
+from verl_mega.models.spec import local_spellings
 from verl_mega.parallel.world import single_process_world
 
 from .manifest import Manifest
@@ -78,19 +79,21 @@ def _check_dist_tensor(slot, hf_config, tensor: torch.Tensor, path: str) -> None
 
 
 def _dist_key(slot, metadata) -> tuple[str, tuple[int, ...]]:
-    """The stored key of a slot and its index in the layer (and expert) axes."""
+    """The stored key of a slot and its index in the layer (and expert) axes: layers stacked on one axis, or keyed
+    apart (megatron does so when dense and MoE layers mix)."""
     rule_name = slot.rule.mcore.replace("local_experts.{expert}", "experts")
-    expert = () if slot.expert is None else (slot.expert,)
-    stored = [(rule_name.replace(".{layer}", ""), tuple(i for i in (slot.layer, slot.expert) if i is not None))]
-    if slot.layer is not None:  # a model mixing dense and MoE layers is keyed layer by layer (`moe_layer_freq`)
-        stored.append((rule_name.replace("{layer}", str(slot.layer)), expert))
-    for key, index in stored:
-        # megatron's local spec saves an MoE layer's pre-MLP norm under the dense TE name.
-        for candidate in (key, key.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")):
+    stacked = rule_name.replace(".{layer}", "")
+    layouts = [(stacked, tuple(i for i in (slot.layer, slot.expert) if i is not None))]
+    if slot.layer is not None:
+        layouts.append((rule_name.replace("{layer}", str(slot.layer)), () if slot.expert is None else (slot.expert,)))
+    for key, index in layouts:
+        # megatron's local spec saves an MoE layer's pre-MLP norm under the dense TE name, and its MLA layers'
+        # norms under their local names.
+        for candidate in (key, key.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+                          *local_spellings(key)):
             if candidate in metadata:
                 return candidate, index
-    raise ValueError(f"dist checkpoint lacks '{stored[0][0]}' (for {slot.global_name}); it was written for another "
-                     "model")
+    raise ValueError(f"dist checkpoint lacks '{stacked}' (for {slot.global_name}); it was written for another model")
 
 
 @contextlib.contextmanager

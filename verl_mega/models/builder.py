@@ -58,7 +58,7 @@ def _mixes_dense_and_moe_layers(hf_config: HFModelConfig, family: FamilySpec) ->
 
 def transformer_config(hf_config: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
                        dtype: str = "fp32", **overrides):
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     params_dtype = DTYPES[dtype]
     on_gpu = torch.cuda.is_available()
@@ -97,7 +97,7 @@ def transformer_config(hf_config: HFModelConfig, family: FamilySpec, *, tp: int 
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
         )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if family.mla else TransformerConfig)(**kwargs)
 
 
 def layer_spec(family: FamilySpec, hf_config: HFModelConfig, config, implementation: str = "auto"):
@@ -149,7 +149,8 @@ def transformer_engine_available() -> bool:
 
 def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, padded_vocab: int,
                     pre_process: bool = True, post_process: bool = True, implementation: str = "auto"):
-    """This rank's GPTModel; RoPE frequencies are HF's, so any supported scaling matches exactly."""
+    """This rank's GPTModel; RoPE frequencies are HF's, so any supported scaling matches exactly (multi-latent
+    attention computes its own, YaRN included, in each layer)."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
@@ -164,7 +165,8 @@ def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, pad
         rotary_percent=hf_config.rotary_percent,
         rotary_base=int(hf_config.rope_theta) if float(hf_config.rope_theta).is_integer() else hf_config.rope_theta,
     )
-    model.rotary_pos_emb.inv_freq = rope_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
+    if not family.mla:
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)
     if family.finish_model is not None:
         family.finish_model(model, hf_config)
     _fuse_rms_norm_backward(model)
@@ -174,7 +176,25 @@ def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, pad
     # the optimizer's fp32 main weights and from the norms computing in fp32 (torch's rms_norm upcasts).
     # The RoPE frequencies are a plain attribute, not a buffer, and stay fp32.
     model.to(dtype=config.params_dtype)
+    _keep_expert_bias_fp32(model)
     return model
+
+
+def _keep_expert_bias_fp32(model) -> None:
+    """megatron keeps the router's expert bias (DeepSeek-V3) in fp32 and would switch it back at the first forward,
+    giving it new storage: done here instead, before anything (the HybridEngine) holds on to the tensor."""
+    for module in model.modules():
+        bias = getattr(module, "expert_bias", None)
+        if isinstance(bias, torch.Tensor) and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
+
+
+def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """Name -> tensor for what a checkpoint of the model holds: its parameters and its saved buffers (the router's
+    expert bias, which megatron updates outside the gradient)."""
+    saved = model.state_dict(keep_vars=True)
+    buffers = {name: buffer for name, buffer in model.named_buffers() if name in saved}
+    return {**dict(model.named_parameters()), **buffers}
 
 
 def unwrap_model(model):

@@ -59,7 +59,7 @@ class HFModelConfig:
             raise ValueError(f"config.json of model_type '{model_type}' lacks the key {missing}") from None
         _check_sizes(raw)
         theta, scaling = _rope_fields(raw)
-        num_experts = raw.get("num_local_experts") or raw.get("num_experts")
+        num_experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
         return cls(
             model_type=model_type,
             hidden_size=hidden,
@@ -95,7 +95,7 @@ class HFModelConfig:
 # Sizes every reader divides or allocates by; a string, a bool, zero or a negative number is a broken config.
 _POSITIVE_INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                       "intermediate_size", "vocab_size", "max_position_embeddings", "num_local_experts",
-                      "num_experts", "num_experts_per_tok")
+                      "num_experts", "n_routed_experts", "num_experts_per_tok")
 _NUMBER_KEYS = ("rms_norm_eps", "partial_rotary_factor")  # rope_theta: `_check_rope`, wherever it is given
 
 
@@ -164,7 +164,9 @@ def _typed_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
 
 # The fields each supported RoPE type reads, beyond theta.
 _ROPE_FIELDS = {"default": (), "linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                # Multi-latent attention families only (families.load_hf_model_config): megatron's MLA computes it.
+                "yarn": ("factor", "original_max_position_embeddings")}
 ROPE_TYPES = tuple(_ROPE_FIELDS)
 
 

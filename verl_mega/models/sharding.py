@@ -73,6 +73,11 @@ def rank_slots(hf_config: HFModelConfig, family: FamilySpec, pp_rank: int = 0, p
                 )
 
 
+def fp32_hf_names(hf_config: HFModelConfig, family: FamilySpec) -> set[str]:
+    """The HF tensors stored in fp32 whatever the model's dtype (`TensorRule.fp32`)."""
+    return {name for slot in rank_slots(hf_config, family) if slot.rule.fp32 for name in slot.hf_names}
+
+
 def tp_part(tensor: torch.Tensor, dim: int | None, part: int, parts: int) -> torch.Tensor:
     if dim is None or parts == 1:
         return tensor

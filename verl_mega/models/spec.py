@@ -37,24 +37,46 @@ _LOCAL_TO_TE = {
 }
 
 
+# Multi-latent attention (DeepSeek-V3): transformer-engine keeps the input norm a module of its own and fuses the
+# q and kv latent norms into the up-projections that follow them.
+_MLA_LOCAL_TO_TE = {
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
 _ROUTER = "mlp.router.weight"
+_MLA_MARK = "self_attention.linear_kv_down_proj.weight"
 
 
-def to_canonical_name(name: str, moe: bool) -> str:
+def to_canonical_name(name: str, moe: bool, mla: bool = False) -> str:
     """The dist-checkpoint / transformer-engine name of a parameter named by the local layer spec;
-    `moe`: the parameter belongs to an MoE layer."""
-    for local_suffix, te_suffix in _LOCAL_TO_TE.items():
+    `moe`: the parameter belongs to an MoE layer; `mla`: to a multi-latent attention layer."""
+    for local_suffix, te_suffix in (_MLA_LOCAL_TO_TE if mla else _LOCAL_TO_TE).items():
         if name.endswith("." + local_suffix) and not (moe and local_suffix.startswith("pre_mlp")):
             return name[: -len(local_suffix)] + te_suffix
     return name
 
 
+def local_spellings(name: str) -> list[str]:
+    """The local layer spec's names a canonical name may stand for (megatron's local MLA spec, unlike its q/k/v one,
+    keeps them in dist checkpoints)."""
+    return [name[: -len(te_suffix)] + local_suffix for table in (_LOCAL_TO_TE, _MLA_LOCAL_TO_TE)
+            for local_suffix, te_suffix in table.items() if name.endswith("." + te_suffix)]
+
+
+def _layer_prefixes(names: Sequence[str], suffix: str) -> tuple[str, ...]:
+    return tuple(name.removesuffix(suffix) for name in names if name.endswith("." + suffix))
+
+
 def canonical_names(names: Iterable[str]) -> dict[str, str]:
     """Local-spec name -> canonical name for every parameter of one model; a layer is MoE when it has a router
-    (families may mix dense and MoE layers)."""
+    (families may mix dense and MoE layers), multi-latent attention when it has MLA's kv down-projection."""
     names = [name for name in names if not name.endswith("_extra_state")]
-    moe_layer_prefixes = tuple(name.removesuffix(_ROUTER) for name in names if name.endswith("." + _ROUTER))
-    return {name: to_canonical_name(name, bool(moe_layer_prefixes) and name.startswith(moe_layer_prefixes))
+    moe_layers, mla_layers = _layer_prefixes(names, _ROUTER), _layer_prefixes(names, _MLA_MARK)
+    return {name: to_canonical_name(name, bool(moe_layers) and name.startswith(moe_layers),
+                                    bool(mla_layers) and name.startswith(mla_layers))
             for name in names}
 
 
@@ -183,6 +205,8 @@ class TensorRule:
     `when`: a condition the tensor exists under: of the config ("qkv_bias", "untied") or of its layer
     ("moe_layer", "dense_layer", for families mixing both). `shape`: the whole (TP-merged) megatron tensor's
     shape for a config, for tensors the shared names of `expected_shapes` do not cover (None: those names').
+    `fp32`: stored in fp32 whatever the model's dtype (DeepSeek-V3's expert bias, as megatron and transformers
+    keep it: a bf16 bias would round away the small differences that choose the experts).
     """
 
     mcore: str
@@ -193,6 +217,11 @@ class TensorRule:
     fusion: Fusion | None = None
     when: str | None = None
     shape: Callable[[HFModelConfig], tuple[int, ...]] | None = field(default=None, compare=False)
+    fp32: bool = False
+
+    def stored_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype this tensor is stored in within a model or checkpoint of `dtype`."""
+        return torch.float32 if self.fp32 else dtype
 
     @property
     def per_layer(self) -> bool:
@@ -225,6 +254,12 @@ class FamilySpec:
     origin: str | None = field(default=None, compare=False)
     # Stacked spellings of the experts an HF checkpoint may use instead of the rules' per-expert names.
     expert_stacks: tuple[ExpertStack, ...] = ()
+    # Multi-latent attention (megatron's MLATransformerConfig and MLA layer spec) instead of q/k/v attention.
+    mla: bool = False
+    # Conditions of the family's own config keys that rules name in `when` (e.g. "q_lora"): config -> {name: holds}.
+    conditions: Callable[[HFModelConfig], dict[str, bool]] | None = None
+    # Refuses, with a one-line ValueError, a config the family's megatron mapping cannot reproduce.
+    check_config: Callable[[HFModelConfig], None] | None = None
 
     def has_qkv_bias(self, hf_config: HFModelConfig) -> bool:
         return self.qkv_bias or hf_config.attention_bias
@@ -243,7 +278,8 @@ class FamilySpec:
                      head_rules: Sequence[TensorRule] | None = None) -> list[TensorRule]:
         """The rules of the tensors `hf_config` has; `head_rules` replace the LM head (None: keep it). Rules conditioned
         on a layer's kind are kept (see `rule_in_layer`)."""
-        conditions = {"qkv_bias": self.has_qkv_bias(hf_config), "untied": not hf_config.tie_word_embeddings}
+        conditions = {"qkv_bias": self.has_qkv_bias(hf_config), "untied": not hf_config.tie_word_embeddings,
+                      **(self.conditions(hf_config) if self.conditions is not None else {})}
         rules = [r for r in self.rules if r.when is None or r.when in LAYER_CONDITIONS or conditions[r.when]]
         if head_rules is None:
             return rules

@@ -57,6 +57,7 @@ def apply_shims() -> None:
         return
     _applied = True
     _fix_moe_router_without_transformer_engine()
+    _fix_mla_without_transformer_engine()
     if not torch.cuda.is_available():
         _apply_cpu_shims()
 
@@ -114,6 +115,16 @@ def _fix_moe_router_without_transformer_engine() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _fix_mla_without_transformer_engine() -> None:
+    # multi_latent_attention sets HAVE_TE when megatron's transformer-engine extension imports, which it does without
+    # transformer-engine (its TELinear is then a MagicMock, which isinstance refuses as a type).
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
 
 
 def _apply_cpu_shims() -> None:

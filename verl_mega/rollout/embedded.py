@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 import torch
 
 from verl_mega.data.padding import pad_rows
+from verl_mega.models.builder import checkpoint_tensors
 from verl_mega.parallel.shims import cuda_device_rewrite_paused
 
 from .decode_attention import use_decode_attention
@@ -44,7 +45,7 @@ class EmbeddedEngine(RolloutEngine):
         self._pad = config.pad_token_id if config.pad_token_id is not None else (self._eos or [0])[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        loaded, params = set(), dict(self.model.named_parameters())
+        loaded, params = set(), checkpoint_tensors(self.model)
         with torch.no_grad(), cuda_device_rewrite_paused():
             for name, tensor in weights:
                 target = self._targets.get(name)
@@ -112,9 +113,10 @@ class _Target:
 
 
 def _checkpoint_targets(model: torch.nn.Module) -> dict[str, _Target]:
-    """Checkpoint name -> its place in the model's parameters (tied lm_head appears once, as embed_tokens)."""
+    """Checkpoint name -> its place in the model's parameters and saved buffers (DeepSeek-V3's expert-bias
+    correction); the tied lm_head appears once, as embed_tokens."""
     targets = {}
-    for name, param in model.named_parameters():
+    for name, param in checkpoint_tensors(model).items():
         checkpoint_name = _renamed_only(model, name, param)
         if checkpoint_name is None:
             targets.update(_probed_targets(model, name, param))

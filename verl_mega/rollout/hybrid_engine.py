@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from verl_mega.models.builder import unwrap_model
+from verl_mega.models.builder import checkpoint_tensors, unwrap_model
 from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
 from verl_mega.models.spec import SAME, FamilySpec, TensorRule, canonical_names
@@ -105,8 +105,7 @@ class HybridEngine:
     # --- set-up -------------------------------------------------------------------------------------
 
     def _own_shards(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        model = unwrap_model(model)
-        params = dict(model.named_parameters())
+        params = checkpoint_tensors(unwrap_model(model))
         by_local = {canonical: params[name] for name, canonical in canonical_names(params).items()}
         layout = self.layout
         shards = {}

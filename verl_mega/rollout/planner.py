@@ -81,20 +81,22 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     check_model_fit(hf_config, train_tp, train_pp, ep, names)
     placements = [rollout_placement(rank, world_size, train_tp, rollout_tp) for rank in range(world_size)]
     hf_shapes = expected_hf_shapes(hf_config, family)
-    item = DTYPES[dtype].itemsize
     padded_vocab = padded_vocab_size(hf_config.vocab_size, train_tp, make_vocab_size_divisible_by)
     micro_dp = placements[0].micro_dp
+
+    def item(slot) -> int:  # a tensor kept in fp32 (DeepSeek-V3's expert bias) is so in any model dtype
+        return slot.rule.stored_dtype(DTYPES[dtype]).itemsize
 
     def shard_bytes(slot) -> int:
         numel = sum(math.prod(hf_shapes[name]) for name in slot.hf_names)
         if slot.rule.vocab:
             numel = numel // hf_config.vocab_size * padded_vocab
-        return numel * item // (train_tp if slot.rule.tp_dim is not None else 1)
+        return numel * item(slot) // (train_tp if slot.rule.tp_dim is not None else 1)
 
     transfers = [(stage, owner_ep, slot, shard_bytes(slot))
                  for stage, owner_ep, slot in transfer_order(hf_config, family, train_pp, ep)]
-    model_bytes = sum(math.prod(hf_shapes[n]) for _, _, slot, _ in transfers for n in slot.hf_names) * item
-    largest = max(math.prod(hf_shapes[n]) for _, _, slot, _ in transfers for n in slot.hf_names) * item
+    model_bytes = sum(math.prod(hf_shapes[n]) * item(slot) for _, _, slot, _ in transfers for n in slot.hf_names)
+    largest = max(math.prod(hf_shapes[n]) * item(slot) for _, _, slot, _ in transfers for n in slot.hf_names)
 
     ranks = []
     for rank, placement in enumerate(placements):

