@@ -1,8 +1,10 @@
-"""The few places where megatron-core 0.16 assumes CUDA or transformer-engine, made to run without them.
+"""The few places where megatron-core assumes CUDA or transformer-engine, made to run without them.
 
 `apply_shims()` changes nothing on a GPU node with transformer-engine, so such runs execute unmodified
 megatron-core. On CPU each patch below stands in for one CUDA assumption, and its comment names the
-megatron-core 0.16 code it stands in for and what fails without it.
+megatron-core code it stands in for and what fails without it. Each holds for every supported release (0.16.1 up
+to 0.19.x, `megatron_versions.SUPPORTED`) unless its comment names the releases that need it; a patch that only
+some releases need asks `megatron_versions.since`.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from . import megatron_versions
 
 _applied = False
 _device_mode: TorchFunctionMode | None = None  # the process-wide mode below, once the CPU shims are applied
@@ -105,7 +109,10 @@ class _WeightGradientIntoMainGrad:
 
 
 def _fix_moe_router_without_transformer_engine() -> None:
-    # moe_utils leaves `te_general_gemm` undefined (not None) when transformer-engine is absent.
+    # megatron-core 0.16's moe_utils leaves `te_general_gemm` undefined (not None) when transformer-engine is
+    # absent; 0.17 and newer set it to None themselves.
+    if megatron_versions.since("moe_utils_defines_te_general_gemm"):
+        return
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
