@@ -129,6 +129,10 @@ def _apply_cpu_shims() -> None:
     torch.cuda.current_device = lambda: "cpu"
     # Called after pipeline shape exchange and around checkpoint saving.
     torch.cuda.synchronize = lambda device=None: None
+    # From 0.19 on, DDP's grad sync (param_and_grad_buffer.start_grad_sync) waits on the current stream's CUDA
+    # graph events at every step (0.17 and 0.18 only with several distributed-optimizer instances and overlap):
+    # torch's CPU stream, whose waits are no-ops, stands in.
+    torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
     # The model-parallel RNG tracker forks "CUDA" RNG states even with dropout 0: back them with the CPU RNG.
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.manual_seed = torch.manual_seed
