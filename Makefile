@@ -68,7 +68,9 @@ test-fast: $(STAMP)
 # requirements.txt's 0.16.1, in a second venv made on first use like .venv: requirements.txt's pins but
 # megatron-core's, on Python 3.12 (megatron-core 0.17 and newer require it; PYTHON_3_12 names another). The
 # kernels build there too, into the same source folder under their Python's own file name (setup.py).
-# VERL_MEGA_REQUIRE_VLLM is cleared: vLLM's CPU build is installed in .venv only.
+# VERL_MEGA_REQUIRE_VLLM is cleared: vLLM's CPU build is installed in .venv only. The fast suite runs one
+# process per test, so test_update_passes' slow cases (two processes, about 40 s) follow: they take megatron's
+# DDP gradient sync and distributed optimizer through a step, where 0.19 first needed a new CPU shim.
 MCORE_NEWEST_VENV := .venv-mcore-newest
 MCORE_NEWEST_PY := $(MCORE_NEWEST_VENV)/bin/python
 MCORE_NEWEST_STAMP := $(MCORE_NEWEST_VENV)/.installed
@@ -87,6 +89,7 @@ venv-mcore-newest: $(MCORE_NEWEST_STAMP)
 
 test-mcore-newest: $(MCORE_NEWEST_STAMP)
 	OMP_NUM_THREADS=1 VERL_MEGA_REQUIRE_VLLM= $(MCORE_NEWEST_PY) -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(MCORE_NEWEST_PY) -m pytest -q -m slow tests/test_update_passes.py
 
 # CI check of the CUDA kernels where nothing can run them: every csrc/*.cu compiles for sm_90 (H100/H200).
 # They include no torch headers, so this takes seconds; skipped where nvcc is not on PATH.
