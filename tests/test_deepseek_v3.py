@@ -87,7 +87,7 @@ def test_yarn_is_refused_for_families_without_multi_latent_attention(tmp_path):
     hf_dir = make_tiny_hf_model(tmp_path / "hf", "llama", tokenizer=False)
     edit_json(hf_dir / "config.json", lambda config: {**config, "rope_parameters": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}})
-    with pytest.raises(ValueError, match="rope type 'yarn' is supported for multi-latent attention families"):
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported for llama, only for the multi-latent attention"):
         convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
 
 

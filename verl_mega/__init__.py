@@ -3,36 +3,25 @@
 The Python API (`verl_mega.Trainer`, `verl_mega.load_policy`, see `verl_mega/api.py`) is imported on first
 use, so `import verl_mega` stays cheap for the command line and the launchers.
 
-The package calls megatron-core 0.16's internals (its optimizer's per-parameter state, its dist-checkpoint
-metadata, its CPU-unfriendly corners patched in `parallel/shims.py`), so another megatron-core is refused
-here, at import, with one line, rather than deep inside a training step.
+The package calls megatron-core's internals (its optimizer's per-parameter state, its dist-checkpoint
+metadata, its CPU-unfriendly corners patched in `parallel/shims.py`), so a megatron-core outside the releases it is
+tested against (`parallel/megatron_versions.py`: 0.16.1 up to 0.19.x) is refused here, at import, with one line,
+rather than deep inside a training step.
 """
 import importlib
 import os
 import warnings
-from importlib.metadata import PackageNotFoundError, version
 
-SUPPORTED_MEGATRON_CORE = "0.16."
+from verl_mega.parallel import megatron_versions
 
-
-def _check_megatron_core() -> None:
-    try:
-        found = version("megatron-core")
-    except PackageNotFoundError:
-        found = None
-    if found is None or not found.startswith(SUPPORTED_MEGATRON_CORE):
-        raise ImportError(f"verl_mega needs megatron-core {SUPPORTED_MEGATRON_CORE}x (found {found or 'none'}): "
-                          "pip install 'megatron-core==0.16.1'")
-
-
-_check_megatron_core()
+megatron_versions.check_installed()
 
 # Output every rank would repeat without telling the user anything: megatron-core's notices that it falls back
-# from apex / transformer-engine (expected on CPU and with the local layer spec), a deprecation megatron
-# triggers in its own config, torch's deprecation of a collective megatron calls, and transformers' progress
-# bars for each (tiny) load. Set HF_HUB_DISABLE_PROGRESS_BARS=0 to see the bars again.
-for _message in (r".*(Apex|Transformer Engine).* (is|are) not installed", r"full scope is deprecated",
-                 r"`torch\.distributed\.all_gather_into_tensor` is deprecated"):
+# from apex / transformer-engine (expected on CPU and with the local layer spec) and, from 0.17 on, from absl's
+# logging, a deprecation megatron triggers in its own config, torch's deprecation of a collective megatron calls,
+# and transformers' progress bars for each (tiny) load. Set HF_HUB_DISABLE_PROGRESS_BARS=0 to see the bars again.
+for _message in (r".*(Apex|Transformer Engine).* (is|are) not installed", r"absl\.logging is not installed",
+                 r"full scope is deprecated", r"`torch\.distributed\.all_gather_into_tensor` is deprecated"):
     warnings.filterwarnings("ignore", message=_message)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 

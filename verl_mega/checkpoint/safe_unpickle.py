@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from verl_mega.parallel import megatron_versions
+
 # Modules whose own classes (dataclasses and enums, no behaviour on construction) make up the metadata.
 _CLASS_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _SINGLE_GLOBALS = {
@@ -88,18 +90,26 @@ def guard_dist_checkpoint_reads() -> None:
 
 
 def _guard_common_state_reads() -> None:
-    """megatron's `common.pt` read weights-only whatever the environment says."""
-    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+    """megatron's `common.pt` read weights-only whatever the environment says, by the reader its release has
+    (parallel/megatron_versions.py). 0.19 writes the common state into the dist checkpoint itself, read through
+    the byte-item guard above, and reads common.pt only in checkpoints written before it."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import common
 
-    megatrons_load_common = TorchCommonLoadStrategy.load_common
-
-    def load_common(self, checkpoint_dir):
-        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+    def read_common(checkpoint_dir, megatrons_read):
+        path = Path(checkpoint_dir) / common.COMMON_STATE_FNAME
         if not path.is_file():  # megatron's own error for a missing file
-            return megatrons_load_common(self, checkpoint_dir)
+            return megatrons_read(checkpoint_dir)
         return load_weights_only(path, str(path))
 
-    TorchCommonLoadStrategy.load_common = load_common
+    if megatron_versions.since("common_state_reader_is_a_function"):
+        megatrons_function = common.load_common
+        common.load_common = serialization.load_common = functools.partial(read_common,
+                                                                           megatrons_read=megatrons_function)
+    else:
+        megatrons_method = common.TorchCommonLoadStrategy.load_common
+        common.TorchCommonLoadStrategy.load_common = (
+            lambda self, checkpoint_dir: read_common(checkpoint_dir, functools.partial(megatrons_method, self)))
 
 
 def load_weights_only(source, what: str):

@@ -1,8 +1,10 @@
-"""The few places where megatron-core 0.16 assumes CUDA or transformer-engine, made to run without them.
+"""The few places where megatron-core assumes CUDA or transformer-engine, made to run without them.
 
 `apply_shims()` changes nothing on a GPU node with transformer-engine, so such runs execute unmodified
 megatron-core. On CPU each patch below stands in for one CUDA assumption, and its comment names the
-megatron-core 0.16 code it stands in for and what fails without it.
+megatron-core code it stands in for and what fails without it. Each holds for every supported release (0.16.1 up
+to 0.19.x, `megatron_versions.SUPPORTED`) unless its comment names the releases that need it; a patch that only
+some releases need asks `megatron_versions.since`.
 
 Routing replay needs no patch: it sets megatron-core's own `TopKRouter.router_replay` hook (the object whose
 `get_replay_topk` the unfused top-k routing calls; 0.16 and Megatron-LM's main of Aug 2026, 0.20, alike), on
@@ -16,6 +18,8 @@ import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from . import megatron_versions
 
 _applied = False
 _device_mode: TorchFunctionMode | None = None  # the process-wide mode below, once the CPU shims are applied
@@ -110,7 +114,10 @@ class _WeightGradientIntoMainGrad:
 
 
 def _fix_moe_router_without_transformer_engine() -> None:
-    # moe_utils leaves `te_general_gemm` undefined (not None) when transformer-engine is absent.
+    # megatron-core 0.16's moe_utils leaves `te_general_gemm` undefined (not None) when transformer-engine is
+    # absent; 0.17 and newer set it to None themselves.
+    if megatron_versions.since("moe_utils_defines_te_general_gemm"):
+        return
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -137,6 +144,10 @@ def _apply_cpu_shims() -> None:
     torch.cuda.current_device = lambda: "cpu"
     # Called after pipeline shape exchange and around checkpoint saving.
     torch.cuda.synchronize = lambda device=None: None
+    # From 0.19 on, DDP's grad sync (param_and_grad_buffer.start_grad_sync) waits on the current stream's CUDA
+    # graph events at every step (0.17 and 0.18 only with several distributed-optimizer instances and overlap):
+    # torch's CPU stream, whose waits are no-ops, stands in.
+    torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
     # The model-parallel RNG tracker forks "CUDA" RNG states even with dropout 0: back them with the CPU RNG.
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.manual_seed = torch.manual_seed

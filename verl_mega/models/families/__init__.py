@@ -56,8 +56,8 @@ def load_hf_model_config(hf_dir, family_spec: str | None = None) -> tuple[HFMode
                 rule.shape(config)
         family.moe_layer_pattern(config)  # and which layers are MoE
         if config.rope_scaling["rope_type"] == "yarn" and not family.mla:
-            raise ValueError(f"config.json: rope type 'yarn' is supported for multi-latent attention families "
-                             f"(deepseek_v3), not {family.name}")
+            raise ValueError(f"config.json: rope type 'yarn' is not supported for {family.name}, only for the "
+                             "multi-latent attention families (deepseek_v3)")
         if family.check_config is not None:
             family.check_config(config)
         return config, family
