@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 # The lowest supported release and the first unsupported one.
 SUPPORTED = ((0, 16, 1), (0, 20, 0))
@@ -34,6 +36,11 @@ def _has(module: str, name: str) -> bool:
     return hasattr(importlib.import_module(module), name)
 
 
+def _source_of(module: str) -> str:
+    """A module's source as the release ships it (0.17+ name te_general_gemm in the import and in the fallback)."""
+    return Path(importlib.util.find_spec(module).origin).read_text()
+
+
 CHANGES = {
     "common_state_reader_is_a_function": Change(
         (0, 17, 0),
@@ -46,7 +53,8 @@ CHANGES = {
         (0, 17, 0),
         "without transformer-engine, moe_utils sets te_general_gemm to None (0.16 leaves it undefined, and the "
         "router's GEMM raises NameError): parallel/shims.py defines it on 0.16 only",
-        lambda: _has("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),
+        # The module's source, not its attributes: on 0.16 parallel/shims.py has defined it by the time this runs.
+        lambda: _source_of("megatron.core.transformer.moe.moe_utils").count("te_general_gemm,") >= 2,
     ),
 }
 

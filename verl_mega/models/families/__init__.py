@@ -39,6 +39,12 @@ def family_for(config: HFModelConfig | dict, family_spec: str | None = None,
         return spec
     if spec.moe != bool(config.num_experts):
         raise ValueError(f"model_type '{config.model_type}' config is inconsistent: num_local_experts={config.num_experts}")
+    # Here, not only where config.json is read: a manifest's config (checkpoints, exports) comes through too.
+    if config.rope_scaling["rope_type"] == "yarn" and not spec.mla:
+        raise ValueError(f"rope type 'yarn' is not supported for {spec.name}, only for the "
+                         "multi-latent attention families (deepseek_v3)")
+    if spec.check_config is not None:
+        spec.check_config(config)
     return spec
 
 
@@ -55,11 +61,6 @@ def load_hf_model_config(hf_dir, family_spec: str | None = None) -> tuple[HFMode
             if rule.shape is not None:
                 rule.shape(config)
         family.moe_layer_pattern(config)  # and which layers are MoE
-        if config.rope_scaling["rope_type"] == "yarn" and not family.mla:
-            raise ValueError(f"config.json: rope type 'yarn' is not supported for {family.name}, only for the "
-                             "multi-latent attention families (deepseek_v3)")
-        if family.check_config is not None:
-            family.check_config(config)
         return config, family
     except ValueError as err:
         raise ValueError(f"{Path(hf_dir) / 'config.json'}: {str(err).removeprefix('config.json: ')}") from None
