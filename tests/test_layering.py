@@ -4,8 +4,9 @@ The layering, written down once: a package may import its own modules and packag
 
     0  files                            files on disk: the write-then-rename protocol, a file's sha256
     1  config, ops, parallel, data      leaves: the config schema, kernels, process groups, datasets
-    2  algorithms, models, rewards      PPO math (pure tensor functions); model families and the builder;
-                                        reward functions and the worker process that runs them under a limit
+    2  algorithms, models, rewards,     PPO math (pure tensor functions); model families and the builder;
+       tools                            reward functions and the worker process that runs them under a limit;
+                                        the tools a multi-turn rollout calls and the python tool's sandbox
     3  checkpoint                       model formats on disk: shards, manifests, dist checkpoints, HF assets
     4  roles, rollout                   actor / critic / reference / reward; rollout engines, HybridEngine
     5  run                              the run folder: its names (RunFolder), step checkpoints, final weights,
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     {"files"},
     {"config", "ops", "parallel", "data"},
-    {"algorithms", "models", "rewards"},
+    {"algorithms", "models", "rewards", "tools"},
     {"checkpoint"},
     {"roles", "rollout"},
     {"run"},

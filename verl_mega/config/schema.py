@@ -407,6 +407,45 @@ class RewardConfig:
 
 
 @dataclass
+class PythonSandboxConfig:
+    """The `python` tool's sandbox: the limits of the fresh interpreter each call runs in (docs/tools.md)."""
+
+    cpu_seconds: int = 5
+    """CPU seconds of the sandboxed code (RLIMIT_CPU, >= 1): past them it is killed (the call fails, `killed`)."""
+    memory_mb: int = 1024
+    """Address space of the sandboxed interpreter and of each process it starts, in MiB (RLIMIT_AS, >= 64): a
+    larger allocation raises MemoryError in the code."""
+    file_size_mb: int = 16
+    """Largest file the code may write, in MiB (RLIMIT_FSIZE, >= 1)."""
+    open_files: int = 64
+    """File descriptors the code may hold open (RLIMIT_NOFILE, >= 16)."""
+    processes: int = 16
+    """Processes and threads the code may run at once, itself included (RLIMIT_NPROC, >= 1): a fork bomb stops
+    there."""
+    allow_network: bool = False
+    """Run the code even where the kernel refuses the new network (and process) namespace that cuts it off: it then
+    reaches the host's network. False (the default): the python tool refuses to start there, naming this key."""
+
+
+@dataclass
+class ToolsConfig:
+    """The tools a multi-turn rollout may call (the names are listed by the rollout's multi-turn settings): the
+    limits every call runs under, and the python tool's sandbox (docs/tools.md)."""
+
+    timeout_s: float = 10.0
+    """Wall-clock limit of one tool call, in seconds (> 0): a later result is replaced by an error (`timeout`)
+    and the python sandbox is killed."""
+    max_output_chars: int = 4096
+    """Characters of a tool's result the model sees (>= 1); a longer one is cut (`output_truncated`, still a
+    success). The python sandbox stops reading there."""
+    max_argument_chars: int = 65536
+    """Largest JSON text of one call's arguments (>= 2); a longer one is refused unparsed (`arguments_too_long`)."""
+    workers: int = 8
+    """Tool calls run at once (a thread pool; >= 1)."""
+    python: PythonSandboxConfig = field(default_factory=PythonSandboxConfig)
+
+
+@dataclass
 class TrainerConfig:
     """The run: its folder, length, checkpoints, logging and profiling."""
 
@@ -476,6 +515,7 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 

@@ -1,0 +1,207 @@
+"""The built-in `python` tool: the model's code runs in a fresh interpreter confined by `confine.py` (its
+own network and process namespaces, resource limits, Landlock, no capabilities), in a fresh temporary folder
+that is also its HOME, with an emptied environment, under the wall-clock limit; its output is read up to the
+output limit and no further, and the folder is removed afterwards. docs/tools.md states the threat model."""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from verl_mega.config.schema import ConfigError, PythonSandboxConfig, ToolsConfig
+
+from .registry import tool_schema
+from .results import ToolResult, failure, success
+
+CONFINE = str(Path(__file__).with_name("confine.py"))
+MIB = 1 << 20
+REAPER_GONE_S = 2.0  # the namespace's processes are killed by the kernel once its pid 1 is: at most this long
+SIGNAL_ERRORS = {signal.SIGXCPU: "cpu_limit", signal.SIGKILL: "cpu_limit", signal.SIGXFSZ: "file_size_limit"}
+
+
+def python(code: str) -> str:
+    """Run a Python 3 program in a sandbox and return what it prints (stdout and stderr).
+
+    Args:
+        code: A complete Python program (standard library only, no network, no files outside its own folder); print the values you need.
+    """
+    raise NotImplementedError("the schema's function: PythonTool runs the code")
+
+
+class PythonTool:
+    """The `python` tool of a ToolSet. Built once per ToolSet: it runs a first, empty program to find what the
+    kernel gives, and refuses (ConfigError) where there is no network namespace unless
+    tools.python.allow_network is true."""
+
+    name = "python"
+
+    def __init__(self, config: ToolsConfig):
+        self.sandbox = PythonSandbox(config.python, config.timeout_s, config.max_output_chars)
+        self.schema = tool_schema(self.name, python)
+        self.features = self.sandbox.probe()
+
+    def run(self, arguments: dict) -> ToolResult:
+        return self.sandbox.run(arguments["code"])
+
+
+class PythonSandbox:
+    """Runs programs under `config`'s limits, `timeout_s` of wall clock each, output cut at `max_output_chars`.
+    `scratch_dir`: where the fresh folders are made (default: the system's temporary folder)."""
+
+    def __init__(self, config: PythonSandboxConfig, timeout_s: float, max_output_chars: int,
+                 scratch_dir: str | None = None):
+        self.config, self.timeout_s, self.max_output_chars = config, timeout_s, max_output_chars
+        self.scratch_dir = scratch_dir
+
+    def probe(self) -> dict[str, str]:
+        """What the kernel gives the sandbox here ({"namespaces": ..., "landlock": ABI version}), from an empty
+        program; a ConfigError where it cannot start."""
+        result, status = self._run("", sandboxed_status=True)
+        refused = [line for line in status if line.startswith("refused")]
+        if refused:
+            raise ConfigError(f"tools.python: {refused[0].removeprefix('refused ')}; the python tool runs only "
+                              "without network access unless tools.python.allow_network=true")
+        if not result.ok:
+            raise ConfigError(f"tools.python: the sandbox does not start here: {result.text[:300]}")
+        return dict(line.split(" ", 1) for line in status if line.startswith(("namespaces", "landlock")))
+
+    def run(self, code: str) -> ToolResult:
+        return self._run(code)[0]
+
+    def _run(self, code: str, sandboxed_status: bool = False) -> tuple[ToolResult, list[str]]:
+        start = time.monotonic()
+        folder = tempfile.mkdtemp(prefix="verl_mega_python_", dir=self.scratch_dir)
+        try:
+            Path(folder, "main.py").write_text(code)
+            output, outcome, status, returncode = self._execute(folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return self._result(output, outcome, status, returncode, time.monotonic() - start), status
+
+    def _execute(self, folder: str) -> tuple[str, str | None, list[str], int]:
+        """(output, "timeout" / "output_truncated" / None, status lines, exit code) of one program."""
+        status_read, status_write = os.pipe()
+        spec = {"limits": self._limits(), "allow_network": self.config.allow_network, "status_fd": status_write,
+                "code_path": os.path.join(folder, "main.py")}
+        env = {"HOME": folder, "TMPDIR": folder, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        try:
+            process = subprocess.Popen([sys.executable, "-I", "-S", CONFINE, json.dumps(spec)], cwd=folder, env=env,
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       start_new_session=True, pass_fds=(status_write,))
+        finally:
+            os.close(status_write)
+        with os.fdopen(status_read) as status_pipe:
+            try:
+                output, outcome = read_bounded(process, time.monotonic() + self.timeout_s, self.max_output_chars)
+            finally:
+                kill_group(process)
+            status = status_pipe.read().splitlines()
+        wait_gone(reaper_pid(status))
+        return output, outcome, status, process.returncode
+
+    def _limits(self) -> dict[str, int]:
+        config = self.config
+        return {"RLIMIT_CPU": config.cpu_seconds, "RLIMIT_AS": config.memory_mb * MIB,
+                "RLIMIT_FSIZE": config.file_size_mb * MIB, "RLIMIT_NOFILE": config.open_files,
+                "RLIMIT_NPROC": config.processes, "RLIMIT_CORE": 0}
+
+    def _result(self, output: str, outcome: str | None, status: list[str], returncode: int,
+                seconds: float) -> ToolResult:
+        if outcome == "output_truncated":
+            return success(output + "\n[output truncated]", self.max_output_chars, seconds)
+        if outcome == "timeout":
+            return failure("timeout", f"{output}\nerror: the program ran past {self.timeout_s:g} s and was "
+                                      "stopped", seconds)
+        if "ready" not in status:
+            reason = next((line for line in status if line.startswith("refused")), output.strip()[-300:])
+            return failure("sandbox", f"error: the sandbox could not be set up: {reason}", seconds)
+        died_of = signal_of(returncode)
+        if died_of:
+            category = SIGNAL_ERRORS.get(died_of, "killed")
+            return failure(category, f"{output}\nerror: the program was killed by {signal.Signals(died_of).name} "
+                                     f"({category.replace('_', ' ')})", seconds)
+        if returncode != 0:
+            return failure("raised", output or f"error: the program exited with status {returncode}", seconds)
+        return success(output, self.max_output_chars, seconds)
+
+
+def read_bounded(process: subprocess.Popen, deadline: float, max_chars: int) -> tuple[str, str | None]:
+    """The process's output until it closes it, the deadline passes ("timeout") or there are more than
+    max_chars characters ("output_truncated"); at most 4 bytes a character are ever held."""
+    cap = 4 * max_chars + 4
+    chunks, size = [], 0
+    fd = process.stdout.fileno()
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return decoded(chunks), "timeout"
+            if not selector.select(remaining):
+                continue
+            chunk = os.read(fd, min(65536, cap - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= cap:
+                break
+    text = decoded(chunks)
+    if len(text) > max_chars:
+        return text[:max_chars], "output_truncated"
+    try:
+        process.wait(max(deadline - time.monotonic(), 0.0))
+    except subprocess.TimeoutExpired:  # output closed, still running
+        return text, "timeout"
+    return text, None
+
+
+def decoded(chunks: list[bytes]) -> str:
+    return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the program's process group (its first process leads it) and reap the first process; with the
+    namespaces, its pid 1 then dies of PR_SET_PDEATHSIG and the kernel kills the rest."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+    process.stdout.close()
+
+
+def reaper_pid(status: list[str]) -> int | None:
+    line = next((line for line in status if line.startswith("reaper ")), None)
+    return int(line.split()[1]) if line else None
+
+
+def wait_gone(pid: int | None) -> None:
+    """Wait (bounded) until `pid` has exited: the namespace's pid 1, whose end is the end of all its processes."""
+    deadline = time.monotonic() + REAPER_GONE_S
+    while pid is not None and running(pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def signal_of(returncode: int) -> int | None:
+    """The signal that ended the program: negative from Popen, 128 + the signal through the namespace's pid 1."""
+    if returncode < 0:
+        return -returncode
+    if 128 < returncode < 128 + 65:
+        return returncode - 128
+    return None
