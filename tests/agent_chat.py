@@ -79,3 +79,37 @@ def qwen_tokenizer() -> PreTrainedTokenizerFast:
 def llama_tokenizer() -> PreTrainedTokenizerFast:
     """Llama-3.1-style: <|eot_id|> ends a turn, tool results come back as ipython turns."""
     return bpe_tokenizer(LLAMA_SPECIAL, [], LLAMA_TEMPLATE, bos="<|begin_of_text|>", eos="<|eot_id|>")
+
+
+def memorized_tool_model(out, row: dict, steps: int = 40, **sizes):
+    """A tiny Qwen2 with `make demo-agent`'s tokenizer that has memorized one episode of `row`: the calculator
+    call, then the result copied as the answer. Greedy decoding reproduces it, so a real engine under the agent
+    loop must produce exactly `expected` (ids, loss mask): what the trained episode was built from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.config import ToolsConfig
+    from verl_mega.demo_agent import save_tokenizer, warmup_example
+    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.rollout.agent_loop import ChatRenderer
+    from verl_mega.tools import ToolSet
+
+    hf = make_tiny_hf_model(out, "qwen2", **{"vocab_size": 72, "num_hidden_layers": 2, **sizes})
+    tokenizer = save_tokenizer(hf)
+    with ToolSet(["calculator"], ToolsConfig()) as tools:
+        ids, mask = warmup_example(ChatRenderer(tokenizer, tools.schemas), row, use_tool=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.02) if param.dim() > 1 else param.fill_(1.0 if "norm" in name else 0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inputs = torch.tensor([ids])
+    labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])
+    for _ in range(steps):
+        loss = model(input_ids=inputs, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(hf)
+    return hf, (ids, mask)

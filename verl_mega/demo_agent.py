@@ -103,7 +103,9 @@ def save_tokenizer(hf_dir: Path):
     tokenizer.add_tokens(JSON_TOKENS + TOOL_TAGS)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(hf_dir)
-    return tokenizer
+    # As the trainer loads it: beside a qwen2 config.json transformers loads it as Qwen2Tokenizer, whose
+    # pre-tokenizer drops the spaces, so the warm-up must see the same ids the rollouts will.
+    return AutoTokenizer.from_pretrained(hf_dir)
 
 
 def tool_call(expression: str) -> str:
