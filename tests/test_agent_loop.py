@@ -274,3 +274,24 @@ def test_a_template_that_renders_no_tool_message_is_refused(qwen):
         check_tool_template(tiny, "hermes")
     with pytest.raises(ValueError, match="no chat template"):
         check_tool_template(build_tiny_tokenizer(with_chat_template=False), "hermes")
+
+
+def test_the_preflight_check_names_each_bad_multi_turn_key(tiny_models):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", "rollout.multi_turn.enable=true",
+                                "data.max_response_length=32", "rollout.multi_turn.max_tokens=64",
+                                "rollout.multi_turn.max_turns=0", "rollout.multi_turn.tools=[calculator,nowhere]"])
+    with pytest.raises(ConfigError) as error:
+        preflight_check(config, world_size=1)
+    message = str(error.value)
+    for problem in ("rollout.multi_turn.max_tokens=64 must be in [0, data.max_response_length=32]",
+                    "rollout.multi_turn.max_turns must be >= 1", "rollout.multi_turn.tools: ",
+                    "rollout.multi_turn with model.hf_path's tokenizer: rollout.multi_turn.tool_call_format=auto"):
+        assert problem in message, message
+    config.rollout.multi_turn.tools, config.rollout.multi_turn.tool_call_format = [], "json"
+    with pytest.raises(ConfigError) as error:
+        preflight_check(config, world_size=1, check_files=False)
+    assert "rollout.multi_turn.tools is empty" in str(error.value)
+    assert "rollout.multi_turn.tool_call_format 'json' is unknown; known: auto, hermes, llama3_json" in str(error.value)
