@@ -54,11 +54,12 @@ CHAT_TEMPLATE = (
 )
 # (question, expression) patterns: the numbers are drawn, the words say which operation to use.
 PROBLEMS = [
-    ("tom has {a} boxes of {b} pens. how many pens?", "{a}*{b}"),
-    ("ann had {a} coins and spent {b}. how many are left?", "{a}-{b}"),
-    ("a shelf holds {a} books and another {b}. how many books?", "{a}+{b}"),
+    ("{a} boxes of {b} pens: pens?", "{a}*{b}"),
+    ("{a} coins, {b} spent: left?", "{a}-{b}"),
+    ("{a} books and {b} more: books?", "{a}+{b}"),
 ]
-WARMUP_STEPS = 60
+WARMUP_STEPS = 150
+TOOL_EVERY = 1  # every TOOL_EVERY-th warm-up episode calls the calculator, the others answer at once
 SEEDS = {"train": 0, "heldout": 1, "warmup": 2}
 
 
@@ -76,8 +77,7 @@ def main(argv=None) -> None:
 def problem(rng: random.Random) -> dict:
     """One word problem as a data row: the question, the calculator expression and the answer."""
     question, expression = rng.choice(PROBLEMS)
-    a, b = rng.randint(12, 99), rng.randint(2, 9 if "*" in expression else 99)
-    a, b = (a, b) if "-" not in expression or a >= b else (b, a)
+    a, b = rng.randint(12, 99), rng.randint(2, 9)
     expression = expression.format(a=a, b=b)
     answer = str(eval(expression, {"__builtins__": {}}))  # our own digits and one operator, never model output
     return {"prompt": [{"role": "user", "content": question.format(a=a, b=b)}], "data_source": "arith_tool",
@@ -89,12 +89,23 @@ def problems(count: int, split: str) -> list[dict]:
     return [problem(rng) for _ in range(count)]
 
 
+def positions_matched(text: str, target: str) -> float:
+    """The share of `target`'s characters that `text` has at the same position (the copy task's partial credit)."""
+    return sum(a == b for a, b in zip(text, target)) / max(len(text), len(target), 1)
+
+
 def reward(data_source, solution_str: str, ground_truth: str, extra_info: dict) -> dict:
-    """1 for the right final answer; `tool_correct`: the episode got the answer from a calculator call."""
-    results = extra_info.get("tool_results", [])
-    return {"score": float(solution_str.strip() == ground_truth),
-            "tool_called": float(bool(results)),
-            "tool_correct": float(any(r["ok"] and r["text"].strip() == ground_truth for r in results))}
+    """Half for the first calculator call's expression, half for the final answer, each by the characters in
+    the right place (partial credit, so that GRPO's groups differ from the first step); `acc`: the answer is
+    right; `tool_correct`: the answer came from a calculator call with the right expression."""
+    calls = [call for call in extra_info.get("tool_calls", []) if isinstance(call.get("arguments"), dict)]
+    expression = str(calls[0]["arguments"].get("expression", "")) if calls else ""
+    right = extra_info["expression"]
+    answer = solution_str.strip()
+    return {"score": 0.5 * positions_matched(expression, right) + 0.5 * positions_matched(answer, ground_truth),
+            "acc": float(answer == ground_truth),
+            "tool_called": float(bool(extra_info.get("tool_results"))),
+            "tool_correct": float(expression == right and any(r["ok"] for r in extra_info["tool_results"]))}
 
 
 def save_tokenizer(hf_dir: Path):
@@ -140,7 +151,7 @@ def sft_warmup(hf_dir: Path, renderer: ChatRenderer, rows: list[dict], out: Path
     with torch.no_grad():  # a standard init, as `make demo`'s warm-up (the tiny test weights are wild)
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.02) if param.dim() > 1 else param.fill_(1.0 if "norm" in name else 0.0)
-    examples = [warmup_example(renderer, row, use_tool=index % 2 == 0) for index, row in enumerate(rows)]
+    examples = [warmup_example(renderer, row, use_tool=index % TOOL_EVERY == 0) for index, row in enumerate(rows)]
     pad = renderer.tokenizer.pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(0)
@@ -202,13 +213,15 @@ def run(workdir: Path, steps: int, warmup_steps: int, seed: int) -> None:
         f"trainer.val_every={max(steps // 4, 1)}", f"trainer.seed={seed}", f"rollout.seed={seed}"])
     records = read_metrics(RunFolder(run_dir).metrics)
     trained = [r for r in records if "reward/mean" in r]
-    for name, key in (("reward", "reward/mean"), ("tool called", "reward/tool_called"),
+    for name, key in (("reward", "reward/mean"), ("right answers", "reward/acc"),
+                      ("tool called", "reward/tool_called"),
                       ("tool called with the right expression", "reward/tool_correct"),
                       ("turns per episode", "multi_turn/turns_mean")):
         print(f"[demo] GRPO multi-turn at dp=2, {steps} steps: {name} {reward_curve([r[key] for r in trained])}")
     validation = [r for r in records if "val/reward_mean" in r]
     print("[demo] held-out greedy episodes (the engine's validation): " + ", ".join(
-        f"step {r['step']}: reward {r['val/reward_mean']:.2f}, right calls {r['val/reward/tool_correct']:.2f}"
+        f"step {r['step']}: reward {r['val/reward_mean']:.2f}, right answers {r['val/reward/acc']:.2f}, right calls "
+        f"{r['val/reward/tool_correct']:.2f}"
         for r in validation))
     if cli(["plot", str(run_dir)]) != 0:
         raise SystemExit("[demo] plot failed")
