@@ -69,9 +69,10 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps")
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="supervised warm-up steps")
     parser.add_argument("--seed", type=int, default=1, help="the RL run's seed (trainer.seed, rollout.seed)")
+    parser.add_argument("overrides", nargs="*", help="config overrides for the RL run (key.sub=value)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        run(Path(args.workdir or tmp), args.steps, args.warmup_steps, args.seed)
+        run(Path(args.workdir or tmp), args.steps, args.warmup_steps, args.seed, args.overrides)
 
 
 def problem(rng: random.Random) -> dict:
@@ -191,7 +192,7 @@ def print_episode(label: str, messages: list[dict]) -> None:
         print(f"[demo]   {message['role']:>9}: {message['content']}")
 
 
-def run(workdir: Path, steps: int, warmup_steps: int, seed: int) -> None:
+def run(workdir: Path, steps: int, warmup_steps: int, seed: int, overrides: list[str]) -> None:
     start = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)
     train_file = write_rows(problems(512, "train"), workdir / "arith_train.jsonl")
@@ -210,7 +211,7 @@ def run(workdir: Path, steps: int, warmup_steps: int, seed: int) -> None:
     train(EXAMPLES / "agent_demo.yaml", 2, [
         f"model.hf_path={warm}", f"model.actor_ckpt={workdir / 'mcore'}", f"data.train_files=[{train_file}]",
         f"data.val_files=[{heldout_file}]", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
-        f"trainer.val_every={max(steps // 4, 1)}", f"trainer.seed={seed}", f"rollout.seed={seed}"])
+        f"trainer.val_every={max(steps // 4, 1)}", f"trainer.seed={seed}", f"rollout.seed={seed}", *overrides])
     records = read_metrics(RunFolder(run_dir).metrics)
     trained = [r for r in records if "reward/mean" in r]
     for name, key in (("reward", "reward/mean"), ("right answers", "reward/acc"),

@@ -40,12 +40,12 @@ from verl_mega.roles.actor import Actor, is_on_policy, sampling_temperature, use
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
 from verl_mega.roles.reward import HFRewardModel, RewardOutput, RuleReward, episode_fields, scores_to_token_rewards
-from verl_mega.tools import ToolSet
 from verl_mega.rollout.agent_loop import AgentLoop, episode_metrics
 from verl_mega.rollout.engine import EpisodeInfo, Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.training_memory import training_memory_released
+from verl_mega.tools import ToolSet
 
 from .job import TrainingJob
 from .metrics import StageTimer, step_performance

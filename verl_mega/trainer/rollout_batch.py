@@ -28,7 +28,8 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
         "attention_mask": attention_mask,
         "position_ids": position_ids(attention_mask),
         "responses": response_ids,
-        "response_mask": valid if loss_masks is None else sampled_mask(loss_masks, responses, valid),
+        "response_mask": (valid if loss_masks is None or all(mask is None for mask in loss_masks)
+                          else sampled_mask(loss_masks, responses, valid)),
     }
     if rollout_log_probs is not None:
         batch["rollout_log_probs"] = right_padded_values(rollout_log_probs, responses, max_response_length)
