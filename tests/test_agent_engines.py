@@ -68,8 +68,8 @@ def test_a_multi_turn_grpo_run_trains_on_episodes_and_validates_them_greedily(me
     train(EXAMPLES / "agent_demo.yaml", 1, [
         f"model.hf_path={hf}", f"model.actor_ckpt={tmp_path / 'mcore'}", f"data.train_files=[{rows}]",
         f"data.val_files=[{rows}]", f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.val_every=2",
-        "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
-        "trainer.log_samples_every=1", "actor.optim.lr=1e-6"])
+        "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2", "critic.mini_batch_size=4",
+        "trainer.log_samples_every=1", "actor.optim.lr=1e-6", "actor.optim.min_lr=0"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "reward/mean" in r]
     assert len(trained) == 2 and all(r["multi_turn/tool_calls_mean"] > 0 for r in trained), trained

@@ -78,7 +78,8 @@ def main(argv=None) -> None:
 def problem(rng: random.Random) -> dict:
     """One word problem as a data row: the question, the calculator expression and the answer."""
     question, expression = rng.choice(PROBLEMS)
-    a, b = rng.randint(12, 99), rng.randint(2, 9)
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    a, b = max(a, b), min(a, b)
     expression = expression.format(a=a, b=b)
     answer = str(eval(expression, {"__builtins__": {}}))  # our own digits and one operator, never model output
     return {"prompt": [{"role": "user", "content": question.format(a=a, b=b)}], "data_source": "arith_tool",
