@@ -97,7 +97,7 @@ def memorized_tool_model(out, row: dict, steps: int = 40, **sizes):
     hf = make_tiny_hf_model(out, "qwen2", **{"vocab_size": 72, "num_hidden_layers": 2, **sizes})
     tokenizer = save_tokenizer(hf)
     with ToolSet(["calculator"], ToolsConfig()) as tools:
-        ids, mask = warmup_example(ChatRenderer(tokenizer, tools.schemas), row, use_tool=True)
+        ids, mask = warmup_example(ChatRenderer(tokenizer, tools.schemas), row)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(hf)
     with torch.no_grad():

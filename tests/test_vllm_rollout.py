@@ -111,7 +111,7 @@ def memorized(tmp_path_factory):
     from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 
     root = tmp_path_factory.mktemp("vllm_agent")
-    hf, (ids, mask) = memorized_tool_model(root / "hf", ROW, **{**VLLM_SIZES, "vocab_size": 300})
+    hf, (ids, mask) = memorized_tool_model(root / "hf", ROW, steps=100, **{**VLLM_SIZES, "vocab_size": 300})
     convert_hf_to_mcore(hf, root / "tp2", tp=2, pp=1)
     (root / "expected.json").write_text(json.dumps({"row": ROW, "ids": ids, "mask": mask}))
     return root

@@ -2,12 +2,13 @@
 
 1. A tiny random Qwen2-style model with the character tokenizer, given tool-call tags and a Hermes-style chat
    template (tools in the system turn, `<tool_call>{json}</tool_call>`, results as `<tool_response>` turns).
-2. A short supervised warm-up on formatted episodes: half call the calculator and copy its result, half answer
-   at once (which a model this small cannot compute). It stops while the model still mixes both, and its calls
-   often get the numbers or the operation wrong.
+2. A short supervised warm-up on formatted episodes (call the calculator with the problem's expression, then
+   copy its result as the answer). It stops while the model has the format but mostly not the numbers: its
+   calls often carry a wrong operand or operator, and it cannot compute a product itself.
 3. GRPO with `rollout.multi_turn` at DP2 (one process per core): each episode may call the calculator; the
-   reward is 1 for the right final answer. The share of episodes that call the tool with the right expression,
-   and the reward, rise; the engine's greedy validation measures both on held-out problems before and after.
+   reward gives half for the call's expression and half for the answer, by the characters in place. The reward,
+   the share of right answers and the share of episodes calling the tool with the right expression rise; the
+   engine's greedy validation measures them on held-out problems before and after.
 4. The curve (trainer/plot.py) and one held-out greedy episode before and after RL are printed.
 """
 from __future__ import annotations
@@ -59,7 +60,6 @@ PROBLEMS = [
     ("{a} books and {b} more: books?", "{a}+{b}"),
 ]
 WARMUP_STEPS = 150
-TOOL_EVERY = 1  # every TOOL_EVERY-th warm-up episode calls the calculator, the others answer at once
 SEEDS = {"train": 0, "heldout": 1, "warmup": 2}
 
 
@@ -125,14 +125,14 @@ def tool_call(expression: str) -> str:
     return f'<tool_call>{{"name":"calculator","arguments":{{"expression":"{expression}"}}}}</tool_call>'
 
 
-def warmup_example(renderer: ChatRenderer, row: dict, use_tool: bool) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of a formatted episode, built as the agent loop builds one: the model's turns as
-    their tokens and EOS, the template's ids for the tool result between them."""
+def warmup_example(renderer: ChatRenderer, row: dict) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a formatted episode, built as the agent loop builds one: the model's turns (the call,
+    the answer) as their tokens and EOS, the template's ids for the tool result between them."""
     tokenizer, answer = renderer.tokenizer, row["reward_model"]["ground_truth"]
     messages = list(row["prompt"])
     ids = renderer.prompt_ids(messages)
     mask = [0] * len(ids)
-    turns = [tool_call(row["extra_info"]["expression"]), answer] if use_tool else [answer]
+    turns = [tool_call(row["extra_info"]["expression"]), answer]
     for index, content in enumerate(turns):
         sampled = renderer.ids(content) + [tokenizer.eos_token_id]
         ids, mask = ids + sampled, mask + [1] * len(sampled)
@@ -147,13 +147,13 @@ def warmup_example(renderer: ChatRenderer, row: dict, use_tool: bool) -> tuple[l
 
 def sft_warmup(hf_dir: Path, renderer: ChatRenderer, rows: list[dict], out: Path, steps: int,
                lr: float = 3e-3) -> Path:
-    """Supervised warm-up on formatted episodes (every other one calls the tool), loss on the model's tokens."""
+    """Supervised warm-up on formatted episodes, the loss on the model's tokens."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     with torch.no_grad():  # a standard init, as `make demo`'s warm-up (the tiny test weights are wild)
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.02) if param.dim() > 1 else param.fill_(1.0 if "norm" in name else 0.0)
-    examples = [warmup_example(renderer, row, use_tool=index % TOOL_EVERY == 0) for index, row in enumerate(rows)]
+    examples = [warmup_example(renderer, row) for row in rows]
     pad = renderer.tokenizer.pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(0)
@@ -204,8 +204,8 @@ def run(workdir: Path, steps: int, warmup_steps: int, seed: int, overrides: list
     with ToolSet(["calculator"], ToolsConfig()) as tools:
         renderer = ChatRenderer(tokenizer, tools.schemas)
         warm = sft_warmup(hf, renderer, problems(512, "warmup"), workdir / "warm", warmup_steps)
-    print(f"[demo] supervised warm-up: {warmup_steps} steps on formatted episodes, half of them calling the "
-          f"calculator ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"[demo] supervised warm-up: {warmup_steps} steps on formatted calculator episodes "
+          f"({time.perf_counter() - start:.0f} s)", flush=True)
     before = greedy_episode(warm, heldout[0])
     convert_hf_to_mcore(warm, workdir / "mcore", tp=1, pp=1, overwrite=True)
     run_dir = workdir / "run_agent"
