@@ -104,16 +104,16 @@ def test_gpu_memory_utilization_reaches_the_engine(qwen2):
 
 @pytest.fixture(scope="module")
 def memorized(tmp_path_factory):
-    """A model of the Qwen2 fixture's shape that memorized one calculator episode (tests/agent_chat.py), at TP 2,
-    and that episode's ids and loss mask."""
+    """A model of the Qwen2 fixture's shape trained on one calculator episode (tests/agent_chat.py), at TP 2,
+    and that episode's data row."""
     from tests.agent_chat import memorized_tool_model
     from tests.test_agent_engines import ROW
     from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 
     root = tmp_path_factory.mktemp("vllm_agent")
-    hf, (ids, mask) = memorized_tool_model(root / "hf", ROW, steps=100, **{**VLLM_SIZES, "vocab_size": 300})
+    hf, _ = memorized_tool_model(root / "hf", ROW, **{**VLLM_SIZES, "vocab_size": 300})
     convert_hf_to_mcore(hf, root / "tp2", tp=2, pp=1)
-    (root / "expected.json").write_text(json.dumps({"row": ROW, "ids": ids, "mask": mask}))
+    (root / "row.json").write_text(json.dumps(ROW))
     return root
 
 
@@ -123,7 +123,7 @@ def test_presliced_load_at_rollout_tp2_holds_what_a_whole_load_holds(qwen2, memo
     needs_devices(2)
     run_torchrun(2, "tests.vllm_worker", ["presliced", "--ckpt", str(qwen2 / "tp2"), "--hf", str(qwen2 / "hf"),
                                           "--agent-ckpt", str(memorized / "tp2"), "--agent-hf", str(memorized / "hf"),
-                                          "--agent-expected", str(memorized / "expected.json")])
+                                          "--agent-row", str(memorized / "row.json")])
 
 
 @pytest.mark.slow
