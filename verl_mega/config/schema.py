@@ -417,6 +417,10 @@ class PythonSandboxConfig:
     larger allocation raises MemoryError in the code."""
     file_size_mb: int = 16
     """Largest file the code may write, in MiB (RLIMIT_FSIZE, >= 1)."""
+    folder_mb: int = 64
+    """Size of the code's folder, in MiB (>= 1): a tmpfs (memory) of this size is mounted over it in the
+    sandbox's own mount namespace, so all its files together cannot pass it (without the namespaces: the
+    temporary folder on disk, unbounded)."""
     open_files: int = 64
     """File descriptors the code may hold open (RLIMIT_NOFILE, >= 16)."""
     processes: int = 16

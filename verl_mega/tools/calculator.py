@@ -26,7 +26,8 @@ def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression and return its value.
 
     Args:
-        expression: Numbers with + - * / // % ** and parentheses, the functions sqrt, abs, round, floor, ceil, min, max, log, exp and the constants pi and e, e.g. "(3 + 4) * 12 / 7".
+        expression: Numbers with + - * / // % ** and parentheses, the functions sqrt, abs, round, floor,
+            ceil, min, max, log, exp and the constants pi and e, e.g. "(3 + 4) * 12 / 7".
     """
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")

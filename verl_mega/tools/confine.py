@@ -1,18 +1,19 @@
 """The python tool's sandbox from the inside: run by verl_mega.tools.sandbox as a fresh interpreter
-(`python -I -S confine.py SPEC`, cwd a fresh empty folder, an emptied environment), it confines itself, then
-runs the model's code. Standard library only, and nothing of the package: it runs by path.
+(`python -I -S -u confine.py SPEC`, cwd a fresh folder holding main.py, an emptied environment), it confines
+itself, then runs the model's code. Standard library only, and nothing of the package: it runs by path (the
+parent imports only UID_BASE from it).
 
-    this process (B)      unshares a network and a process namespace (a user namespace too when not root),
-                          or runs on without them where the spec allows it
+    this process (B)      unshares a network, a process and a mount namespace (a user namespace too when not
+                          root), or runs on without them where the spec allows it
     R, pid 1 of the new   dies with B (PR_SET_PDEATHSIG) and takes every process of the namespace with it
     process namespace
-    U, the code           capabilities dropped, a real uid of its own when started as root (so that
-                          RLIMIT_NPROC counts), resource limits, Landlock (files: the standard library and
-                          system libraries read-only, its folder read-write; TCP; signals and abstract sockets
-                          scoped to itself) where the kernel has it, then the code
+    U, the code           a tmpfs over its folder; capabilities dropped, a real uid of its own when started as
+                          root (so that RLIMIT_NPROC counts), resource limits, Landlock (files: the standard
+                          library and system libraries read-only, its folder read-write; TCP; signals and
+                          abstract sockets scoped to itself) where the kernel has it, then the code
 
-Progress goes to the status pipe, one line each ("namespaces ...", "landlock ...", "ready"), so the parent
-tells a sandbox that could not be set up from code that failed."""
+Progress goes to the status pipe, one line each ("reaper PID", "namespaces ...", "folder ...", "uid ...",
+"landlock ...", "ready"), so the parent tells a sandbox that could not be set up from code that failed."""
 import ctypes
 import json
 import os
@@ -21,7 +22,8 @@ import signal
 import sys
 import traceback
 
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
@@ -62,29 +64,47 @@ def main() -> None:
     status = os.fdopen(spec["status_fd"], "w", buffering=1)
     stdlib = [path for path in sys.path[1:] if os.path.exists(path)]  # [0]: this file's folder
     spec["uid"] = UID_BASE + os.getpid()  # B's pid, before the code is in a namespace where it reads 1
+    with open(spec["code_path"]) as handle:  # before the folder's tmpfs hides the file
+        source = handle.read()
     namespaced = enter_namespaces(status, spec["allow_network"])
     if namespaced:
-        reaper = os.fork()
-        if reaper:
-            status.write(f"reaper {reaper}\n")
-            os._exit(exit_status(os.waitpid(reaper, 0)[1]))
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        code = os.fork()
-        if code:
-            status.close()
-            os._exit(reap_until(code))
-    confine(spec, status, stdlib, namespaced)
-    run_code(spec["code_path"], stdlib)
+        become_namespace_init(status)
+    confine(spec, status, stdlib, namespaced, source)
+    run_code(source, stdlib)
+
+
+def become_namespace_init(status) -> None:
+    """Fork R, pid 1 of the new process namespace, which forks U and reaps; B waits for R and exits with its
+    status. Returns in U only."""
+    alive_read, alive_write = os.pipe()  # B holds the write end: EOF on it means B is gone
+    reaper = os.fork()
+    if reaper:
+        status.write(f"reaper {reaper}\n")
+        os._exit(exit_status(os.waitpid(reaper, 0)[1]))
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.close(alive_write)
+    os.set_blocking(alive_read, False)
+    try:
+        os.read(alive_read, 1)
+    except BlockingIOError:  # B still lives, so the death signal is armed in time
+        pass
+    else:  # EOF: B died before PR_SET_PDEATHSIG was set
+        os._exit(1)
+    os.close(alive_read)
+    code = os.fork()
+    if code:
+        status.close()
+        os._exit(reap_until(code))
 
 
 def enter_namespaces(status, allow_network: bool) -> bool:
-    """Whether this process now has a network and a process namespace of its own."""
+    """Whether this process now has a network, a process and a mount namespace of its own."""
     uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNET | CLONE_NEWPID | (0 if uid == 0 else CLONE_NEWUSER)
+    flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | (0 if uid == 0 else CLONE_NEWUSER)
     if libc.unshare(flags) != 0:
         reason = os.strerror(ctypes.get_errno())
         if not allow_network:
-            status.write(f"refused the kernel gives no network namespace here ({reason})\n")
+            status.write(f"refused no network namespace can be made here ({reason})\n")
             sys.exit(1)
         status.write(f"namespaces none ({reason})\n")
         return False
@@ -92,7 +112,7 @@ def enter_namespaces(status, allow_network: bool) -> bool:
         write_file("/proc/self/setgroups", "deny")
         write_file("/proc/self/uid_map", f"{uid} {uid} 1")
         write_file("/proc/self/gid_map", f"{gid} {gid} 1")
-    status.write("namespaces net pid" + ("" if uid == 0 else " user") + "\n")
+    status.write("namespaces net pid mount" + ("" if uid == 0 else " user") + "\n")
     return True
 
 
@@ -109,9 +129,15 @@ def exit_status(wait_status: int) -> int:
     return 128 + os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else os.WEXITSTATUS(wait_status)
 
 
-def confine(spec: dict, status, stdlib: list[str], namespaced: bool) -> None:
+def confine(spec: dict, status, stdlib: list[str], namespaced: bool, source: str) -> None:
     folder = os.getcwd()
-    drop_privileges(spec["uid"])
+    if namespaced:
+        mount_folder(folder, spec["folder_mb"])
+        write_file("main.py", source)  # again, into the tmpfs: tracebacks quote its lines
+        status.write(f"folder tmpfs {spec['folder_mb']} MiB\n")
+    else:
+        status.write("folder disk\n")
+    status.write(f"uid {drop_privileges(spec['uid'])}\n")
     limits = spec["limits"]
     for name, value in limits.items():
         resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
@@ -121,20 +147,40 @@ def confine(spec: dict, status, stdlib: list[str], namespaced: bool) -> None:
     status.close()
 
 
-def drop_privileges(uid: int) -> None:
+def mount_folder(folder: str, size_mb: int) -> None:
+    """A tmpfs of `size_mb` over the code's folder, in this mount namespace only (mounts made private first,
+    so nothing propagates to the host's), so the code cannot fill the host's disk; it ends with the namespace."""
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+    options = f"size={size_mb}m,mode=0700".encode()
+    if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+        raise OSError(ctypes.get_errno(), f"mount tmpfs {folder}")
+    os.chdir(folder)  # the working folder was the one beneath the mount
+
+
+def drop_privileges(uid: int) -> str:
     """No capabilities, none to regain by exec (empty bounding set), no new privileges; as root also a real
     uid of its own, since RLIMIT_NPROC does not count for a real uid 0. The effective uid stays: the
-    interpreter's files may sit under a folder only root reads."""
-    last = int(open("/proc/sys/kernel/cap_last_cap").read())
+    interpreter's files may sit under a folder only root reads. Which real uid the code runs as: "own",
+    "user" (not root: RLIMIT_NPROC counts the user's processes of this namespace) or "root" (a root without
+    CAP_SETUID: RLIMIT_NPROC does not count)."""
+    with open("/proc/sys/kernel/cap_last_cap") as handle:
+        last = int(handle.read())
     for capability in range(last + 1):
-        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)  # fails without CAP_SETPCAP: nothing to drop then
+    real_uid = "user"
     if os.getuid() == 0:
-        os.setgroups([])
-        os.setresuid(uid, 0, 0)
+        try:
+            os.setgroups([])
+            os.setresuid(uid, 0, 0)
+            real_uid = "own"
+        except PermissionError:
+            real_uid = "root"
     header, data = CapHeader(0x20080522, 0), (CapData * 2)()
     if libc.capset(ctypes.byref(header), data) != 0:
         raise OSError(ctypes.get_errno(), "capset")
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    return real_uid
 
 
 def landlock(read_paths, device_paths, folder: str, restrict_network: bool) -> int:
@@ -176,9 +222,7 @@ def allow(ruleset: int, path: str, access: int) -> None:
         os.close(fd)
 
 
-def run_code(code_path: str, stdlib: list[str]) -> None:
-    with open(code_path) as handle:
-        source = handle.read()
+def run_code(source: str, stdlib: list[str]) -> None:
     sys.path[:] = stdlib
     sys.argv[:] = ["main.py"]
     try:

@@ -3,7 +3,7 @@ checked and contained so that it never raises, and many calls run at once."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Sequence
 
@@ -11,6 +11,7 @@ from verl_mega.config.schema import ConfigError, ToolsConfig
 
 from .arguments import ArgumentError, check_arguments, parse_arguments
 from .functions import FunctionTool, describe
+from .limits import limit_problems
 from .registry import resolve_tool
 from .results import ToolCall, ToolResult, failure
 from .sandbox import PythonTool
@@ -21,9 +22,14 @@ CONFIGURED_TOOLS = {"python": PythonTool}
 
 class ToolSet:
     """The tools named in `names` (registered names, built-ins or "module:function"), limited by `config`.
-    An unknown or unimportable name, or one given twice, is a ConfigError naming it."""
+    An unknown or unimportable name, one given twice or a limit out of its range is a ConfigError naming it."""
 
     def __init__(self, names: Sequence[str], config: ToolsConfig):
+        if isinstance(names, str):  # one name where a list is due: iterating it would name each letter
+            raise ConfigError(f"the tool names must be a list, got the string {names[:80]!r}")
+        problems = limit_problems(config)
+        if problems:
+            raise ConfigError(problems[0])
         self.config = config
         self._tools: dict = {}
         for spec in names:
@@ -38,6 +44,13 @@ class ToolSet:
     def names(self) -> list[str]:
         return list(self._tools)
 
+    @property
+    def sandbox_features(self) -> dict[str, str]:
+        """What the python tool's sandbox got on this machine (namespaces, folder, uid, Landlock ABI); {} without
+        the python tool. Worth logging once per run: the threat model depends on it (docs/tools.md)."""
+        python = self._tools.get(PythonTool.name)
+        return dict(python.features) if isinstance(python, PythonTool) else {}
+
     def call(self, call: ToolCall) -> ToolResult:
         """The result of one call; a failure of any kind is a result with ok=False, never an exception."""
         start = time.monotonic()
@@ -50,6 +63,11 @@ class ToolSet:
     def call_many(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """The results of `calls`, in their order, run at once (up to tools.workers)."""
         return list(self._pool.map(self.call, calls))
+
+    def submit(self, call: ToolCall) -> Future:
+        """Start `call` in the pool and return at once: a Future of its ToolResult (which never raises), so the
+        caller can go on decoding other samples while the tool runs."""
+        return self._pool.submit(self.call, call)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

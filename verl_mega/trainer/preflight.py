@@ -33,6 +33,7 @@ from verl_mega.rollout.agent_loop import TOOL_CALL_FORMATS, check_tool_template
 from verl_mega.rollout.factory import ENGINES
 from verl_mega.run.mirror import parse_mirror_url, require_boto3
 from verl_mega.tools import ToolSet
+from verl_mega.tools.limits import limit_problems
 
 from .rl import check_estimator_config
 
@@ -68,6 +69,7 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
     known("model.dtype", config.model.dtype, list(DTYPES))
     known("trainer.log_format", config.trainer.log_format, LOG_FORMATS)
     _check_profiling(config, world_size, need)
+    problems += limit_problems(config.tools)
     for role in ("actor", "critic"):
         packing = str(getattr(config, role).use_packed_sequences).lower()
         known(f"{role}.use_packed_sequences", packing, PACKING_SETTINGS)
