@@ -111,7 +111,7 @@ def memorized(tmp_path_factory):
     from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 
     root = tmp_path_factory.mktemp("vllm_agent")
-    hf, _ = memorized_tool_model(root / "hf", ROW, **{**VLLM_SIZES, "vocab_size": 300})
+    hf, _ = memorized_tool_model(root / "hf", ROW, steps=100, **{**VLLM_SIZES, "vocab_size": 300})
     convert_hf_to_mcore(hf, root / "tp2", tp=2, pp=1)
     (root / "row.json").write_text(json.dumps(ROW))
     return root

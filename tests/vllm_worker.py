@@ -144,7 +144,7 @@ def presliced(args) -> None:
     model, _, cfg, family = build_model_from_checkpoint(args.ckpt)
     hybrid = HybridEngine(model, cfg, family, rollout_tp=2)
     assert hybrid.feed.presliced
-    engine = VLLMEngine(args.hf, hybrid.feed, max_model_len=192, dtype=torch.float32, max_num_seqs=8)
+    engine = VLLMEngine(args.hf, hybrid.feed, max_model_len=256, dtype=torch.float32, max_num_seqs=8)
     reader = SafetensorsReader(args.hf)
     engine._worker().reload_weights(weights_iterator=((name, reader.read(name)) for name in reader.names()))
     finish_reload(engine.model(), set())  # what vLLM's own reload leaves stale (a tied head's, experts' packing)
@@ -181,9 +181,9 @@ def check_agent_episode(engine: VLLMEngine, args) -> None:
     reader = SafetensorsReader(args.agent_hf)
     embedded.load_weights((name, reader.read(name)) for name in reader.names())
     row = json.loads(Path(args.agent_row).read_text())
-    greedy = SamplingParams(temperature=0, max_new_tokens=64, logprobs=True)
+    greedy = SamplingParams(temperature=0, max_new_tokens=96, logprobs=True)
     with ToolSet(["calculator"], ToolsConfig()) as tools:
-        loop = AgentLoop(AutoTokenizer.from_pretrained(args.agent_hf), tools, max_turns=3, budget=64,
+        loop = AgentLoop(AutoTokenizer.from_pretrained(args.agent_hf), tools, max_turns=3, budget=96,
                          stop_token_ids=[], tool_call_format="hermes")
         (on_vllm,), (on_embedded,) = (loop.run(rollout, [row["prompt"]], greedy) for rollout in (engine, embedded))
     assert on_vllm.token_ids == on_embedded.token_ids, f"vLLM {on_vllm.token_ids} != embedded {on_embedded.token_ids}"
