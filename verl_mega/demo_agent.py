@@ -59,14 +59,14 @@ PROBLEMS = [
     ("{a} coins, {b} spent: left?", "{a}-{b}"),
     ("{a} books and {b} more: books?", "{a}+{b}"),
 ]
-WARMUP_STEPS = 150
+WARMUP_STEPS = 220
 SEEDS = {"train": 0, "heldout": 1, "warmup": 2}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="verl_mega.demo_agent")
     parser.add_argument("--workdir", help="keep the artifacts here (default: a temp folder)")
-    parser.add_argument("--steps", type=int, default=80, help="GRPO steps")
+    parser.add_argument("--steps", type=int, default=150, help="GRPO steps")
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="supervised warm-up steps")
     parser.add_argument("--seed", type=int, default=1, help="the RL run's seed (trainer.seed, rollout.seed)")
     parser.add_argument("overrides", nargs="*", help="config overrides for the RL run (key.sub=value)")
