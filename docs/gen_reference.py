@@ -36,6 +36,7 @@ from verl_mega.roles.megatron_step import PACKING_SETTINGS
 from verl_mega.roles.routing_replay import REPLAY_SETTINGS
 from verl_mega.rewards.registry import REWARD_FUNCTIONS
 from verl_mega.roles.trainable import LR_DECAY_STYLES
+from verl_mega.rollout.agent_loop import TOOL_CALL_FORMATS
 from verl_mega.rollout.factory import ENGINES
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
@@ -51,6 +52,7 @@ CHOICES = {
     (schema.DataConfig, "truncation"): TRUNCATION_SIDES,
     (schema.RolloutConfig, "engine"): ENGINES,
     (schema.RolloutConfig, "dtype"): ["auto", *DTYPES],
+    (schema.MultiTurnConfig, "tool_call_format"): TOOL_CALL_FORMATS,
     (schema.UpdateSchedule, "use_packed_sequences"): PACKING_SETTINGS,
     (schema.ActorConfig, "router_replay"): REPLAY_SETTINGS,
     (schema.OptimConfig, "lr_decay_style"): LR_DECAY_STYLES,

@@ -17,6 +17,7 @@ The layering, written down once: a package may import its own modules and packag
     8  launch                           torchrun / Slurm launchers
     9  cli, api                         the command line; the Python API (`verl_mega.Trainer`, `load_policy`)
     10 demo                             `make demo`, through the command line
+    11 demo_agent                       `make demo-agent`, on the demo's helpers
 
 Project modules are imported at the top of a file; inside a function only optional heavy dependencies
 (vLLM, transformer-engine, wandb, megatron internals) are imported, so the graph below is the real one. The one
@@ -41,6 +42,7 @@ LAYERS = [
     {"launch"},
     {"cli", "api"},
     {"demo"},
+    {"demo_agent"},
 ]
 LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 # Installed as verl_mega.converters / verl_mega.launch (setup.py's package_dir).

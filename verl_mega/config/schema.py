@@ -189,6 +189,26 @@ class DataConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (verl's multi_turn / agent loop): the model calls tools between turns."""
+
+    enable: bool = False
+    """Each response is an episode: generate a turn, run its tool calls, append the results as the chat template
+    renders `tool` messages, generate again (see the multi-turn page)."""
+    max_turns: int = 4
+    """Assistant turns per episode at most (verl's max_assistant_turns); one asking for a tool at the last turn is
+    truncated."""
+    max_tokens: int = 0
+    """Response tokens per episode (the model's and the tool results' template tokens together); 0:
+    data.max_response_length, which it may not exceed."""
+    tools: list[str] = field(default_factory=list)
+    """The tools the model may call: registered names (calculator, python) or `module:function` paths."""
+    tool_call_format: str = "auto"
+    """How the model writes a call: hermes (`<tool_call>{json}</tool_call>`: Hermes, Qwen2.5, Qwen3),
+    llama3_json (Llama-3.1's bare JSON object), or auto (from the tokenizer's chat template)."""
+
+
+@dataclass
 class RolloutConfig:
     """Generation: the rollout engine and its sampling."""
 
@@ -213,6 +233,7 @@ class RolloutConfig:
     + 4 B fp32 gradient buffer + 4 B fp32 main weights for actor and critic each, 2 B for the reference; Adam's 8 B
     come with the first step and wait on the host during rollouts), so 0.4 leaves 60 %: on 80 GB, 2.2B parameters
     per GPU (a 7B model at TP 4), with vLLM's 32 GB for its weights and ~27 GB of KV cache."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

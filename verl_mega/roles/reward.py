@@ -6,6 +6,10 @@ used unchanged through a "module:function" path (the Python API hands over the f
 function other than the linear-time string comparisons runs in the scoring worker, under `reward.timeout_s`
 per answer. Sequence scores become token-level rewards at the last valid response token, where PPO/GRPO
 advantage estimation expects the outcome reward.
+
+A multi-turn episode (rollout.multi_turn) is scored on its last assistant turn as `solution_str`, with the whole
+episode in `extra_info` (`episode_fields`: messages, tool calls and results, turns); a dict reward's
+`turn_scores` (a number per assistant turn) are added at each turn's last sampled token.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.config.schema import RewardConfig
 from verl_mega.data.prompts import as_messages, encode_chat
 from verl_mega.rewards.registry import RewardFn, get_reward_fn, needs_time_limit, reward_fn_name
-from verl_mega.rewards.results import Scored, Stopped, Verdict, call_reward
+from verl_mega.rewards.results import Scored, Stopped, Verdict, as_number, call_reward
 from verl_mega.rewards.worker import ScoringWorker
 
 
@@ -93,11 +97,12 @@ class RuleReward:
         ground_truths: Sequence[Any],
         data_sources: Sequence[Any] | None = None,
         extra_infos: Sequence[Any] | None = None,
+        episodes: Sequence | None = None,  # multi-turn: each row's rollout.engine.EpisodeInfo
     ) -> RewardOutput:
         batch_size = len(responses)
         data_sources = data_sources if data_sources is not None else [None] * batch_size
         extra_infos = extra_infos if extra_infos is not None else [None] * batch_size
-        texts = self.decode(responses, response_mask)
+        texts = self.decode(responses, response_mask) if episodes is None else [final_answer(e) for e in episodes]
         rows = list(zip(data_sources, texts, ground_truths, extra_infos, strict=True))
         verdicts = self.worker.score(rows) if self.worker else [call_reward(self.reward_fn, row) for row in rows]
         timeouts = {row: verdict.reason for row, verdict in enumerate(verdicts) if isinstance(verdict, Stopped)}
@@ -105,8 +110,29 @@ class RuleReward:
                                                                                                 data_sources))]
         # NaN/inf pass through: the trainer stops or skips the batch (trainer.nonfinite) and names the rows.
         scores = torch.tensor([result.score for result in scored], dtype=torch.float32)
-        return RewardOutput(scores, scores_to_token_rewards(scores, response_mask.cpu()), numeric_fields(scored),
-                            tuple(result.fields for result in scored), timeouts)
+        token_rewards = scores_to_token_rewards(scores, response_mask.cpu())
+        if episodes is not None:
+            token_rewards += self._turn_rewards(scored, episodes, token_rewards.shape)
+        return RewardOutput(scores, token_rewards, numeric_fields(scored), tuple(result.fields for result in scored),
+                            timeouts)
+
+    def _turn_rewards(self, scored: Sequence[Scored], episodes: Sequence, shape) -> torch.Tensor:
+        """[B, R] a dict reward's `turn_scores` (one number per assistant turn), each at its turn's last sampled
+        token; zero for rows without them."""
+        rewards = torch.zeros(shape, dtype=torch.float32)
+        for row, (result, episode) in enumerate(zip(scored, episodes)):
+            turn_scores = result.fields.get("turn_scores")
+            if turn_scores is None:
+                continue
+            numbers = [as_number(value) for value in turn_scores] if isinstance(turn_scores, list) else [None]
+            if None in numbers or len(numbers) != len(episode.turn_ends):
+                raise UserError(f"reward.function {self.name!r} on response {row}: turn_scores must be a list of "
+                                f"{len(episode.turn_ends)} numbers (one per assistant turn), got "
+                                f"{str(turn_scores)[:80]!r}")
+            for end, value in zip(episode.turn_ends, numbers):
+                if end < shape[1]:
+                    rewards[row, end] += value
+        return rewards
 
     def _scored(self, row: int, verdict: Verdict, source) -> Scored:
         """A stopped answer scores 0; a function that raised or returned a non-score is the user's to fix."""
@@ -120,6 +146,21 @@ class RuleReward:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+
+def final_answer(episode) -> str:
+    """A multi-turn episode's answer (a rollout.engine.EpisodeInfo; the roles sit beside rollout, so it is not
+    imported), as its reward scores it: the content of its last assistant turn."""
+    return next((message["content"] for message in reversed(episode.messages) if message["role"] == "assistant"), "")
+
+
+def episode_fields(episode, extra_info: Any) -> dict:
+    """`extra_info` for a multi-turn episode's reward: the row's own (its keys, or under "extra_info" where it
+    is not a dict), plus the episode's messages, tool calls, tool results, turns and whether it was truncated."""
+    own = dict(extra_info) if isinstance(extra_info, dict) else ({} if extra_info is None else
+                                                                 {"extra_info": extra_info})
+    return {**own, "messages": episode.messages, "tool_calls": episode.tool_calls,
+            "tool_results": episode.tool_results, "turns": len(episode.turn_ends), "truncated": episode.truncated}
 
 
 def numeric_fields(scored: Sequence[Scored]) -> dict[str, torch.Tensor]:

@@ -76,14 +76,35 @@ class WeightFeed:
 
 
 @dataclass(frozen=True)
+class EpisodeInfo:
+    """What a multi-turn episode (rollout.agent_loop) did, for the reward, the metrics and the logged samples.
+    `prompt_ids`: its prompt as rendered with the tools' schemas; `messages`: the prompt's messages, then each
+    assistant turn and tool result as the chat template saw them; `tool_calls` / `tool_results`: one JSON dict
+    each per call, in order, with the turn it came from; `turn_ends`: the response position of each assistant
+    turn's last sampled token; `truncated`: the budget or max_turns ended it before the model did."""
+
+    prompt_ids: list[int]
+    messages: list[dict]
+    tool_calls: list[dict]
+    tool_results: list[dict]
+    turn_ends: list[int]
+    truncated: bool
+
+
+@dataclass(frozen=True)
 class Response:
-    """`routed_experts`: [prompt tokens + response tokens - 1, moe_layers, top_k] int16, the top-k experts each
-    MoE layer (in layer order) chose for every token the engine ran through the model: the prompt's, at its
-    prefill, then each response token's but the last, which is never fed back."""
+    """A response's token ids (and their log-probs). A multi-turn episode also carries `loss_mask` (1 on the
+    ids the model sampled, 0 on the chat template's ids for tool results; its log-probs are 0 there) and
+    `episode`; a single-turn response has neither: every id is sampled. `routed_experts`: [prompt tokens +
+    response tokens - 1, moe_layers, top_k] int16, the top-k experts each MoE layer (in layer order) chose for
+    every token the engine ran through the model: the prompt's, at its prefill, then each response token's but
+    the last, which is never fed back."""
 
     prompt_index: int
     token_ids: list[int]
     logprobs: list[float] | None = None
+    loss_mask: list[int] | None = None
+    episode: EpisodeInfo | None = None
     routed_experts: torch.Tensor | None = field(default=None, compare=False)  # a tensor has no truth value for ==
 
 

@@ -30,8 +30,10 @@ from verl_mega.roles.megatron_step import PACKING_SETTINGS
 from verl_mega.rewards.registry import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.roles.routing_replay import REPLAY_SETTINGS
+from verl_mega.rollout.agent_loop import TOOL_CALL_FORMATS, check_tool_template
 from verl_mega.rollout.factory import ENGINES, engine_records_routing
 from verl_mega.run.mirror import parse_mirror_url, require_boto3
+from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
 
 from .rl import check_estimator_config
@@ -117,6 +119,8 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         known(f"{role}.optim.lr_decay_style", getattr(config, role).optim.lr_decay_style, LR_DECAY_STYLES)
     known("trainer.nonfinite", config.trainer.nonfinite, NONFINITE_POLICIES)
     _check_dapo(config, need, known)
+    if config.rollout.multi_turn.enable:
+        _check_multi_turn(config, check_files, check, need, known)
     need(config.rollout.engine != "embedded" or p.rollout_tp == 1,
          f"parallel.rollout_tp={p.rollout_tp} needs rollout.engine vllm (the embedded engine runs at rollout TP 1)")
     if config.reward.reward_model:
@@ -165,6 +169,26 @@ def _check_dapo(config: TrainConfig, need, known) -> None:
              f"data.max_response_length={budget}] (the penalty grows over the budget's last len tokens)")
         need(buffer.penalty_factor >= 0, f"reward.overlong_buffer.penalty_factor must be >= 0, got "
              f"{buffer.penalty_factor}")
+
+
+def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known) -> None:
+    """rollout.multi_turn: its counts, its budget within data.max_response_length, its tools, and (with the model
+    folder at hand) a chat template that renders tool messages in a known tool-call format."""
+    mt, key = config.rollout.multi_turn, "rollout.multi_turn"
+    need(mt.max_turns >= 1, f"{key}.max_turns must be >= 1, got {mt.max_turns}")
+    need(0 <= mt.max_tokens <= config.data.max_response_length, f"{key}.max_tokens={mt.max_tokens} must be in [0, "
+         f"data.max_response_length={config.data.max_response_length}] (0: the whole response length)")
+    known(f"{key}.tool_call_format", mt.tool_call_format, TOOL_CALL_FORMATS)
+    need(config.actor.router_replay != "rollout", f"{key}.enable with actor.router_replay=rollout: the agent loop "
+         "does not record the routing of each turn; set actor.router_replay=off")
+    need(bool(mt.tools), f"{key}.tools is empty: name the tools the model may call (calculator, python, or "
+         "module:function)")
+    if mt.tools:
+        check(lambda: ToolSet(mt.tools, config.tools).close(), f"{key}.tools: ")
+    if check_files and Path(config.model.hf_path, "config.json").is_file() and mt.tool_call_format in TOOL_CALL_FORMATS:
+        tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
+        if tokenizer is not None:
+            check(lambda: check_tool_template(tokenizer, mt.tool_call_format), f"{key} with model.hf_path's tokenizer: ")
 
 
 def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, known) -> None:

@@ -30,7 +30,7 @@ from verl_mega.algorithms import (
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
-from verl_mega.data.prompts import PromptDataset
+from verl_mega.data.prompts import PromptDataset, as_messages
 from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.agree import all_finite
@@ -39,15 +39,17 @@ from verl_mega.rewards.registry import RewardFn
 from verl_mega.roles.actor import Actor, is_on_policy, sampling_temperature, uses_kl_loss
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
-from verl_mega.roles.reward import HFRewardModel, RewardOutput, RuleReward, scores_to_token_rewards
-from verl_mega.rollout.engine import Response, SamplingParams
+from verl_mega.roles.reward import HFRewardModel, RewardOutput, RuleReward, episode_fields, scores_to_token_rewards
+from verl_mega.rollout.agent_loop import AgentLoop, episode_metrics
+from verl_mega.rollout.engine import EpisodeInfo, Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.training_memory import training_memory_released
+from verl_mega.tools import ToolSet
 
 from .job import TrainingJob
 from .metrics import StageTimer, step_performance
-from .rollout_batch import build_rollout_batch
+from .rollout_batch import build_rollout_batch, response_tokens
 
 # An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
 BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_pi_squared")
@@ -159,9 +161,13 @@ class RLJob(TrainingJob):
         rollout_dtype = DTYPES[resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, dtype)]
         self.hybrid = HybridEngine(self.actor.model, self.hf_config, self.family, config.parallel.rollout_tp,
                                    dtype=rollout_dtype)
+        self.agent = self.make_agent_loop()
+        # A multi-turn turn may ask for the longest budget left in its batch on top of a context of up to the
+        # prompt and a whole budget: the engine's context limit holds both.
+        responses = config.data.max_response_length * (2 if self.agent is not None else 1)
         self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
                                            self.hybrid.feed, max_model_len=config.data.max_prompt_length
-                                           + config.data.max_response_length, dtype=rollout_dtype,
+                                           + responses, dtype=rollout_dtype,
                                            gpu_memory_utilization=config.rollout.gpu_memory_utilization)
 
         # An MoE model's rollout routing, where the engine can record it: replayed (actor.router_replay), and
@@ -174,6 +180,15 @@ class RLJob(TrainingJob):
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
+
+    def make_agent_loop(self) -> AgentLoop | None:
+        """rollout.multi_turn's agent loop over its tools, or None for single-turn rollouts."""
+        multi_turn, data = self.config.rollout.multi_turn, self.config.data
+        if not multi_turn.enable:
+            return None
+        return AgentLoop(self.tokenizer, ToolSet(multi_turn.tools, self.config.tools), max_turns=multi_turn.max_turns,
+                         budget=multi_turn.max_tokens or data.max_response_length, stop_token_ids=self.eos_token_ids,
+                         tool_call_format=multi_turn.tool_call_format)
 
     @property
     def uses_critic(self) -> bool:
@@ -241,6 +256,8 @@ class RLJob(TrainingJob):
     def close(self) -> None:
         self.rollout.close()
         self.reward.close()
+        if self.agent is not None:
+            self.agent.toolset.close()
 
     def train_step(self) -> dict[str, float]:
         """One step, stage by stage in dataflow order; a stage slots in here under its own name."""
@@ -286,7 +303,7 @@ class RLJob(TrainingJob):
             while not groups.done:
                 rows, responses, reward, batch = self.generation_round(timer, groups.rounds)
                 generated.append({"scores": reward.scores, "responses": batch["responses"],
-                                  "response_mask": batch["response_mask"],
+                                  "response_tokens": response_tokens(batch),
                                   "timeouts": torch.tensor([row in reward.timeouts for row in range(len(responses))])})
                 keep = groups.keep(self.filter_metric(reward)).repeat_interleave(n).nonzero().flatten().tolist()
                 kept.append((take_rows(rows, keep), take_rows(responses, keep), reward.take(keep)))
@@ -303,10 +320,9 @@ class RLJob(TrainingJob):
             metrics["filter_groups/generated_score_mean"] = generated["scores"].mean().item()
         if self.reward.worker is not None:  # every answer the worker stopped, in dropped groups too
             metrics["reward/timeouts"] = int(generated["timeouts"].sum())
-        batch = build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
-                                    config.data.max_response_length, self.tokenizer.pad_token_id,
-                                    [r.logprobs for r in responses], rollout_routing(responses)) if responses else None
-        return batch, rows, reward, metrics
+        if self.agent is not None:  # the episodes trained on
+            metrics.update(episode_metrics(rows["episode"]))
+        return (self.rollout_batch(rows, responses) if responses else None), rows, reward, metrics
 
     def generation_round(self, timer: StageTimer, gen_round: int) -> tuple[dict, list[Response], RewardOutput, dict]:
         """data.batch_size prompts drawn: their rows (with ReMax's greedy baseline where the estimator takes it),
@@ -314,15 +330,21 @@ class RLJob(TrainingJob):
         config = self.config
         prompts = self.next_prompts()
         with timer("rollout"):
-            responses = self.generate(prompts["input_ids"], gen_round=gen_round)
-        rows = one_row_per_response(prompts, config.rollout.n)
+            responses = self.generate(prompts["input_ids"], gen_round=gen_round, conversations=prompts["raw_prompt"])
+        rows = with_episodes(one_row_per_response(prompts, config.rollout.n), responses)
         if self.uses_greedy_baseline:
             rows["reward_baseline"] = self.remax_baselines(prompts, timer)
-        batch = build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
-                                    config.data.max_response_length, self.tokenizer.pad_token_id,
-                                    [r.logprobs for r in responses], rollout_routing(responses))
+        batch = self.rollout_batch(rows, responses)
         with timer("reward"):
             return rows, responses, self.shape_overlong(batch, self.agreed_score(batch, rows)), batch
+
+    def rollout_batch(self, rows: dict, responses: list[Response], log_probs: bool = True) -> dict:
+        """The batch of `rows`' prompts and their responses (with the engine's log-probs, multi-turn episodes'
+        loss masks, and the routing where the engine recorded it)."""
+        return build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
+                                   self.config.data.max_response_length, self.tokenizer.pad_token_id,
+                                   [r.logprobs for r in responses] if log_probs else None,
+                                   [r.loss_mask for r in responses], rollout_routing(responses))
 
     @property
     def uses_greedy_baseline(self) -> bool:
@@ -334,10 +356,9 @@ class RLJob(TrainingJob):
         prompt's n rows [B]; timed as `remax_baseline`."""
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
         with timer("remax_baseline"):
-            responses = [response.token_ids for response in self.generate(prompts["input_ids"], greedy)]
-            batch = build_rollout_batch(prompts["input_ids"], responses, self.config.data.max_response_length,
-                                        self.tokenizer.pad_token_id)
-            scores = self.agreed_score(batch, {key: prompts[key] for key in PROMPT_FIELDS}).scores
+            responses = self.generate(prompts["input_ids"], greedy, conversations=prompts["raw_prompt"])
+            rows = with_episodes({key: prompts[key] for key in ("input_ids", *PROMPT_FIELDS)}, responses)
+            scores = self.agreed_score(self.rollout_batch(rows, responses, log_probs=False), rows).scores
         return scores.repeat_interleave(self.config.rollout.n)
 
     def agreed_score(self, batch: dict, rows: dict) -> RewardOutput:
@@ -383,7 +404,7 @@ class RLJob(TrainingJob):
         buffer = self.config.reward.overlong_buffer
         if not buffer.enable:
             return reward
-        penalty = overlong_penalty(batch["response_mask"].sum(dim=-1), self.config.data.max_response_length,
+        penalty = overlong_penalty(response_tokens(batch).sum(dim=-1), self.config.data.max_response_length,
                                    buffer.len, buffer.penalty_factor)
         return reward._replace(scores=reward.scores + penalty, token_level_rewards=reward.token_level_rewards
                                + scores_to_token_rewards(penalty, batch["response_mask"]))
@@ -392,15 +413,16 @@ class RLJob(TrainingJob):
         """algorithm.overlong_filtering: the batch the losses see, truncated responses masked out."""
         if not self.config.algorithm.overlong_filtering:
             return batch
-        return {**batch, "response_mask": overlong_filtered_mask(batch["responses"], batch["response_mask"],
-                                                                 self.eos_token_ids)}
+        return {**batch, "response_mask": batch["response_mask"] * overlong_filtered_mask(
+            batch["responses"], response_tokens(batch), self.eos_token_ids)}
 
-    def overlong_metrics(self, batch: dict) -> dict[str, float]:
-        """The share of truncated responses and their mean overlong penalty, where either feature is on."""
-        buffer, mask = self.config.reward.overlong_buffer, batch["response_mask"]
+    def overlong_metrics(self, generated: dict) -> dict[str, float]:
+        """The share of truncated responses and their mean overlong penalty, where either feature is on, from
+        the generated `responses` and their `response_tokens` (every response token)."""
+        buffer, mask = self.config.reward.overlong_buffer, generated["response_tokens"]
         if not (buffer.enable or self.config.algorithm.overlong_filtering):
             return {}
-        truncated = truncated_responses(batch["responses"], mask, self.eos_token_ids)
+        truncated = truncated_responses(generated["responses"], mask, self.eos_token_ids)
         metrics = {"dapo/overlong_fraction": truncated.float().mean().item()}
         if buffer.enable:
             metrics["dapo/overlong_penalty_mean"] = overlong_penalty(
@@ -491,12 +513,13 @@ class RLJob(TrainingJob):
                             or is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows))
         return kl_in_reward or estimator_needs or update_needs
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, gen_round: int = 0
-                 ) -> list[Response]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, gen_round: int = 0,
+                 conversations: list | None = None) -> list[Response]:
         """Each rollout replica generates its share of the prompts; every rank gets all responses, each with its
         tokens' log-probs under the distribution they were sampled from (the engine's own, at no extra pass).
         `params`: the rollout's sampling (rollout.*, n per prompt, seeded by the step's generation round
-        `gen_round`) unless given."""
+        `gen_round`) unless given. `conversations`: the prompts as the data gives them, which multi-turn
+        episodes start from (rendered with the tools' schemas)."""
         config, layout = self.config, self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         replicas, replica = placement.replicas, placement.replica
@@ -507,12 +530,21 @@ class RLJob(TrainingJob):
                                           max_new_tokens=config.data.max_response_length, n=rollout.n, logprobs=True,
                                           routed_experts=self.records_routing,
                                           seed=rollout_seed(rollout.seed, self.step, gen_round, replicas, replica))
+        mine_conversations = None if conversations is None else conversations[replica * share:(replica + 1) * share]
         responses = [dataclasses.replace(r, prompt_index=replica * share + r.prompt_index)
-                     for r in self.rollout.generate(mine, params)] if mine else []
+                     for r in self.rollout_responses(mine, mine_conversations, params)] if mine else []
         gathered: list = [None] * layout.world_size
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
         return [response for rep in range(replicas) for response in by_replica[rep]]
+
+    def rollout_responses(self, prompts: list[list[int]], conversations: list | None, params: SamplingParams
+                          ) -> list[Response]:
+        """This replica's responses: multi-turn episodes through the agent loop where it runs (from the
+        conversations), else the engine's single turns."""
+        if self.agent is None:
+            return self.rollout.generate(prompts, params)
+        return self.agent.run(self.rollout, [as_messages(prompt) for prompt in conversations], params)
 
     def rollout_mismatch(self, batch: dict, rows: dict) -> dict[str, float]:
         """`rollout_corr/<metric>` (and `rollout_corr/<metric>/<data_source>`, where rows have one): how far the
@@ -534,18 +566,21 @@ class RLJob(TrainingJob):
 
     def sample_rows(self, batch: dict, rows: dict, reward: RewardOutput) -> list[dict]:
         """`trainer.log_samples` rows of the step for generations.jsonl: the first sample of as many prompts as
-        there are, then their second samples, ...; the prompt as the data file gives it, the response as the
-        reward saw it (special tokens dropped), and a dict reward's extra fields."""
+        there are, then their second samples, ...; the prompt as the data file gives it, the response (all of a
+        multi-turn episode's tokens, and its messages) with special tokens dropped, and a dict reward's extra
+        fields."""
         scores = reward.scores
         n, total = self.config.rollout.n, len(scores)
         chosen = sorted(range(total), key=lambda row: (row % n, row))[:self.config.trainer.log_samples]
-        responses = self.reward.decode(batch["responses"][chosen], batch["response_mask"][chosen])
+        responses = self.reward.decode(batch["responses"][chosen], response_tokens(batch)[chosen])
         samples = [{"prompt": prompt_text(rows["raw_prompt"][row]), "response": response, "score": scores[row].item()}
                    for row, response in zip(chosen, responses)]
         for row, sample in zip(chosen, samples):
             if rows["data_source"][row] is not None:
                 sample["data_source"] = str(rows["data_source"][row])
             sample.update(row_fields(reward, row))
+            if "episode" in rows:
+                sample["messages"] = rows["episode"][row].messages
         return samples
 
     def validate(self) -> dict[str, float]:
@@ -564,15 +599,14 @@ class RLJob(TrainingJob):
         with self.rollout_engine_awake(StageTimer()):
             for start in range(0, len(mine), config.data.batch_size):
                 items = mine[start:start + config.data.batch_size]
-                prompts = [item["input_ids"] for item in items]
-                responses = [response.token_ids for response in self.rollout.generate(prompts, greedy)]
+                rows = {key: [item.get(key) for item in items] for key in ("input_ids", *PROMPT_FIELDS)}
+                responses = self.rollout_responses(rows["input_ids"], rows["raw_prompt"], greedy)
                 if not placement.leads_replica:  # its replica's leader scores the same responses
                     continue
-                batch = build_rollout_batch(prompts, responses, config.data.max_response_length,
-                                            self.tokenizer.pad_token_id)
-                rows = {key: [item.get(key) for item in items] for key in PROMPT_FIELDS}
+                rows = with_episodes(rows, responses)
+                batch = self.rollout_batch(rows, responses, log_probs=False)
                 reward = self.score(batch, rows)
-                lengths = batch["response_mask"].sum(dim=-1)
+                lengths = response_tokens(batch).sum(dim=-1)
                 for row, (source, score, length) in enumerate(zip(rows["data_source"], reward.scores.tolist(),
                                                                    lengths.tolist())):
                     entry = sums.setdefault(None if source is None else str(source), [0.0, 0, 0, 0])
@@ -598,8 +632,11 @@ class RLJob(TrainingJob):
             scores = self.reward_model.score(rows["raw_prompt"], texts).float().cpu()
             return RewardOutput(scores, scores_to_token_rewards(scores, batch["response_mask"]))
         truths = [(info or {}).get("ground_truth") for info in rows["reward_model"]]
-        reward = self.reward(batch["responses"], batch["response_mask"], truths, rows["data_source"],
-                             rows.get("extra_info"))
+        extra_infos, episodes = rows.get("extra_info"), rows.get("episode")
+        if episodes is not None:  # the reward sees the whole episode; its answer is the last assistant turn
+            extra_infos = [episode_fields(episode, info) for episode, info in zip(episodes, extra_infos)]
+        reward = self.reward(batch["responses"], batch["response_mask"], truths, rows["data_source"], extra_infos,
+                             episodes=episodes)
         self.note_first_timeout(reward, rows)
         return reward
 
@@ -655,7 +692,7 @@ class RLJob(TrainingJob):
                      ) -> dict[str, float]:
         """The step's `metrics` with its rewards (and a dict reward's fields), response lengths, skip count and
         performance."""
-        lengths = batch["response_mask"].sum(dim=-1).float()
+        lengths = response_tokens(batch).sum(dim=-1).float()
         scores = reward.scores
         # reward/timeouts is the sampling's: it counts the answers of dropped groups too.
         fields = {f"reward/{name}": values.nanmean().item() for name, values in reward.extras.items()}
@@ -663,6 +700,15 @@ class RLJob(TrainingJob):
                 "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
                 "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
                 **step_performance(timer, batch["attention_mask"].sum().item())}
+
+
+def with_episodes(rows: dict, responses: list[Response]) -> dict:
+    """Multi-turn rows: each row's episode, and its prompt as the episode rendered it (with the tools' schemas);
+    single-turn rows as they are."""
+    if not responses or responses[0].episode is None:
+        return rows
+    episodes: list[EpisodeInfo] = [response.episode for response in responses]
+    return {**rows, "input_ids": [episode.prompt_ids for episode in episodes], "episode": episodes}
 
 
 def add_field_sums(sums: dict[str, list[float]], extras: dict[str, torch.Tensor]) -> None:

@@ -12,23 +12,28 @@ from verl_mega.roles.routing_replay import NOT_RECORDED, ROUTED_EXPERTS
 def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                         max_response_length: int, pad_token_id: int,
                         rollout_log_probs: Sequence[Sequence[float]] | None = None,
+                        loss_masks: Sequence[Sequence[int] | None] | None = None,
                         routed_experts: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Prompts left-padded to the longest, responses right-padded to `max_response_length`, so each row's
     valid tokens are contiguous and the response is the last R columns. `rollout_log_probs`: the engine's
     log-prob of each response token (`SamplingParams.logprobs`), kept as `rollout_log_probs` [B, R] float32
-    (0 at padding). `routed_experts`: the engine's routing of each row (`Response.routed_experts`), kept as
-    `routed_experts` [B, L, moe_layers, top_k] (see `roles.routing_replay`)."""
+    (0 at padding). `loss_masks`: per multi-turn response, 1 on the tokens the model sampled (None: all of
+    them); the attention covers every response token, `response_mask` (what the log-probs, KL, advantages and
+    losses count) only the sampled ones. `response_tokens(batch)` is every response token. `routed_experts`:
+    the engine's routing of each row (`Response.routed_experts`), kept as `routed_experts` [B, L, moe_layers,
+    top_k] (see `roles.routing_replay`)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     prompt_ids, prompt_mask = pad_rows(prompts, pad_token_id, side="left")
-    response_ids, response_mask = pad_rows(responses, pad_token_id, side="right", width=max_response_length)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    response_ids, valid = pad_rows(responses, pad_token_id, side="right", width=max_response_length)
+    attention_mask = torch.cat([prompt_mask, valid], dim=1)
     batch = {
         "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
         "attention_mask": attention_mask,
         "position_ids": position_ids(attention_mask),
         "responses": response_ids,
-        "response_mask": response_mask,
+        "response_mask": (valid if loss_masks is None or all(mask is None for mask in loss_masks)
+                          else sampled_mask(loss_masks, responses, valid)),
     }
     if rollout_log_probs is not None:
         batch["rollout_log_probs"] = right_padded_values(rollout_log_probs, responses, max_response_length)
@@ -65,3 +70,19 @@ def right_padded_values(values: Sequence[Sequence[float]], responses: Sequence[S
         if len(row) != len(tokens):
             raise ValueError(f"a response of {len(tokens)} tokens came with {len(row)} log-probs")
     return pad_rows(values, 0.0, side="right", width=width, dtype=torch.float32)[0]
+
+
+def sampled_mask(loss_masks: Sequence[Sequence[int] | None], responses: Sequence[Sequence[int]],
+                 valid: torch.Tensor) -> torch.Tensor:
+    """[B, R] 1 on the response tokens the model sampled: a row's loss mask, or every valid token without one."""
+    rows = [list(mask) if mask is not None else [1] * len(tokens) for mask, tokens in zip(loss_masks, responses)]
+    for row, tokens in zip(rows, responses):
+        if len(row) != len(tokens):
+            raise ValueError(f"a response of {len(tokens)} tokens came with a loss mask of {len(row)}")
+    return pad_rows(rows, 0, side="right", width=valid.shape[1], dtype=valid.dtype)[0] * valid
+
+
+def response_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, R] 1 on every response token, sampled or a multi-turn episode's tool-result tokens (the attention's
+    response columns; `response_mask` is the sampled ones only)."""
+    return batch["attention_mask"][:, -batch["responses"].shape[1]:]
