@@ -75,7 +75,7 @@ class EmbeddedEngine(RolloutEngine):
             decoded = decode(self.model, input_ids, attention_mask, params,
                              set(self._eos) | set(params.stop_token_ids), recorder)
         return [Response(row // params.n, tokens, None if decoded.logprobs is None else decoded.logprobs[row],
-                         None if decoded.routed_experts is None else decoded.routed_experts[row])
+                         routed_experts=None if decoded.routed_experts is None else decoded.routed_experts[row])
                 for row, tokens in enumerate(decoded.tokens)]
 
     def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
