@@ -211,7 +211,7 @@ def near_tie_rollout(tmp_path_factory, one_rank):
     responses = engine.generate(prompts, SamplingParams(max_new_tokens=12, n=2, seed=0, logprobs=True,
                                                         routed_experts=True))
     batch = build_rollout_batch([prompts[r.prompt_index] for r in responses], [r.token_ids for r in responses], 12,
-                                0, [r.logprobs for r in responses], [r.routed_experts for r in responses])
+                                0, [r.logprobs for r in responses], routed_experts=[r.routed_experts for r in responses])
     return root / "ckpt", batch
 
 
