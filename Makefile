@@ -81,13 +81,16 @@ MCORE_NEWEST_VENV := .venv-mcore-newest
 MCORE_NEWEST_PY := $(MCORE_NEWEST_VENV)/bin/python
 MCORE_NEWEST_STAMP := $(MCORE_NEWEST_VENV)/.installed
 
+# The editable install's finder is copied too: a .pth line adds a folder but not the .pth files in it, and the
+# finder is what maps verl_mega.converters and verl_mega.launch onto converters/ and launch/.
+PURELIB = $$($(1) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+
 $(MCORE_NEWEST_STAMP): $(STAMP) requirements-mcore-newest.txt
 	test -x $(MCORE_NEWEST_PY) || $(PY) -m venv --without-pip $(MCORE_NEWEST_VENV)
-	$(PY) -m pip install -q --no-deps --ignore-requires-python \
-		--target "$$($(MCORE_NEWEST_PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+	$(PY) -m pip install -q --no-deps --ignore-requires-python --upgrade --target "$(call PURELIB,$(MCORE_NEWEST_PY))" \
 		-r requirements-mcore-newest.txt
-	$(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' \
-		> "$$($(MCORE_NEWEST_PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz_venv.pth"
+	echo "$(call PURELIB,$(PY))" > "$(call PURELIB,$(MCORE_NEWEST_PY))/zz_venv.pth"
+	cp "$(call PURELIB,$(PY))"/__editable__*verl_mega* "$(call PURELIB,$(MCORE_NEWEST_PY))/"
 	touch $(MCORE_NEWEST_STAMP)
 
 venv-mcore-newest: $(MCORE_NEWEST_STAMP)
