@@ -12,13 +12,20 @@ def moe_layers(hf_config: HFModelConfig) -> list[bool]:
     return [layer not in dense and (layer + 1) % step == 0 for layer in range(hf_config.num_layers)]
 
 
-def transformer_overrides(hf_config: HFModelConfig) -> dict:
+def routed_expert_overrides(hf_config: HFModelConfig) -> dict:
+    """The routed experts' settings Qwen2-MoE and Qwen3-MoE share."""
     return dict(
-        moe_ffn_hidden_size=hf_config.raw["moe_intermediate_size"],
-        moe_shared_expert_intermediate_size=hf_config.raw["shared_expert_intermediate_size"],
-        moe_shared_expert_gate=True,
+        moe_ffn_hidden_size=config_size(hf_config, "moe_intermediate_size"),
         # norm_topk_prob false: the top-k of the softmax over all experts, not renormalised.
         moe_router_pre_softmax=not hf_config.raw.get("norm_topk_prob", False),
+    )
+
+
+def transformer_overrides(hf_config: HFModelConfig) -> dict:
+    return dict(
+        routed_expert_overrides(hf_config),
+        moe_shared_expert_intermediate_size=hf_config.raw["shared_expert_intermediate_size"],
+        moe_shared_expert_gate=True,
     )
 
 

@@ -3,17 +3,8 @@ head_dim apart from hidden/heads) with routed experts only (no shared expert), a
 weights renormalised where `norm_topk_prob` says so, and dense layers where `mlp_only_layers` or
 `decoder_sparse_step` say so. Checkpoints name the experts one by one (transformers 4.x and 5.x's
 `save_pretrained`) or stacked per layer (transformers 5's in-memory spelling); both are read."""
-from ..hf_config import HFModelConfig
-from ..spec import FamilySpec, config_size, qwen3_moe_rules, qwen_expert_stacks
-from .qwen2_moe import moe_layers
-
-
-def transformer_overrides(hf_config: HFModelConfig) -> dict:
-    return dict(
-        moe_ffn_hidden_size=config_size(hf_config, "moe_intermediate_size"),
-        # norm_topk_prob false: the top-k of the softmax over all experts, not renormalised.
-        moe_router_pre_softmax=not hf_config.raw.get("norm_topk_prob", False),
-    )
+from ..spec import FamilySpec, qwen3_moe_rules, qwen_expert_stacks
+from .qwen2_moe import moe_layers, routed_expert_overrides
 
 
 SPEC = FamilySpec(
@@ -24,6 +15,6 @@ SPEC = FamilySpec(
     qk_norm=True,
     moe=True,
     moe_layers=moe_layers,
-    transformer_overrides=transformer_overrides,
+    transformer_overrides=routed_expert_overrides,  # no shared expert
     expert_stacks=qwen_expert_stacks(),
 )
