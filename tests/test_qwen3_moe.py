@@ -126,12 +126,17 @@ def test_dist_checkpoint_keys_of_a_model_mixing_dense_and_moe_layers_are_found()
     assert {key for key, _ in found.values()} == keys
 
 
+def copy_of(hf_dir, target):
+    """A copy of a one-file HF folder (its config and weights), to corrupt."""
+    target.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (target / name).write_bytes((hf_dir / name).read_bytes())
+    return target
+
+
 def test_stacked_experts_of_another_expert_count_are_refused(stacked_pair, tmp_path):
     _, stacked = stacked_pair
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (hf_dir / name).write_bytes((stacked / name).read_bytes())
+    hf_dir = copy_of(stacked, tmp_path / "hf")
     name = "model.layers.2.mlp.experts.down_proj"
     edit_tensors(hf_dir, lambda tensors: tensors.update({name: tensors[name][:3]}))
     with pytest.raises(ValueError) as err:
@@ -143,10 +148,7 @@ def test_stacked_experts_of_another_expert_count_are_refused(stacked_pair, tmp_p
 
 def test_experts_stored_in_both_spellings_are_refused(stacked_pair, tmp_path):
     per_expert, stacked = stacked_pair
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (hf_dir / name).write_bytes((stacked / name).read_bytes())
+    hf_dir = copy_of(stacked, tmp_path / "hf")
     extra = hf_tensors(per_expert)["model.layers.0.mlp.experts.1.up_proj.weight"]
     edit_tensors(hf_dir, lambda tensors: tensors.update({"model.layers.0.mlp.experts.1.up_proj.weight": extra}))
     with pytest.raises(ValueError, match="tensor 'model.layers.0.mlp.experts.1.up_proj.weight' is stored twice: on "
