@@ -295,3 +295,14 @@ def test_the_preflight_check_names_each_bad_multi_turn_key(tiny_models):
         preflight_check(config, world_size=1, check_files=False)
     assert "rollout.multi_turn.tools is empty" in str(error.value)
     assert "rollout.multi_turn.tool_call_format 'json' is unknown; known: auto, hermes, llama3_json" in str(error.value)
+
+
+def test_a_bad_tool_limit_is_named_once_with_multi_turn_on(tiny_models):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", "rollout.multi_turn.enable=true",
+                                "rollout.multi_turn.tools=[calculator]", "tools.timeout_s=-1"])
+    with pytest.raises(ConfigError) as error:
+        preflight_check(config, world_size=1, check_files=False)
+    assert str(error.value).count("tools.timeout_s") == 1, str(error.value)

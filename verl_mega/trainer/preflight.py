@@ -183,7 +183,7 @@ def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known
          "does not record the routing of each turn; set actor.router_replay=off")
     need(bool(mt.tools), f"{key}.tools is empty: name the tools the model may call (calculator, python, or "
          "module:function)")
-    if mt.tools:
+    if mt.tools and not limit_problems(config.tools):  # bad tools.* limits have their own line
         check(lambda: ToolSet(mt.tools, config.tools).close(), f"{key}.tools: ")
     if check_files and Path(config.model.hf_path, "config.json").is_file() and mt.tool_call_format in TOOL_CALL_FORMATS:
         tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
