@@ -17,6 +17,7 @@ no larger than the bucket size (or one tensor), names not seen before in the pus
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -31,8 +32,6 @@ from .hybrid_engine import HybridEngine
 WIRE_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
-# Bytes a checksum reads at once: bounds its int64 working copy.
-_CHECKSUM_CHUNK = 1 << 22
 
 
 class WeightMismatch(ValueError):
@@ -40,21 +39,16 @@ class WeightMismatch(ValueError):
 
 
 def weight_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """name -> an exact digest of each tensor's bytes, computed where the tensor lives: its byte count, byte sum
-    and position-weighted byte sum. Any single changed byte changes the weighted sum (weights < 2**16, so no
-    change of one byte is a multiple of 2**64)."""
+    """name -> an exact digest of each tensor's bytes (`tensor_checksum`)."""
     return {name: tensor_checksum(tensor) for name, tensor in named_tensors}
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    total = weighted = 0
-    for start in range(0, data.numel(), _CHECKSUM_CHUNK):
-        chunk = data[start:start + _CHECKSUM_CHUNK].to(torch.int64)
-        positions = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
-        total += int(chunk.sum())
-        weighted += int((chunk * (positions % 65521 + 1)).sum())
-    return f"{data.numel()}:{total:x}:{weighted:x}"
+    """The byte count and CRC-32 of the tensor's bytes: any change of up to 32 consecutive bits is caught for
+    certain, any other with odds of 2**-32. Read on the host (a GPU tensor is copied there first): zlib's CRC
+    took 0.5 s for 200 MB where a position-weighted word sum in torch took 6.9 s, on the same busy CPU."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return f"{data.numel()}:{zlib.crc32(memoryview(data.numpy())):08x}"
 
 
 def push_weights(bridge: Bridge, hybrid: HybridEngine, placement: Placement, version: int, bucket_mb: float,
