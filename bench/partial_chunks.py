@@ -5,7 +5,9 @@ A chunked rollout pays twice: every chunk prefills its sequences' prompt + token
 from its KV cache), and a step makes one call per sample slot (n calls of the prompts, where one call shares each
 prompt's prefill among its n samples; see rollout/partial.py, "Seeds"). Chunk size = max_new_tokens shows the
 second cost alone. A random model of the tests' family at a real-ish shape (hidden 512, 8 layers), the embedded
-engine on whatever device torch sees; tokens/s counts the response tokens generated (all stop at EOS).
+engine on whatever device torch sees; tokens/s counts the response tokens generated (all stop at EOS), per
+second of this process's CPU time (on a shared machine wall time measures the other processes too; the wall
+seconds are printed beside it).
 
     python -m bench.partial_chunks [--prompts 8] [--samples 4] [--new-tokens 64] [--chunks 64,32,16,8] [--repeats 2]
 """
@@ -31,15 +33,17 @@ SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_a
              num_key_value_heads=4, max_position_embeddings=512)
 
 
-def timed(run, repeats: int) -> tuple[float, int]:
-    """Median seconds of `run()` over `repeats` after one warm-up, and the response tokens it generated."""
+def timed(run, repeats: int) -> tuple[float, float, int]:
+    """Median CPU and wall seconds of `run()` over `repeats` after one warm-up, and the response tokens it
+    generated."""
     tokens = run()
-    seconds = []
+    cpu, wall = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
         run()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), tokens
+        cpu.append(time.process_time() - cpu_start)
+        wall.append(time.perf_counter() - wall_start)
+    return statistics.median(cpu), statistics.median(wall), tokens
 
 
 def main() -> None:
@@ -74,13 +78,14 @@ def main() -> None:
 
     print(f"{args.prompts} prompts x {args.samples} samples, up to {args.new_tokens} new tokens, "
           f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
-    seconds, tokens = timed(one_call, args.repeats)
-    print(f"| run | seconds | response tokens | tokens/s | vs one call |\n| --- | --- | --- | --- | --- |")
-    print(f"| one call | {seconds:.2f} | {tokens} | {tokens / seconds:.0f} | 1.00x |")
+    cpu, wall, tokens = timed(one_call, args.repeats)
+    print("| run | CPU seconds | wall seconds | response tokens | tokens per CPU second | vs one call |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    print(f"| one call | {cpu:.2f} | {wall:.2f} | {tokens} | {tokens / cpu:.0f} | 1.00x |")
     for chunk in (int(c) for c in args.chunks.split(",")):
-        chunk_seconds, chunk_tokens = timed(lambda: chunked(chunk), args.repeats)
-        print(f"| chunks of {chunk} | {chunk_seconds:.2f} | {chunk_tokens} | {chunk_tokens / chunk_seconds:.0f} | "
-              f"{(chunk_tokens / chunk_seconds) / (tokens / seconds):.2f}x |")
+        chunk_cpu, chunk_wall, chunk_tokens = timed(lambda: chunked(chunk), args.repeats)
+        print(f"| chunks of {chunk} | {chunk_cpu:.2f} | {chunk_wall:.2f} | {chunk_tokens} | "
+              f"{chunk_tokens / chunk_cpu:.0f} | {(chunk_tokens / chunk_cpu) / (tokens / cpu):.2f}x |")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
