@@ -18,7 +18,7 @@ alone, the same tokens). A prompt whose `n` samples all start from it (nothing g
 one call with the engine's own `n`, which prefills it once and keeps its samples apart; a sample that has tokens
 goes into one call per sample slot (the j-th sample of every such prompt) and remaining budget. Each call is
 seeded by a hash of (`params.seed`, the step's round, the slot, the budget), so a run is reproducible for a fixed
-seed and chunk size. Chunk boundaries
+seed and chunk size (not to one `generate` call's samples, whose calls and seeds differ). Chunk boundaries
 change a sequence only as re-prefilling does (the prompt and the tokens so far run through the model again,
 where one call would have used its KV cache): with greedy decoding and unchanged weights, chunked equals
 unchunked token for token on the embedded engine.
