@@ -111,8 +111,10 @@ class PartialRollout:
         whole `max_new_tokens`), ordered by prompt and sample."""
         calls = self._calls()
         # Every call first, then the sequences: an engine that fails mid-step leaves the rollout as it was.
-        results = [(sequences, budget, self._generate(sequences, slot, budget))
-                   for (slot, budget), sequences in sorted(calls.items())]
+        # Sequences under way go first, then the prompts that start.
+        order = sorted(calls, key=lambda call: (call[0] == FRESH, call))
+        results = [(calls[slot, budget], budget, self._generate(calls[slot, budget], slot, budget))
+                   for slot, budget in order]
         finished = []
         for sequences, budget, chunks in results:
             for sequence, chunk in zip(sequences, chunks):
