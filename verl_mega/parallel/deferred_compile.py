@@ -13,6 +13,9 @@ there, so a GPU run that uses the fusions compiles exactly what it compiled befo
 compiled (a user's `torch.compile` of a whole layer) the wrapper calls the plain function, which dynamo then
 traces inline, as it inlines a nested torch.compile'd function. megatron's own `disable_jit_fuser()` and
 `enable_jit_fuser()` keep working: they rebind the same name.
+
+From megatron-core 0.17 on, the MoE router also applies `torch.compile` to one method directly
+(`megatron_versions.CHANGES["router_compiles_at_import"]`); there the compiler stack still loads at import.
 """
 from __future__ import annotations
 
