@@ -7,8 +7,8 @@ Both run GRPO in fp32 on the CPU with equal settings: 8 prompts x 4 samples per 
 tokens, learning rate, clip ratio, temperature and chat template, no KL term, one optimizer step per trainer
 step (one epoch over one mini-batch of all 32 samples, in one forward/backward pass; `--trl-micro-batch 8`
 gives TRL four passes of 8, its best setting on a real 135M model). The task is the synthetic
-copy task with its partial-credit rule reward. TRL runs in this process; verl_mega runs `verl-mega train`'s
-entry point under torchrun with one process (the same thread count for both).
+copy task with its partial-credit rule reward. Each side runs in its own fresh process with the same thread count:
+TRL in `python -c` (`trl_process`), verl_mega as `verl-mega train`'s entry point under torchrun with one process.
 
 Models are built here, nothing comes from a hub: `tiny` is the tests' tiny Qwen2 (character tokenizer);
 `llama100m` is a ~110M-parameter Llama-shaped random model with a byte-level BPE tokenizer trained here with
@@ -16,17 +16,18 @@ Models are built here, nothing comes from a hub: `tiny` is the tests' tiny Qwen2
 same number of tokens per step.
 
 Printed: per system the median step time (wall, and the process's CPU time, which a busy shared machine
-disturbs much less) over the steps after the first (warm-up), completion tokens/s, the per-stage breakdown
-and the time outside the steps (start-up and the checkpoint both write after the last step), then the ratio;
-with `--rounds` > 1 the pair runs again, and the median of the rounds' ratios closes the report (the speed of
-a shared machine drifts between runs by more than the two systems differ).
-verl_mega's time outside the steps includes starting its process and importing torch, transformers and
-megatron-core, which TRL, running in this process, has done before its clock starts; the header prints
-what verl_mega's imports take in a fresh interpreter.
+disturbs much less) over the steps after the first (warm-up), completion tokens/s, the per-stage breakdown,
+and the whole run (the command to the process's exit, same work on both sides: imports, loading the model,
+the steps, the checkpoint both write after the last step) split into start-up (the command to the first
+step) and exit (the end of the last step to the exit); then the ratios, steps/s and whole run. With
+`--rounds` > 1 the pair runs again, each round printing the load average as it starts, and the medians of the
+rounds' ratios close the report (the speed of a shared machine drifts between runs by more than the two systems
+differ). The header prints what each side's imports cost in CPU seconds in a fresh interpreter.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -40,6 +41,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+ROOT = Path(__file__).resolve().parent.parent
+STEP_BEGINS, STEP_ENDS = "vs_trl: a TRL step begins", "vs_trl: a TRL step ends"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 8, 4
 SEQUENCES_PER_STEP = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
 SCALES = {
@@ -113,6 +116,32 @@ def copy_rows(count: int) -> list[dict]:
 
 def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path,
             micro_batch: int) -> dict:
+    """TRL in a fresh interpreter (`trl_process`), so that its whole run, like verl_mega's, counts from the command
+    (imports included) to the process's exit."""
+    spec = out / "trl_spec.json"
+    out.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps(dict(hf_dir=str(hf_dir), rows=rows, settings=settings, steps=steps, threads=threads,
+                                    out=str(out), micro_batch=micro_batch)))
+    command = [sys.executable, "-c", "import sys; from bench.vs_trl import trl_process; trl_process(sys.argv[1])",
+               str(spec)]
+    lines, wall = timed_lines(command, {"OMP_NUM_THREADS": str(threads)}, cwd=ROOT)
+    result = json.loads((out / "trl_result.json").read_text())
+    first_begin = next(at for at, line in lines if STEP_BEGINS in line)
+    last_end = [at for at, line in lines if STEP_ENDS in line][-1]
+    return {**result, "whole_run": wall, "start_up": first_begin, "exit": wall - last_end}
+
+
+def trl_process(spec_path: str) -> None:
+    """The TRL side of a round, in its own process: prints a marker at each step's start and end, and writes its
+    summary next to the spec."""
+    spec = json.loads(Path(spec_path).read_text())
+    result = train_trl(Path(spec["hf_dir"]), spec["rows"], spec["settings"], spec["steps"], spec["threads"],
+                       Path(spec["out"]), spec["micro_batch"])
+    (Path(spec["out"]) / "trl_result.json").write_text(json.dumps(result))
+
+
+def train_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path,
+              micro_batch: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -139,7 +168,6 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
         # A checkpoint (model and optimizer) after the last step, as verl_mega writes one.
         save_strategy="steps", save_steps=steps,
     )
-    start = time.perf_counter()  # like verl_mega's, TRL's time outside the steps includes loading the model
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=copy_reward, args=config, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(hf_dir))
@@ -162,25 +190,26 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            print(f"\n{STEP_BEGINS}", flush=True)  # on a line of its own, whatever the progress bar wrote
             stage_seconds.append({"_start": time.perf_counter(), "_cpu_start": time.process_time()})
 
         def on_step_end(self, args, state, control, **kwargs):
             stage_seconds[-1]["step"] = time.perf_counter() - stage_seconds[-1].pop("_start")
             stage_seconds[-1]["step_cpu"] = time.process_time() - stage_seconds[-1].pop("_cpu_start")
+            print(f"\n{STEP_ENDS}", flush=True)
 
     trainer.add_callback(StepTimes())
     trainer.train()
-    wall = time.perf_counter() - start
     lengths = [record["completions/mean_length"] for record in trainer.state.log_history
                if "completions/mean_length" in record]
     for seconds in stage_seconds:
         seconds["update_rest"] = seconds["step"] - seconds.get("rollout_total", 0.0) - seconds.get("loss_forward", 0.0)
-    return summarise(stage_seconds, lengths, wall)
+    return summarise(stage_seconds, lengths)
 
 
 def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path) -> dict:
     from verl_mega.data.tables import write_rows
-    from verl_mega.parallel.spawn import run_torchrun
+    from verl_mega.parallel.spawn import torchrun_command
     from verl_mega.run.folder import RunFolder
     from verl_mega.trainer.plot import read_metrics
 
@@ -203,27 +232,46 @@ reward: {{function: copy}}
 trainer: {{total_steps: {steps}, seed: 1, progress_bar: false}}
 """)
     run_dir = out / "run"
-    start = time.perf_counter()
-    run_torchrun(1, "verl_mega.trainer.main", [
+    lines, wall = timed_lines(torchrun_command(1, "verl_mega.trainer.main", [
         "--config", str(config), f"model.hf_path={hf_dir}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
-    ], env={"OMP_NUM_THREADS": str(threads)})
-    wall = time.perf_counter() - start
+    ]), {"OMP_NUM_THREADS": str(threads)})
     records = read_metrics(RunFolder(run_dir).metrics)
     stage_seconds = [{"step": record["perf/step_seconds"], "step_cpu": record["perf/step_cpu_seconds"],
                       **{key[len("timing/"):]: value for key, value in record.items() if key.startswith("timing/")}}
                      for record in records]
-    return summarise(stage_seconds, [record["response/length_mean"] for record in records], wall)
+    # Each step's line is printed as it ends; the first began its step_seconds before its line.
+    step_lines = [at for at, line in lines if line.startswith("step ")]
+    return {**summarise(stage_seconds, [record["response/length_mean"] for record in records]),
+            "whole_run": wall, "start_up": step_lines[0] - records[0]["perf/step_seconds"],
+            "exit": wall - step_lines[-1]}
 
 
-def import_seconds(module: str, threads: int) -> float:
-    """Seconds a fresh interpreter takes to import `module` (and all it pulls in)."""
-    code = f"import time; start = time.perf_counter(); import {module}; print(time.perf_counter() - start)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+def timed_lines(command: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[list, float]:
+    """Runs `command`, echoing its output; (seconds since the command to each output line, the line) and the
+    seconds from the command to the process's exit. Raises CalledProcessError on a failure."""
+    start = time.perf_counter()
+    lines = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **env}) as process:
+        for line in process.stdout:
+            lines.append((time.perf_counter() - start, line))
+            print(line, end="")
+    wall = time.perf_counter() - start
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
+    return lines, wall
+
+
+def import_cpu_seconds(statement: str, threads: int) -> float:
+    """CPU seconds a fresh interpreter spends on `statement` (an import) and all it pulls in."""
+    code = (f"import resource; {statement}; usage = resource.getrusage(resource.RUSAGE_SELF); "
+            "print(usage.ru_utime + usage.ru_stime)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return float(result.stdout.strip().splitlines()[-1])
 
 
-def summarise(stage_seconds: list[dict[str, float]], mean_lengths: list[float], wall: float) -> dict:
+def summarise(stage_seconds: list[dict[str, float]], mean_lengths: list[float]) -> dict:
     """Medians over the steps after the first; tokens/s from the completion tokens of the same steps."""
     measured = stage_seconds[1:] or stage_seconds
     stages = sorted({name for seconds in measured for name in seconds} - {"step", "step_cpu"})
@@ -231,8 +279,7 @@ def summarise(stage_seconds: list[dict[str, float]], mean_lengths: list[float], 
     step_cpu = statistics.median(seconds["step_cpu"] for seconds in measured)
     tokens = statistics.median(mean_lengths[1:] or mean_lengths) * SEQUENCES_PER_STEP
     return {"step": step, "step_cpu": step_cpu, "tokens_per_second": tokens / step, "completion_tokens": tokens,
-            "stages": {name: statistics.median(seconds.get(name, 0.0) for seconds in measured) for name in stages},
-            "outside_steps": wall - sum(seconds["step"] for seconds in stage_seconds)}
+            "stages": {name: statistics.median(seconds.get(name, 0.0) for seconds in measured) for name in stages}}
 
 
 def report(scale: str, rounds: list[tuple[dict, dict]]) -> None:
@@ -244,17 +291,21 @@ def report(scale: str, rounds: list[tuple[dict, dict]]) -> None:
             stages = ", ".join(f"{stage} {seconds:.3f}" for stage, seconds in result["stages"].items())
             print(f"{name:<16} step {result['step']:.3f} s (CPU {result['step_cpu']:.3f} s), "
                   f"{result['completion_tokens']:.0f} completion tokens, "
-                  f"{result['tokens_per_second']:.0f} tokens/s; outside the steps {result['outside_steps']:.1f} s")
+                  f"{result['tokens_per_second']:.0f} tokens/s; whole run {result['whole_run']:.1f} s: start-up "
+                  f"{result['start_up']:.1f} s (command to the first step), exit {result['exit']:.1f} s (last step "
+                  f"to the exit)")
             print(f"{'':<16} stages (s): {stages}")
         print(f"verl_mega / TRL: {trl['step'] / ours['step']:.2f}x steps/s, "
               f"{ours['tokens_per_second'] / trl['tokens_per_second']:.2f}x completion tokens/s; "
               f"{trl['step_cpu'] / ours['step_cpu']:.2f}x in CPU seconds per step (steadier when the machine is "
-              "shared)")
-    steps = [trl["step"] / ours["step"] for trl, ours in rounds]
-    cpu = [trl["step_cpu"] / ours["step_cpu"] for trl, ours in rounds]
-    print(f"\n{scale}: verl_mega / TRL steps/s over {len(rounds)} round(s): median {statistics.median(steps):.2f}x "
-          f"(rounds {', '.join(f'{ratio:.2f}' for ratio in steps)}); in CPU seconds per step: median "
-          f"{statistics.median(cpu):.2f}x (rounds {', '.join(f'{ratio:.2f}' for ratio in cpu)})")
+              f"shared); {trl['whole_run'] / ours['whole_run']:.2f}x whole run")
+    for label, key in (("steps/s", "step"), ("CPU seconds per step", "step_cpu"), ("whole run", "whole_run")):
+        ratios = [trl[key] / ours[key] for trl, ours in rounds]
+        print(f"{scale}: verl_mega / TRL, {label}, over {len(rounds)} round(s): median "
+              f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{ratio:.2f}' for ratio in ratios)})")
+    for name, side in (("TRL", 0), ("verl_mega", 1)):
+        print(f"{scale}: {name} start-up median {statistics.median(r[side]['start_up'] for r in rounds):.1f} s, "
+              f"exit median {statistics.median(r[side]['exit'] for r in rounds):.1f} s")
 
 
 def main(argv=None) -> int:
@@ -282,19 +333,22 @@ def main(argv=None) -> int:
     rows = copy_rows(PROMPTS_PER_STEP * args.steps)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.steps} steps per system, "
           f"{PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, fp32, load average {os.getloadavg()[0]:.1f}")
-    print(f"verl_mega's trainer imports in {import_seconds('verl_mega.trainer.main', args.threads):.1f} s in a fresh "
-          "interpreter (inside its time outside the steps; TRL's imports precede its clock)")
+    print(f"imports in a fresh interpreter: verl_mega's trainer "
+          f"{import_cpu_seconds('import verl_mega.trainer.main, megatron.core', args.threads):.1f} CPU-s, TRL's "
+          f"{import_cpu_seconds('import trl, datasets; from trl import GRPOTrainer', args.threads):.1f} CPU-s")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for scale in scales:
             hf_dir = BUILDERS[scale](tmp / scale / "hf")
             params = sum(tensor.numel() for tensor in load_file(hf_dir / "model.safetensors").values())
             print(f"{scale}: {params / 1e6:.2f}M parameters, {SCALES[scale]['max_new_tokens']} max new tokens")
-            rounds = [(run_trl(hf_dir, rows, SCALES[scale], args.steps, args.threads, tmp / scale / f"trl{number}",
-                               args.trl_micro_batch),
-                       run_verl_mega(hf_dir, rows, SCALES[scale], args.steps, args.threads,
-                                     tmp / scale / f"verl_mega{number}"))
-                      for number in range(args.rounds)]
+            rounds = []
+            for number in range(args.rounds):
+                print(f"{scale}, round {number + 1}: load average {os.getloadavg()[0]:.1f}", flush=True)
+                rounds.append((run_trl(hf_dir, rows, SCALES[scale], args.steps, args.threads,
+                                       tmp / scale / f"trl{number}", args.trl_micro_batch),
+                               run_verl_mega(hf_dir, rows, SCALES[scale], args.steps, args.threads,
+                                             tmp / scale / f"verl_mega{number}")))
             report(scale, rounds)
     return 0
 

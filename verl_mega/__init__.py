@@ -6,15 +6,18 @@ use, so `import verl_mega` stays cheap for the command line and the launchers.
 The package calls megatron-core's internals (its optimizer's per-parameter state, its dist-checkpoint
 metadata, its CPU-unfriendly corners patched in `parallel/shims.py`), so a megatron-core outside the releases it is
 tested against (`parallel/megatron_versions.py`: 0.16.1 up to 0.19.x) is refused here, at import, with one line,
-rather than deep inside a training step.
+rather than deep inside a training step. megatron-core's `torch.compile` decorations are deferred to each
+function's first call (`parallel/deferred_compile.py`), so importing megatron-core does not import torch's compiler
+stack.
 """
 import importlib
 import os
 import warnings
 
-from verl_mega.parallel import megatron_versions
+from verl_mega.parallel import deferred_compile, megatron_versions
 
 megatron_versions.check_installed()
+deferred_compile.install()
 
 # Output every rank would repeat without telling the user anything: megatron-core's notices that it falls back
 # from apex / transformer-engine (expected on CPU and with the local layer spec) and, from 0.17 on, from absl's

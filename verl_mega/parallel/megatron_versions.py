@@ -56,6 +56,12 @@ CHANGES = {
         # The module's source, not its attributes: on 0.16 parallel/shims.py has defined it by the time this runs.
         lambda: _source_of("megatron.core.transformer.moe.moe_utils").count("te_general_gemm,") >= 2,
     ),
+    "router_compiles_at_import": Change(
+        (0, 17, 0),
+        "the MoE router decorates one method with torch.compile itself, not through jit_fuser (0.16: none), so "
+        "importing megatron-core imports torch's compiler stack whatever parallel/deferred_compile.py defers",
+        lambda: "@torch.compile\n" in _source_of("megatron.core.transformer.moe.router"),
+    ),
 }
 
 

@@ -1,0 +1,83 @@
+"""A rank's start and exit: megatron-core's torch.compile decorations deferred to each function's first call
+(`parallel/deferred_compile.py`) and the exit without the interpreter's teardown (`parallel/process_exit.py`)."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from verl_mega.parallel import megatron_versions
+from verl_mega.parallel.deferred_compile import compile_on_first_call
+
+
+def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch, transformers and megatron-core: ~3 CPU-s
+@pytest.mark.skipif(megatron_versions.since("router_compiles_at_import"),
+                    reason="megatron-core's router applies torch.compile at import itself")
+def test_importing_the_trainer_and_megatron_leaves_the_compiler_stack_unimported():
+    result = run_python("""
+        import sys
+        import verl_mega.trainer.main, megatron.core
+        from megatron.core import jit
+        print(sorted(name for name in ("torch._dynamo", "torch._inductor", "torch._inductor.compile_fx")
+                     if name in sys.modules))
+        print(jit.jit_fuser.__module__, jit.jit_fuser.__name__)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "verl_mega.parallel.deferred_compile compile_on_first_call"]
+
+
+def test_a_deferred_function_compiles_at_its_first_call_with_its_options():
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    def gated(x):
+        return torch.nn.functional.silu(x) * x
+
+    deferred = compile_on_first_call(backend=backend)(gated)
+    assert graphs == []
+    x = torch.randn(4, 8)
+    assert torch.equal(deferred(x), gated(x))
+    assert len(graphs) == 1
+    deferred(x)
+    assert len(graphs) == 1  # compiled once, as torch.compile's own wrapper does
+
+
+def test_inside_a_compiled_region_the_deferred_function_is_traced_inline():
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    inner = compile_on_first_call(lambda x: x * 2)
+    outer = torch.compile(lambda x: inner(x) + 1, backend=backend, fullgraph=True)
+    x = torch.randn(3)
+    assert torch.equal(outer(x), x * 2 + 1)
+    assert len(graphs) == 1  # one graph: no break at the deferred function
+
+
+def test_exit_process_keeps_what_a_normal_exit_does(tmp_path):
+    result = run_python("""
+        import atexit, sys, threading, time
+        from pathlib import Path
+        from verl_mega.parallel.process_exit import exit_process
+
+        folder = Path(sys.argv[1])
+        atexit.register(lambda: (folder / "atexit").write_text("ran"))
+        threading.Thread(target=lambda: (time.sleep(0.2), (folder / "thread").write_text("ran"))).start()
+        print("buffered, no newline", end="")
+        print("to stderr", end="", file=sys.stderr)
+        exit_process(3)
+    """, str(tmp_path))
+    assert result.returncode == 3
+    assert (result.stdout, result.stderr) == ("buffered, no newline", "to stderr")
+    assert (tmp_path / "atexit").read_text() == (tmp_path / "thread").read_text() == "ran"
