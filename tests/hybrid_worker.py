@@ -4,10 +4,12 @@ For every case and every rollout TP size t_g dividing the training TP, each rank
 weights must equal the HF checkpoint's tensors sliced for its rollout TP rank, bit for bit; the measured
 peak must stay within the planner's figure. Then every parameter is moved (a stand-in training step) and
 the next transition must carry the moved weights. With --greedy, the embedded engine loaded from the
-stream must generate what transformers generates from the exported checkpoint.
+stream must generate what transformers generates from the exported checkpoint. With --lora FAMILY, that
+family's model gains LoRA factors on its four linears: the stream must equal, bit for bit, the stream of the
+same model with W + scale * B @ A written into its weights by hand, and stay within the planner's peak.
 
     --tp TP --pp PP --case FAMILY,HF_DIR,CKPT_DIR,EP [--case ...] [--greedy FAMILY=EXPORTED_HF_DIR ...]
-        [--next --tp TP --pp PP --case ...]
+        [--lora FAMILY ...] [--next --tp TP --pp PP --case ...]
 
 `--next` starts another layout of the same world size in the same processes (each group checked in turn), so
 that several layouts pay one start-up; rank 0 prints GROUP_DONE after each group.
@@ -30,6 +32,8 @@ from verl_mega.rollout.planner import plan
 
 TRAINING_STEP_SHIFT = 0.5
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
+LORA_RANK, LORA_SCALE = 4, 2.0
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def expected_rollout_slice(reader: SafetensorsReader, cfg, family, padded_vocab: int, part: int, parts: int,
@@ -115,7 +119,62 @@ def check_greedy_parity(engine: HybridEngine, cfg, export_dir: str, label: str) 
         print(f"{label}: greedy generation matches transformers: {responses[0].token_ids}", flush=True)
 
 
-def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp: int, greedy_export: str | None) -> None:
+def attach_adapters(model) -> list:
+    """LoRA factors on every targeted linear, as the LoRA modules hold them (`lora_a` [rank, in_local], `lora_b`
+    [out_local, rank]): cut from whole random factors by the TP rank, B with a column-parallel weight's rows, A
+    with a row-parallel weight's columns. Returns (module, a, b) of each."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    layout = current_layout()
+    attached = []
+    for index, (name, module) in enumerate(sorted(model.named_modules())):
+        if not name.endswith(LORA_TARGETS):
+            continue
+        out_local, in_local = module.weight.shape
+        row_parallel = isinstance(module, RowParallelLinear)
+        generator = torch.Generator().manual_seed(index)
+        a = torch.randn(LORA_RANK, in_local * (layout.tp if row_parallel else 1), generator=generator)
+        b = torch.randn(out_local * (1 if row_parallel else layout.tp), LORA_RANK, generator=generator)
+        a, b = (tp_part(a, 1, layout.tp_rank, layout.tp), b) if row_parallel else (a, tp_part(b, 0, layout.tp_rank, layout.tp))
+        module.lora_a = torch.nn.Parameter(a.to(module.weight.dtype).contiguous())
+        module.lora_b = torch.nn.Parameter(b.to(module.weight.dtype).contiguous())
+        attached.append((module, module.lora_a, module.lora_b))
+    assert attached, "the model has none of the LoRA target linears"
+    return attached
+
+
+def check_merged_stream(model, hf_dir: str, cfg, family, label: str) -> None:
+    """The stream of a model with adapters == the stream of the model with its weights merged by hand."""
+    layout = current_layout()
+    attached = attach_adapters(model)
+    rollout_tps = [t for t in range(1, layout.tp + 1) if layout.tp % t == 0]
+    merged_streams, peaks = {}, []
+    for rollout_tp in rollout_tps:
+        engine = HybridEngine(model, cfg, family, rollout_tp, measure_peak=True, lora_scale=LORA_SCALE)
+        merged_streams[rollout_tp] = {name: tensor.clone() for name, tensor in engine.stream()}
+        figures = plan(hf_dir, layout.tp, layout.pp, layout.dp, rollout_tp, ep=layout.ep, lora_rank=LORA_RANK,
+                       lora_targets=LORA_TARGETS).ranks[layout.rank]
+        assert engine.tracker.peak <= figures.transition_peak_bytes, (
+            f"{label} -> t_g={rollout_tp} rank {layout.rank}: measured peak {engine.tracker.peak} B > planned "
+            f"{figures.transition_peak_bytes} B with adapters")
+        peaks.append(f"t_g={rollout_tp} peak {engine.tracker.peak} B <= planned {figures.transition_peak_bytes} B")
+    with torch.no_grad():
+        for module, a, b in attached:
+            module.weight.copy_((module.weight.float() + LORA_SCALE * (b.float() @ a.float())).to(module.weight.dtype))
+            del module.lora_a, module.lora_b
+    for rollout_tp in rollout_tps:
+        plain = dict(HybridEngine(model, cfg, family, rollout_tp).stream())
+        streamed = merged_streams[rollout_tp]
+        assert set(plain) == set(streamed), f"{label} -> t_g={rollout_tp}: the merged stream's names differ"
+        for name, want in plain.items():
+            assert torch.equal(streamed[name], want), (
+                f"{label} -> t_g={rollout_tp} rank {layout.rank}: merged '{name}' differs from the hand-merged model's")
+    if layout.rank == 0:
+        print(f"{label}: merged stream equals the hand-merged model's; {', '.join(peaks)}", flush=True)
+
+
+def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp: int, greedy_export: str | None,
+             lora: bool = False) -> None:
     init_parallel(tp, pp, ep)
     model, manifest, cfg, family = build_model_from_checkpoint(ckpt_dir)
     reader = SafetensorsReader(hf_dir)
@@ -133,6 +192,8 @@ def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp:
     for engine in engines:
         label = f"{family_name} tp={tp} pp={pp} dp={layout.dp} ep={ep} -> t_g={engine.rollout_tp} after a step"
         check_transition(engine, reader, hf_dir, cfg, family, manifest.padded_vocab_size, TRAINING_STEP_SHIFT, label)
+    if lora:
+        check_merged_stream(model, hf_dir, cfg, family, f"{family_name} tp={tp} pp={pp} dp={layout.dp} with LoRA")
 
 
 def layout_groups(argv: list[str]) -> list[list[str]]:
@@ -152,11 +213,13 @@ def run_group(argv: list[str]) -> None:
     parser.add_argument("--pp", type=int, required=True)
     parser.add_argument("--case", action="append", required=True)
     parser.add_argument("--greedy", action="append", default=[], help="FAMILY=EXPORTED_HF_DIR")
+    parser.add_argument("--lora", action="append", default=[], help="FAMILY whose merged LoRA stream is checked")
     args = parser.parse_args(argv)
     greedy = dict(item.split("=", 1) for item in args.greedy)
     for case in args.case:
         family_name, hf_dir, ckpt_dir, ep = case.split(",")
-        run_case(family_name, hf_dir, ckpt_dir, int(ep), args.tp, args.pp, greedy.get(family_name))
+        run_case(family_name, hf_dir, ckpt_dir, int(ep), args.tp, args.pp, greedy.get(family_name),
+                 family_name in args.lora)
 
 
 GROUP_DONE = "hybrid_worker: layout group {index} passed"  # printed by rank 0 once every rank is through it
