@@ -1,0 +1,149 @@
+"""LoRA weights out of megatron: the PEFT adapter folder and the merged HF folder, for Llama and Qwen2 (q/k/v
+biases, tied embedding; LoRA leaves the biases alone).
+
+The adapters are hand-made in megatron's layout (A [rank, in], B [out, rank] with linear_qkv's rows interleaved
+per query group and linear_fc1's gate|up), so the policy they define is the base's megatron tensors with
+W + scale * B @ A, split to HF by the converter's own path. PEFT's loader on the base and transformers on the
+merged folder must both give that policy's logits within the parity rule.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from verl_mega.converters.lora_export import PEFT_CONFIG, PEFT_WEIGHTS, Adapters, hf_adapters, merged_hf_tensors, write_peft_folder
+from verl_mega.converters.parity import logit_parity
+
+FAMILIES = ("llama", "qwen2")
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+RANK, ALPHA = 4, 16.0
+TOKENS = torch.tensor([[5, 17, 42, 9, 77, 3, 120, 64]])
+
+
+def hand_made_adapters(hf_dir, targets=TARGETS, seed: int = 0) -> Adapters:
+    """Random A and B (B not zero: the adapters change the model) on every targeted linear, megatron's layout."""
+    from verl_mega.models import load_hf_model_config
+    from verl_mega.models.expected_shapes import mcore_shape
+    from verl_mega.models.sharding import rank_slots
+
+    hf_config, family = load_hf_model_config(hf_dir)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for slot in rank_slots(hf_config, family):
+        if not slot.global_name.endswith(tuple(f".{target}.weight" for target in targets)):
+            continue
+        out_features, in_features = mcore_shape(slot.rule, hf_config)
+        module = slot.global_name.removesuffix("weight")
+        tensors[module + "lora_a"] = torch.randn(RANK, in_features, generator=generator) / in_features ** 0.5
+        tensors[module + "lora_b"] = torch.randn(out_features, RANK, generator=generator) / RANK
+    return Adapters(RANK, ALPHA, 0.0, tensors)
+
+
+def policy_state_dict(hf_dir, adapters: Adapters) -> dict[str, torch.Tensor]:
+    """The trained policy in HF names: each megatron tensor of the base merged with its adapters, then split."""
+    from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+    from verl_mega.models import load_hf_model_config
+    from verl_mega.models.sharding import merge_hf_to_mcore, rank_slots, split_mcore_to_hf
+
+    hf_config, family = load_hf_model_config(hf_dir)
+    reader = SafetensorsReader(hf_dir)
+    state = {}
+    for slot in rank_slots(hf_config, family):
+        tensor = merge_hf_to_mcore(slot, hf_config, reader, 0, 1, hf_config.vocab_size)
+        module = slot.global_name.removesuffix("weight")
+        if module + "lora_a" in adapters.tensors:
+            tensor = tensor + adapters.scale * adapters.tensors[module + "lora_b"] @ adapters.tensors[module + "lora_a"]
+        state.update(split_mcore_to_hf(slot, hf_config, [tensor]))
+    return state
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits.float()
+
+
+def assert_parity(logits, reference, hf_config, what: str) -> None:
+    parity = logit_parity(logits, reference, "fp32", num_layers=hf_config.num_layers,
+                          reduction_length=max(hf_config.hidden_size, hf_config.ffn_hidden_size), moe=False)
+    assert parity.passed, f"{what}: {parity.describe()}"
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_models, tmp_path_factory):
+    """family -> its tiny model converted (the manifest the exporter reads)."""
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+
+    root = tmp_path_factory.mktemp("lora_io")
+    for family in FAMILIES:
+        convert_hf_to_mcore(tiny_models[family], root / family)
+    return {family: root / family for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_folder_loads_in_peft_with_the_policys_logits(tiny_models, converted, family, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
+    from verl_mega.models import load_hf_model_config
+
+    hf_dir = tiny_models[family]
+    hf_config, _ = load_hf_model_config(hf_dir)
+    adapters = hand_made_adapters(hf_dir)
+    out = write_peft_folder(adapters, Manifest.read(converted[family]), converted[family] / HF_ASSETS_DIR,
+                            tmp_path / "peft", base_model=str(hf_dir), sources=(converted[family],))
+    config = json.loads((out / PEFT_CONFIG).read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["bias"]) == ("LORA", RANK, ALPHA, "none")
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["base_model_name_or_path"] == str(hf_dir)
+    from safetensors import safe_open
+
+    with safe_open(str(out / PEFT_WEIGHTS), framework="pt") as file:
+        names = set(file.keys())
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in names
+    assert "base_model.model.model.layers.3.mlp.up_proj.lora_B.weight" in names
+    assert not any("bias" in name for name in names)
+
+    policy = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    policy.load_state_dict(policy_state_dict(hf_dir, adapters), strict=False)
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    loaded = PeftModel.from_pretrained(base, str(out)).eval()
+    assert_parity(logits_of(loaded), logits_of(policy), hf_config, f"{family}: PEFT on the base vs the policy")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merged_folder_loads_in_transformers_with_the_policys_logits(tiny_models, converted, family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
+    from verl_mega.converters.mcore_to_hf import iter_checkpoint_hf_tensors, write_hf_model
+    from verl_mega.models import load_hf_model_config
+
+    hf_dir = tiny_models[family]
+    hf_config, spec = load_hf_model_config(hf_dir)
+    adapters = hand_made_adapters(hf_dir)
+    manifest = Manifest.read(converted[family])
+    deltas = {name: (a, b) for name, a, b in hf_adapters(adapters, hf_config, spec)}
+    base = iter_checkpoint_hf_tensors(converted[family], manifest)
+    out = write_hf_model(merged_hf_tensors(base, deltas, adapters.scale), manifest, converted[family] / HF_ASSETS_DIR,
+                         tmp_path / "merged", sources=(converted[family],))
+    policy = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    policy.load_state_dict(policy_state_dict(hf_dir, adapters), strict=False)
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert_parity(logits_of(merged), logits_of(policy), hf_config, f"{family}: merged folder vs the policy")
+    assert not torch.equal(logits_of(merged), logits_of(AutoModelForCausalLM.from_pretrained(hf_dir).eval()))
+
+
+def test_adapters_that_fit_no_linear_are_refused(tiny_models):
+    from verl_mega.models import load_hf_model_config
+
+    hf_config, spec = load_hf_model_config(tiny_models["llama"])
+    adapters = hand_made_adapters(tiny_models["llama"], targets=("linear_proj",))
+    stray = {**adapters.tensors, "decoder.layers.9.self_attention.linear_proj.lora_a": torch.zeros(RANK, 64)}
+    with pytest.raises(ValueError, match="adapter 'decoder.layers.9.self_attention.linear_proj.lora_a' belongs to no"):
+        list(hf_adapters(Adapters(RANK, ALPHA, 0.0, stray), hf_config, spec))
+    wrong_rank = Adapters(RANK + 1, ALPHA, 0.0, adapters.tensors)
+    with pytest.raises(ValueError, match=r"rank 5 on that linear needs a floating-point \[5, 64\]"):
+        list(hf_adapters(wrong_rank, hf_config, spec))
