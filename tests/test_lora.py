@@ -159,3 +159,84 @@ def test_a_rank_that_does_not_fit_and_a_missing_target_are_refused(one_rank):
         apply_lora(TwoLinears(), lora(rank=13))
     with pytest.raises(ValueError, match="^lora.targets: the model has none of linear_fc1$"):
         apply_lora(TwoLinears(), lora(targets=["linear_fc1"]))
+
+
+# --- the roles: a LoRA actor trains its adapters alone; its reference is its own base ---------------------------
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("lora_roles")
+    hf_dir = make_tiny_hf_model(root / "hf", "qwen2", num_hidden_layers=2)
+    convert_hf_to_mcore(hf_dir, root / "ckpt")
+    return root / "ckpt"
+
+
+def tiny_batch(vocab_size: int = 300) -> dict:
+    from roles_worker import fixed_batch
+
+    batch = fixed_batch(vocab_size, pad_id=0)
+    generator = torch.Generator().manual_seed(3)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=generator)
+    return batch
+
+
+def lora_actor(ckpt, rank=4):
+    from verl_mega.config import OptimConfig
+    from verl_mega.roles.actor import Actor
+
+    return Actor(ckpt, OptimConfig(lr=1e-2), schedule_steps=2, lora=lora(rank=rank))
+
+
+def optimizer_state_numel(optimizer) -> int:
+    """Elements of every tensor of Adam's state (moments; fp32 main copies where the model is 16-bit)."""
+    return sum(value.numel() for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+               for state in inner.optimizer.state.values() for value in state.values()
+               if torch.is_tensor(value) and value.dim() > 0)
+
+
+def test_only_the_adapters_get_gradient_buffers_and_optimizer_state(one_rank, tiny_ckpt):
+    actor = lora_actor(tiny_ckpt)
+    adapters = sum(param.numel() for _, param in lora_parameters(actor.model))
+    everything = sum(param.numel() for param in actor.model.parameters())
+    # 2 layers x 4 targets, rank 4: qkv (4 x 64 + 128 x 4), proj (4 x 64 + 64 x 4), fc1 (4 x 64 + 256 x 4),
+    # fc2 (4 x 128 + 64 x 4)
+    assert adapters == 2 * (768 + 512 + 1280 + 768)
+    assert [name for name, param in actor.model.named_parameters() if param.requires_grad] == [
+        f"module.{name}" for name, _ in lora_parameters(actor.model)]
+    buffered = sum(param.numel() for buffer in actor.trainable.model.buffers for param in buffer.params)
+    assert buffered == adapters
+    actor.update_policy(tiny_batch(), ppo_epochs=1, mini_batch_size=8, micro_batch_size=4)
+    assert optimizer_state_numel(actor.trainable.optimizer) == 2 * adapters  # Adam's two moments
+    assert adapters < everything / 10
+    # The base stayed as loaded, the adapters moved.
+    assert all(param.grad is None for name, param in actor.model.named_parameters() if not param.requires_grad)
+    assert all(param.any() for name, param in lora_parameters(actor.model) if name.endswith("lora_b"))
+
+
+def test_the_reference_of_a_lora_actor_is_its_base_with_no_second_copy(one_rank, tiny_ckpt):
+    from verl_mega.roles.reference import AdaptersOffReference, Reference, reference_of
+
+    batch = tiny_batch()
+    full = Reference(tiny_ckpt).compute_ref_log_prob(batch, 4)
+    actor = lora_actor(tiny_ckpt)
+    reference = reference_of(actor, tiny_ckpt)
+    assert isinstance(reference, AdaptersOffReference)
+    actor_storage = {param.data_ptr() for param in actor.model.parameters()}
+    assert {param.data_ptr() for param in reference.model.parameters()} == actor_storage
+    assert torch.equal(reference.compute_ref_log_prob(batch, 4), full)
+    actor.update_policy(batch, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4)
+    assert not torch.equal(actor.compute_log_prob(batch, 4)["log_probs"], full)
+    assert torch.equal(reference.compute_ref_log_prob(batch, 4), full)
+
+
+def test_a_full_parameter_actor_keeps_a_reference_of_its_own(one_rank, tiny_ckpt):
+    from verl_mega.config import OptimConfig
+    from verl_mega.roles.actor import Actor
+    from verl_mega.roles.reference import Reference, reference_of
+
+    actor = Actor(tiny_ckpt, OptimConfig(), schedule_steps=1)
+    assert isinstance(reference_of(actor, tiny_ckpt), Reference)
+    assert all(param.requires_grad for param in actor.model.parameters())

@@ -31,6 +31,9 @@ import torch.nn.functional as F
 from verl_mega.config.schema import LORA_INITS, LORA_TARGETS, LoraConfig
 
 from .builder import unwrap_model
+from .expected_shapes import mcore_shape
+from .hf_config import HFModelConfig
+from .spec import FamilySpec, TensorRule
 
 COLUMN, ROW = "column", "row"
 LORA_PARAMETER_NAMES = ("lora_a", "lora_b")
@@ -76,6 +79,35 @@ def config_problems(config: LoraConfig, key: str) -> list[str]:
     if config.alpha is not None and not (math.isfinite(config.alpha) and config.alpha > 0):
         problems.append(f"{key}.alpha={config.alpha} must be a positive number (or null: 2 x rank)")
     return problems
+
+
+def model_problems(config: LoraConfig, key: str, hf_config: HFModelConfig, family: FamilySpec, tp: int) -> list[str]:
+    """What `config` cannot do on this model at tensor-parallel size `tp`: targets the family has no layer of, and
+    a rank wider than the narrowest targeted shard (the check `apply_lora` makes on the built model)."""
+    if not config.rank:
+        return []
+    rules = {target: [rule for rule in family.active_rules(hf_config) if _targets(rule, target)]
+             for target in config.targets if target in LORA_TARGETS}
+    problems = [f"{key}.targets: {target}: the {family.name} family has no such layer; drop it from the targets"
+                for target, found in rules.items() if not found]
+    shards = [(rule.mcore, _shard_shape(rule, hf_config, tp)) for found in rules.values() for rule in found]
+    if shards:
+        name, (rows, columns) = min(shards, key=lambda shard: min(shard[1]))
+        if config.rank > min(rows, columns):
+            problems.append(f"{key}.rank={config.rank} does not fit {name} ({rows} x {columns} on each of "
+                            f"parallel.tp={tp} ranks): use a rank of at most {min(rows, columns)}")
+    return problems
+
+
+def _targets(rule: TensorRule, target: str) -> bool:
+    return rule.mcore.endswith(f".{target}.weight")
+
+
+def _shard_shape(rule: TensorRule, hf_config: HFModelConfig, tp: int) -> tuple[int, int]:
+    shape = list(mcore_shape(rule, hf_config))
+    if rule.tp_dim is not None:
+        shape[rule.tp_dim] //= tp
+    return shape[0], shape[1]
 
 
 def parallel_kind(module) -> str | None:
