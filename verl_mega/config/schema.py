@@ -250,7 +250,7 @@ class LoraConfig:
     layer's shard at the run's layout. verl's lora_rank (megatron: lora.rank), PEFT's r."""
     alpha: float | None = None
     """The adapters' output is scaled by alpha / rank; None: 2 x rank (scale 2, whatever the rank). PEFT's and
-    verl's lora_alpha (PEFT's default 8 with r=8 is scale 1; verl's examples use alpha 2 x rank)."""
+    verl's lora_alpha (PEFT's default, 8 with r=8, is scale 1; alpha = 2 x rank is the common choice)."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training (0: none; the run then is exactly reproducible at any
     layout). PEFT's lora_dropout."""
