@@ -1,0 +1,242 @@
+"""LoRA adapters (verl_mega.models.lora): the layers against y = W x + (alpha/r) B A x, forward and backward, in
+both TP splits; the first forward is the base model's; adapters off is the base model bitwise; the base weights
+get no gradient buffers and no optimizer state; bad configs fail in one line."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from verl_mega.config import LoraConfig
+from verl_mega.models.lora import (
+    COLUMN, ROW, adapters_disabled, apply_lora, config_problems, initial_a, lora_modules, lora_parameters, lora_scale,
+    merged_weight,
+)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    from verl_mega.parallel.state import destroy_parallel, init_parallel
+
+    init_parallel(1, 1)
+    yield
+    destroy_parallel()
+
+
+class TwoLinears(torch.nn.Module):
+    """An attention block's two linears as megatron builds them: linear_qkv column-, linear_proj row-parallel."""
+
+    def __init__(self, hidden: int = 12, qkv: int = 20, dtype=torch.float32):
+        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        config = ModelParallelConfig(params_dtype=dtype, use_cpu_initialization=True)
+        init = torch.nn.init.normal_
+        self.linear_qkv = ColumnParallelLinear(hidden, qkv, config=config, init_method=init, bias=False,
+                                               gather_output=False, skip_bias_add=True)
+        self.linear_proj = RowParallelLinear(qkv, hidden, config=config, init_method=init, bias=False,
+                                             input_is_parallel=True, skip_bias_add=True)
+
+    def forward(self, x):
+        return self.linear_proj(self.linear_qkv(x)[0])[0]
+
+
+def lora(rank=4, **fields) -> LoraConfig:
+    return LoraConfig(rank=rank, **fields)
+
+
+def with_random_b(model) -> None:
+    """B is zero at first: a random B makes the adapters' term visible."""
+    generator = torch.Generator().manual_seed(7)
+    for name, param in lora_parameters(model):
+        if name.endswith("lora_b"):
+            param.data.copy_(torch.randn(param.shape, generator=generator))
+
+
+def reference_linear(x, weight, a, b, scale):
+    return x @ weight.t() + scale * (x @ a.t()) @ b.t()
+
+
+@pytest.mark.parametrize("target", ["linear_qkv", "linear_proj"])
+def test_layer_matches_the_reference_forward_and_backward(one_rank, target):
+    torch.manual_seed(0)
+    model = TwoLinears()
+    apply_lora(model, lora(targets=[target], alpha=6.0))
+    with_random_b(model)
+    module = getattr(model, target)
+    x = torch.randn(3, 2, module.weight.shape[1], requires_grad=True)
+    out, _ = module(x)
+    a, b = (p.detach().clone().requires_grad_() for p in (module.lora_a, module.lora_b))
+    x_ref = x.detach().clone().requires_grad_()
+    expected = reference_linear(x_ref, module.weight.detach(), a, b, 6.0 / 4)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(module.lora_a.grad, a.grad)
+    torch.testing.assert_close(module.lora_b.grad, b.grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert module.weight.grad is None and not module.weight.requires_grad
+
+
+@pytest.mark.parametrize("init", ["kaiming", "gaussian"])
+def test_first_forward_is_the_base_models(one_rank, init):
+    torch.manual_seed(0)
+    model = TwoLinears()
+    x = torch.randn(3, 2, 12)
+    base = model(x)
+    apply_lora(model, lora(init=init))
+    assert torch.equal(model(x), base)
+    assert all(not param.any() for name, param in lora_parameters(model) if name.endswith("lora_b"))
+    assert all(param.abs().sum() > 0 for name, param in lora_parameters(model) if name.endswith("lora_a"))
+
+
+def test_initialisation_follows_peft(one_rank):
+    kaiming = initial_a(lora(rank=8), 400, "a")
+    assert kaiming.abs().max() <= 1 / math.sqrt(400) and kaiming.abs().max() > 0.9 / math.sqrt(400)
+    gaussian = initial_a(lora(rank=8, init="gaussian"), 4000, "a")
+    assert abs(gaussian.std().item() - 1 / 8) < 0.005
+    assert torch.equal(initial_a(lora(), 10, "layer.3"), initial_a(lora(), 10, "layer.3"))
+    assert not torch.equal(initial_a(lora(), 10, "layer.3"), initial_a(lora(), 10, "layer.4"))
+
+
+def test_adapters_disabled_is_the_base_model_bitwise(one_rank):
+    torch.manual_seed(0)
+    model = TwoLinears()
+    x = torch.randn(3, 2, 12)
+    base = model(x)
+    apply_lora(model, lora())
+    with_random_b(model)
+    adapted = model(x)
+    assert not torch.allclose(adapted, base)
+    with adapters_disabled(model):
+        assert torch.equal(model(x), base)
+    assert torch.equal(model(x), adapted)
+
+
+def test_merged_weight_gives_the_adapted_forward(one_rank):
+    torch.manual_seed(0)
+    model = TwoLinears(dtype=torch.bfloat16)
+    apply_lora(model, lora(alpha=2.0))
+    with_random_b(model)
+    for info in lora_modules(model):
+        module = getattr(model, info.name)
+        merged = merged_weight(module.weight, module.lora_a, module.lora_b, info.scale)
+        assert merged.dtype == torch.bfloat16
+        expected = module.weight.float() + info.scale * module.lora_b.float() @ module.lora_a.float()
+        assert torch.equal(merged, expected.to(torch.bfloat16))
+    assert [(i.name, i.kind, i.scale) for i in lora_modules(model)] == [("linear_qkv", COLUMN, 0.5),
+                                                                       ("linear_proj", ROW, 0.5)]
+
+
+def test_scale_defaults_to_two():
+    assert lora_scale(lora(rank=16)) == 2.0
+    assert lora_scale(lora(rank=16, alpha=8.0)) == 0.5
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rank": -1}, "lora.rank=-1 must be >= 1"),
+    ({"targets": ["q_proj"]}, "lora.targets: q_proj unknown; known: linear_qkv"),
+    ({"targets": []}, "lora.targets is empty"),
+    ({"init": "xavier"}, "lora.init 'xavier' is unknown; known: kaiming, gaussian"),
+    ({"dropout": 1.0}, "lora.dropout=1.0 must be in [0, 1)"),
+    ({"alpha": 0.0}, "lora.alpha=0.0 must be a positive number"),
+])
+def test_bad_configs_fail_in_one_line(one_rank, fields, message):
+    config = lora(**{"rank": 4, **fields})
+    assert config_problems(config, "lora")[0].startswith(message)
+    with pytest.raises(ValueError, match="^" + re.escape(message)) as error:
+        apply_lora(TwoLinears(), config)
+    assert "\n" not in str(error.value)
+
+
+def test_a_rank_that_does_not_fit_and_a_missing_target_are_refused(one_rank):
+    with pytest.raises(ValueError, match=r"^lora.rank=13 does not fit linear_qkv \(20 x 12 on each of 1 TP ranks\): "
+                                         "use a rank of at most 12$"):
+        apply_lora(TwoLinears(), lora(rank=13))
+    with pytest.raises(ValueError, match="^lora.targets: the model has none of linear_fc1$"):
+        apply_lora(TwoLinears(), lora(targets=["linear_fc1"]))
+
+
+# --- the roles: a LoRA actor trains its adapters alone; its reference is its own base ---------------------------
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("lora_roles")
+    hf_dir = make_tiny_hf_model(root / "hf", "qwen2", num_hidden_layers=2)
+    convert_hf_to_mcore(hf_dir, root / "ckpt")
+    return root / "ckpt"
+
+
+def tiny_batch(vocab_size: int = 300) -> dict:
+    from roles_worker import fixed_batch
+
+    batch = fixed_batch(vocab_size, pad_id=0)
+    generator = torch.Generator().manual_seed(3)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=generator)
+    return batch
+
+
+def lora_actor(ckpt, rank=4):
+    from verl_mega.config import OptimConfig
+    from verl_mega.roles.actor import Actor
+
+    return Actor(ckpt, OptimConfig(lr=1e-2), schedule_steps=2, lora=lora(rank=rank))
+
+
+def optimizer_state_numel(optimizer) -> int:
+    """Elements of every tensor of Adam's state (moments; fp32 main copies where the model is 16-bit)."""
+    return sum(value.numel() for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+               for state in inner.optimizer.state.values() for value in state.values()
+               if torch.is_tensor(value) and value.dim() > 0)
+
+
+def test_only_the_adapters_get_gradient_buffers_and_optimizer_state(one_rank, tiny_ckpt):
+    actor = lora_actor(tiny_ckpt)
+    adapters = sum(param.numel() for _, param in lora_parameters(actor.model))
+    everything = sum(param.numel() for param in actor.model.parameters())
+    # 2 layers x 4 targets, rank 4: qkv (4 x 64 + 128 x 4), proj (4 x 64 + 64 x 4), fc1 (4 x 64 + 256 x 4),
+    # fc2 (4 x 128 + 64 x 4)
+    assert adapters == 2 * (768 + 512 + 1280 + 768)
+    assert [name for name, param in actor.model.named_parameters() if param.requires_grad] == [
+        f"module.{name}" for name, _ in lora_parameters(actor.model)]
+    buffered = sum(param.numel() for buffer in actor.trainable.model.buffers for param in buffer.params)
+    assert buffered == adapters
+    actor.update_policy(tiny_batch(), ppo_epochs=1, mini_batch_size=8, micro_batch_size=4)
+    assert optimizer_state_numel(actor.trainable.optimizer) == 2 * adapters  # Adam's two moments
+    assert adapters < everything / 10
+    # The base stayed as loaded, the adapters moved.
+    assert all(param.grad is None for name, param in actor.model.named_parameters() if not param.requires_grad)
+    assert all(param.any() for name, param in lora_parameters(actor.model) if name.endswith("lora_b"))
+
+
+def test_the_reference_of_a_lora_actor_is_its_base_with_no_second_copy(one_rank, tiny_ckpt):
+    from verl_mega.roles.reference import AdaptersOffReference, Reference, reference_of
+
+    batch = tiny_batch()
+    full = Reference(tiny_ckpt).compute_ref_log_prob(batch, 4)
+    actor = lora_actor(tiny_ckpt)
+    reference = reference_of(actor, tiny_ckpt)
+    assert isinstance(reference, AdaptersOffReference)
+    actor_storage = {param.data_ptr() for param in actor.model.parameters()}
+    assert {param.data_ptr() for param in reference.model.parameters()} == actor_storage
+    assert torch.equal(reference.compute_ref_log_prob(batch, 4), full)
+    actor.update_policy(batch, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4)
+    assert not torch.equal(actor.compute_log_prob(batch, 4)["log_probs"], full)
+    assert torch.equal(reference.compute_ref_log_prob(batch, 4), full)
+
+
+def test_a_full_parameter_actor_keeps_a_reference_of_its_own(one_rank, tiny_ckpt):
+    from verl_mega.config import OptimConfig
+    from verl_mega.roles.actor import Actor
+    from verl_mega.roles.reference import Reference, reference_of
+
+    actor = Actor(tiny_ckpt, OptimConfig(), schedule_steps=1)
+    assert isinstance(reference_of(actor, tiny_ckpt), Reference)
+    assert all(param.requires_grad for param in actor.model.parameters())
