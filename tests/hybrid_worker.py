@@ -5,8 +5,8 @@ weights must equal the HF checkpoint's tensors sliced for its rollout TP rank, b
 peak must stay within the planner's figure. Then every parameter is moved (a stand-in training step) and
 the next transition must carry the moved weights. With --greedy, the embedded engine loaded from the
 stream must generate what transformers generates from the exported checkpoint. With --lora FAMILY, that
-family's model gains LoRA factors on its four linears: the stream must equal, bit for bit, the stream of the
-same model with W + scale * B @ A written into its weights by hand, and stay within the planner's peak.
+family's model gains LoRA adapters on its four linears: the stream must equal, bit for bit, the stream of a
+model built with W + scale * B @ A written into its weights by hand, and stay within the planner's peak.
 
     --tp TP --pp PP --case FAMILY,HF_DIR,CKPT_DIR,EP [--case ...] [--greedy FAMILY=EXPORTED_HF_DIR ...]
         [--lora FAMILY ...] [--next --tp TP --pp PP --case ...]
@@ -22,9 +22,11 @@ import sys
 import torch
 
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+from verl_mega.config import LoraConfig
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models.sharding import rank_slots, tp_part
 from verl_mega.models.builder import checkpoint_tensors
+from verl_mega.models.lora import apply_lora, lora_modules, lora_parameters
 from verl_mega.parallel.layout import rollout_vocab_rows
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -32,8 +34,7 @@ from verl_mega.rollout.planner import plan
 
 TRAINING_STEP_SHIFT = 0.5
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
-LORA_RANK, LORA_SCALE = 4, 2.0
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA = LoraConfig(rank=4, alpha=8.0)
 
 
 def expected_rollout_slice(reader: SafetensorsReader, cfg, family, padded_vocab: int, part: int, parts: int,
@@ -119,51 +120,42 @@ def check_greedy_parity(engine: HybridEngine, cfg, export_dir: str, label: str) 
         print(f"{label}: greedy generation matches transformers: {responses[0].token_ids}", flush=True)
 
 
-def attach_adapters(model) -> list:
-    """LoRA factors on every targeted linear, as the LoRA modules hold them (`lora_a` [rank, in_local], `lora_b`
-    [out_local, rank]): cut from whole random factors by the TP rank, B with a column-parallel weight's rows, A
-    with a row-parallel weight's columns. Returns (module, a, b) of each."""
-    from megatron.core.tensor_parallel import RowParallelLinear
+def add_trained_adapters(model) -> None:
+    """`apply_lora`'s adapters, with B moved off its zero start (as training would) so that they change the weights."""
+    apply_lora(model, LORA)
+    generator = torch.Generator().manual_seed(current_layout().rank)
+    with torch.no_grad():
+        for name, param in lora_parameters(model):
+            if name.endswith("lora_b"):
+                param.copy_(torch.randn(param.shape, generator=generator))
 
+
+def check_merged_stream(model, ckpt_dir: str, hf_dir: str, cfg, family, label: str) -> None:
+    """The stream of a model with adapters == the stream of a model built with W + scale * B @ A as its weights."""
     layout = current_layout()
-    attached = []
-    for index, (name, module) in enumerate(sorted(model.named_modules())):
-        if not name.endswith(LORA_TARGETS):
-            continue
-        out_local, in_local = module.weight.shape
-        row_parallel = isinstance(module, RowParallelLinear)
-        generator = torch.Generator().manual_seed(index)
-        a = torch.randn(LORA_RANK, in_local * (layout.tp if row_parallel else 1), generator=generator)
-        b = torch.randn(out_local * (1 if row_parallel else layout.tp), LORA_RANK, generator=generator)
-        a, b = (tp_part(a, 1, layout.tp_rank, layout.tp), b) if row_parallel else (a, tp_part(b, 0, layout.tp_rank, layout.tp))
-        module.lora_a = torch.nn.Parameter(a.to(module.weight.dtype).contiguous())
-        module.lora_b = torch.nn.Parameter(b.to(module.weight.dtype).contiguous())
-        attached.append((module, module.lora_a, module.lora_b))
-    assert attached, "the model has none of the LoRA target linears"
-    return attached
-
-
-def check_merged_stream(model, hf_dir: str, cfg, family, label: str) -> None:
-    """The stream of a model with adapters == the stream of the model with its weights merged by hand."""
-    layout = current_layout()
-    attached = attach_adapters(model)
+    add_trained_adapters(model)
     rollout_tps = [t for t in range(1, layout.tp + 1) if layout.tp % t == 0]
     merged_streams, peaks = {}, []
     for rollout_tp in rollout_tps:
-        engine = HybridEngine(model, cfg, family, rollout_tp, measure_peak=True, lora_scale=LORA_SCALE)
+        engine = HybridEngine(model, cfg, family, rollout_tp, measure_peak=True)
         merged_streams[rollout_tp] = {name: tensor.clone() for name, tensor in engine.stream()}
-        figures = plan(hf_dir, layout.tp, layout.pp, layout.dp, rollout_tp, ep=layout.ep, lora_rank=LORA_RANK,
-                       lora_targets=LORA_TARGETS).ranks[layout.rank]
+        figures = plan(hf_dir, layout.tp, layout.pp, layout.dp, rollout_tp, ep=layout.ep, lora_rank=LORA.rank,
+                       lora_targets=LORA.targets).ranks[layout.rank]
         assert engine.tracker.peak <= figures.transition_peak_bytes, (
             f"{label} -> t_g={rollout_tp} rank {layout.rank}: measured peak {engine.tracker.peak} B > planned "
             f"{figures.transition_peak_bytes} B with adapters")
         peaks.append(f"t_g={rollout_tp} peak {engine.tracker.peak} B <= planned {figures.transition_peak_bytes} B")
+    by_hand, _, _, _ = build_model_from_checkpoint(ckpt_dir)
+    trained = checkpoint_tensors(model)
     with torch.no_grad():
-        for module, a, b in attached:
-            module.weight.copy_((module.weight.float() + LORA_SCALE * (b.float() @ a.float())).to(module.weight.dtype))
-            del module.lora_a, module.lora_b
+        for name, tensor in checkpoint_tensors(by_hand).items():  # the model's weights as trained so far
+            tensor.copy_(trained[name])
+        for info in lora_modules(model):
+            adapted, plain = model.get_submodule(info.name), by_hand.get_submodule(info.name)
+            delta = adapted.lora_b.float() @ adapted.lora_a.float()
+            plain.weight.copy_((adapted.weight.float() + info.scale * delta).to(adapted.weight.dtype))
     for rollout_tp in rollout_tps:
-        plain = dict(HybridEngine(model, cfg, family, rollout_tp).stream())
+        plain = dict(HybridEngine(by_hand, cfg, family, rollout_tp).stream())
         streamed = merged_streams[rollout_tp]
         assert set(plain) == set(streamed), f"{label} -> t_g={rollout_tp}: the merged stream's names differ"
         for name, want in plain.items():
@@ -193,7 +185,7 @@ def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp:
         label = f"{family_name} tp={tp} pp={pp} dp={layout.dp} ep={ep} -> t_g={engine.rollout_tp} after a step"
         check_transition(engine, reader, hf_dir, cfg, family, manifest.padded_vocab_size, TRAINING_STEP_SHIFT, label)
     if lora:
-        check_merged_stream(model, hf_dir, cfg, family, f"{family_name} tp={tp} pp={pp} dp={layout.dp} with LoRA")
+        check_merged_stream(model, ckpt_dir, hf_dir, cfg, family, f"{family_name} tp={tp} pp={pp} dp={layout.dp} with LoRA")
 
 
 def layout_groups(argv: list[str]) -> list[list[str]]:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from verl_mega.models.builder import checkpoint_tensors, unwrap_model
 from verl_mega.models.hf_config import HFModelConfig
+from verl_mega.models.lora import lora_modules
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
 from verl_mega.models.spec import SAME, FamilySpec, TensorRule, canonical_names
 from verl_mega.parallel.layout import rollout_placement, rollout_vocab_rows
@@ -64,12 +65,15 @@ class _Adapter:
 
     a: torch.Tensor  # [rank, in_local]
     b: torch.Tensor  # [out_local, rank]
+    scale: float  # alpha / rank
 
 
-def merged_shard(weight: torch.Tensor, adapter: _Adapter, scale: float) -> torch.Tensor:
-    """W + scale * B @ A in fp32, in W's dtype: one tensor of W's size (plus its fp32 form for a narrower W)."""
+def merged_shard(weight: torch.Tensor, adapter: _Adapter) -> torch.Tensor:
+    """`models.lora.merged_weight`'s W + scale * B @ A (fp32 math, W's dtype, the same bits), computed in place in
+    one fp32 buffer: the transition holds one shard-sized tensor for it (plus the cast copy for a narrower W),
+    where the out-of-place expression holds three or four."""
     delta = adapter.b.float() @ adapter.a.float()
-    delta.mul_(scale).add_(weight)
+    delta.mul_(adapter.scale).add_(weight)
     return delta.to(weight.dtype)
 
 
@@ -94,11 +98,11 @@ class HybridEngine:
     """
 
     def __init__(self, model: torch.nn.Module, hf_config: HFModelConfig, family: FamilySpec, rollout_tp: int = 1,
-                 dtype: torch.dtype | None = None, measure_peak: bool = False, lora_scale: float | None = None):
+                 dtype: torch.dtype | None = None, measure_peak: bool = False):
         """`dtype`: what the rollout engine runs (default: the model's); the tensors are streamed in it.
         `measure_peak`: track the transition's live bytes (tests, benchmarks). Off in training: the tracking
         dispatch mode handles every op of the transition in Python, 40 % of a tiny model's transition.
-        `lora_scale`: alpha / rank of the model's adapters (required when it has any); they are streamed merged."""
+        A model with LoRA adapters (`models.lora.apply_lora`) streams its adapted linears merged."""
         from megatron.core import parallel_state as ps
 
         self.hf_config, self.family, self.dtype = hf_config, family, dtype
@@ -109,10 +113,6 @@ class HybridEngine:
         self.rollout_tp_rank = placement.rollout_tp_rank
         self.tracker = LiveBytes() if measure_peak else None
         self._params, self._adapters = self._own_shards(model)
-        if self._adapters and lora_scale is None:
-            raise ValueError("the actor model has LoRA adapters but the HybridEngine was given no lora_scale "
-                             "(alpha / rank) to merge them with")
-        self._lora_scale = lora_scale
 
         me = _Peer(self.layout.rank, self.layout.tp_rank, self.layout.pp_rank, self.layout.ep_rank,
                    tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())),
@@ -133,6 +133,8 @@ class HybridEngine:
         """This rank's shards by global megatron name, and the adapters of those that have LoRA factors."""
         params = checkpoint_tensors(unwrap_model(model))
         by_local = {canonical: params[name] for name, canonical in canonical_names(params).items()}
+        # A linear's name is the same in the local and the canonical spelling (only norms differ).
+        scales = {info.name: info.scale for info in lora_modules(model)}
         layout = self.layout
         shards, adapters = {}, {}
         for slot in rank_slots(self.hf_config, self.family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep):
@@ -145,10 +147,10 @@ class HybridEngine:
                     f"at tp={layout.tp}, pp={layout.pp}, ep={layout.ep}?"
                 )
             shards[slot.global_name] = by_local[slot.local_name].detach()
-            module = slot.local_name.removesuffix("weight")
-            if slot.local_name.endswith(".weight") and module + "lora_a" in by_local:
-                adapters[slot.global_name] = _Adapter(by_local[module + "lora_a"].detach(),
-                                                      by_local[module + "lora_b"].detach())
+            module = slot.local_name.removesuffix(".weight")
+            if slot.local_name.endswith(".weight") and module in scales:
+                adapters[slot.global_name] = _Adapter(by_local[module + ".lora_a"].detach(),
+                                                      by_local[module + ".lora_b"].detach(), scales[module])
         return shards, adapters
 
     @staticmethod
@@ -212,7 +214,7 @@ class HybridEngine:
         name = slot.global_name
         shard = self._params.get(name)
         if name in self._adapters:
-            shard = merged_shard(shard, self._adapters[name], self._lora_scale)
+            shard = merged_shard(shard, self._adapters[name])
         if shard is None and (self.layout.pp > 1 or (slot.rule.per_expert and self.layout.ep > 1)):
             shard = into if into is not None else self._empty(name)
         if slot.rule.per_expert and self.layout.ep > 1 and self.layout.pp_rank == stage:
