@@ -147,3 +147,64 @@ def test_adapters_that_fit_no_linear_are_refused(tiny_models):
     wrong_rank = Adapters(RANK + 1, ALPHA, 0.0, adapters.tensors)
     with pytest.raises(ValueError, match=r"rank 5 on that linear needs a floating-point \[5, 64\]"):
         list(hf_adapters(wrong_rank, hf_config, spec))
+
+
+# --- step checkpoints of a LoRA actor (one process; tests/test_training_state.py resumes them at other layouts) ---
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    from verl_mega.parallel.state import destroy_parallel, init_parallel
+
+    init_parallel(1, 1)
+    yield
+    destroy_parallel()
+
+
+def lora_actor(ckpt, rank: int = RANK):
+    from verl_mega.config import LoraConfig, OptimConfig
+    from verl_mega.roles.actor import Actor
+
+    # The distributed optimizer: megatron's plain one stores no Adam step before the first (`if step:`), and these
+    # states are saved untrained.
+    optim = OptimConfig(lr=1e-2, use_distributed_optimizer=True)
+    return Actor(ckpt, optim, schedule_steps=2, lora=LoraConfig(rank=rank, alpha=ALPHA))
+
+
+def save_step(run_dir, actor, base: str):
+    from verl_mega.run.checkpoints import save_checkpoint
+
+    state = {"step": 1, "model_fingerprint": "tiny", "world_size": 1}
+    return save_checkpoint(run_dir, 1, trainables={"actor": actor.trainable}, trainer_state=state, config_yaml="",
+                           rank=0, keep_last=2, base_checksums={"actor": base})
+
+
+def test_lora_step_checkpoint_names_its_base_and_resumes_only_on_it(one_rank, converted, tmp_path):
+    from verl_mega.config.errors import UserError
+    from verl_mega.models.lora import lora_parameters
+    from verl_mega.run.checkpoints import STATE_FILE, load_checkpoint
+
+    actor = lora_actor(converted["llama"])
+    with torch.no_grad():
+        for _, param in lora_parameters(actor.model):
+            param.add_(0.25)  # a trained adapter, not the initial one
+    saved = save_step(tmp_path, actor, base="aa" * 32)
+    assert json.loads((saved / STATE_FILE).read_text())["base_sha256"] == {"actor": "aa" * 32}
+    fresh = lora_actor(converted["llama"])
+    with pytest.raises(UserError, match="holds actor LoRA adapters trained on a base of sha256 a{64}, but this run's "
+                                        "actor starts from one of sha256 b{64}"):
+        load_checkpoint(saved, trainables={"actor": fresh.trainable}, fingerprint="tiny", rank=0, world_size=1,
+                        base_checksums={"actor": "bb" * 32})
+    load_checkpoint(saved, trainables={"actor": fresh.trainable}, fingerprint="tiny", rank=0, world_size=1,
+                    base_checksums={"actor": "aa" * 32})
+    for (name, want), (_, got) in zip(lora_parameters(actor.model), lora_parameters(fresh.model)):
+        assert torch.equal(got, want), name
+
+
+def test_lora_state_of_another_rank_is_refused(one_rank, converted, tmp_path):
+    from verl_mega.run.training_state import load_training_state
+
+    saved = save_step(tmp_path, lora_actor(converted["llama"]), base="aa" * 32)
+    with pytest.raises(ValueError, match=r"holds LoRA adapters of rank 4 on linear_fc1,linear_fc2,linear_proj,"
+                                         r"linear_qkv, this job has rank 2 .*: resume with actor.lora.rank=4"):
+        load_training_state(lora_actor(converted["llama"], rank=2).trainable, saved / "actor")
