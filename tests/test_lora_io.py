@@ -208,3 +208,42 @@ def test_lora_state_of_another_rank_is_refused(one_rank, converted, tmp_path):
     with pytest.raises(ValueError, match=r"holds LoRA adapters of rank 4 on linear_fc1,linear_fc2,linear_proj,"
                                          r"linear_qkv, this job has rank 2 .*: resume with actor.lora.rank=4"):
         load_training_state(lora_actor(converted["llama"], rank=2).trainable, saved / "actor")
+
+
+def test_a_lora_step_exports_as_peft_and_merged_with_the_actors_logits(one_rank, tiny_models, converted, tmp_path):
+    """The real thing end to end on Qwen2: a LoRA actor's step checkpoint -> `export_role` -> PEFT on the base and
+    transformers on the merged folder, against the megatron actor's own forward (adapters on)."""
+    import yaml
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from verl_mega.converters.export import export_role
+    from verl_mega.models import load_hf_model_config
+    from verl_mega.models.builder import unwrap_model
+    from verl_mega.models.lora import lora_parameters
+    from verl_mega.run.checkpoints import save_checkpoint
+
+    hf_dir, ckpt = tiny_models["qwen2"], converted["qwen2"]
+    hf_config, _ = load_hf_model_config(hf_dir)
+    actor = lora_actor(ckpt)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in lora_parameters(actor.model):  # B off its zero start, as training moves it
+            if name.endswith("lora_b"):
+                param.copy_(torch.randn(param.shape, generator=generator) / RANK)
+    config = {"model": {"hf_path": str(hf_dir), "actor_ckpt": str(ckpt)}, "parallel": {"tp": 1, "pp": 1, "ep": 1},
+              "actor": {"lora": {"rank": RANK, "alpha": ALPHA, "dropout": 0.0}}}
+    save_checkpoint(tmp_path / "run", 1, trainables={"actor": actor.trainable},
+                    trainer_state={"step": 1, "model_fingerprint": "tiny", "world_size": 1},
+                    config_yaml=yaml.safe_dump(config), rank=0, keep_last=1, base_checksums={"actor": "aa" * 32})
+    model = unwrap_model(actor.model).eval()
+    with torch.no_grad():
+        policy = model(TOKENS, torch.arange(TOKENS.shape[1])[None], None)[..., :hf_config.vocab_size].float()
+
+    export_role(tmp_path / "run", tmp_path / "peft", step=1)
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    assert_parity(logits_of(loaded), policy, hf_config, "PEFT export")
+    export_role(tmp_path / "run", tmp_path / "merged", step=1, merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert_parity(logits_of(merged), policy, hf_config, "merged export")
