@@ -240,3 +240,53 @@ def test_a_full_parameter_actor_keeps_a_reference_of_its_own(one_rank, tiny_ckpt
     actor = Actor(tiny_ckpt, OptimConfig(), schedule_steps=1)
     assert isinstance(reference_of(actor, tiny_ckpt), Reference)
     assert all(param.requires_grad for param in actor.model.parameters())
+
+
+# --- the pre-flight check -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def preflight_inputs(tmp_path_factory):
+    import json
+
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("lora_preflight")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"copy: {i}"}) for i in range(8)))
+    return {"prompts": prompts, **{family: make_tiny_hf_model(root / family, family, num_hidden_layers=2)
+                                   for family in ("qwen2", "deepseek_v3")}}
+
+
+def preflight_lines(inputs, family: str, *overrides: str) -> list[str]:
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    config = load_config(None, [f"model.hf_path={inputs[family]}", f"data.train_files=[{inputs['prompts']}]",
+                                "parallel.tp=2", "data.batch_size=4", "actor.mini_batch_size=4", "critic.mini_batch_size=4",
+                                *overrides])
+    try:
+        preflight_check(config, world_size=2)
+    except ConfigError as error:
+        return [line.removeprefix("  - ") for line in str(error).splitlines()[1:]]
+    return []
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["actor.lora.rank=33"], "actor.lora.rank=33 does not fit decoder.layers.{layer}.self_attention.linear_proj.weight "
+                             "(64 x 32 on each of parallel.tp=2 ranks): use a rank of at most 32"),
+    (["critic.lora.rank=4", "critic.lora.init=xavier"], "critic.lora.init 'xavier' is unknown; known: kaiming, gaussian"),
+    (["actor.lora.rank=4", "actor.lora.targets=[linear_qkv,o_proj]"],
+     "actor.lora.targets: o_proj unknown; known: linear_qkv, linear_proj, linear_fc1, linear_fc2"),
+    (["actor.lora.rank=-2"], "actor.lora.rank=-2 must be >= 1 (or 0: no adapters)"),
+])
+def test_the_preflight_check_names_each_bad_lora_key(preflight_inputs, overrides, expected):
+    assert preflight_lines(preflight_inputs, "qwen2", *overrides) == [expected]
+
+
+def test_the_preflight_check_takes_the_widest_rank_that_fits(preflight_inputs):
+    assert preflight_lines(preflight_inputs, "qwen2", "actor.lora.rank=32", "critic.lora.rank=32") == []
+
+
+def test_the_preflight_check_refuses_a_target_the_family_lacks(preflight_inputs):
+    assert preflight_lines(preflight_inputs, "deepseek_v3", "parallel.tp=1", "actor.lora.rank=4") == [
+        "actor.lora.targets: linear_qkv: the deepseek_v3 family has no such layer; drop it from the targets"]
