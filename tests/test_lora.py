@@ -262,8 +262,8 @@ def preflight_lines(inputs, family: str, *overrides: str) -> list[str]:
     from verl_mega.trainer.preflight import preflight_check
 
     config = load_config(None, [f"model.hf_path={inputs[family]}", f"data.train_files=[{inputs['prompts']}]",
-                                "parallel.tp=2", "data.batch_size=4", "actor.mini_batch_size=4", "critic.mini_batch_size=4",
-                                *overrides])
+                                "parallel.tp=2", "data.batch_size=4", "actor.mini_batch_size=4",
+                                "critic.mini_batch_size=4", *overrides])
     try:
         preflight_check(config, world_size=2)
     except ConfigError as error:
@@ -274,7 +274,8 @@ def preflight_lines(inputs, family: str, *overrides: str) -> list[str]:
 @pytest.mark.parametrize("overrides, expected", [
     (["actor.lora.rank=33"], "actor.lora.rank=33 does not fit decoder.layers.{layer}.self_attention.linear_proj.weight "
                              "(64 x 32 on each of parallel.tp=2 ranks): use a rank of at most 32"),
-    (["critic.lora.rank=4", "critic.lora.init=xavier"], "critic.lora.init 'xavier' is unknown; known: kaiming, gaussian"),
+    (["critic.lora.rank=4", "critic.lora.init=xavier"],
+     "critic.lora.init 'xavier' is unknown; known: kaiming, gaussian"),
     (["actor.lora.rank=4", "actor.lora.targets=[linear_qkv,o_proj]"],
      "actor.lora.targets: o_proj unknown; known: linear_qkv, linear_proj, linear_fc1, linear_fc2"),
     (["actor.lora.rank=-2"], "actor.lora.rank=-2 must be >= 1 (or 0: no adapters)"),
