@@ -7,7 +7,9 @@ for both grids (tests/layout_grid.py launches it).
 a CASE being `roles:DTYPE:TP,PP` (ROOT/roles/ckpt/tp{TP}pp{PP}, results in ROOT/roles/out_{DTYPE}),
 `offline:MODEL:DTYPE:TP,PP,EP` (ROOT/offline/ckpt/MODEL/tp{TP}pp{PP}ep{EP}, results in ROOT/offline/out),
 `update_passes` (tests/update_passes_worker.py on the role grid's checkpoints, into ROOT/passes) or
-`state_save:TP,PP` (tests/training_state_worker.py's save phase on them, into ROOT/state). A case that raises
+`state_save:TP,PP` (tests/training_state_worker.py's save phase on them, into ROOT/state), `lora:TP,PP` (a LoRA
+actor and critic update on the role grid's checkpoint, into ROOT/lora) or `lora_layers` (adapted linears at TP 2,
+into ROOT/lora; both tests/lora_worker.py). A case that raises
 stops the launch with an error naming that case.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import lora_worker
 import offline_roles_worker
 import roles_worker
 import training_state_worker
@@ -37,8 +40,15 @@ def run_case(root: Path, case: str) -> None:
         (sizes,) = spec
         tp, pp = (int(size) for size in sizes.split(","))
         training_state_worker.save_phase(root / "roles" / "ckpt", root / "state", tp, pp)
+    elif kind == "lora":
+        (sizes,) = spec
+        tp, pp = (int(size) for size in sizes.split(","))
+        lora_worker.run_update(root / "roles" / "ckpt", root / "lora", tp, pp)
+    elif kind == "lora_layers":
+        lora_worker.run_layers(root / "lora")
     else:
-        raise ValueError(f"unknown case kind {kind!r} in {case!r}: roles, offline, update_passes or state_save")
+        raise ValueError(f"unknown case kind {kind!r} in {case!r}: roles, offline, update_passes, state_save, lora "
+                         "or lora_layers")
 
 
 def main(argv: list[str]) -> None:

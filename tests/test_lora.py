@@ -15,6 +15,9 @@ from verl_mega.models.lora import (
     merged_weight,
 )
 
+from lora_worker import ALPHA, HIDDEN, QKV, RANK, TwoLinears, full_tensors
+from test_layout_invariance import LAYOUTS, LOGPROB_ATOL, REL_TOL, rel_diff
+
 
 @pytest.fixture(scope="module")
 def one_rank():
@@ -23,25 +26,6 @@ def one_rank():
     init_parallel(1, 1)
     yield
     destroy_parallel()
-
-
-class TwoLinears(torch.nn.Module):
-    """An attention block's two linears as megatron builds them: linear_qkv column-, linear_proj row-parallel."""
-
-    def __init__(self, hidden: int = 12, qkv: int = 20, dtype=torch.float32):
-        from megatron.core.model_parallel_config import ModelParallelConfig
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-        super().__init__()
-        config = ModelParallelConfig(params_dtype=dtype, use_cpu_initialization=True)
-        init = torch.nn.init.normal_
-        self.linear_qkv = ColumnParallelLinear(hidden, qkv, config=config, init_method=init, bias=False,
-                                               gather_output=False, skip_bias_add=True)
-        self.linear_proj = RowParallelLinear(qkv, hidden, config=config, init_method=init, bias=False,
-                                             input_is_parallel=True, skip_bias_add=True)
-
-    def forward(self, x):
-        return self.linear_proj(self.linear_qkv(x)[0])[0]
 
 
 def lora(rank=4, **fields) -> LoraConfig:
@@ -291,3 +275,73 @@ def test_the_preflight_check_takes_the_widest_rank_that_fits(preflight_inputs):
 def test_the_preflight_check_refuses_a_target_the_family_lacks(preflight_inputs):
     assert preflight_lines(preflight_inputs, "deepseek_v3", "parallel.tp=1", "actor.lora.rank=4") == [
         "actor.lora.targets: linear_qkv: the deepseek_v3 family has no such layer; drop it from the targets"]
+
+
+# --- at TP 2 and at every layout (the layout grids' launches, tests/lora_worker.py) ---------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qkv", "proj"])
+def test_layers_at_tp2_match_the_reference_forward_and_backward(layout_grid, name):
+    """Column (qkv: B and the output split) and row (proj: A and the input split) parallel, put together."""
+    ranks = [torch.load(layout_grid / "lora" / f"layers_tp{rank}.pt")[name] for rank in range(2)]
+    full = full_tensors()
+    column = name == "qkv"
+    a = ranks[0]["a"] if column else torch.cat([rank["a"] for rank in ranks], dim=1)
+    target = "linear_qkv" if column else "linear_proj"
+    assert torch.equal(a, initial_a(lora(rank=RANK), a.shape[1], target))  # sliced from the one draw
+    x = full[f"{name}.x"].clone().requires_grad_()
+    a, b = a.clone().requires_grad_(), full[f"{name}.b"].clone().requires_grad_()
+    expected = reference_linear(x, full[f"{name}.weight"], a, b, ALPHA / RANK)
+    expected.backward(full[f"{name}.grad"])
+    if column:  # the output and B split by rows; A and x whole on each rank
+        torch.testing.assert_close(torch.cat([rank["out"] for rank in ranks], dim=-1), expected.detach())
+        torch.testing.assert_close(torch.cat([rank["b_grad"] for rank in ranks], dim=0), b.grad)
+        for rank in ranks:
+            torch.testing.assert_close(rank["a_grad"], a.grad)
+            torch.testing.assert_close(rank["x_grad"], x.grad)
+    else:  # A and x split by input columns; the output and B whole on each rank
+        torch.testing.assert_close(torch.cat([rank["a_grad"] for rank in ranks], dim=-1), a.grad)
+        torch.testing.assert_close(torch.cat([rank["x_grad"] for rank in ranks], dim=-1), x.grad)
+        for rank in ranks:
+            torch.testing.assert_close(rank["out"], expected.detach())
+            torch.testing.assert_close(rank["b_grad"], b.grad)
+    assert x.shape[-1] == (HIDDEN if column else QKV)
+
+
+def lora_results(grid) -> dict:
+    """(tp, pp, dp) -> the last stage's results of lora_worker's update, weights merged over the stages."""
+    merged = {}
+    for tp, pp, dp in LAYOUTS:
+        stages = [torch.load(grid / "lora" / f"tp{tp}pp{pp}dp{dp}_stage{stage}.pt") for stage in range(pp)]
+        stages[-1]["weights"] = {name: tensor for stage in stages for name, tensor in stage["weights"].items()}
+        merged[(tp, pp, dp)] = stages[-1]
+    return merged
+
+
+@pytest.mark.slow
+def test_one_lora_update_is_layout_invariant(layout_grid):
+    results = lora_results(layout_grid)
+    reference = results[(1, 1, 1)]
+    mask = reference["response_mask"].bool()
+    for layout, result in results.items():
+        # The adapters-off reference is the base model, before and after the update, bitwise.
+        assert torch.equal(result["reference_after"], result["reference"]), layout
+        torch.testing.assert_close(result["reference"][mask], reference["reference"][mask], rtol=0,
+                                   atol=LOGPROB_ATOL)
+        for name in ("pg_loss", "entropy", "kl_loss", "grad_norm"):
+            assert rel_diff(result["metrics"][name], reference["metrics"][name]) <= REL_TOL, (layout, name)
+        assert abs(result["metrics"]["ppo_kl"] - reference["metrics"]["ppo_kl"]) <= 2 * LOGPROB_ATOL
+        assert result["weights"].keys() == reference["weights"].keys()
+        worst = max(rel_diff(result["weights"][name], tensor) for name, tensor in reference["weights"].items())
+        print(f"{layout}: max rel diff of the effective weights W + sBA {worst:.2e}")
+        assert worst <= REL_TOL
+        for before, after in zip(reference["critic_metrics"], result["critic_metrics"]):
+            assert rel_diff(after["vf_loss"], before["vf_loss"]) <= REL_TOL, layout
+    # The update moved the adapted layers' effective weights, and nothing else.
+    from safetensors.torch import load_file
+
+    base = load_file(layout_grid / "roles" / "hf" / "model.safetensors")
+    adapted = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+               "up_proj.weight", "down_proj.weight")
+    for name, tensor in reference["weights"].items():
+        assert torch.equal(tensor, base[name].float()) != name.endswith(adapted), name
