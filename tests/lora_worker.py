@@ -2,9 +2,9 @@
 
 - `layers`: at TP 2, a column- and a row-parallel linear with adapters, forward and backward on known full
   weights; each rank saves its shards, the test puts them together against y = W x + (alpha/r) B A x.
-- `update` at (TP, PP): a LoRA actor's PPO update (two optimizer steps, KL to its adapters-off reference) and a
-  LoRA critic's value updates on the role grid's batch; saves the metrics, the effective weights W + s B A as
-  full HF tensors, and the reference's log-probs before and after the update.
+- `update` of a model at (TP, PP, EP): a LoRA actor's PPO update (two optimizer steps, KL to its adapters-off
+  reference) and a LoRA critic's value updates on the role grid's batch; saves the metrics, the effective weights
+  W + s B A as full HF tensors (every expert's), and the reference's log-probs before and after the update.
 """
 from __future__ import annotations
 
@@ -75,9 +75,9 @@ def run_layers(out_dir: Path) -> None:
     dist.barrier()
 
 
-def run_update(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
-    """One LoRA actor update and two LoRA critic updates at (tp, pp) on the role grid's checkpoint; the last
-    stages' results (TP rank 0, DP rank 0) into out_dir/tp{TP}pp{PP}dp{DP}_stage{S}.pt."""
+def run_update(ckpt: Path, out_dir: Path, model: str, tp: int, pp: int, ep: int) -> None:
+    """One LoRA actor update and two LoRA critic updates at (tp, pp, ep) from `ckpt` (converted at that layout);
+    the last stages' results (TP rank 0, DP rank 0) into out_dir/{model}_tp{TP}pp{PP}ep{EP}dp{DP}_stage{S}.pt."""
     from verl_mega.checkpoint.manifest import Manifest
     from verl_mega.config import LoraConfig, OptimConfig, PolicyLossConfig, ValueLossConfig
     from verl_mega.models import HFModelConfig, family_for
@@ -87,8 +87,7 @@ def run_update(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
     from verl_mega.roles.critic import Critic
     from verl_mega.roles.reference import make_reference
 
-    layout = init_parallel(tp, pp)
-    ckpt = ckpt_root / f"tp{tp}pp{pp}"
+    layout = init_parallel(tp, pp, ep)
     cfg = HFModelConfig.from_dict(Manifest.read(ckpt).hf_config)
     batch = fixed_batch(cfg.vocab_size, pad_id=0)
     # As roles_worker's update: large eps makes Adam's step follow the gradient's size.
@@ -119,5 +118,5 @@ def run_update(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
         torch.save({"metrics": metrics, "weights": weights, "reference": batch["ref_log_probs"],
                     "reference_after": reference_after, "critic_metrics": critic_metrics,
                     "response_mask": batch["response_mask"]},
-                   out_dir / f"tp{tp}pp{pp}dp{layout.dp}_stage{layout.pp_rank}.pt")
+                   out_dir / f"{model}_tp{tp}pp{pp}ep{ep}dp{layout.dp}_stage{layout.pp_rank}.pt")
     dist.barrier()

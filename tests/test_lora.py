@@ -308,19 +308,25 @@ def test_layers_at_tp2_match_the_reference_forward_and_backward(layout_grid, nam
     assert x.shape[-1] == (HIDDEN if column else QKV)
 
 
-def lora_results(grid) -> dict:
-    """(tp, pp, dp) -> the last stage's results of lora_worker's update, weights merged over the stages."""
+def lora_results(grid, model: str, layouts) -> dict:
+    """(tp, pp, dp) -> the last stage's results of lora_worker's update of `model` at `layouts` ((tp, pp, dp, ep)),
+    weights merged over the stages."""
     merged = {}
-    for tp, pp, dp in LAYOUTS:
-        stages = [torch.load(grid / "lora" / f"tp{tp}pp{pp}dp{dp}_stage{stage}.pt") for stage in range(pp)]
+    for tp, pp, dp, ep in layouts:
+        stages = [torch.load(grid / "lora" / f"{model}_tp{tp}pp{pp}ep{ep}dp{dp}_stage{stage}.pt")
+                  for stage in range(pp)]
         stages[-1]["weights"] = {name: tensor for stage in stages for name, tensor in stage["weights"].items()}
         merged[(tp, pp, dp)] = stages[-1]
     return merged
 
 
 @pytest.mark.slow
-def test_one_lora_update_is_layout_invariant(layout_grid):
-    results = lora_results(layout_grid)
+@pytest.mark.parametrize("model, layouts", [
+    ("qwen2", [(*layout, 1) for layout in LAYOUTS]), ("mixtral", [(1, 1, 1, 1), (1, 1, 2, 2)])], ids=["dense", "moe_ep2"])
+def test_one_lora_update_is_layout_invariant(layout_grid, model, layouts):
+    """The dense model at every layout of the role grid; the MoE model's experts (their adapters too) split over
+    two expert-parallel ranks."""
+    results = lora_results(layout_grid, model, layouts)
     reference = results[(1, 1, 1)]
     mask = reference["response_mask"].bool()
     for layout, result in results.items():
@@ -340,8 +346,9 @@ def test_one_lora_update_is_layout_invariant(layout_grid):
     # The update moved the adapted layers' effective weights, and nothing else.
     from safetensors.torch import load_file
 
-    base = load_file(layout_grid / "roles" / "hf" / "model.safetensors")
+    hf_dir = layout_grid / "roles" / "hf" if model == "qwen2" else layout_grid / "offline" / "hf" / model
+    base = load_file(hf_dir / "model.safetensors")
     adapted = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-               "up_proj.weight", "down_proj.weight")
+               "up_proj.weight", "down_proj.weight", "w1.weight", "w2.weight", "w3.weight")
     for name, tensor in reference["weights"].items():
         assert torch.equal(tensor, base[name].float()) != name.endswith(adapted), name
