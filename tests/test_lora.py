@@ -322,7 +322,8 @@ def lora_results(grid, model: str, layouts) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, layouts", [
-    ("qwen2", [(*layout, 1) for layout in LAYOUTS]), ("mixtral", [(1, 1, 1, 1), (1, 1, 2, 2)])], ids=["dense", "moe_ep2"])
+    ("qwen2", [(*layout, 1) for layout in LAYOUTS]), ("mixtral", [(1, 1, 1, 1), (1, 1, 2, 2)]),
+], ids=["dense", "moe_ep2"])
 def test_one_lora_update_is_layout_invariant(layout_grid, model, layouts):
     """The dense model at every layout of the role grid; the MoE model's experts (their adapters too) split over
     two expert-parallel ranks."""
