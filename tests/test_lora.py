@@ -78,6 +78,47 @@ def test_first_forward_is_the_base_models(one_rank, init):
     assert all(param.abs().sum() > 0 for name, param in lora_parameters(model) if name.endswith("lora_a"))
 
 
+class NormFusedLinear(torch.nn.Module):
+    """Stands in for transformer-engine's TELayerNormColumnParallelLinear (the GPU spec's linear_qkv / linear_fc1):
+    the layer's input norm inside the linear, its output (y, bias) as megatron's wrapper returns it."""
+
+    def __init__(self, normalization: str, zero_centered_gamma: bool):
+        super().__init__()
+        generator = torch.Generator().manual_seed(11)
+        self.weight = torch.nn.Parameter(torch.randn(20, 12, generator=generator))
+        self.layer_norm_weight = torch.nn.Parameter(torch.rand(12, generator=generator) + 0.5)
+        bias = torch.randn(12, generator=generator)
+        self.layer_norm_bias = torch.nn.Parameter(bias) if normalization == "LayerNorm" else None
+        self.normalization, self.zero_centered_gamma, self.eps = normalization, zero_centered_gamma, 1e-5
+
+    def normed(self, x):
+        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        if self.normalization == "RMSNorm":
+            return torch.nn.functional.rms_norm(x, (12,), gamma, self.eps)
+        return torch.nn.functional.layer_norm(x, (12,), gamma, self.layer_norm_bias, self.eps)
+
+    def forward(self, x):
+        return self.normed(x) @ self.weight.t(), None
+
+
+NormFusedLinear.__name__ = "TELayerNormColumnParallelLinear"
+NormFusedLinear.__module__ = "megatron.core.extensions.transformer_engine"
+
+
+@pytest.mark.parametrize("normalization, zero_centered", [("RMSNorm", False), ("LayerNorm", True)])
+def test_transformer_engines_norm_fused_linear_adapts_the_normalised_input(one_rank, normalization, zero_centered):
+    model = torch.nn.Module()
+    model.linear_qkv = NormFusedLinear(normalization, zero_centered)
+    apply_lora(model, lora(targets=["linear_qkv"]))
+    with_random_b(model)
+    layer = model.linear_qkv
+    assert [(info.name, info.kind) for info in lora_modules(model)] == [("linear_qkv", COLUMN)]
+    x = torch.randn(3, 2, 12)
+    normed = layer.normed(x).detach()
+    expected = reference_linear(normed, layer.weight.detach(), layer.lora_a.detach(), layer.lora_b.detach(), 2.0)
+    torch.testing.assert_close(layer(x)[0], expected)
+
+
 def test_initialisation_follows_peft(one_rank):
     kaiming = initial_a(lora(rank=8), 400, "a")
     assert kaiming.abs().max() <= 1 / math.sqrt(400) and kaiming.abs().max() > 0.9 / math.sqrt(400)
