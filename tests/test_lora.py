@@ -15,6 +15,9 @@ from verl_mega.models.lora import (
     merged_weight,
 )
 
+from lora_worker import ALPHA, HIDDEN, QKV, RANK, TwoLinears, full_tensors
+from test_layout_invariance import LAYOUTS, LOGPROB_ATOL, REL_TOL, rel_diff
+
 
 @pytest.fixture(scope="module")
 def one_rank():
@@ -23,25 +26,6 @@ def one_rank():
     init_parallel(1, 1)
     yield
     destroy_parallel()
-
-
-class TwoLinears(torch.nn.Module):
-    """An attention block's two linears as megatron builds them: linear_qkv column-, linear_proj row-parallel."""
-
-    def __init__(self, hidden: int = 12, qkv: int = 20, dtype=torch.float32):
-        from megatron.core.model_parallel_config import ModelParallelConfig
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-        super().__init__()
-        config = ModelParallelConfig(params_dtype=dtype, use_cpu_initialization=True)
-        init = torch.nn.init.normal_
-        self.linear_qkv = ColumnParallelLinear(hidden, qkv, config=config, init_method=init, bias=False,
-                                               gather_output=False, skip_bias_add=True)
-        self.linear_proj = RowParallelLinear(qkv, hidden, config=config, init_method=init, bias=False,
-                                             input_is_parallel=True, skip_bias_add=True)
-
-    def forward(self, x):
-        return self.linear_proj(self.linear_qkv(x)[0])[0]
 
 
 def lora(rank=4, **fields) -> LoraConfig:
@@ -92,6 +76,47 @@ def test_first_forward_is_the_base_models(one_rank, init):
     assert torch.equal(model(x), base)
     assert all(not param.any() for name, param in lora_parameters(model) if name.endswith("lora_b"))
     assert all(param.abs().sum() > 0 for name, param in lora_parameters(model) if name.endswith("lora_a"))
+
+
+class NormFusedLinear(torch.nn.Module):
+    """Stands in for transformer-engine's TELayerNormColumnParallelLinear (the GPU spec's linear_qkv / linear_fc1):
+    the layer's input norm inside the linear, its output (y, bias) as megatron's wrapper returns it."""
+
+    def __init__(self, normalization: str, zero_centered_gamma: bool):
+        super().__init__()
+        generator = torch.Generator().manual_seed(11)
+        self.weight = torch.nn.Parameter(torch.randn(20, 12, generator=generator))
+        self.layer_norm_weight = torch.nn.Parameter(torch.rand(12, generator=generator) + 0.5)
+        bias = torch.randn(12, generator=generator)
+        self.layer_norm_bias = torch.nn.Parameter(bias) if normalization == "LayerNorm" else None
+        self.normalization, self.zero_centered_gamma, self.eps = normalization, zero_centered_gamma, 1e-5
+
+    def normed(self, x):
+        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        if self.normalization == "RMSNorm":
+            return torch.nn.functional.rms_norm(x, (12,), gamma, self.eps)
+        return torch.nn.functional.layer_norm(x, (12,), gamma, self.layer_norm_bias, self.eps)
+
+    def forward(self, x):
+        return self.normed(x) @ self.weight.t(), None
+
+
+NormFusedLinear.__name__ = "TELayerNormColumnParallelLinear"
+NormFusedLinear.__module__ = "megatron.core.extensions.transformer_engine"
+
+
+@pytest.mark.parametrize("normalization, zero_centered", [("RMSNorm", False), ("LayerNorm", True)])
+def test_transformer_engines_norm_fused_linear_adapts_the_normalised_input(one_rank, normalization, zero_centered):
+    model = torch.nn.Module()
+    model.linear_qkv = NormFusedLinear(normalization, zero_centered)
+    apply_lora(model, lora(targets=["linear_qkv"]))
+    with_random_b(model)
+    layer = model.linear_qkv
+    assert [(info.name, info.kind) for info in lora_modules(model)] == [("linear_qkv", COLUMN)]
+    x = torch.randn(3, 2, 12)
+    normed = layer.normed(x).detach()
+    expected = reference_linear(normed, layer.weight.detach(), layer.lora_a.detach(), layer.lora_b.detach(), 2.0)
+    torch.testing.assert_close(layer(x)[0], expected)
 
 
 def test_initialisation_follows_peft(one_rank):
@@ -240,3 +265,132 @@ def test_a_full_parameter_actor_keeps_a_reference_of_its_own(one_rank, tiny_ckpt
     actor = Actor(tiny_ckpt, OptimConfig(), schedule_steps=1)
     assert isinstance(reference_of(actor, tiny_ckpt), Reference)
     assert all(param.requires_grad for param in actor.model.parameters())
+
+
+# --- the pre-flight check -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def preflight_inputs(tmp_path_factory):
+    import json
+
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("lora_preflight")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"copy: {i}"}) for i in range(8)))
+    return {"prompts": prompts, **{family: make_tiny_hf_model(root / family, family, num_hidden_layers=2)
+                                   for family in ("qwen2", "deepseek_v3")}}
+
+
+def preflight_lines(inputs, family: str, *overrides: str) -> list[str]:
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    config = load_config(None, [f"model.hf_path={inputs[family]}", f"data.train_files=[{inputs['prompts']}]",
+                                "parallel.tp=2", "data.batch_size=4", "actor.mini_batch_size=4",
+                                "critic.mini_batch_size=4", *overrides])
+    try:
+        preflight_check(config, world_size=2)
+    except ConfigError as error:
+        return [line.removeprefix("  - ") for line in str(error).splitlines()[1:]]
+    return []
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["actor.lora.rank=33"], "actor.lora.rank=33 does not fit decoder.layers.{layer}.self_attention.linear_proj.weight "
+                             "(64 x 32 on each of parallel.tp=2 ranks): use a rank of at most 32"),
+    (["critic.lora.rank=4", "critic.lora.init=xavier"],
+     "critic.lora.init 'xavier' is unknown; known: kaiming, gaussian"),
+    (["actor.lora.rank=4", "actor.lora.targets=[linear_qkv,o_proj]"],
+     "actor.lora.targets: o_proj unknown; known: linear_qkv, linear_proj, linear_fc1, linear_fc2"),
+    (["actor.lora.rank=-2"], "actor.lora.rank=-2 must be >= 1 (or 0: no adapters)"),
+])
+def test_the_preflight_check_names_each_bad_lora_key(preflight_inputs, overrides, expected):
+    assert preflight_lines(preflight_inputs, "qwen2", *overrides) == [expected]
+
+
+def test_the_preflight_check_takes_the_widest_rank_that_fits(preflight_inputs):
+    assert preflight_lines(preflight_inputs, "qwen2", "actor.lora.rank=32", "critic.lora.rank=32") == []
+
+
+def test_the_preflight_check_refuses_a_target_the_family_lacks(preflight_inputs):
+    assert preflight_lines(preflight_inputs, "deepseek_v3", "parallel.tp=1", "actor.lora.rank=4") == [
+        "actor.lora.targets: linear_qkv: the deepseek_v3 family has no such layer; drop it from the targets"]
+
+
+# --- at TP 2 and at every layout (the layout grids' launches, tests/lora_worker.py) ---------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qkv", "proj"])
+def test_layers_at_tp2_match_the_reference_forward_and_backward(layout_grid, name):
+    """Column (qkv: B and the output split) and row (proj: A and the input split) parallel, put together."""
+    ranks = [torch.load(layout_grid / "lora" / f"layers_tp{rank}.pt")[name] for rank in range(2)]
+    full = full_tensors()
+    column = name == "qkv"
+    a = ranks[0]["a"] if column else torch.cat([rank["a"] for rank in ranks], dim=1)
+    target = "linear_qkv" if column else "linear_proj"
+    assert torch.equal(a, initial_a(lora(rank=RANK), a.shape[1], target))  # sliced from the one draw
+    x = full[f"{name}.x"].clone().requires_grad_()
+    a, b = a.clone().requires_grad_(), full[f"{name}.b"].clone().requires_grad_()
+    expected = reference_linear(x, full[f"{name}.weight"], a, b, ALPHA / RANK)
+    expected.backward(full[f"{name}.grad"])
+    if column:  # the output and B split by rows; A and x whole on each rank
+        torch.testing.assert_close(torch.cat([rank["out"] for rank in ranks], dim=-1), expected.detach())
+        torch.testing.assert_close(torch.cat([rank["b_grad"] for rank in ranks], dim=0), b.grad)
+        for rank in ranks:
+            torch.testing.assert_close(rank["a_grad"], a.grad)
+            torch.testing.assert_close(rank["x_grad"], x.grad)
+    else:  # A and x split by input columns; the output and B whole on each rank
+        torch.testing.assert_close(torch.cat([rank["a_grad"] for rank in ranks], dim=-1), a.grad)
+        torch.testing.assert_close(torch.cat([rank["x_grad"] for rank in ranks], dim=-1), x.grad)
+        for rank in ranks:
+            torch.testing.assert_close(rank["out"], expected.detach())
+            torch.testing.assert_close(rank["b_grad"], b.grad)
+    assert x.shape[-1] == (HIDDEN if column else QKV)
+
+
+def lora_results(grid, model: str, layouts) -> dict:
+    """(tp, pp, dp) -> the last stage's results of lora_worker's update of `model` at `layouts` ((tp, pp, dp, ep)),
+    weights merged over the stages."""
+    merged = {}
+    for tp, pp, dp, ep in layouts:
+        stages = [torch.load(grid / "lora" / f"{model}_tp{tp}pp{pp}ep{ep}dp{dp}_stage{stage}.pt")
+                  for stage in range(pp)]
+        stages[-1]["weights"] = {name: tensor for stage in stages for name, tensor in stage["weights"].items()}
+        merged[(tp, pp, dp)] = stages[-1]
+    return merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, layouts", [
+    ("qwen2", [(*layout, 1) for layout in LAYOUTS]), ("mixtral", [(1, 1, 1, 1), (1, 1, 2, 2)]),
+], ids=["dense", "moe_ep2"])
+def test_one_lora_update_is_layout_invariant(layout_grid, model, layouts):
+    """The dense model at every layout of the role grid; the MoE model's experts (their adapters too) split over
+    two expert-parallel ranks."""
+    results = lora_results(layout_grid, model, layouts)
+    reference = results[(1, 1, 1)]
+    mask = reference["response_mask"].bool()
+    for layout, result in results.items():
+        # The adapters-off reference is the base model, before and after the update, bitwise.
+        assert torch.equal(result["reference_after"], result["reference"]), layout
+        torch.testing.assert_close(result["reference"][mask], reference["reference"][mask], rtol=0,
+                                   atol=LOGPROB_ATOL)
+        for name in ("pg_loss", "entropy", "kl_loss", "grad_norm"):
+            assert rel_diff(result["metrics"][name], reference["metrics"][name]) <= REL_TOL, (layout, name)
+        assert abs(result["metrics"]["ppo_kl"] - reference["metrics"]["ppo_kl"]) <= 2 * LOGPROB_ATOL
+        assert result["weights"].keys() == reference["weights"].keys()
+        worst = max(rel_diff(result["weights"][name], tensor) for name, tensor in reference["weights"].items())
+        print(f"{layout}: max rel diff of the effective weights W + sBA {worst:.2e}")
+        assert worst <= REL_TOL
+        for before, after in zip(reference["critic_metrics"], result["critic_metrics"]):
+            assert rel_diff(after["vf_loss"], before["vf_loss"]) <= REL_TOL, layout
+    # The update moved the adapted layers' effective weights, and nothing else.
+    from safetensors.torch import load_file
+
+    hf_dir = layout_grid / "roles" / "hf" if model == "qwen2" else layout_grid / "offline" / "hf" / model
+    base = load_file(hf_dir / "model.safetensors")
+    adapted = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+               "up_proj.weight", "down_proj.weight", "w1.weight", "w2.weight", "w3.weight")
+    for name, tensor in reference["weights"].items():
+        assert torch.equal(tensor, base[name].float()) != name.endswith(adapted), name

@@ -375,7 +375,8 @@ def lora_roles(config: TrainConfig) -> tuple[str, ...]:
 
 def _check_lora_fit(config: TrainConfig, model: HFModelConfig, family, need) -> None:
     for role in lora_roles(config):
-        for problem in lora_model_problems(getattr(config, role).lora, f"{role}.lora", model, family, config.parallel.tp):
+        lora = getattr(config, role).lora
+        for problem in lora_model_problems(lora, f"{role}.lora", model, family, config.parallel.tp):
             need(False, problem)
 
 
