@@ -247,3 +247,15 @@ def test_a_lora_step_exports_as_peft_and_merged_with_the_actors_logits(one_rank,
     export_role(tmp_path / "run", tmp_path / "merged", step=1, merge=True)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     assert_parity(logits_of(merged), policy, hf_config, "merged export")
+
+
+def test_the_planned_transition_peak_counts_the_merged_shard(tiny_models):
+    """The HybridEngine test checks a measured peak against this figure; here: LoRA raises it by the merge's
+    buffers (at TP 2 -> rollout TP 2 the largest adapted shard is fc1's, [128, 64]), and a bad rank is named."""
+    from verl_mega.rollout.planner import plan
+
+    plain = plan(tiny_models["llama"], 2, 1, 1, 2).ranks[0].transition_peak_bytes
+    merged = plan(tiny_models["llama"], 2, 1, 1, 2, lora_rank=RANK, lora_targets=TARGETS).ranks[0].transition_peak_bytes
+    assert merged > plain
+    with pytest.raises(ValueError, match="--lora-rank must be a whole number >= 0, got -1"):
+        plan(tiny_models["llama"], 2, 1, 1, 2, lora_rank=-1)
