@@ -158,9 +158,10 @@ def _load_model_state(module, state: dict) -> None:
     result = module.load_state_dict(state, strict=False)
     trained = {name for name, param in module.named_parameters() if param.requires_grad}
     missing = sorted(trained & set(result.missing_keys))
-    if result.unexpected_keys or missing:
-        raise ValueError(f"the LoRA state does not fit this model: "
-                         f"{(result.unexpected_keys or missing)[0]} is {'unexpected' if result.unexpected_keys else 'missing'}")
+    if result.unexpected_keys:
+        raise ValueError(f"the LoRA state holds '{result.unexpected_keys[0]}', which this model lacks")
+    if missing:
+        raise ValueError(f"the LoRA state lacks '{missing[0]}', which this model trains")
 
 
 def _sub_optimizers(optimizer) -> list:
@@ -277,6 +278,10 @@ def _check_lora_matches(trainable, directory: Path) -> None:
     saved = dist_checkpointing.load_common_state_dict(str(directory)).get("lora")
     running = lora_record(trainable.model)
     role = directory.name
+    if saved is not None and not (isinstance(saved, dict) and type(saved.get("rank")) is int
+                                  and isinstance(saved.get("targets"), list)
+                                  and all(isinstance(target, str) for target in saved["targets"])):
+        raise ValueError(f"{directory}: its LoRA record {saved!r} is not rank and targets; the checkpoint is damaged")
     if saved is None and running is not None:
         raise ValueError(f"{directory} was saved by a run that trains every parameter, but this job trains LoRA "
                          f"adapters ({role}.lora.rank={running['rank']}): resume with {role}.lora.rank=0, or start "
