@@ -52,7 +52,7 @@ def test_layer_matches_the_reference_forward_and_backward(one_rank, target):
     with_random_b(model)
     module = getattr(model, target)
     x = torch.randn(3, 2, module.weight.shape[1], requires_grad=True)
-    out, _ = module(x)
+    out, _ = module(input_=x) if target == "linear_qkv" else module(x)  # by keyword too, as a caller may
     a, b = (p.detach().clone().requires_grad_() for p in (module.lora_a, module.lora_b))
     x_ref = x.detach().clone().requires_grad_()
     expected = reference_linear(x_ref, module.weight.detach(), a, b, 6.0 / 4)

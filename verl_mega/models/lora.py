@@ -130,14 +130,15 @@ class _Adapter:
         self.kind, self.scale, self.dropout = kind, scale, dropout
         self.enabled = True
 
-    def __call__(self, module, args, output):
+    def __call__(self, module, args, kwargs, output):
         if not self.enabled:
             return None
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
         )
 
-        x = adapter_input(module, args[0])
+        # The input, however the layer was called (megatron's linears name it `input_`, transformer-engine's `x`).
+        x = adapter_input(module, args[0] if args else kwargs.get("input_", kwargs.get("x")))
         if self.dropout:
             x = F.dropout(x, self.dropout, training=module.training)
         low_rank = F.linear(x, module.lora_a)
@@ -237,7 +238,7 @@ def apply_lora(model, config: LoraConfig) -> None:
         _add_adapters(module, kind, config, global_name(root, name))
         module._lora = _Adapter(kind, scale, config.dropout)
         module._lora_info = LoraModuleInfo(name, kind, scale)
-        module.register_forward_hook(module._lora)
+        module.register_forward_hook(module._lora, with_kwargs=True)
 
 
 def _targeted_modules(root, config: LoraConfig) -> list[tuple[str, torch.nn.Module, str]]:
