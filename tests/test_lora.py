@@ -52,7 +52,7 @@ def test_layer_matches_the_reference_forward_and_backward(one_rank, target):
     with_random_b(model)
     module = getattr(model, target)
     x = torch.randn(3, 2, module.weight.shape[1], requires_grad=True)
-    out, _ = module(x)
+    out, _ = module(input_=x) if target == "linear_qkv" else module(x)  # by keyword too, as a caller may
     a, b = (p.detach().clone().requires_grad_() for p in (module.lora_a, module.lora_b))
     x_ref = x.detach().clone().requires_grad_()
     expected = reference_linear(x_ref, module.weight.detach(), a, b, 6.0 / 4)
@@ -179,9 +179,11 @@ def test_bad_configs_fail_in_one_line(one_rank, fields, message):
 
 
 def test_a_rank_that_does_not_fit_and_a_missing_target_are_refused(one_rank):
+    model = TwoLinears()
     with pytest.raises(ValueError, match=r"^lora.rank=13 does not fit linear_qkv \(20 x 12 on each of 1 TP ranks\): "
                                          "use a rank of at most 12$"):
-        apply_lora(TwoLinears(), lora(rank=13))
+        apply_lora(model, lora(rank=13))
+    assert all(param.requires_grad for param in model.parameters()) and not any(True for _ in lora_parameters(model))
     with pytest.raises(ValueError, match="^lora.targets: the model has none of linear_fc1$"):
         apply_lora(TwoLinears(), lora(targets=["linear_fc1"]))
 
@@ -265,6 +267,25 @@ def test_a_full_parameter_actor_keeps_a_reference_of_its_own(one_rank, tiny_ckpt
     actor = Actor(tiny_ckpt, OptimConfig(), schedule_steps=1)
     assert isinstance(reference_of(actor, tiny_ckpt), Reference)
     assert all(param.requires_grad for param in actor.model.parameters())
+
+
+def test_a_lora_critic_trains_its_adapters_and_its_whole_value_head(one_rank, tiny_ckpt):
+    from verl_mega.config import OptimConfig
+    from verl_mega.roles.critic import Critic
+
+    critic = Critic(tiny_ckpt, OptimConfig(), schedule_steps=1, lora=lora())
+    trained = [name for name, param in critic.model.named_parameters() if param.requires_grad]
+    adapters = [f"module.{name}" for name, _ in lora_parameters(critic.model)]
+    assert sorted(trained) == sorted(adapters + ["module.output_layer.weight", "module.output_layer.bias"])
+
+
+def test_experts_as_one_grouped_gemm_are_refused_in_one_line(one_rank):
+    model = TwoLinears()
+    model.experts = type("GroupedMLP", (torch.nn.Module,), {})()
+    with pytest.raises(ValueError, match=r"^lora.targets: experts computes its experts as one grouped GEMM "
+                                         r"\(moe_grouped_gemm\), which takes no adapters; drop linear_fc1, linear_fc2"):
+        apply_lora(model, lora())
+    assert not any(True for _ in lora_parameters(model))  # nothing half-applied
 
 
 # --- the pre-flight check -------------------------------------------------------------------------------------

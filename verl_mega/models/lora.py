@@ -130,14 +130,15 @@ class _Adapter:
         self.kind, self.scale, self.dropout = kind, scale, dropout
         self.enabled = True
 
-    def __call__(self, module, args, output):
+    def __call__(self, module, args, kwargs, output):
         if not self.enabled:
             return None
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
         )
 
-        x = adapter_input(module, args[0])
+        # The input, however the layer was called (megatron's linears name it `input_`, transformer-engine's `x`).
+        x = adapter_input(module, args[0] if args else kwargs.get("input_", kwargs.get("x")))
         if self.dropout:
             x = F.dropout(x, self.dropout, training=module.training)
         low_rank = F.linear(x, module.lora_a)
@@ -195,15 +196,9 @@ def _add_adapters(module, kind: str, config: LoraConfig, seed_name: str) -> None
     """Register lora_a / lora_b on `module` in its TP split, tagged as megatron tags its weight."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    if getattr(module, "sequence_parallel", False):
-        raise ValueError(f"lora: {seed_name} runs with sequence parallelism, which the adapters do not support")
     weight = module.weight
     out_local, in_local = weight.shape
     tp, tp_rank = _group_size_and_rank(module)
-    largest_rank = min(out_local, in_local)
-    if config.rank > largest_rank:
-        raise ValueError(f"lora.rank={config.rank} does not fit {seed_name} ({out_local} x {in_local} on each "
-                         f"of {tp} TP ranks): use a rank of at most {largest_rank}")
     if kind == COLUMN:
         a = initial_a(config, in_local, seed_name)
     else:
@@ -231,13 +226,25 @@ def apply_lora(model, config: LoraConfig) -> None:
     targets = _targeted_modules(root, config)
     if not targets:
         raise ValueError(f"lora.targets: the model has none of {', '.join(config.targets)}")
+    for name, module, _ in targets:  # every refusal before anything changes
+        _check_fit(name, module, config)
     root.requires_grad_(False)
     scale = lora_scale(config)
     for name, module, kind in targets:
         _add_adapters(module, kind, config, global_name(root, name))
         module._lora = _Adapter(kind, scale, config.dropout)
         module._lora_info = LoraModuleInfo(name, kind, scale)
-        module.register_forward_hook(module._lora)
+        module.register_forward_hook(module._lora, with_kwargs=True)
+
+
+def _check_fit(name: str, module, config: LoraConfig) -> None:
+    if getattr(module, "sequence_parallel", False):
+        raise ValueError(f"lora: {name} runs with sequence parallelism, which the adapters do not support")
+    out_local, in_local = module.weight.shape
+    largest_rank = min(out_local, in_local)
+    if config.rank > largest_rank:
+        raise ValueError(f"lora.rank={config.rank} does not fit {name} ({out_local} x {in_local} on each of "
+                         f"{_group_size_and_rank(module)[0]} TP ranks): use a rank of at most {largest_rank}")
 
 
 def _targeted_modules(root, config: LoraConfig) -> list[tuple[str, torch.nn.Module, str]]:
