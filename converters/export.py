@@ -5,6 +5,10 @@ with --step N that step's), a step checkpoint (RUN/checkpoints/step_N) or a role
 checkpoint holds each role's training state, model and optimizer, as a megatron dist checkpoint: its model
 weights are exported, the optimizer is not read. The model's config, vocabulary and tokenizer files come from
 the checkpoint the role started from (named in the step's config.yaml, or converted into the run folder).
+
+A LoRA run's step checkpoint (`actor.lora.rank > 0` in its config.yaml) holds the adapters, not the base: it
+is exported as a PEFT adapter folder (`lora_export`), or with `merge` the adapters merged into the base it
+started from as a plain HF folder. (A LoRA run's final weights are written merged: they export as any model.)
 """
 from __future__ import annotations
 
@@ -14,20 +18,26 @@ from pathlib import Path
 import yaml
 
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, MANIFEST_NAME, Manifest
-from verl_mega.checkpoint.torch_dist import iter_torch_dist_hf_tensors
+from verl_mega.checkpoint.torch_dist import iter_torch_dist_hf_tensors, read_adapter_tensors
+from verl_mega.models import HFModelConfig, family_for
 from verl_mega.run.checkpoints import STATE_FILE, complete_checkpoints
 from verl_mega.run.folder import CONFIG_FILE, RunFolder, checkpoint_step, layout_name
 
-from .mcore_to_hf import convert_mcore_to_hf, write_hf_model
+from .lora_export import Adapters, hf_adapters, merged_hf_tensors, write_peft_folder
+from .mcore_to_hf import convert_mcore_to_hf, iter_checkpoint_hf_tensors, write_hf_model
 
 
 def export_role(ckpt: str | Path, out: str | Path, *, role: str = "actor", step: int | None = None,
-                family_spec: str | None = None, **options) -> Path:
-    """Write `role`'s weights from `ckpt` (any of the forms above) as an HF folder; returns what was read.
-    `family_spec` replaces the family spec the manifest records."""
+                family_spec: str | None = None, merge: bool = False, **options) -> Path:
+    """Write `role`'s weights from `ckpt` (any of the forms above) as an HF folder, or a LoRA step's adapters as a
+    PEFT folder (`merge`: merged into the base, an HF folder); returns what was read. `family_spec` replaces the
+    family spec the manifest records."""
     ckpt = Path(ckpt)
     weights = _final_weights(ckpt, role) if step is None else None
     if weights is not None:
+        if merge:
+            raise ValueError(f"--merge: {weights} holds whole weights, no adapters to merge (a LoRA run's final "
+                             "weights are written merged): export without --merge")
         held = Manifest.read(weights, family_spec).role
         if held != role:
             raise ValueError(f"{weights} holds the {held}'s weights, not the {role}'s: pass --role {held}, or the "
@@ -35,11 +45,31 @@ def export_role(ckpt: str | Path, out: str | Path, *, role: str = "actor", step:
         convert_mcore_to_hf(weights, out, family_spec=family_spec, **options)
         return weights
     state_dir = _training_state_dir(ckpt, role, step)
-    source = _starting_checkpoint(state_dir.parent, role)
+    config = _step_config(state_dir.parent)
+    source = _starting_checkpoint(state_dir.parent, role, config)
     started = Manifest.read(source, family_spec)
     manifest = replace(started, format="torch_dist", role=role, tied_embeddings=started.tied_embeddings and role == "actor")
-    write_hf_model(iter_torch_dist_hf_tensors(state_dir, manifest), manifest, source / HF_ASSETS_DIR, out,
-                   sources=(state_dir, source), **options)
+    lora = _lora_settings(config, role, state_dir.parent / CONFIG_FILE)
+    if lora is None and merge:
+        raise ValueError(f"--merge: {state_dir} holds no LoRA adapters (its run trained every parameter): export "
+                         "without --merge")
+    if lora is None:
+        write_hf_model(iter_torch_dist_hf_tensors(state_dir, manifest), manifest, source / HF_ASSETS_DIR, out,
+                       sources=(state_dir, source), **options)
+        return state_dir
+    if role != "actor":
+        raise ValueError(f"{state_dir}: exporting a LoRA {role} is not supported (its value head trains in full "
+                         "beside the adapters); export the actor, or train the critic without critic.lora")
+    adapters = Adapters(*lora, read_adapter_tensors(state_dir, manifest))
+    if merge:
+        hf_config = HFModelConfig.from_dict(manifest.hf_config)
+        family = family_for(hf_config, manifest.family_spec, recorded=True)
+        deltas = {name: (a, b) for name, a, b in hf_adapters(adapters, hf_config, family)}
+        merged = merged_hf_tensors(iter_checkpoint_hf_tensors(source, started), deltas, adapters.scale)
+        write_hf_model(merged, manifest, source / HF_ASSETS_DIR, out, sources=(state_dir, source), **options)
+    else:
+        write_peft_folder(adapters, manifest, source / HF_ASSETS_DIR, out, base_model=str(config["model"].get("hf_path") or ""),
+                          sources=(state_dir, source), dtype=options.get("dtype"), overwrite=options.get("overwrite", False))
     return state_dir
 
 
@@ -84,16 +114,42 @@ def _available_steps(run_dir: Path) -> str:
     return f"its complete steps: {', '.join(map(str, steps))}" if steps else "it has no complete step checkpoints"
 
 
-def _starting_checkpoint(step_folder: Path, role: str) -> Path:
+def _step_config(step_folder: Path) -> dict:
+    config_file = step_folder / CONFIG_FILE
+    try:
+        config = yaml.safe_load(config_file.read_text())
+        if not isinstance(config, dict):
+            raise TypeError("it holds no mapping")
+    except (OSError, yaml.YAMLError, TypeError) as err:
+        raise ValueError(f"{config_file} is missing or unreadable ({err}): the step's model is unknown") from None
+    return config
+
+
+def _lora_settings(config: dict, role: str, config_file: Path) -> tuple[int, float, float] | None:
+    """(rank, alpha, dropout) of `role`'s adapters from the step's config, or None: no adapters. alpha's default,
+    2 x rank, is `models.lora.lora_scale`'s."""
+    section = config.get(role)
+    lora = section.get("lora") if isinstance(section, dict) else None
+    if not isinstance(lora, dict) or not lora.get("rank"):
+        return None
+    rank, alpha, dropout = lora.get("rank"), lora.get("alpha"), lora.get("dropout", 0.0)
+    alpha = 2.0 * rank if alpha is None and type(rank) is int else alpha
+    if type(rank) is not int or rank < 1 or type(alpha) not in (int, float) or alpha <= 0 \
+            or type(dropout) not in (int, float) or not 0 <= dropout < 1:
+        raise ValueError(f"{config_file}: {role}.lora (rank {rank!r}, alpha {alpha!r}, dropout {dropout!r}) is not a "
+                         "LoRA setting: rank a whole number >= 1, alpha > 0, dropout in [0, 1)")
+    return rank, float(alpha), float(dropout)
+
+
+def _starting_checkpoint(step_folder: Path, role: str, config: dict) -> Path:
     """The converted checkpoint `role` started from: model.<role>_ckpt, else the run's own conversion for the
     role (a critic's from model.critic_hf_path), else the actor's (model.actor_ckpt or the run's)."""
     config_file = step_folder / CONFIG_FILE
     try:
-        config = yaml.safe_load(config_file.read_text())
         model, parallel = config["model"], config["parallel"]
         named, actor_named = model.get(f"{role}_ckpt") or "", model.get("actor_ckpt") or ""
         layout = layout_name(parallel["tp"], parallel["pp"], parallel["ep"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError) as err:
+    except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{config_file} is missing or unreadable ({err}): the step's model is unknown") from None
     run = RunFolder(step_folder.parent.parent)
     own = run.initial_weights(role, layout)

@@ -32,13 +32,16 @@ def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *, dtype: str
                         keep_remote_code: bool = False, family_spec: str | None = None) -> Path:
     """`family_spec` replaces the family spec the manifest records (e.g. after its module moved)."""
     manifest = Manifest.read(ckpt_dir, family_spec)
-    if manifest.format == "torch_dist":
-        tensors = iter_torch_dist_hf_tensors(Path(ckpt_dir) / DIST_DIR, manifest)
-    else:
-        tensors = iter_legacy_hf_tensors(ckpt_dir, manifest)
-    return write_hf_model(tensors, manifest, Path(ckpt_dir) / HF_ASSETS_DIR, out_dir, sources=(ckpt_dir,),
+    return write_hf_model(iter_checkpoint_hf_tensors(ckpt_dir, manifest), manifest, Path(ckpt_dir) / HF_ASSETS_DIR, out_dir, sources=(ckpt_dir,),
                           dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
                           keep_remote_code=keep_remote_code)
+
+
+def iter_checkpoint_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of a converted checkpoint or a role's final weights, in either format."""
+    if manifest.format == "torch_dist":
+        return iter_torch_dist_hf_tensors(Path(ckpt_dir) / DIST_DIR, manifest)
+    return iter_legacy_hf_tensors(ckpt_dir, manifest)
 
 
 def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, assets: Path,

@@ -55,6 +55,8 @@ CHOICES = {
     (schema.MultiTurnConfig, "tool_call_format"): TOOL_CALL_FORMATS,
     (schema.UpdateSchedule, "use_packed_sequences"): PACKING_SETTINGS,
     (schema.ActorConfig, "router_replay"): REPLAY_SETTINGS,
+    (schema.LoraConfig, "targets"): schema.LORA_TARGETS,
+    (schema.LoraConfig, "init"): schema.LORA_INITS,
     (schema.OptimConfig, "lr_decay_style"): LR_DECAY_STYLES,
     (schema.PolicyLossConfig, "policy_loss"): POLICY_LOSSES.names(),
     (schema.PolicyLossConfig, "loss_agg_mode"): LOSS_AGG_MODES.names(),

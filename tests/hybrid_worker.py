@@ -4,10 +4,12 @@ For every case and every rollout TP size t_g dividing the training TP, each rank
 weights must equal the HF checkpoint's tensors sliced for its rollout TP rank, bit for bit; the measured
 peak must stay within the planner's figure. Then every parameter is moved (a stand-in training step) and
 the next transition must carry the moved weights. With --greedy, the embedded engine loaded from the
-stream must generate what transformers generates from the exported checkpoint.
+stream must generate what transformers generates from the exported checkpoint. With --lora FAMILY, that
+family's model gains LoRA adapters on its four linears: the stream must equal, bit for bit, the stream of a
+model built with W + scale * B @ A written into its weights by hand, and stay within the planner's peak.
 
     --tp TP --pp PP --case FAMILY,HF_DIR,CKPT_DIR,EP [--case ...] [--greedy FAMILY=EXPORTED_HF_DIR ...]
-        [--next --tp TP --pp PP --case ...]
+        [--lora FAMILY ...] [--next --tp TP --pp PP --case ...]
 
 `--next` starts another layout of the same world size in the same processes (each group checked in turn), so
 that several layouts pay one start-up; rank 0 prints GROUP_DONE after each group.
@@ -20,9 +22,11 @@ import sys
 import torch
 
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+from verl_mega.config import LoraConfig
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models.sharding import rank_slots, tp_part
 from verl_mega.models.builder import checkpoint_tensors
+from verl_mega.models.lora import apply_lora, lora_modules, lora_parameters
 from verl_mega.parallel.layout import rollout_vocab_rows
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -30,6 +34,7 @@ from verl_mega.rollout.planner import plan
 
 TRAINING_STEP_SHIFT = 0.5
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
+LORA = LoraConfig(rank=4, alpha=8.0)
 
 
 def expected_rollout_slice(reader: SafetensorsReader, cfg, family, padded_vocab: int, part: int, parts: int,
@@ -115,7 +120,53 @@ def check_greedy_parity(engine: HybridEngine, cfg, export_dir: str, label: str) 
         print(f"{label}: greedy generation matches transformers: {responses[0].token_ids}", flush=True)
 
 
-def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp: int, greedy_export: str | None) -> None:
+def add_trained_adapters(model) -> None:
+    """`apply_lora`'s adapters, with B moved off its zero start (as training would) so that they change the weights."""
+    apply_lora(model, LORA)
+    generator = torch.Generator().manual_seed(current_layout().rank)
+    with torch.no_grad():
+        for name, param in lora_parameters(model):
+            if name.endswith("lora_b"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+
+
+def check_merged_stream(model, ckpt_dir: str, hf_dir: str, cfg, family, label: str) -> None:
+    """The stream of a model with adapters == the stream of a model built with W + scale * B @ A as its weights."""
+    layout = current_layout()
+    add_trained_adapters(model)
+    rollout_tps = [t for t in range(1, layout.tp + 1) if layout.tp % t == 0]
+    merged_streams, peaks = {}, []
+    for rollout_tp in rollout_tps:
+        engine = HybridEngine(model, cfg, family, rollout_tp, measure_peak=True)
+        merged_streams[rollout_tp] = {name: tensor.clone() for name, tensor in engine.stream()}
+        figures = plan(hf_dir, layout.tp, layout.pp, layout.dp, rollout_tp, ep=layout.ep, lora_rank=LORA.rank,
+                       lora_targets=LORA.targets).ranks[layout.rank]
+        assert engine.tracker.peak <= figures.transition_peak_bytes, (
+            f"{label} -> t_g={rollout_tp} rank {layout.rank}: measured peak {engine.tracker.peak} B > planned "
+            f"{figures.transition_peak_bytes} B with adapters")
+        peaks.append(f"t_g={rollout_tp} peak {engine.tracker.peak} B <= planned {figures.transition_peak_bytes} B")
+    by_hand, _, _, _ = build_model_from_checkpoint(ckpt_dir)
+    trained = checkpoint_tensors(model)
+    with torch.no_grad():
+        for name, tensor in checkpoint_tensors(by_hand).items():  # the model's weights as trained so far
+            tensor.copy_(trained[name])
+        for info in lora_modules(model):
+            adapted, plain = model.get_submodule(info.name), by_hand.get_submodule(info.name)
+            delta = adapted.lora_b.float() @ adapted.lora_a.float()
+            plain.weight.copy_((adapted.weight.float() + info.scale * delta).to(adapted.weight.dtype))
+    for rollout_tp in rollout_tps:
+        plain = dict(HybridEngine(by_hand, cfg, family, rollout_tp).stream())
+        streamed = merged_streams[rollout_tp]
+        assert set(plain) == set(streamed), f"{label} -> t_g={rollout_tp}: the merged stream's names differ"
+        for name, want in plain.items():
+            assert torch.equal(streamed[name], want), (
+                f"{label} -> t_g={rollout_tp} rank {layout.rank}: merged '{name}' differs from the hand-merged model's")
+    if layout.rank == 0:
+        print(f"{label}: merged stream equals the hand-merged model's; {', '.join(peaks)}", flush=True)
+
+
+def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp: int, greedy_export: str | None,
+             lora: bool = False) -> None:
     init_parallel(tp, pp, ep)
     model, manifest, cfg, family = build_model_from_checkpoint(ckpt_dir)
     reader = SafetensorsReader(hf_dir)
@@ -133,6 +184,8 @@ def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp:
     for engine in engines:
         label = f"{family_name} tp={tp} pp={pp} dp={layout.dp} ep={ep} -> t_g={engine.rollout_tp} after a step"
         check_transition(engine, reader, hf_dir, cfg, family, manifest.padded_vocab_size, TRAINING_STEP_SHIFT, label)
+    if lora:
+        check_merged_stream(model, ckpt_dir, hf_dir, cfg, family, f"{family_name} tp={tp} pp={pp} dp={layout.dp} with LoRA")
 
 
 def layout_groups(argv: list[str]) -> list[list[str]]:
@@ -152,11 +205,13 @@ def run_group(argv: list[str]) -> None:
     parser.add_argument("--pp", type=int, required=True)
     parser.add_argument("--case", action="append", required=True)
     parser.add_argument("--greedy", action="append", default=[], help="FAMILY=EXPORTED_HF_DIR")
+    parser.add_argument("--lora", action="append", default=[], help="FAMILY whose merged LoRA stream is checked")
     args = parser.parse_args(argv)
     greedy = dict(item.split("=", 1) for item in args.greedy)
     for case in args.case:
         family_name, hf_dir, ckpt_dir, ep = case.split(",")
-        run_case(family_name, hf_dir, ckpt_dir, int(ep), args.tp, args.pp, greedy.get(family_name))
+        run_case(family_name, hf_dir, ckpt_dir, int(ep), args.tp, args.pp, greedy.get(family_name),
+                 family_name in args.lora)
 
 
 GROUP_DONE = "hybrid_worker: layout group {index} passed"  # printed by rank 0 once every rank is through it

@@ -30,14 +30,21 @@ OFFLINE_LAUNCHES = {
 # processes -> other test files' cases on the role grid's checkpoints: tests/update_passes_worker.py's updates
 # (into ROOT/passes) and tests/training_state_worker.py's save at (TP, PP) = (2, 2) (into ROOT/state; its
 # resume phase needs fresh processes, so tests/test_training_state.py launches it).
-SHARED_CASES = {2: ["update_passes"], 8: ["state_save:2,2"]}
+# processes -> tests/lora_worker.py's updates (MODEL:TP,PP,EP, into ROOT/lora): a LoRA actor and critic at every
+# role-grid layout on its checkpoints, and on the offline grid's MoE model at EP 1 and 2 (its experts' adapters).
+LORA_LAUNCHES = {1: [f"{DENSE}:1,1,1", f"{MOE}:1,1,1"], 2: [f"{DENSE}:2,1,1", f"{DENSE}:1,2,1", f"{DENSE}:1,1,1",
+                                                          f"{MOE}:1,1,2"], 8: [f"{DENSE}:2,2,1"]}
+# ...and the adapted linears at TP 2 (lora_layers).
+SHARED_CASES = {2: ["update_passes", "lora_layers"], 8: ["state_save:2,2"]}
 
 
 def launch_cases(nproc: int) -> list[str]:
     """The worker's cases for the launch of `nproc` processes: the role grid (fp32 first, as it ran alone), the
-    offline grid, then SHARED_CASES."""
+    offline grid, the LoRA updates at the role grid's layouts, then SHARED_CASES."""
     roles = [f"roles:{dtype}:{layout}" for dtype in ROLE_DTYPES for layout in ROLE_LAUNCHES.get(nproc, [])]
-    return roles + [f"offline:{case}" for case in OFFLINE_LAUNCHES.get(nproc, [])] + SHARED_CASES.get(nproc, [])
+    lora = [f"lora:{case}" for case in LORA_LAUNCHES.get(nproc, [])]
+    return (roles + [f"offline:{case}" for case in OFFLINE_LAUNCHES.get(nproc, [])] + lora
+            + SHARED_CASES.get(nproc, []))
 
 
 def convert_inputs(root: Path) -> None:
@@ -62,7 +69,7 @@ def convert_inputs(root: Path) -> None:
 def run_layout_grid(root: Path) -> Path:
     """Converts the inputs under `root`, runs the three launches and returns `root` (see layout_grid_worker)."""
     convert_inputs(root)
-    for folder in [*(f"roles/out_{dtype}" for dtype in ROLE_DTYPES), "offline/out", "passes", "state"]:
+    for folder in [*(f"roles/out_{dtype}" for dtype in ROLE_DTYPES), "offline/out", "passes", "state", "lora"]:
         (root / folder).mkdir()
     tests_dir = str(Path(__file__).parent)
     # The workers live next to this file; the rest of PYTHONPATH keeps this checkout's verl_mega first.

@@ -20,6 +20,8 @@ TEST_SIZES = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_head
 FAMILY_SIZES = {"deepseek_v3": dict(num_key_value_heads=8)}
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 2), (4, 1, 1)]  # (TP, PP, DP) of the dense families
 GREEDY_LAYOUT = (2, 2, 1)  # where the embedded engine's greedy generation is also compared
+LORA_LAYOUT = (2, 1, 1)  # where a model with LoRA adapters streams merged weights (rollout TP 1 and 2)
+LORA_FAMILIES = ("llama", "qwen2")
 EP_LAYOUT = (1, 1, 2)  # (TP, PP, EP) of the MoE families: expert parallel over 2 ranks
 
 
@@ -48,6 +50,8 @@ def _converted(hybrid_models, root, tp: int, pp: int, ep: int = 1, families=FAMI
 def layout_group(hybrid_models, root, tp: int, pp: int, dp: int) -> list[str]:
     """One layout's worker arguments: the dense families, and at GREEDY_LAYOUT their exports to generate from."""
     args = ["--tp", str(tp), "--pp", str(pp), *_converted(hybrid_models, root, tp, pp)]
+    if (tp, pp, dp) == LORA_LAYOUT:
+        args += [arg for family in LORA_FAMILIES for arg in ("--lora", family)]
     return args + (_greedy_exports(root, tp, pp, 1, FAMILIES) if (tp, pp, dp) == GREEDY_LAYOUT else [])
 
 
@@ -104,6 +108,7 @@ def outcomes(hybrid_models, tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
 def test_regroup_matches_checkpoint_slices(outcomes, tp, pp, dp):
+    """At LORA_LAYOUT the LoRA families also stream their adapters merged, equal to hand-merged weights."""
     assert outcomes[(tp, pp, dp)] is None, outcomes[(tp, pp, dp)]
 
 

@@ -1,7 +1,8 @@
 """Training-state checkpoints of the actor and critic (verl_mega.run.training_state).
 
 Two torchrun launches of 8 processes on a 2-layer qwen2 with tied embeddings, for the plain and the
-distributed optimizer: the first runs update A at (TP, PP, DP) = (2, 2, 2), saves, runs update B; the second
+distributed optimizer, and LoRA adapters on both roles (distributed optimizer; the adapters and their Adam state
+are all the state holds): the first runs update A at (TP, PP, DP) = (2, 2, 2), saves, runs update B; the second
 (a fresh process) loads the saved state at (2, 2, 2), (2, 1, 4) and (1, 2, 4) and runs update B. At the
 saving layout the resumed update must match bitwise; at the others, within REL_TOL. The first is a case of the
 layout grids' 8-process launch (tests/layout_grid.py), on the role grid's model and checkpoints.
@@ -18,7 +19,7 @@ from layout_grid import SHARED_CASES
 
 SAVE_LAYOUT = (2, 2)
 OTHER_LAYOUTS = [(2, 1), (1, 2)]
-KINDS = ("plain", "distributed")
+KINDS = ("plain", "distributed", "lora")
 REL_TOL = 1e-5
 
 
@@ -47,7 +48,8 @@ def runs(layout_grid):
     layouts = [f"{tp},{pp}" for tp, pp in [SAVE_LAYOUT, *OTHER_LAYOUTS]]
     run_torchrun(8, "training_state_worker", ["resume", str(ckpt_root), str(out), *layouts], env=env)
     results = {"uninterrupted": {kind: merged_stages(out, f"uninterrupted_{kind}", SAVE_LAYOUT[1]) for kind in KINDS},
-               "wrong_model_refusal": torch.load(out / "wrong_model_refusal.pt")}
+               **{name: torch.load(out / f"{name}.pt")
+                  for name in ("wrong_model_refusal", "distributed_kind_refusal", "lora_kind_refusal")}}
     for tp, pp in [SAVE_LAYOUT, *OTHER_LAYOUTS]:
         results[(tp, pp)] = {kind: merged_stages(out, f"resumed_tp{tp}pp{pp}_{kind}", pp) for kind in KINDS}
     return results
@@ -90,6 +92,24 @@ def test_resume_at_another_layout_continues_the_run(runs, kind, layout):
 @pytest.mark.slow
 def test_state_of_another_model_is_refused(runs):
     assert "was written for another model: tensor 'output_layer.weight'" in runs["wrong_model_refusal"]
+
+
+@pytest.mark.slow
+def test_lora_and_full_parameter_states_refuse_each_other(runs):
+    assert "holds LoRA adapters (rank 4 on linear_fc1,linear_fc2,linear_proj,linear_qkv) but this job trains every " \
+           "parameter: resume with actor.lora.rank=4" in runs["distributed_kind_refusal"]
+    assert "was saved by a run that trains every parameter, but this job trains LoRA adapters (actor.lora.rank=4)" \
+           in runs["lora_kind_refusal"]
+
+
+@pytest.mark.slow
+def test_lora_state_holds_the_adapters_not_the_frozen_base(layout_grid):
+    from megatron.core import dist_checkpointing
+
+    stored = dist_checkpointing.load_tensors_metadata(str(layout_grid / "state" / "state" / "lora" / "actor"))
+    weights = [key for key in stored if not key.startswith("optimizer.")]
+    assert weights and all(key.endswith((".lora_a", ".lora_b")) for key in weights), weights
+    assert stored["decoder.layers.mlp.linear_fc1.lora_b"].global_shape[1:] == (256, 4)  # TP-merged, gate|up
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):

@@ -1,7 +1,8 @@
 """torchrun worker for tests/test_training_state.py: train the actor and critic, save and resume their state.
 
     training_state_worker save   CKPT_ROOT OUT_DIR TP,PP
-        for each optimizer kind: update A, save the state into OUT_DIR/state/KIND/ROLE, update B; record B
+        for each optimizer kind (and "lora": LoRA adapters on both roles, the distributed optimizer): update A,
+        save the state into OUT_DIR/state/KIND/ROLE, update B; record B
     training_state_worker resume CKPT_ROOT OUT_DIR TP,PP [TP,PP ...]
         at each layout, for each optimizer kind: fresh roles from the initial checkpoint, load the saved
         state, update B; record it (and, at the first layout, the error of loading the actor's state into the critic)
@@ -19,7 +20,8 @@ import torch.distributed as dist
 
 from roles_worker import MINI_BATCH, fixed_batch, gather_hf_weights
 
-OPTIMIZER_KINDS = {"plain": False, "distributed": True}
+OPTIMIZER_KINDS = {"plain": False, "distributed": True, "lora": True}
+LORA_RANK = 4
 MICRO_BATCH = 1  # one row per DP rank at DP=4 (TP*PP=2 on 8 processes)
 
 
@@ -34,8 +36,8 @@ def training_batch(vocab_size: int) -> dict[str, torch.Tensor]:
     return batch
 
 
-def build_roles(ckpt: Path, use_distributed_optimizer: bool):
-    from verl_mega.config import OptimConfig, PolicyLossConfig
+def build_roles(ckpt: Path, use_distributed_optimizer: bool, lora_rank: int = 0):
+    from verl_mega.config import LoraConfig, OptimConfig, PolicyLossConfig
     from verl_mega.roles.actor import Actor
     from verl_mega.roles.critic import Critic
 
@@ -44,8 +46,46 @@ def build_roles(ckpt: Path, use_distributed_optimizer: bool):
     optim = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2, lr_warmup_steps=1,
                         lr_decay_style="cosine",
                         use_distributed_optimizer=use_distributed_optimizer)
-    return (Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01), schedule_steps=6),
-            Critic(ckpt, optim, schedule_steps=6))
+    # Scale 16: update A moves the LoRA policy far enough that ppo_kl (a mean of log-prob differences, -0.011) is
+    # not mostly cancellation; at scale 4 (-0.005) its rounding at another layout came to 1.5e-5 of it, past REL_TOL.
+    lora = LoraConfig(rank=lora_rank, alpha=64.0)
+    return (Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01), schedule_steps=6, lora=lora),
+            Critic(ckpt, optim, schedule_steps=6, lora=lora))
+
+
+def roles_of_kind(ckpt: Path, kind: str):
+    return build_roles(ckpt, OPTIMIZER_KINDS[kind], LORA_RANK if kind == "lora" else 0)
+
+
+def gather_adapters(module, cfg, family) -> dict[str, torch.Tensor]:
+    """This PP stage's adapters as whole tensors named by HF module (`lora_B:model.layers.0.self_attn.q_proj.weight`):
+    split shards gathered over TP, B's rows through the family spec like the weight's (gate|up halves apart), so
+    the names and values are the same at every layout."""
+    from megatron.core import parallel_state as ps
+
+    from verl_mega.models.lora import lora_modules
+    from verl_mega.models.sharding import rank_slots, split_mcore_to_hf
+    from verl_mega.parallel.state import current_layout
+
+    layout = current_layout()
+    adapted = {info.name: info.kind for info in lora_modules(module)}
+    group = ps.get_tensor_model_parallel_group()
+    found = {}
+    for slot in rank_slots(cfg, family, layout.pp_rank, layout.pp):
+        name = slot.local_name.removesuffix(".weight")
+        if name not in adapted:
+            continue
+        linear = module.get_submodule(name)
+        split, whole = (linear.lora_b, linear.lora_a) if adapted[name] == "column" else (linear.lora_a, linear.lora_b)
+        shards = [torch.empty_like(split) for _ in range(layout.tp)]
+        dist.all_gather(shards, split.detach().contiguous(), group=group)
+        if adapted[name] == "column":
+            for hf_name, rows in split_mcore_to_hf(slot, cfg, shards):
+                found[f"lora_B:{hf_name}"], found[f"lora_A:{hf_name}"] = rows.clone(), whole.detach().clone()
+        else:
+            found[f"lora_A:{slot.hf_names[0]}"] = torch.cat(shards, dim=1)
+            found[f"lora_B:{slot.hf_names[0]}"] = whole.detach().clone()
+    return found
 
 
 def update(actor, critic, batch) -> dict:
@@ -64,6 +104,10 @@ def record(actor, critic, metrics: dict, cfg, family, out: Path) -> None:
     layout = current_layout()
     result = {**metrics, "actor_weights": gather_hf_weights(actor.model.module, cfg, family),
               "critic_weights": gather_hf_weights(critic.model.module, cfg, family)}
+    for role, model in (("actor_weights", actor.model.module), ("critic_weights", critic.model.module)):
+        adapters = gather_adapters(model, cfg, family)
+        if result[role] is not None:
+            result[role].update(adapters)
     if layout.is_last_stage:
         value_head = critic.model.module.output_layer
         result["critic_weights"] = {**(result["critic_weights"] or {}), "value_head.weight": value_head.weight.detach().clone(),
@@ -99,8 +143,8 @@ def save_phase(ckpt_root: Path, out_dir: Path, tp: int, pp: int) -> None:
     from verl_mega.run.training_state import save_training_state
 
     ckpt, cfg, family, batch = start_phase(ckpt_root, tp, pp)
-    for kind, distributed in OPTIMIZER_KINDS.items():
-        actor, critic = build_roles(ckpt, distributed)
+    for kind in OPTIMIZER_KINDS:
+        actor, critic = roles_of_kind(ckpt, kind)
         update(actor, critic, batch)
         for role, trainable in (("actor", actor.trainable), ("critic", critic.trainable)):
             directory = state_dir(out_dir, kind, role)
@@ -115,20 +159,30 @@ def resume_phase(ckpt_root: Path, out_dir: Path, layouts: list[tuple[int, int]])
 
     for index, (tp, pp) in enumerate(layouts):
         ckpt, cfg, family, batch = start_phase(ckpt_root, tp, pp)
-        for kind, distributed in OPTIMIZER_KINDS.items():
-            actor, critic = build_roles(ckpt, distributed)
+        for kind in OPTIMIZER_KINDS:
+            actor, critic = roles_of_kind(ckpt, kind)
+            if index == 0 and kind in ("distributed", "lora"):
+                # The distributed full-parameter actor loads the LoRA state, the LoRA actor the full-parameter one.
+                other = state_dir(out_dir, "lora" if kind == "distributed" else "distributed", "actor")
+                save_refusal(lambda: load_training_state(actor.trainable, other), out_dir / f"{kind}_kind_refusal.pt")
             if index == 0 and kind == "plain":
-                try:
-                    load_training_state(critic.trainable, state_dir(out_dir, kind, "actor"))
-                    refusal = None
-                except ValueError as error:
-                    refusal = str(error)
-                if dist.get_rank() == 0:
-                    torch.save(refusal, out_dir / "wrong_model_refusal.pt")
+                save_refusal(lambda: load_training_state(critic.trainable, state_dir(out_dir, kind, "actor")),
+                             out_dir / "wrong_model_refusal.pt")
             load_training_state(actor.trainable, state_dir(out_dir, kind, "actor"))
             load_training_state(critic.trainable, state_dir(out_dir, kind, "critic"))
             assert_fused_adam(actor.trainable.optimizer)
             record(actor, critic, update(actor, critic, batch), cfg, family, out_dir / f"resumed_tp{tp}pp{pp}_{kind}")
+
+
+def save_refusal(load, out: Path) -> None:
+    """Record the one-line error `load()` raises (None if it loads)."""
+    try:
+        load()
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    if dist.get_rank() == 0:
+        torch.save(refusal, out)
 
 
 def assert_fused_adam(optimizer) -> None:

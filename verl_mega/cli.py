@@ -95,6 +95,9 @@ def _add_export(subparsers) -> None:
     export.add_argument("--role", default="actor", choices=ROLES,
                         help="critic: a *ForTokenClassification model with one label (the value)")
     export.add_argument("--dtype", choices=DTYPE_NAMES, help="default: the checkpoint's")
+    export.add_argument("--merge", action="store_true",
+                        help="a LoRA run's step: the adapters merged into the base, a plain HF folder (default: a "
+                             "PEFT adapter folder)")
     export.add_argument("--overwrite", action="store_true")
     _add_keep_remote_code(export)
     export.add_argument("--family-spec", help=FAMILY_SPEC_OVERRIDE_HELP)
@@ -175,7 +178,7 @@ def _run_convert(args) -> int:
 def _run_export(args) -> int:
     source = export_role(args.ckpt, args.out, role=args.role, step=args.step, dtype=args.dtype,
                          overwrite=args.overwrite, keep_remote_code=args.keep_remote_code,
-                         family_spec=args.family_spec)
+                         family_spec=args.family_spec, merge=args.merge)
     print(f"exported the {args.role} of {source} to {args.out}")
     return 0
 

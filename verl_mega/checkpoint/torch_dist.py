@@ -9,6 +9,7 @@ one layout loads into a model at any other, and reads back to HF key by key with
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -49,7 +50,6 @@ def iter_torch_dist_hf_tensors(dist_dir: str | Path, manifest: Manifest) -> Iter
 
 def _stacked_hf_tensors(path: str, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
 
     if not (Path(path) / "metadata.json").is_file() or not (Path(path) / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (metadata.json or .metadata missing)")
@@ -60,13 +60,48 @@ def _stacked_hf_tensors(path: str, manifest: Manifest) -> Iterator[tuple[str, to
     for slot in rank_slots(hf_config, family, head_rules=head_rules(manifest.role)):
         key, index = _dist_key(slot, metadata)
         if key != current_key:
-            meta = metadata[key]
-            request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))}
-            current_key, stacked = key, dist_checkpointing.load(request, path)[key]
+            current_key, stacked = key, _load_whole(key, metadata[key], path)
         tensor = stacked[index] if index else stacked
         _check_dist_tensor(slot, hf_config, tensor, path)
         for name, hf_tensor in split_mcore_to_hf(slot, hf_config, [tensor]):
             yield name, strip_vocab_padding(slot.rule, hf_tensor, hf_config.vocab_size)
+
+
+def read_adapter_tensors(dist_dir: str | Path, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """'<global megatron module>.lora_a' / '.lora_b' -> the TP-merged adapter, for every linear of the manifest's
+    model that a LoRA role's training state (`run.training_state`) holds adapters of; the base is not read."""
+    from megatron.core import dist_checkpointing
+
+    guard_dist_checkpoint_reads()
+    path = str(dist_dir)
+    if not (Path(path) / "metadata.json").is_file() or not (Path(path) / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a complete dist checkpoint (metadata.json or .metadata missing)")
+    hf_config = HFModelConfig.from_dict(manifest.hf_config)
+    family = family_for(hf_config, manifest.family_spec, Path(path).parent, recorded=True)
+    adapters, stacks = {}, {}
+    with _process_group():
+        metadata = dist_checkpointing.load_tensors_metadata(path)
+        for slot in rank_slots(hf_config, family, head_rules=head_rules(manifest.role)):
+            if not slot.rule.mcore.endswith(".weight"):
+                continue
+            for kind in ("lora_a", "lora_b"):
+                adapter = replace(slot, rule=replace(slot.rule, mcore=slot.rule.mcore.removesuffix("weight") + kind))
+                try:
+                    key, index = _dist_key(adapter, metadata)
+                except ValueError:
+                    continue  # a linear without adapters (or not a linear)
+                if key not in stacks:
+                    stacks[key] = _load_whole(key, metadata[key], path)
+                adapters[adapter.global_name] = stacks[key][index] if index else stacks[key]
+    return adapters
+
+
+def _load_whole(key: str, meta, path: str) -> torch.Tensor:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))}
+    return dist_checkpointing.load(request, path)[key]
 
 
 def _check_dist_tensor(slot, hf_config, tensor: torch.Tensor, path: str) -> None:

@@ -1,14 +1,14 @@
 """The run's config: typed dataclasses, YAML + dotted overrides. A leaf: it imports nothing of the package."""
 from .schema import (
     JOB_ALIASES, JOBS, ActorConfig, AlgorithmConfig, ConfigError, CriticConfig, DataConfig, KLControlConfig,
-    ModelConfig, OptimConfig, ParallelConfig, PolicyLossConfig, PythonSandboxConfig, RewardConfig, RolloutConfig,
+    LoraConfig, ModelConfig, OptimConfig, ParallelConfig, PolicyLossConfig, PythonSandboxConfig, RewardConfig, RolloutConfig,
     RolloutCorrectionConfig, ToolsConfig, TrainConfig, TrainerConfig, UpdateSchedule, ValueLossConfig, load_config,
     to_dict, to_yaml,
 )
 
 __all__ = [
     "JOB_ALIASES", "JOBS", "ActorConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
-    "KLControlConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PolicyLossConfig", "PythonSandboxConfig",
+    "KLControlConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PolicyLossConfig", "PythonSandboxConfig",
     "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "ToolsConfig", "TrainConfig", "TrainerConfig",
     "UpdateSchedule", "ValueLossConfig", "load_config", "to_dict", "to_yaml",
 ]

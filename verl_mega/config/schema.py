@@ -246,6 +246,33 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's names of a layer's linears
+LORA_INITS = ("kaiming", "gaussian")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the role's linear layers: the base weights stay frozen in model.dtype, only the
+    adapters train (gradients and optimizer state for them alone). rank 0 trains every parameter."""
+
+    rank: int = 0
+    """The adapters' rank r (0: off, full-parameter training); at most the smallest in/out width of a targeted
+    layer's shard at the run's layout. verl's lora_rank (megatron: lora.rank), PEFT's r."""
+    alpha: float | None = None
+    """The adapters' output is scaled by alpha / rank; None: 2 x rank (scale 2, whatever the rank). PEFT's and
+    verl's lora_alpha (PEFT's default, 8 with r=8, is scale 1; alpha = 2 x rank is the common choice)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0: none; the run then is exactly reproducible at any
+    layout). PEFT's lora_dropout."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """The linear layers that get adapters, megatron's names: linear_qkv (q, k, v), linear_proj (o_proj),
+    linear_fc1 (gate and up), linear_fc2 (down); in MoE layers also each expert's linear_fc1 / linear_fc2.
+    verl's target_modules, PEFT's q_proj, ..., down_proj."""
+    init: str = "kaiming"
+    """A's initialisation (B starts at zero either way, so the first forward is the base model's): kaiming
+    (uniform within 1/sqrt(in), PEFT's default) or gaussian (normal with std 1/rank, PEFT's "gaussian")."""
+
+
 @dataclass
 class UpdateSchedule:
     """How a role's update walks the batch: epochs, mini-batches, micro-batches."""
@@ -271,6 +298,7 @@ class ActorConfig(UpdateSchedule):
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     router_replay: str = "off"
     """MoE models: off (each training forward routes tokens by its own router) or rollout (the old-log-prob,
     reference and update forwards send every token to the experts the rollout engine chose for it: routing replay,
@@ -287,6 +315,7 @@ class CriticConfig(UpdateSchedule):
     """Train a critic; GAE needs one, the outcome estimators (grpo, rloo, ...) run without."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -15,7 +15,8 @@ from verl_mega.algorithms import (
     rollout_correction,
 )
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
-from verl_mega.config import OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+from verl_mega.config import LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+from verl_mega.models.lora import apply_lora
 from verl_mega.parallel.state import current_layout, device
 
 from .batching import Batch, batch_size, pad_response_columns
@@ -93,13 +94,16 @@ def is_on_policy(ppo_epochs: int, mini_batch_size: int, rows: int) -> bool:
 class Actor:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None, *,
                  schedule_steps: int, packed_sequences: str = "auto", temperature: float = 1.0,
-                 correction: RolloutCorrectionConfig | None = None, router_replay: str = "off", **config_overrides):
+                 correction: RolloutCorrectionConfig | None = None, router_replay: str = "off",
+                 lora: LoraConfig | None = None, **config_overrides):
         """`packed_sequences`: auto | true | false, `actor.use_packed_sequences` (see `resolve_sequence_packing`).
         `temperature`: the PPO log-probs' (`sampling_temperature` of the rollout's). `correction`: what the PPO
         update does with a batch's `rollout_log_probs` (`algorithm.rollout_correction`; default: nothing).
-        `router_replay`: off | rollout, `actor.router_replay` (see `roles.routing_replay`)."""
+        `router_replay`: off | rollout, `actor.router_replay` (see `roles.routing_replay`). `lora`: `actor.lora`,
+        adapters trained on the frozen loaded weights (default: every parameter trains)."""
         module, self.vocab_size = load_gpt_model(ckpt_dir, **config_overrides)
         attach_routing_replay(module, replays(router_replay))
+        apply_lora(module, lora or LoraConfig())
         packed = resolve_sequence_packing(packed_sequences, module, "actor.use_packed_sequences")
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or PolicyLossConfig()

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from verl_mega.algorithms import compute_value_loss, masked_mean
-from verl_mega.config import OptimConfig, ValueLossConfig
+from verl_mega.config import LoraConfig, OptimConfig, ValueLossConfig
+from verl_mega.models.lora import apply_lora
 from verl_mega.models.value_head import attach_value_head
 
 from .actor import load_gpt_model
@@ -20,10 +21,15 @@ from .trainable import TrainableModel
 
 class Critic:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: ValueLossConfig | None = None, *,
-                 schedule_steps: int, packed_sequences: str = "auto", **config_overrides):
-        """`packed_sequences`: auto | true | false, `critic.use_packed_sequences`."""
+                 schedule_steps: int, packed_sequences: str = "auto", lora: LoraConfig | None = None,
+                 **config_overrides):
+        """`packed_sequences`: auto | true | false, `critic.use_packed_sequences`. `lora`: `critic.lora`, adapters
+        on the frozen backbone; the value head trains in full either way."""
         module, _ = load_gpt_model(ckpt_dir, **config_overrides)
         attach_value_head(module)
+        apply_lora(module, lora or LoraConfig())
+        if module.post_process:  # the head is new (zero-initialised): the backbone's adapters alone cannot fit it
+            module.output_layer.requires_grad_(True)
         packed = resolve_sequence_packing(packed_sequences, module, "critic.use_packed_sequences")
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or ValueLossConfig()

@@ -1,11 +1,14 @@
-"""The reference policy: a frozen copy of the initial actor that scores responses for the KL term."""
+"""The reference policy: a frozen copy of the initial actor that scores responses for the KL term; for an actor
+trained with LoRA adapters, the actor's own model with its adapters off (its frozen base: no second copy)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from .actor import compute_response_logprobs, load_gpt_model
+from verl_mega.models.lora import adapters_disabled, has_lora
+
+from .actor import Actor, compute_response_logprobs, load_gpt_model
 from .batching import Batch
 from .megatron_step import resolve_sequence_packing
 from .routing_replay import attach_routing_replay, replays
@@ -33,6 +36,36 @@ class Reference:
                                          temperature=self.temperature)["log_probs"]
 
 
-def make_reference(ckpt_dir: str | Path, *, use_kl: bool, **options) -> Reference | None:
-    """The reference when a KL term (in the reward or in the loss) needs it; None saves its memory otherwise."""
-    return Reference(ckpt_dir, **options) if use_kl else None
+class AdaptersOffReference:
+    """The reference of a LoRA actor: the actor's model with its adapters off is the initial policy exactly (the
+    base weights never train), at the actor's sequence layout, temperature and routing replay."""
+
+    def __init__(self, actor: Actor):
+        self.actor = actor
+
+    @property
+    def model(self):
+        return self.actor.model
+
+    def compute_ref_log_prob(self, batch: Batch, micro_batch_size: int, max_tokens: int = 0) -> torch.Tensor:
+        """[B, R] float32 log-probs of the responses under the base model, on every rank."""
+        actor = self.actor
+        with adapters_disabled(actor.model):
+            return compute_response_logprobs(actor.model, actor.vocab_size, batch, micro_batch_size,
+                                             max_tokens=max_tokens, packed=actor.trainable.packed,
+                                             temperature=actor.temperature)["log_probs"]
+
+
+def reference_of(actor: Actor, ckpt_dir: str | Path, **options) -> Reference | AdaptersOffReference:
+    """The reference of `actor`, loaded from `ckpt_dir` (its initial weights) with `options` (see `Reference`),
+    or with LoRA adapters on the actor its own base model."""
+    return AdaptersOffReference(actor) if has_lora(actor.model) else Reference(ckpt_dir, **options)
+
+
+def make_reference(ckpt_dir: str | Path, *, use_kl: bool, actor: Actor | None = None,
+                   **options) -> Reference | AdaptersOffReference | None:
+    """The reference when a KL term (in the reward or in the loss) needs it; None saves its memory otherwise.
+    With `actor`: `reference_of(actor, ...)`."""
+    if not use_kl:
+        return None
+    return reference_of(actor, ckpt_dir, **options) if actor is not None else Reference(ckpt_dir, **options)

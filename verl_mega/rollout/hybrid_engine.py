@@ -14,6 +14,11 @@ shards, so:
 
 Extra memory is therefore bounded by one tensor's rollout slice (twice or three times that while a
 q/k/v or gate/up layout is undone), never the model; `planner.plan` gives the bound per rank.
+
+LoRA: a linear with adapters (`lora_a` [rank, in_local], `lora_b` [out_local, rank] beside its weight) is
+merged on its owning rank, W_local + scale * B_local @ A_local, just before that one tensor enters the
+regroup. Both factors' splits are the rank's own (column-parallel: B's rows with W's; row-parallel: A's
+columns with W's), so the merge needs no communication, and the rollout engines receive plain weights.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch.distributed as dist
 
 from verl_mega.models.builder import checkpoint_tensors, unwrap_model
 from verl_mega.models.hf_config import HFModelConfig
+from verl_mega.models.lora import lora_modules
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
 from verl_mega.models.spec import SAME, FamilySpec, TensorRule, canonical_names
 from verl_mega.parallel.layout import rollout_placement, rollout_vocab_rows
@@ -54,6 +60,24 @@ def slice_is_gathered_shards(rule: TensorRule) -> bool:
 
 
 @dataclass(frozen=True)
+class _Adapter:
+    """The LoRA factors of one targeted linear on this rank (live views of the training parameters)."""
+
+    a: torch.Tensor  # [rank, in_local]
+    b: torch.Tensor  # [out_local, rank]
+    scale: float  # alpha / rank
+
+
+def merged_shard(weight: torch.Tensor, adapter: _Adapter) -> torch.Tensor:
+    """`models.lora.merged_weight`'s W + scale * B @ A (fp32 math, W's dtype, the same bits), computed in place in
+    one fp32 buffer: the transition holds one shard-sized tensor for it (plus the cast copy for a narrower W),
+    where the out-of-place expression holds three or four."""
+    delta = adapter.b.float() @ adapter.a.float()
+    delta.mul_(adapter.scale).add_(weight)
+    return delta.to(weight.dtype)
+
+
+@dataclass(frozen=True)
 class _Peer:
     rank: int
     tp_rank: int
@@ -77,7 +101,8 @@ class HybridEngine:
                  dtype: torch.dtype | None = None, measure_peak: bool = False):
         """`dtype`: what the rollout engine runs (default: the model's); the tensors are streamed in it.
         `measure_peak`: track the transition's live bytes (tests, benchmarks). Off in training: the tracking
-        dispatch mode handles every op of the transition in Python, 40 % of a tiny model's transition."""
+        dispatch mode handles every op of the transition in Python, 40 % of a tiny model's transition.
+        A model with LoRA adapters (`models.lora.apply_lora`) streams its adapted linears merged."""
         from megatron.core import parallel_state as ps
 
         self.hf_config, self.family, self.dtype = hf_config, family, dtype
@@ -87,7 +112,7 @@ class HybridEngine:
         self.micro_dp = placement.micro_dp
         self.rollout_tp_rank = placement.rollout_tp_rank
         self.tracker = LiveBytes() if measure_peak else None
-        self._params = self._own_shards(model)
+        self._params, self._adapters = self._own_shards(model)
 
         me = _Peer(self.layout.rank, self.layout.tp_rank, self.layout.pp_rank, self.layout.ep_rank,
                    tuple(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())),
@@ -104,11 +129,14 @@ class HybridEngine:
 
     # --- set-up -------------------------------------------------------------------------------------
 
-    def _own_shards(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def _own_shards(self, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, _Adapter]]:
+        """This rank's shards by global megatron name, and the adapters of those that have LoRA factors."""
         params = checkpoint_tensors(unwrap_model(model))
         by_local = {canonical: params[name] for name, canonical in canonical_names(params).items()}
+        # A linear's name is the same in the local and the canonical spelling (only norms differ).
+        scales = {info.name: info.scale for info in lora_modules(model)}
         layout = self.layout
-        shards = {}
+        shards, adapters = {}, {}
         for slot in rank_slots(self.hf_config, self.family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep):
             if slot.is_tied_copy:
                 continue
@@ -119,7 +147,11 @@ class HybridEngine:
                     f"at tp={layout.tp}, pp={layout.pp}, ep={layout.ep}?"
                 )
             shards[slot.global_name] = by_local[slot.local_name].detach()
-        return shards
+            module = slot.local_name.removesuffix(".weight")
+            if slot.local_name.endswith(".weight") and module in scales:
+                adapters[slot.global_name] = _Adapter(by_local[module + ".lora_a"].detach(),
+                                                      by_local[module + ".lora_b"].detach(), scales[module])
+        return shards, adapters
 
     @staticmethod
     def _sources(group, peers: list[_Peer], coordinate: str):
@@ -181,6 +213,8 @@ class HybridEngine:
         """
         name = slot.global_name
         shard = self._params.get(name)
+        if name in self._adapters:
+            shard = merged_shard(shard, self._adapters[name])
         if shard is None and (self.layout.pp > 1 or (slot.rule.per_expert and self.layout.ep > 1)):
             shard = into if into is not None else self._empty(name)
         if slot.rule.per_expert and self.layout.ep > 1 and self.layout.pp_rank == stage:

@@ -3,9 +3,11 @@ sent / received in between, from the HF model's config.json alone (no weights ne
 large run can be planned before its checkpoint is downloaded).
 
     verl-mega plan --hf DIR --train-tp T --train-pp P --dp D --rollout-tp t [--ep E] [--dtype bf16]
+        [--lora-rank R --lora-targets linear_qkv,linear_proj,linear_fc1,linear_fc2]
 
 The figures follow what `HybridEngine.stream` does, tensor by tensor, so its measured peak can be
-checked against `RankPlan.transition_peak_bytes`.
+checked against `RankPlan.transition_peak_bytes`. With LoRA, a targeted tensor's merged shard is one
+more buffer while it is regrouped (and its fp32 merge before that).
 """
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, padded_vocab_size
-from verl_mega.models.expected_shapes import expected_hf_shapes
+from verl_mega.models.expected_shapes import expected_hf_shapes, mcore_shard_shape
 from verl_mega.models.sharding import rank_slots
 from verl_mega.parallel.layout import (
     RankCoordinates, check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates,
@@ -68,11 +71,16 @@ class Plan:
 
 
 def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: int, *, ep: int = 1,
-         dtype: str = "fp32", make_vocab_size_divisible_by: int = 128, family_spec: str | None = None) -> Plan:
-    """Per-rank bytes of the transition; raises ValueError naming the size that makes a layout impossible."""
+         dtype: str = "fp32", make_vocab_size_divisible_by: int = 128, family_spec: str | None = None,
+         lora_rank: int = 0, lora_targets: Sequence[str] = ()) -> Plan:
+    """Per-rank bytes of the transition; raises ValueError naming the size that makes a layout impossible.
+    `lora_rank` > 0: the actor has adapters on the linears named in `lora_targets` (megatron's names), which
+    the transition streams merged."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
     names = {"tp": "--train-tp", "pp": "--train-pp", "ep": "--ep", "dp": "--dp", "rollout_tp": "--rollout-tp"}
+    if type(lora_rank) is not int or lora_rank < 0:
+        raise ValueError(f"--lora-rank must be a whole number >= 0, got {lora_rank!r}")
     check_sizes({"tp": train_tp, "pp": train_pp, "ep": ep, "dp": dp, "rollout_tp": rollout_tp}, names)
     world_size = train_tp * train_pp * dp
     data_parallel_size(world_size, train_tp, train_pp, ep, names)
@@ -92,6 +100,13 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
         if slot.rule.vocab:
             numel = numel // hf_config.vocab_size * padded_vocab
         return numel * item(slot) // (train_tp if slot.rule.tp_dim is not None else 1)
+
+    def merge_bytes(slot) -> int:  # HybridEngine.merged_shard's buffers; 0 for a tensor without adapters
+        if lora_rank == 0 or not any(slot.rule.mcore.endswith(f".{target}.weight") for target in lora_targets):
+            return 0
+        rows, cols = mcore_shard_shape(slot, hf_config, train_tp, padded_vocab)
+        narrower = item(slot) != 4  # an fp32 weight and its factors are used as they are, without fp32 copies
+        return 4 * rows * cols + narrower * (item(slot) * rows * cols + 4 * lora_rank * (rows + cols))
 
     transfers = [(stage, owner_ep, slot, shard_bytes(slot))
                  for stage, owner_ep, slot in transfer_order(hf_config, family, train_pp, ep)]
@@ -125,8 +140,10 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
             if split and micro_dp > 1:
                 send += shard * (micro_dp - 1)
                 recv += shard * (micro_dp - 1)
-            buffers = _transient_bytes(slot.rule, shard, slice_bytes, owns, split and micro_dp > 1)
-            peak = max(peak, buffers)
+            merging = merge_bytes(slot)
+            # The owner's merged shard is held through the regroup like a received one.
+            buffers = _transient_bytes(slot.rule, shard, slice_bytes, owns and not merging, split and micro_dp > 1)
+            peak = max(peak, buffers, merging if owns else 0)
             largest_output = max(largest_output, slice_bytes)
         # The consumer still holds the previous tensor while the next one is being assembled.
         ranks.append(RankPlan(at, rollout_tp_rank, train, rollout, peak + largest_output, send, recv))
@@ -156,10 +173,14 @@ def main(argv=None) -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--family-spec", help="package.module:SPEC of a family declared outside verl_mega")
+    parser.add_argument("--lora-rank", type=int, default=0, help="the actor's LoRA rank (0: no adapters)")
+    parser.add_argument("--lora-targets", default="linear_qkv,linear_proj,linear_fc1,linear_fc2",
+                        help="comma-separated megatron linears with adapters (with --lora-rank)")
     args = parser.parse_args(argv)
     try:
         result = plan(args.hf, args.train_tp, args.train_pp, args.dp, args.rollout_tp, ep=args.ep, dtype=args.dtype,
-                      family_spec=args.family_spec)
+                      family_spec=args.family_spec, lora_rank=args.lora_rank,
+                      lora_targets=args.lora_targets.split(","))
     except ValueError as err:
         parser.exit(2, f"verl-mega plan: impossible layout: {err}\n")
     except OSError as err:

@@ -3,11 +3,15 @@
     RUN/checkpoints/step_000012/
         actor/, critic/          model + optimizer + LR schedule (megatron dist_checkpointing, any layout)
         rng/rank_00003.safetensors  every rank's RNG states (tensors + JSON scalars: no pickle)
-        trainer_state.json       step, sampler position, KL controller, reward normaliser, model fingerprint
+        trainer_state.json       step, sampler position, KL controller, reward normaliser, model fingerprint,
+                                 the sha256 of each role's base (HF folder) when given
         config.yaml              the resolved config of the run that wrote it
 
 A checkpoint is written into `.step_000012.tmp` and renamed when every rank is done (`collective_output_dir`),
 so a folder named `step_*` is complete; a kill during a save leaves the previous checkpoints untouched.
+
+A LoRA role's folder holds its adapters, not its frozen base (`training_state`): the base is the HF folder the
+run starts from, named by its sha256 in trainer_state.json, and a resume on another base is refused.
 """
 from __future__ import annotations
 
@@ -25,11 +29,13 @@ from safetensors.torch import save_file
 
 from verl_mega.config.errors import UserError
 from verl_mega.files.atomic import collective_output_dir
+from verl_mega.models.lora import has_lora
 
 from .folder import CONFIG_FILE, RunFolder, checkpoint_step
 from .training_state import load_training_state, save_training_state
 
 STATE_FILE = "trainer_state.json"
+BASES_KEY = "base_sha256"  # trainer_state.json: role -> sha256 of the HF folder the role started from
 _TRACKER_PREFIX = "model_parallel/"
 # Config fields that define the model's shapes; a checkpoint of another model is refused on them.
 _ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -108,9 +114,12 @@ def load_rng_state(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state: dict, config_yaml: str, rank: int,
-                    keep_last: int) -> Path:
-    """Collective. `trainables`: name -> TrainableModel (actor, critic). Returns the checkpoint folder."""
+                    keep_last: int, base_checksums: dict[str, str] | None = None) -> Path:
+    """Collective. `trainables`: name -> TrainableModel (actor, critic). `base_checksums`: role -> sha256 of the
+    HF folder it started from (the critic's defaults to the actor's), recorded. Returns the checkpoint folder."""
     final = RunFolder(run_dir).step(step)
+    if base_checksums:
+        trainer_state = {**trainer_state, BASES_KEY: {role: _base_of(base_checksums, role) for role in trainables}}
     with collective_output_dir(final, rank) as tmp:
         for name, trainable in trainables.items():
             (tmp / name).mkdir(exist_ok=True)
@@ -126,8 +135,10 @@ def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state
     return final
 
 
-def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int, world_size: int) -> dict:
-    """Collective. Restores the trainables (at this job's layout) and this rank's RNG; returns the trainer state."""
+def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int, world_size: int,
+                    base_checksums: dict[str, str] | None = None) -> dict:
+    """Collective. Restores the trainables (at this job's layout) and this rank's RNG; returns the trainer state.
+    `base_checksums` as for `save_checkpoint`: a LoRA role's adapters load only onto the base they were trained on."""
     state_file = ckpt / STATE_FILE
     if not state_file.is_file():
         raise UserError(f"checkpoint {ckpt} is incomplete ({STATE_FILE} missing); remove it to resume from an "
@@ -141,6 +152,7 @@ def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int
     if state.get("model_fingerprint") != fingerprint:
         raise UserError(f"checkpoint {ckpt} was written for another model (fingerprint "
                         f"{state.get('model_fingerprint')} != {fingerprint}); point trainer.run_dir elsewhere")
+    _check_lora_bases(ckpt, state.get(BASES_KEY), trainables, base_checksums)
     for name, trainable in trainables.items():
         try:
             load_training_state(trainable, ckpt / name)
@@ -150,6 +162,22 @@ def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int
     if state.get("world_size") == world_size:
         load_rng_state(ckpt / "rng" / _rng_file(rank))
     return state
+
+
+def _base_of(base_checksums: dict[str, str], role: str) -> str:
+    return base_checksums.get(role, base_checksums["actor"])
+
+
+def _check_lora_bases(ckpt: Path, saved: dict | None, trainables: dict, base_checksums: dict[str, str] | None) -> None:
+    """Adapters are a difference from their base: on another base they are another model. (A checkpoint that
+    records no bases predates the record, or its run gave none: nothing to compare.)"""
+    if not isinstance(saved, dict) or not base_checksums:
+        return
+    for role, trainable in trainables.items():
+        if role in saved and has_lora(trainable.model) and saved[role] != _base_of(base_checksums, role):
+            raise UserError(f"checkpoint {ckpt} holds {role} LoRA adapters trained on a base of sha256 {saved[role]}, "
+                            f"but this run's {role} starts from one of sha256 {_base_of(base_checksums, role)}: resume "
+                            "with the model the adapters were trained on, or point trainer.run_dir elsewhere")
 
 
 def _rng_file(rank: int) -> str:

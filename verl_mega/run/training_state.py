@@ -9,6 +9,13 @@ distributed optimizer a model-space one assembled here. megatron's own formats d
 reshards only over DP, and in megatron-core 0.16 `fully_reshardable` misplaces state where the grad buffer
 pads parameters (seen at TP=2: "param range exceeds unpadded buffer"), `fully_sharded_model_space` cannot be
 saved (flattened ranges unsupported).
+
+With LoRA (`models.lora`), the state holds what trains: the adapters (and a LoRA critic's value head), their
+optimizer state and the LR schedule; not the frozen base, which the run reloads from the checkpoint it started
+from (named by checksum in the step's trainer_state.json). Adapters are stored TP-merged like their base layer's
+weight (a column layer's B split with its rows, gate|up halves apart as megatron stores linear_fc1; a row
+layer's A split with its columns), so they too load at any layout. `lora` in the common state records rank,
+targets and scale; a checkpoint of another kind (full-parameter vs LoRA, another rank or targets) is refused.
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from verl_mega.models.builder import unwrap_model
+from verl_mega.models.lora import LORA_PARAMETER_NAMES, has_lora, lora_modules
 from verl_mega.parallel.shims import use_fused_adam
 
 from verl_mega.checkpoint.safe_unpickle import guard_dist_checkpoint_reads
@@ -62,13 +71,14 @@ def load_training_state(trainable, directory: str | Path) -> None:
             "the save that wrote it did not finish: resume from an earlier checkpoint"
         )
     _check_optimizer_kind(trainable, directory)
+    _check_lora_matches(trainable, directory)
     _ensure_optimizer_state(trainable.optimizer)
     # Loading into the optimizer's tensors in place fails on views of leaf parameters with autograd on.
     with torch.no_grad():
         request = _sharded_state(trainable, is_loading=True)
         _check_matches_checkpoint(request, directory)
         loaded = dist_checkpointing.load(request, str(directory))
-        trainable.model.module.load_state_dict(loaded["model"])
+        _load_model_state(trainable.model.module, loaded["model"])
         for optimizer, state in zip(_sub_optimizers(trainable.optimizer), loaded["optimizer"]):
             _load_optimizer_state(optimizer, state)
         trainable.scheduler.load_state_dict(loaded["scheduler"])
@@ -78,7 +88,10 @@ def load_training_state(trainable, directory: str | Path) -> None:
 def _sharded_state(trainable, is_loading: bool) -> dict:
     # The bare model's keys (not the DDP wrapper's `module.` ones), as in the model-only dist checkpoints.
     model_state = trainable.model.module.sharded_state_dict()
+    if has_lora(trainable.model):
+        model_state = _trained_part(trainable.model.module, model_state)
     return {
+        "lora": lora_record(trainable.model),
         "model": model_state,
         # One entry per sub-optimizer (dense and expert parameters of MoE models get one each).
         "optimizer": [_optimizer_sharded_state(optimizer, model_state, is_loading)
@@ -86,6 +99,69 @@ def _sharded_state(trainable, is_loading: bool) -> dict:
         "scheduler": trainable.scheduler.state_dict(),
         "use_distributed_optimizer": _is_distributed(trainable.optimizer),
     }
+
+
+def lora_record(model) -> dict | None:
+    """What a LoRA checkpoint must match to be resumed: rank, targets (megatron's linear names) and scale; None
+    for a model that trains every parameter."""
+    modules = lora_modules(model)
+    if not modules:
+        return None
+    first = unwrap_model(model).get_submodule(modules[0].name)
+    return {"rank": int(first.lora_a.shape[0]), "targets": sorted({m.name.rpartition(".")[2] for m in modules}),
+            "scale": modules[0].scale}
+
+
+def _trained_part(module, model_state: dict) -> dict:
+    """The sharded entries of the parameters that train (adapters, a critic's head), adapters split like their
+    base layer; the frozen base and its extra state are left out."""
+    trained = {id(param): param for param in module.parameters() if param.requires_grad}
+    return {key: _split_like_base(item, trained[id(item.data)], module.config.gated_linear_unit)
+            for key, item in model_state.items() if id(getattr(item, "data", None)) in trained}
+
+
+def _split_like_base(item, param, gated: bool):
+    """An adapter matrix megatron would store replicated (it knows only `weight` and `bias`) as the TP-merged
+    tensor it is a shard of: along `partition_dim` (lora-core's TP attributes), and for a gated linear_fc1's B
+    with gate and up halves apart, as megatron stores that layer's weight."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    adapter = item.key.rpartition(".")[2] in LORA_PARAMETER_NAMES if isinstance(item, ShardedTensor) else False
+    if not adapter or not getattr(param, "tensor_model_parallel", False):
+        return item
+    tp_rank, tp = _tensor_parallel_coordinates(param)
+    prepended = [(axis, item.global_offset[axis], item.axis_fragmentations[axis]) for axis in range(item.prepend_axis_num)]
+    split = ShardedTensor.from_rank_offsets(
+        item.key, item.data, *prepended, (item.prepend_axis_num + param.partition_dim, tp_rank, tp),
+        replica_id=(item.replica_id[0], 0, *item.replica_id[2:]), prepend_axis_num=item.prepend_axis_num)
+    if gated and item.key.endswith("linear_fc1.lora_b"):
+        return apply_swiglu_sharded_factory(split, tuple(prepended))
+    return split
+
+
+def _tensor_parallel_coordinates(param) -> tuple[int, int]:
+    """(rank, size) in the TP group the parameter is split over: the experts' own for an expert's linear (megatron
+    marks those parameters allreduce=False, and lora-core copies the mark onto their adapters)."""
+    from megatron.core import parallel_state as ps
+
+    if getattr(param, "allreduce", True) is False:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _load_model_state(module, state: dict) -> None:
+    """Load the model part; a LoRA state holds the trained parameters alone, the frozen base stays as loaded."""
+    if not has_lora(module):
+        module.load_state_dict(state)
+        return
+    result = module.load_state_dict(state, strict=False)
+    trained = {name for name, param in module.named_parameters() if param.requires_grad}
+    missing = sorted(trained & set(result.missing_keys))
+    if result.unexpected_keys:
+        raise ValueError(f"the LoRA state holds '{result.unexpected_keys[0]}', which this model lacks")
+    if missing:
+        raise ValueError(f"the LoRA state lacks '{missing[0]}', which this model trains")
 
 
 def _sub_optimizers(optimizer) -> list:
@@ -192,6 +268,31 @@ def _check_optimizer_kind(trainable, directory: Path) -> None:
             f"{directory} was saved with use_distributed_optimizer={saved} but this job runs "
             f"use_distributed_optimizer={running}: resume with the setting it was saved with"
         )
+
+
+def _check_lora_matches(trainable, directory: Path) -> None:
+    """Refuse, before any tensor is read, a checkpoint of the other kind (full-parameter vs LoRA) or of adapters
+    with another rank or targets (their scale may change: it is the config's alpha, applied on top)."""
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_common_state_dict(str(directory)).get("lora")
+    running = lora_record(trainable.model)
+    role = directory.name
+    if saved is not None and not (isinstance(saved, dict) and type(saved.get("rank")) is int
+                                  and isinstance(saved.get("targets"), list)
+                                  and all(isinstance(target, str) for target in saved["targets"])):
+        raise ValueError(f"{directory}: its LoRA record {saved!r} is not rank and targets; the checkpoint is damaged")
+    if saved is None and running is not None:
+        raise ValueError(f"{directory} was saved by a run that trains every parameter, but this job trains LoRA "
+                         f"adapters ({role}.lora.rank={running['rank']}): resume with {role}.lora.rank=0, or start "
+                         "a new run folder")
+    if saved is not None and running is None:
+        raise ValueError(f"{directory} holds LoRA adapters (rank {saved['rank']} on {','.join(saved['targets'])}) "
+                         f"but this job trains every parameter: resume with {role}.lora.rank={saved['rank']}")
+    if saved is not None and (saved["rank"], saved["targets"]) != (running["rank"], running["targets"]):
+        raise ValueError(f"{directory} holds LoRA adapters of rank {saved['rank']} on {','.join(saved['targets'])}, "
+                         f"this job has rank {running['rank']} on {','.join(running['targets'])}: resume with "
+                         f"{role}.lora.rank={saved['rank']} and {role}.lora.targets=[{','.join(saved['targets'])}]")
 
 
 def _check_matches_checkpoint(request: dict, directory: Path) -> None:

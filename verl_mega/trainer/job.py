@@ -37,10 +37,13 @@ class TrainingJob:
     # starts from. The offline jobs' first validation is after their first step.
     validates_before_training = False
 
-    def __init__(self, config: TrainConfig, layout: ParallelLayout, stop_requested=lambda: False, **inputs):
-        """`stop_requested()`: whether a signal asked this rank to save and stop (preemption). `inputs`: what the
-        job's `build` takes (the checkpoints its roles start from, ...)."""
+    def __init__(self, config: TrainConfig, layout: ParallelLayout, stop_requested=lambda: False,
+                 base_checksums: dict[str, str] | None = None, **inputs):
+        """`stop_requested()`: whether a signal asked this rank to save and stop (preemption). `base_checksums`:
+        role -> sha256 of its HF folder, recorded in checkpoints (a LoRA role resumes on that base only).
+        `inputs`: what the job's `build` takes (the checkpoints its roles start from, ...)."""
         self.config, self.layout = config, layout
+        self.base_checksums = base_checksums
         self.run_dir = Path(config.trainer.run_dir)
         self.hf_config, self.family = load_hf_model_config(config.model.hf_path, config.model.family_spec or None)
         self.fingerprint = run_checkpoints.model_fingerprint(self.hf_config.raw)
@@ -191,7 +194,8 @@ class TrainingJob:
                  "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp}, **self.job_state()}
         saved = run_checkpoints.save_checkpoint(self.run_dir, self.step, trainables=self.trainables(),
                                                 trainer_state=state, config_yaml=to_yaml(self.config),
-                                                rank=self.layout.rank, keep_last=self.config.trainer.keep_last)
+                                                rank=self.layout.rank, keep_last=self.config.trainer.keep_last,
+                                                base_checksums=self.base_checksums)
         if self.mirror is not None:
             self.mirror.submit(saved)
         return saved
@@ -223,7 +227,8 @@ class TrainingJob:
                 MetricsLogger.truncate(self.run_dir, -1)
             return
         state = run_checkpoints.load_checkpoint(found[-1], trainables=self.trainables(), fingerprint=self.fingerprint,
-                                                rank=self.layout.rank, world_size=self.layout.world_size)
+                                                rank=self.layout.rank, world_size=self.layout.world_size,
+                                                base_checksums=self.base_checksums)
         self.step = state["step"]
         self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
         self.load_job_state(state)

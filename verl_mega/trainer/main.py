@@ -117,9 +117,10 @@ def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
     stop = StopRequest().install()
     if config.job == "rl":
         critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
-        job = RLJob(config, layout, stop, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt, reward_fn=reward_fn)
+        job = RLJob(config, layout, stop, checksums, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt,
+                    reward_fn=reward_fn)
     else:
-        job = OFFLINE_JOBS[config.job](config, layout, stop, actor_ckpt=ckpts["actor"])
+        job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, actor_ckpt=ckpts["actor"])
     # Written once the job has been built and has resumed: a start refused on the way changes neither.
     if layout.rank == 0:
         atomic_write_text(folder.config, to_yaml(config))

@@ -46,7 +46,8 @@ class OfflineJob(TrainingJob):
                                              group_batches=data.length_group_batches)
         schedule_steps = config.trainer.total_steps * (data.batch_size // config.actor.mini_batch_size)
         self.actor = Actor(actor_ckpt, config.actor.optim, dtype=config.model.dtype,
-                           packed_sequences=config.actor.use_packed_sequences, schedule_steps=schedule_steps)
+                           packed_sequences=config.actor.use_packed_sequences, schedule_steps=schedule_steps,
+                           lora=config.actor.lora)
 
     # --- what a job defines ---------------------------------------------------------------------------
 

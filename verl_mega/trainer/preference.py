@@ -21,7 +21,7 @@ from verl_mega.roles.megatron_step import MicroBatchShare
 from verl_mega.roles.preference import (
     KTO_METRICS, PAIR_METRICS, kto_sequence_loss, kto_shares, loss_needs_reference, pair_sequence_loss,
 )
-from verl_mega.roles.reference import Reference
+from verl_mega.roles.reference import AdaptersOffReference, Reference, reference_of
 from verl_mega.run.folder import RunFolder
 
 from .metrics import StageTimer, print_note
@@ -72,10 +72,11 @@ class PreferenceJob(OfflineJob):
         if algorithm.cache_reference_logprobs:
             self.use_cached_reference_logps()
 
-    def build_reference(self, actor_ckpt) -> Reference:
-        """The frozen reference, in the actor's dtype and sequence layout, as in PPO."""
-        return Reference(actor_ckpt, dtype=self.config.model.dtype,
-                         packed_sequences=self.config.actor.use_packed_sequences)
+    def build_reference(self, actor_ckpt) -> Reference | AdaptersOffReference:
+        """The frozen reference, in the actor's dtype and sequence layout, as in PPO (with LoRA: the actor's
+        model with its adapters off)."""
+        return reference_of(self.actor, actor_ckpt, dtype=self.config.model.dtype,
+                            packed_sequences=self.config.actor.use_packed_sequences)
 
     def use_cached_reference_logps(self) -> None:
         """Attach the reference's log-probs to every example, read from the run folder's cache or, without a

@@ -25,6 +25,7 @@ from verl_mega.data.tables import read_rows
 from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.models.builder import DTYPES, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
+from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout_placement
 from verl_mega.parallel.placement import placement_for, training_data_parallel_size
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
@@ -74,6 +75,8 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
     known("trainer.log_format", config.trainer.log_format, LOG_FORMATS)
     _check_profiling(config, world_size, need)
     problems += limit_problems(config.tools)
+    for role in lora_roles(config):
+        problems += lora_config_problems(getattr(config, role).lora, f"{role}.lora")
     for role in ("actor", "critic"):
         packing = str(getattr(config, role).use_packed_sequences).lower()
         known(f"{role}.use_packed_sequences", packing, PACKING_SETTINGS)
@@ -362,9 +365,11 @@ def _check_model(config: TrainConfig, check, need) -> bool:
          "model.critic_hf_path and model.critic_ckpt both name the critic's weights; set one of them")
     spec_importable = not m.family_spec or check(lambda: import_family_spec(m.family_spec), "model.family_spec: ")
     if has_model and spec_importable:
-        model = check(lambda: load_hf_model_config(m.hf_path, m.family_spec or None)[0], "model.hf_path: ")
+        loaded = check(lambda: load_hf_model_config(m.hf_path, m.family_spec or None), "model.hf_path: ")
+        model = loaded[0] if loaded is not None else None
         if model is not None:
             check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+            _check_lora_fit(config, model, loaded[1], need)
             need(config.actor.router_replay != "rollout" or model.num_experts is not None,
                  f"actor.router_replay=rollout replays the routing of MoE layers and model.hf_path {m.hf_path} is a "
                  f"dense {model.model_type} model: set actor.router_replay=off")
@@ -375,6 +380,18 @@ def _check_model(config: TrainConfig, check, need) -> bool:
             if m.actor_ckpt and Path(m.actor_ckpt, MANIFEST_NAME).is_file():
                 check(lambda: check_actor_checkpoint(m.actor_ckpt, model, config), "model.actor_ckpt: ")
     return has_model
+
+
+def lora_roles(config: TrainConfig) -> tuple[str, ...]:
+    """The roles whose `lora` the job reads: the critic exists in RL only."""
+    return ("actor", "critic") if config.job == "rl" else ("actor",)
+
+
+def _check_lora_fit(config: TrainConfig, model: HFModelConfig, family, need) -> None:
+    for role in lora_roles(config):
+        lora = getattr(config, role).lora
+        for problem in lora_model_problems(lora, f"{role}.lora", model, family, config.parallel.tp):
+            need(False, problem)
 
 
 def check_actor_checkpoint(ckpt: str, model: HFModelConfig, config: TrainConfig) -> None:

@@ -144,15 +144,15 @@ class RLJob(TrainingJob):
         self.actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
                            schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed,
                            temperature=temperature, correction=config.algorithm.rollout_correction,
-                           router_replay=replay)
-        self.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), dtype=dtype,
+                           router_replay=replay, lora=config.actor.lora)
+        self.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), actor=self.actor, dtype=dtype,
                                         packed_sequences=packed, temperature=temperature, router_replay=replay)
         self.critic = None
         if self.uses_critic:
             self.critic_ckpt = Path(critic_ckpt or actor_ckpt)
             self.critic = Critic(self.critic_ckpt, config.critic.optim, config.critic.loss, dtype=dtype,
                                  packed_sequences=config.critic.use_packed_sequences,
-                                 schedule_steps=optimizer_steps(config, config.critic))
+                                 schedule_steps=optimizer_steps(config, config.critic), lora=config.critic.lora)
         self.reward = RuleReward(self.tokenizer, reward_fn or config.reward.function, config.reward.timeout_s,
                                  config.reward.memory_limit_mb)
         self.timeout_noted = False

@@ -1,0 +1,168 @@
+"""LoRA against full-parameter training on the ~100M model: peak memory and step time of GRPO and DPO steps.
+
+    python -m bench.lora [--steps 4] [--rank 16] [--threads 2]
+
+The model is bench.vs_trl's `llama100m` (~110M parameters, Llama-shaped, random weights, fp32 on the CPU),
+converted once. Each (job, mode) runs in a fresh process, so that the RSS high-water mark is its own:
+
+- GRPO: the training half of a step, at the roles: the reference's log-probs (verl's GRPO recipe keeps a KL
+  loss to the reference), then one on-policy update (one epoch over one mini-batch of 8 prompts x 4 samples,
+  micro-batches of 8 rows). Generation is the rollout engine's and does not depend on how the actor trains.
+- DPO: the reference scores 16 chosen/rejected pairs, then one update on the sigmoid loss.
+
+Full-parameter runs hold a second model as the reference; LoRA runs (rank --rank on linear_qkv, linear_proj,
+linear_fc1, linear_fc2) score the reference with the actor's own model, adapters off. Printed per run: the
+bytes of the parameters (the reference's included), of the gradient buffers and of the optimizer state, the
+process's RSS high-water mark, and the median step time (wall and CPU) over the steps after the first
+(warm-up); then LoRA's ratios to full-parameter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT, RESPONSE, ROWS, MICRO = 64, 32, 32, 8
+JOBS = ("grpo", "dpo")
+
+
+def random_batch(vocab_size: int, generator: torch.Generator) -> dict:
+    """ROWS rows of PROMPT prompt and RESPONSE response tokens (no padding); DPO reads consecutive rows as
+    chosen / rejected."""
+    from verl_mega.trainer.rollout_batch import build_rollout_batch
+
+    prompts = torch.randint(3, vocab_size, (ROWS, PROMPT), generator=generator).tolist()
+    responses = torch.randint(3, vocab_size, (ROWS, RESPONSE), generator=generator).tolist()
+    batch = build_rollout_batch(prompts, responses, RESPONSE, pad_token_id=0)
+    batch["advantages"] = torch.randn(ROWS, RESPONSE, generator=generator)
+    return batch
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Adam's moments and, for 16-bit models, the fp32 main copies of the trained parameters."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    state = [value for opt in inner for values in opt.optimizer.state.values() for value in values.values()
+             if torch.is_tensor(value) and value.dim() > 0]
+    mains = [param for opt in inner for group in getattr(opt, "shard_fp32_from_float16_groups", None)
+             or getattr(opt, "fp32_from_float16_groups", []) for param in group]
+    return tensor_bytes(state) + tensor_bytes(mains)
+
+
+def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int) -> dict:
+    """One job's steps, full-parameter (rank 0) or LoRA, in this process: sizes, RSS high-water and step times."""
+    from verl_mega.algorithms import masked_sum
+    from verl_mega.config import AlgorithmConfig, LoraConfig, OptimConfig, PolicyLossConfig
+    from verl_mega.parallel.state import init_parallel
+    from verl_mega.roles.actor import Actor
+    from verl_mega.roles.preference import PAIR_METRICS, pair_sequence_loss
+    from verl_mega.roles.reference import Reference, reference_of
+
+    torch.set_num_threads(threads)
+    init_parallel(1, 1)
+    loss = PolicyLossConfig(use_kl_loss=True, kl_loss_coef=0.001)
+    actor = Actor(ckpt, OptimConfig(lr=1e-5 if rank else 1e-6), loss, schedule_steps=steps,
+                  lora=LoraConfig(rank=rank))
+    reference = reference_of(actor, ckpt)
+    dpo_loss = pair_sequence_loss(AlgorithmConfig(loss="dpo"))
+    generator = torch.Generator().manual_seed(0)
+    walls, cpus = [], []
+    for _ in range(steps):
+        batch = random_batch(actor.vocab_size, generator)
+        wall, cpu = time.perf_counter(), time.process_time()
+        ref = reference.compute_ref_log_prob(batch, MICRO)
+        if job == "grpo":
+            batch["ref_log_probs"] = ref
+            actor.update_policy(batch, ppo_epochs=1, mini_batch_size=ROWS, micro_batch_size=MICRO)
+        else:
+            batch["ref_sequence_log_probs"] = masked_sum(ref.cpu(), batch["response_mask"], dim=-1)
+            actor.update_on_sequences(batch, ROWS, MICRO, PAIR_METRICS, dpo_loss)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    params = list(actor.model.parameters())
+    if isinstance(reference, Reference):
+        params += list(reference.model.parameters())
+    ddp = actor.trainable.model
+    return {
+        "job": job, "rank": rank,
+        "param_bytes": tensor_bytes(params),
+        "trainable_params": sum(p.numel() for p in actor.model.parameters() if p.requires_grad),
+        "grad_bytes": tensor_bytes(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers),
+        "optimizer_bytes": optimizer_state_bytes(actor.trainable.optimizer),
+        "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_wall_s": statistics.median(walls[1:] or walls), "step_cpu_s": statistics.median(cpus[1:] or cpus),
+    }
+
+
+def prepare(tmp: Path) -> Path:
+    """The ~100M model, converted: its megatron checkpoint folder."""
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+
+    from bench.vs_trl import build_llama100m
+
+    hf_dir = build_llama100m(tmp / "hf")
+    convert_hf_to_mcore(hf_dir, tmp / "ckpt")
+    return tmp / "ckpt"
+
+
+def gib(value: float) -> str:
+    return f"{value / 2**30:.3f}"
+
+
+def report(runs: list[dict]) -> None:
+    columns = ("param_bytes", "grad_bytes", "optimizer_bytes", "rss_peak_bytes")
+    print("| job | mode | trainable params | params GiB | grads GiB | optimizer GiB | tensors GiB | RSS peak GiB "
+          "| step wall s | step CPU s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for run in runs:
+        mode = f"LoRA r={run['rank']}" if run["rank"] else "full"
+        tensors = sum(run[key] for key in columns[:3])
+        print(f"| {run['job']} | {mode} | {run['trainable_params']:,} | "
+              + " | ".join(gib(run[key]) for key in columns[:3])
+              + f" | {gib(tensors)} | {gib(run['rss_peak_bytes'])} | {run['step_wall_s']:.2f} "
+              f"| {run['step_cpu_s']:.2f} |")
+    for job in JOBS:
+        full, lora = (next(run for run in runs if run["job"] == job and bool(run["rank"]) == is_lora)
+                      for is_lora in (False, True))
+        tensors = [sum(run[key] for key in columns[:3]) for run in (full, lora)]
+        print(f"{job}: LoRA / full: tensors {tensors[1] / tensors[0]:.2f}, RSS peak "
+              f"{lora['rss_peak_bytes'] / full['rss_peak_bytes']:.2f}, step wall "
+              f"{lora['step_wall_s'] / full['step_wall_s']:.2f}, step CPU {lora['step_cpu_s'] / full['step_cpu_s']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=4, help="steps per run; the first (warm-up) is not timed")
+    parser.add_argument("--rank", type=int, default=16, help="the LoRA runs' rank")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--run", nargs=3, metavar=("JOB", "RANK", "CKPT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:  # one measurement, in the fresh process the parent started
+        job, rank, ckpt = args.run
+        print(json.dumps(measure(job, int(rank), Path(ckpt), args.steps, args.threads)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = prepare(Path(tmp))
+        runs = []
+        for job in JOBS:
+            for rank in (0, args.rank):
+                out = subprocess.run([sys.executable, "-m", "bench.lora", "--steps", str(args.steps), "--threads",
+                                      str(args.threads), "--run", job, str(rank), str(ckpt)],
+                                     check=True, capture_output=True, text=True).stdout
+                runs.append(json.loads(out.strip().splitlines()[-1]))
+    report(runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""LoRA cases of the layout grids' launches (tests/layout_grid_worker.py runs them; tests/test_lora.py compares):
+
+- `layers`: at TP 2, a column- and a row-parallel linear with adapters, forward and backward on known full
+  weights; each rank saves its shards, the test puts them together against y = W x + (alpha/r) B A x.
+- `update` of a model at (TP, PP, EP): a LoRA actor's PPO update (two optimizer steps, KL to its adapters-off
+  reference) and a LoRA critic's value updates on the role grid's batch; saves the metrics, the effective weights
+  W + s B A as full HF tensors (every expert's), and the reference's log-probs before and after the update.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from roles_worker import MICRO_BATCH, MINI_BATCH, fixed_batch, gather_hf_weights
+
+HIDDEN, QKV, RANK, ALPHA = 12, 20, 4, 6.0
+
+
+class TwoLinears(torch.nn.Module):
+    """An attention block's two linears as megatron builds them: linear_qkv column-, linear_proj row-parallel."""
+
+    def __init__(self, hidden: int = HIDDEN, qkv: int = QKV, dtype=torch.float32):
+        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        config = ModelParallelConfig(params_dtype=dtype, use_cpu_initialization=True)
+        init = torch.nn.init.normal_
+        self.linear_qkv = ColumnParallelLinear(hidden, qkv, config=config, init_method=init, bias=False,
+                                               gather_output=False, skip_bias_add=True)
+        self.linear_proj = RowParallelLinear(qkv, hidden, config=config, init_method=init, bias=False,
+                                             input_is_parallel=True, skip_bias_add=True)
+
+    def forward(self, x):
+        return self.linear_proj(self.linear_qkv(x)[0])[0]
+
+
+def full_tensors(seed: int = 5) -> dict[str, torch.Tensor]:
+    """The whole weights, B matrices, inputs and output gradients of both layers, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    draw = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    return {"qkv.weight": draw(QKV, HIDDEN), "qkv.b": draw(QKV, RANK), "qkv.x": draw(3, 2, HIDDEN),
+            "qkv.grad": draw(3, 2, QKV), "proj.weight": draw(HIDDEN, QKV), "proj.b": draw(HIDDEN, RANK),
+            "proj.x": draw(3, 2, QKV), "proj.grad": draw(3, 2, HIDDEN)}
+
+
+def run_layers(out_dir: Path) -> None:
+    """Each TP rank's outputs and gradients of both adapted layers at TP 2, into out_dir/layers_tp{rank}.pt."""
+    from verl_mega.config import LoraConfig
+    from verl_mega.models.lora import apply_lora
+    from verl_mega.parallel.state import init_parallel
+
+    layout = init_parallel(2, 1)
+    rank, full = layout.tp_rank, full_tensors()
+    model = TwoLinears()
+    apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA))
+    rows, columns = slice(rank * QKV // 2, (rank + 1) * QKV // 2), slice(None)
+    qkv, proj = model.linear_qkv, model.linear_proj
+    with torch.no_grad():  # column: W and B split by output rows; row: W split by input columns, B whole
+        qkv.weight.copy_(full["qkv.weight"][rows])
+        qkv.lora_b.copy_(full["qkv.b"][rows])
+        proj.weight.copy_(full["proj.weight"][:, rows])
+        proj.lora_b.copy_(full["proj.b"][columns])
+    saved = {}
+    for name, module, x, grad in (("qkv", qkv, full["qkv.x"], full["qkv.grad"][..., rows]),
+                                  ("proj", proj, full["proj.x"][..., rows], full["proj.grad"])):
+        x = x.clone().requires_grad_()
+        out, _ = module(x)
+        out.backward(grad)
+        saved[name] = {"out": out.detach(), "x_grad": x.grad, "a": module.lora_a.detach().clone(),
+                       "a_grad": module.lora_a.grad, "b_grad": module.lora_b.grad}
+    torch.save(saved, out_dir / f"layers_tp{rank}.pt")
+    dist.barrier()
+
+
+def run_update(ckpt: Path, out_dir: Path, model: str, tp: int, pp: int, ep: int) -> None:
+    """One LoRA actor update and two LoRA critic updates at (tp, pp, ep) from `ckpt` (converted at that layout);
+    the last stages' results (TP rank 0, DP rank 0) into out_dir/{model}_tp{TP}pp{PP}ep{EP}dp{DP}_stage{S}.pt."""
+    from verl_mega.checkpoint.manifest import Manifest
+    from verl_mega.config import LoraConfig, OptimConfig, PolicyLossConfig, ValueLossConfig
+    from verl_mega.models import HFModelConfig, family_for
+    from verl_mega.models.lora import lora_modules, merged_weight
+    from verl_mega.parallel.state import init_parallel
+    from verl_mega.roles.actor import Actor
+    from verl_mega.roles.critic import Critic
+    from verl_mega.roles.reference import make_reference
+
+    layout = init_parallel(tp, pp, ep)
+    cfg = HFModelConfig.from_dict(Manifest.read(ckpt).hf_config)
+    batch = fixed_batch(cfg.vocab_size, pad_id=0)
+    # As roles_worker's update: large eps makes Adam's step follow the gradient's size.
+    optim = OptimConfig(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2,
+                        use_distributed_optimizer=layout.dp > 1)
+    lora = LoraConfig(rank=RANK, alpha=ALPHA)
+    actor = Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1),
+                  schedule_steps=4, dtype="fp32", lora=lora)
+    reference = make_reference(ckpt, use_kl=True, actor=actor, dtype="fp32")
+    noise = torch.Generator().manual_seed(1)
+    batch["ref_log_probs"] = reference.compute_ref_log_prob(batch, MICRO_BATCH)
+    batch["old_log_probs"] = batch["ref_log_probs"] + 0.3 * torch.randn(batch["responses"].shape, generator=noise)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=noise)
+    batch["returns"] = torch.randn(batch["responses"].shape, generator=noise)
+    batch["values"] = torch.zeros(batch["responses"].shape)
+    metrics = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH)
+    reference_after = reference.compute_ref_log_prob(batch, MICRO_BATCH)
+    module = actor.model.module
+    with torch.no_grad():  # the effective weights, compared as HF tensors
+        for info in lora_modules(module):
+            layer = module.get_submodule(info.name)
+            layer.weight.copy_(merged_weight(layer.weight, layer.lora_a, layer.lora_b, info.scale))
+    weights = gather_hf_weights(module, cfg, family_for(cfg))
+    critic = Critic(ckpt, optim, ValueLossConfig(cliprange_value=0.5), schedule_steps=4, dtype="fp32", lora=lora)
+    critic_metrics = [critic.update_critic(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH * 2,
+                                           micro_batch_size=MICRO_BATCH) for _ in range(2)]
+    if layout.tp_rank == 0 and layout.dp_rank == 0:
+        torch.save({"metrics": metrics, "weights": weights, "reference": batch["ref_log_probs"],
+                    "reference_after": reference_after, "critic_metrics": critic_metrics,
+                    "response_mask": batch["response_mask"]},
+                   out_dir / f"{model}_tp{tp}pp{pp}ep{ep}dp{layout.dp}_stage{layout.pp_rank}.pt")
+    dist.barrier()
