@@ -222,7 +222,7 @@ def test_conversions_go_to_the_run_folder_or_the_cache_by_checksum_layout_and_dt
 
 def test_step_export_finds_the_critic_s_own_conversion(tmp_path):
     from verl_mega.checkpoint.manifest import MANIFEST_NAME
-    from verl_mega.converters.export import _starting_checkpoint
+    from verl_mega.converters.export import _starting_checkpoint, _step_config
 
     step = tmp_path / "run" / "checkpoints" / "step_000001"
     step.mkdir(parents=True)
@@ -230,10 +230,10 @@ def test_step_export_finds_the_critic_s_own_conversion(tmp_path):
     for name in ("initial_actor_tp1_pp1_ep1", "initial_critic_tp1_pp1_ep1"):
         (tmp_path / "run" / name).mkdir()
         (tmp_path / "run" / name / MANIFEST_NAME).write_text("{}")
-    assert _starting_checkpoint(step, "critic").name == "initial_critic_tp1_pp1_ep1"
-    assert _starting_checkpoint(step, "actor").name == "initial_actor_tp1_pp1_ep1"
+    assert _starting_checkpoint(step, "critic", _step_config(step)).name == "initial_critic_tp1_pp1_ep1"
+    assert _starting_checkpoint(step, "actor", _step_config(step)).name == "initial_actor_tp1_pp1_ep1"
     shutil.rmtree(tmp_path / "run" / "initial_critic_tp1_pp1_ep1")
-    assert _starting_checkpoint(step, "critic").name == "initial_actor_tp1_pp1_ep1"
+    assert _starting_checkpoint(step, "critic", _step_config(step)).name == "initial_actor_tp1_pp1_ep1"
 
 
 def test_the_commit_comes_from_the_image_else_from_git(monkeypatch):
