@@ -234,6 +234,21 @@ class RolloutConfig:
     come with the first step and wait on the host during rollouts), so 0.4 leaves 60 %: on 80 GB, 2.2B parameters
     per GPU (a 7B model at TP 4), with vLLM's 32 GB for its weights and ~27 GB of KV cache."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    mode: str = "sync"
+    """When generation happens and which weights a step's batch comes from: sync (each step generates with the
+    current weights, then trains), one_step_off (each step trains on the batch generated with the weights one
+    step older, while the next batch is generated: verl's one-step off-policy trainer) or async (generated
+    batches wait in a buffer and a step trains on the oldest at most rollout.max_staleness versions old; verl's
+    fully async trainer, slime's --async)."""
+    max_staleness: int = 1
+    """async only: how many weight versions a batch may lag the weights it trains (>= 0); 0 trains on
+    freshly generated data only, as sync. verl's async_training.staleness_threshold."""
+    partial: str = "off"
+    """async only: what happens to sequences in generation when new weights arrive: off (they finish under the
+    weights they started with), finish (they continue under the new weights, each token tagged with the version
+    that sampled it) or abort (they are dropped and generated again). slime's --partial-rollout."""
+    partial_chunk_tokens: int = 64
+    """async with rollout.partial: tokens generated between two checks for new weights (>= 1)."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ from verl_mega.algorithms import (
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
-from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES
+from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES, RolloutConfig
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
@@ -37,7 +37,9 @@ from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
 
 from .rl import check_estimator_config
+from .rollout_schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
+ASYNC_KNOBS = ("max_staleness", "partial", "partial_chunk_tokens")  # rollout.* keys that only async reads
 PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp")}
 
 
@@ -119,6 +121,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         known(f"{role}.optim.lr_decay_style", getattr(config, role).optim.lr_decay_style, LR_DECAY_STYLES)
     known("trainer.nonfinite", config.trainer.nonfinite, NONFINITE_POLICIES)
     _check_dapo(config, need, known)
+    _check_rollout_mode(config, need, known)
     if config.rollout.multi_turn.enable:
         _check_multi_turn(config, check_files, check, need, known)
     need(config.rollout.engine != "embedded" or p.rollout_tp == 1,
@@ -171,6 +174,31 @@ def _check_dapo(config: TrainConfig, need, known) -> None:
              f"{buffer.penalty_factor}")
 
 
+def _check_rollout_mode(config: TrainConfig, need, known) -> None:
+    """rollout.mode and its async knobs: known values in range, set only with async, and nothing the mode cannot
+    keep: multi-turn episodes (the schedule's checkpointed buffer holds single-turn responses), routing replay
+    with async (a response's tokens may come from several weight versions), partial rollouts without a
+    generation in flight across weight updates."""
+    r = config.rollout
+    known("rollout.mode", r.mode, ROLLOUT_MODES)
+    known("rollout.partial", r.partial, PARTIAL_POLICIES)
+    need(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0 (0: fresh data only), got {r.max_staleness}")
+    need(r.partial_chunk_tokens >= 1, f"rollout.partial_chunk_tokens must be >= 1, got {r.partial_chunk_tokens}")
+    if r.mode != "async":
+        for key in ASYNC_KNOBS:
+            need(getattr(r, key) == getattr(RolloutConfig, key), f"rollout.{key}={getattr(r, key)} applies to "
+                 f"rollout.mode=async only (this run's is {r.mode}); set rollout.mode=async or drop the key")
+    if r.mode == "sync":
+        return
+    need(not r.multi_turn.enable, f"rollout.mode={r.mode} with rollout.multi_turn.enable: generated multi-turn "
+         "episodes cannot wait in the schedule's buffer; set rollout.mode=sync")
+    need(r.mode != "async" or config.actor.router_replay != "rollout", "rollout.mode=async with "
+         "actor.router_replay=rollout: replayed routing needs one weight version per response; set "
+         "actor.router_replay=off or rollout.mode=one_step_off")
+    need(r.mode != "async" or r.partial == "off", f"rollout.partial={r.partial}: colocated generation runs between steps, so no "
+         "sequence is in flight when new weights arrive; set rollout.partial=off")
+
+
 def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known) -> None:
     """rollout.multi_turn: its counts, its budget within data.max_response_length, its tools, and (with the model
     folder at hand) a chat template that renders tool messages in a known tool-call format."""
@@ -195,6 +223,8 @@ def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, know
     """SFT and preference jobs: no rollout, reward or critic; the data rows are checked one by one."""
     if dp is not None:
         _check_offline_batch_sizes(config, dp, need)
+    need(config.rollout.mode == "sync", f"rollout.mode={config.rollout.mode}: job {config.job} generates nothing; "
+         "drop the key (rollout modes are the rl job's)")
     need(config.trainer.log_samples_every == 0, f"trainer.log_samples_every={config.trainer.log_samples_every}: "
          f"job {config.job} generates no samples to log; set it to 0")
     if config.job == "preference":

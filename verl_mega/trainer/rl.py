@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Callable
 
@@ -50,6 +51,7 @@ from verl_mega.tools import ToolSet
 from .job import TrainingJob
 from .metrics import StageTimer, step_performance
 from .rollout_batch import build_rollout_batch, response_tokens
+from .rollout_schedule import GeneratedRound, RolloutSchedule, rounds_ahead, staleness_metrics
 
 # An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
 BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_pi_squared")
@@ -180,6 +182,7 @@ class RLJob(TrainingJob):
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
+        self.schedule = RolloutSchedule(rounds_ahead(config.rollout.mode, config.rollout.max_staleness))
 
     def make_agent_loop(self) -> AgentLoop | None:
         """rollout.multi_turn's agent loop over its tools, or None for single-turn rollouts."""
@@ -210,12 +213,15 @@ class RLJob(TrainingJob):
 
     def job_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "reward_normalizer": self.reward_normalizer.state_dict()}
+                "reward_normalizer": self.reward_normalizer.state_dict(), "rollout_schedule": self.schedule.state_dict()}
 
     def load_job_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.reward_normalizer.load_state_dict(state["reward_normalizer"])
+        # A checkpoint written before the schedule existed was sync's: nothing ahead, the next slot its step's.
+        schedule = state.get("rollout_schedule", {"next_step": state["step"], "buffer": []})
+        self.schedule.load_state_dict(schedule, len(self.dataset))
 
     # --- non-finite values --------------------------------------------------------------------------------
 
@@ -279,8 +285,8 @@ class RLJob(TrainingJob):
 
     # --- stages ---------------------------------------------------------------------------------------
 
-    def next_prompts(self) -> dict:
-        indices = self.sampler.next_batch()
+    def prompt_rows(self, indices: list[int]) -> dict:
+        """The prompts `indices` of the dataset: their token ids, indices and the fields the reward reads."""
         items = [self.dataset[i] for i in indices]
         return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
                 **{key: [item.get(key) for item in items] for key in PROMPT_FIELDS}}
@@ -290,28 +296,35 @@ class RLJob(TrainingJob):
         generation rounds. With dynamic sampling (algorithm.filter_groups) a round's groups whose filter metric
         is the same for every response are dropped, and rounds follow until data.batch_size groups are kept (cut
         to exactly that) or max_num_gen_batches rounds ran; then the run stops, or trains on the kept groups cut
-        to whole mini-batches (on_exhausted). Without it: one round, every group kept. Every round draws from
-        the sampler, whose position a checkpoint saves."""
+        to whole mini-batches (on_exhausted). Without it: one round, every group kept. The rounds come from the
+        rollout schedule (rollout.mode: generated now or earlier, see `trainer.rollout_schedule`); every round
+        draws from the sampler, whose position a checkpoint saves with the schedule's buffer."""
         config, n = self.config, self.config.rollout.n
         filter_config = config.algorithm.filter_groups
         groups = GroupFilter(config.data.batch_size, n, filter_config.max_num_gen_batches if filter_config.enable
                              else 1, drop_constant=filter_config.enable)
         kept: list[tuple[dict, list, RewardOutput]] = []
         generated = []  # every response of the step's rounds, dropped ones too, for the metrics
+        versions = []  # the weight version of each kept row
         # One transition for all rounds: the weights do not change between them.
         with self.rollout_engine_awake(timer):
+            generate = functools.partial(self.generation_round, timer)
+            self.schedule.fill(generate)
             while not groups.done:
-                rows, responses, reward, batch = self.generation_round(timer, groups.rounds)
+                generation = self.schedule.take(self.step, groups.rounds, generate)
+                rows, responses, reward, batch = self.scored_round(generation, timer)
                 generated.append({"scores": reward.scores, "responses": batch["responses"],
                                   "response_tokens": response_tokens(batch),
                                   "timeouts": torch.tensor([row in reward.timeouts for row in range(len(responses))])})
                 keep = groups.keep(self.filter_metric(reward)).repeat_interleave(n).nonzero().flatten().tolist()
                 kept.append((take_rows(rows, keep), take_rows(responses, keep), reward.take(keep)))
+                versions += [generation.version] * len(keep)
         rows, responses = (concat_rows(list(part)) for part in list(zip(*kept))[:2])
         reward = RewardOutput.concat([part[2] for part in kept])
         if groups.exhausted:
             usable = range(self.partial_batch_rows(groups))
             rows, responses, reward = take_rows(rows, usable), take_rows(responses, usable), reward.take(usable)
+            versions = versions[:len(usable)]
         rows["uid"] = [row // n for row in range(len(responses))]  # a group per prompt drawn, even drawn twice
         generated = concat_rows(generated)
         metrics = self.overlong_metrics(generated)
@@ -322,18 +335,34 @@ class RLJob(TrainingJob):
             metrics["reward/timeouts"] = int(generated["timeouts"].sum())
         if self.agent is not None:  # the episodes trained on
             metrics.update(episode_metrics(rows["episode"]))
+        if config.rollout.mode != "sync" and versions:
+            metrics.update(staleness_metrics(versions, self.step))
         return (self.rollout_batch(rows, responses) if responses else None), rows, reward, metrics
 
-    def generation_round(self, timer: StageTimer, gen_round: int) -> tuple[dict, list[Response], RewardOutput, dict]:
-        """data.batch_size prompts drawn: their rows (with ReMax's greedy baseline where the estimator takes it),
-        responses, reward (overlong penalty included) and batch. Runs in the rollout engine's awake window."""
-        config = self.config
-        prompts = self.next_prompts()
+    def generation_round(self, timer: StageTimer, step: int, gen_round: int) -> GeneratedRound:
+        """data.batch_size prompts drawn and their responses (with ReMax's greedy ones where the estimator takes
+        them) from the current weights, seeded by slot (step, gen_round). Runs in the rollout engine's awake
+        window."""
+        indices = list(self.sampler.next_batch())
+        prompts = self.prompt_rows(indices)
         with timer("rollout"):
-            responses = self.generate(prompts["input_ids"], gen_round=gen_round, conversations=prompts["raw_prompt"])
-        rows = with_episodes(one_row_per_response(prompts, config.rollout.n), responses)
+            responses = self.generate(prompts["input_ids"], step=step, gen_round=gen_round,
+                                      conversations=prompts["raw_prompt"])
+        greedy = None
         if self.uses_greedy_baseline:
-            rows["reward_baseline"] = self.remax_baselines(prompts, timer)
+            params = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
+            with timer("remax_baseline"):
+                greedy = self.generate(prompts["input_ids"], params, conversations=prompts["raw_prompt"])
+        return GeneratedRound(indices, responses, self.step, step, gen_round, greedy)
+
+    def scored_round(self, generation: GeneratedRound, timer: StageTimer
+                     ) -> tuple[dict, list[Response], RewardOutput, dict]:
+        """A generated round's rows (with ReMax's greedy baseline where the estimator takes it), responses,
+        reward (overlong penalty included) and batch."""
+        prompts, responses = self.prompt_rows(generation.indices), generation.responses
+        rows = with_episodes(one_row_per_response(prompts, self.config.rollout.n), responses)
+        if generation.greedy is not None:
+            rows["reward_baseline"] = self.remax_baselines(prompts, generation.greedy, timer)
         batch = self.rollout_batch(rows, responses)
         with timer("reward"):
             return rows, responses, self.shape_overlong(batch, self.agreed_score(batch, rows)), batch
@@ -350,15 +379,13 @@ class RLJob(TrainingJob):
     def uses_greedy_baseline(self) -> bool:
         return "reward_baselines" in estimator_inputs(self.config.algorithm.adv_estimator)
 
-    def remax_baselines(self, prompts: dict, timer: StageTimer) -> torch.Tensor:
-        """ReMax's baseline: the reward of one greedy response per prompt, from the same engine and weights as the
-        samples (inside their awake window, so it costs no transition), scored like them, repeated for the
-        prompt's n rows [B]; timed as `remax_baseline`."""
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
+    def remax_baselines(self, prompts: dict, greedy: list[Response], timer: StageTimer) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy response per prompt (generated by the same engine and
+        weights as the samples, in their round), scored like them, repeated for the prompt's n rows [B]; timed as
+        `remax_baseline`."""
         with timer("remax_baseline"):
-            responses = self.generate(prompts["input_ids"], greedy, conversations=prompts["raw_prompt"])
-            rows = with_episodes({key: prompts[key] for key in ("input_ids", *PROMPT_FIELDS)}, responses)
-            scores = self.agreed_score(self.rollout_batch(rows, responses, log_probs=False), rows).scores
+            rows = with_episodes({key: prompts[key] for key in ("input_ids", *PROMPT_FIELDS)}, greedy)
+            scores = self.agreed_score(self.rollout_batch(rows, greedy, log_probs=False), rows).scores
         return scores.repeat_interleave(self.config.rollout.n)
 
     def agreed_score(self, batch: dict, rows: dict) -> RewardOutput:
@@ -513,12 +540,12 @@ class RLJob(TrainingJob):
                             or is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows))
         return kl_in_reward or estimator_needs or update_needs
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, gen_round: int = 0,
-                 conversations: list | None = None) -> list[Response]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, step: int = 0,
+                 gen_round: int = 0, conversations: list | None = None) -> list[Response]:
         """Each rollout replica generates its share of the prompts; every rank gets all responses, each with its
         tokens' log-probs under the distribution they were sampled from (the engine's own, at no extra pass).
-        `params`: the rollout's sampling (rollout.*, n per prompt, seeded by the step's generation round
-        `gen_round`) unless given. `conversations`: the prompts as the data gives them, which multi-turn
+        `params`: the rollout's sampling (rollout.*, n per prompt, seeded by the slot (`step`, `gen_round`)) unless
+        given. `conversations`: the prompts as the data gives them, which multi-turn
         episodes start from (rendered with the tools' schemas)."""
         config, layout = self.config, self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
@@ -529,7 +556,7 @@ class RLJob(TrainingJob):
         params = params or SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                                           max_new_tokens=config.data.max_response_length, n=rollout.n, logprobs=True,
                                           routed_experts=self.records_routing,
-                                          seed=rollout_seed(rollout.seed, self.step, gen_round, replicas, replica))
+                                          seed=rollout_seed(rollout.seed, step, gen_round, replicas, replica))
         mine_conversations = None if conversations is None else conversations[replica * share:(replica + 1) * share]
         responses = [dataclasses.replace(r, prompt_index=replica * share + r.prompt_index)
                      for r in self.rollout_responses(mine, mine_conversations, params)] if mine else []
