@@ -98,7 +98,9 @@ class Response:
     `episode`; a single-turn response has neither: every id is sampled. `routed_experts`: [prompt tokens +
     response tokens - 1, moe_layers, top_k] int16, the top-k experts each MoE layer (in layer order) chose for
     every token the engine ran through the model: the prompt's, at its prefill, then each response token's but
-    the last, which is never fed back."""
+    the last, which is never fed back. `token_versions`: the weight version that sampled each response token (a
+    partial rollout's tokens may come from several versions, `rollout.partial`); None where versions are not
+    tracked."""
 
     prompt_index: int
     token_ids: list[int]
@@ -106,6 +108,7 @@ class Response:
     loss_mask: list[int] | None = None
     episode: EpisodeInfo | None = None
     routed_experts: torch.Tensor | None = field(default=None, compare=False)  # a tensor has no truth value for ==
+    token_versions: tuple[int, ...] | None = None
 
 
 class RolloutEngine(ABC):

@@ -8,12 +8,15 @@ import torch
 from verl_mega.data.padding import pad_rows, position_ids
 from verl_mega.roles.routing_replay import NOT_RECORDED, ROUTED_EXPERTS
 
+ROLLOUT_VERSIONS = "rollout_versions"  # the batch key of each response token's weight version
+
 
 def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                         max_response_length: int, pad_token_id: int,
                         rollout_log_probs: Sequence[Sequence[float]] | None = None,
                         loss_masks: Sequence[Sequence[int] | None] | None = None,
-                        routed_experts: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                        routed_experts: Sequence[torch.Tensor] | None = None,
+                        token_versions: Sequence[Sequence[int] | None] | None = None) -> dict[str, torch.Tensor]:
     """Prompts left-padded to the longest, responses right-padded to `max_response_length`, so each row's
     valid tokens are contiguous and the response is the last R columns. `rollout_log_probs`: the engine's
     log-prob of each response token (`SamplingParams.logprobs`), kept as `rollout_log_probs` [B, R] float32
@@ -21,7 +24,9 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
     them); the attention covers every response token, `response_mask` (what the log-probs, KL, advantages and
     losses count) only the sampled ones. `response_tokens(batch)` is every response token. `routed_experts`:
     the engine's routing of each row (`Response.routed_experts`), kept as `routed_experts` [B, L, moe_layers,
-    top_k] (see `roles.routing_replay`)."""
+    top_k] (see `roles.routing_replay`). `token_versions`: the weight version that sampled each response token
+    (`Response.token_versions`), kept as `rollout_versions` [B, R] int64 (-1 at padding) when the rows carry
+    them."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     prompt_ids, prompt_mask = pad_rows(prompts, pad_token_id, side="left")
@@ -37,6 +42,8 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
     }
     if rollout_log_probs is not None:
         batch["rollout_log_probs"] = right_padded_values(rollout_log_probs, responses, max_response_length)
+    if token_versions is not None and any(versions is not None for versions in token_versions):
+        batch[ROLLOUT_VERSIONS] = version_columns(token_versions, responses, max_response_length)
     if routed_experts is not None:
         batch[ROUTED_EXPERTS] = routing_columns(routed_experts, prompts, responses, prompt_ids.shape[1],
                                                 max_response_length)
@@ -70,6 +77,20 @@ def right_padded_values(values: Sequence[Sequence[float]], responses: Sequence[S
         if len(row) != len(tokens):
             raise ValueError(f"a response of {len(tokens)} tokens came with {len(row)} log-probs")
     return pad_rows(values, 0.0, side="right", width=width, dtype=torch.float32)[0]
+
+
+def version_columns(token_versions: Sequence[Sequence[int] | None], responses: Sequence[Sequence[int]],
+                    width: int) -> torch.Tensor:
+    """One weight version per response token, [rows, width] int64, cut as the responses are and -1 at padding;
+    every row must carry them (a batch mixing tracked and untracked rows has no staleness to measure)."""
+    if len(token_versions) != len(responses):
+        raise ValueError(f"{len(responses)} responses but {len(token_versions)} rows of token versions")
+    for versions, tokens in zip(token_versions, responses):
+        if versions is None:
+            raise ValueError("some responses carry token versions and others do not; a batch takes all or none")
+        if len(versions) != len(tokens):
+            raise ValueError(f"a response of {len(tokens)} tokens came with {len(versions)} token versions")
+    return pad_rows(token_versions, -1, side="right", width=width)[0]
 
 
 def sampled_mask(loss_masks: Sequence[Sequence[int] | None], responses: Sequence[Sequence[int]],
