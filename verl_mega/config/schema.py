@@ -158,6 +158,16 @@ class ParallelConfig:
     """Expert-parallel size of training (MoE models)."""
     rollout_tp: int = 1
     """Tensor-parallel size of each rollout replica (the HybridEngine regroups the training shards into it)."""
+    rollout_ranks: int = 0
+    """Processes that only generate (verl's standalone rollout, slime's --rollout-num-gpus): the last this many
+    global ranks, in replicas of parallel.rollout_tp; the others train and push their weights to them after each
+    step. 0: every rank trains and generates (colocated, the HybridEngine)."""
+    bridge_timeout_s: float = 600.0
+    """Seconds a training or rollout rank waits for its peer across the bridge before the run stops naming that
+    rank (disaggregated placement); keep it above the longest step."""
+    weight_push_bucket_mb: int = 256
+    """Size of the buckets the weights travel to the rollout ranks in (disaggregated placement): larger ones
+    take fewer messages, each holds that much memory on both sides while in flight."""
 
 
 @dataclass

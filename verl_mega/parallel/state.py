@@ -59,7 +59,7 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
     if not dist.is_initialized():
         exit_with_agent()
         world = read_world()
-        _export_world(world)
+        export_world(world)
         if torch.cuda.is_available():
             torch.cuda.set_device(world.local_rank)
         dist.init_process_group(
@@ -111,7 +111,8 @@ def destroy_parallel() -> None:
 _ENVIRONMENT_BEFORE: dict[str, str | None] = {}
 
 
-def _export_world(world: World) -> None:
+def export_world(world: World) -> None:
+    """Export `world` as torchrun's variables until `destroy_parallel` puts the earlier values back."""
     exported = world.torchrun_environment()
     _ENVIRONMENT_BEFORE.update({name: os.environ.get(name) for name in exported if name not in _ENVIRONMENT_BEFORE})
     os.environ.update(exported)

@@ -25,7 +25,8 @@ from verl_mega.data.tables import read_rows
 from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.models.builder import DTYPES, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
-from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_parallel_size, rollout_placement
+from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout_placement
+from verl_mega.parallel.placement import placement_for, training_data_parallel_size
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
 from verl_mega.rewards.registry import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
@@ -40,7 +41,7 @@ from .rl import check_estimator_config
 from .rollout_schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
 ASYNC_KNOBS = ("max_staleness", "partial", "partial_chunk_tokens")  # rollout.* keys that only async reads
-PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp")}
+PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp", "rollout_ranks")}
 
 
 def preflight_check(config: TrainConfig, world_size: int, check_files: bool = True,
@@ -67,7 +68,9 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
     known("job", config.job, JOBS)
     _check_counts(config, need)
     _check_mirror(config, check, need)
-    dp = check(lambda: data_parallel_size(world_size, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+    placement = check(lambda: placement_for(0, world_size, p.rollout_ranks, p.rollout_tp, PARALLEL_NAMES))
+    dp = placement and check(lambda: training_data_parallel_size(placement, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+    _check_bridge(config, need)
     known("data.truncation", d.truncation, TRUNCATION_SIDES)
     known("model.dtype", config.model.dtype, list(DTYPES))
     known("trainer.log_format", config.trainer.log_format, LOG_FORMATS)
@@ -92,7 +95,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     p, a, c, alg = config.parallel, config.actor, config.critic, config.algorithm
     rollout_tp_fits = check(lambda: check_rollout_tp(p.tp, p.rollout_tp, PARALLEL_NAMES) or True)
     if dp is not None and rollout_tp_fits:
-        _check_batch_sizes(config, world_size, dp, need)
+        _check_batch_sizes(config, p.rollout_ranks or world_size, dp, need)
     known("rollout.engine", config.rollout.engine, ENGINES)
     known("rollout.dtype", config.rollout.dtype, ["auto", *DTYPES])
     known("actor.router_replay", a.router_replay, REPLAY_SETTINGS)
@@ -290,7 +293,17 @@ def _check_mirror(config: TrainConfig, check, need) -> None:
          f"trainer.checkpoint_mirror_wait_s must be >= 0, got {t.checkpoint_mirror_wait_s}")
 
 
-def _check_batch_sizes(config: TrainConfig, world_size: int, dp: int, need) -> None:
+def _check_bridge(config: TrainConfig, need) -> None:
+    """The disaggregated placement's transport: its limits, and a job that has rollout ranks to feed."""
+    p = config.parallel
+    need(p.bridge_timeout_s > 0, f"parallel.bridge_timeout_s={p.bridge_timeout_s} must be > 0 (seconds)")
+    need(p.weight_push_bucket_mb >= 1, f"parallel.weight_push_bucket_mb={p.weight_push_bucket_mb} must be >= 1")
+    need(p.rollout_ranks == 0 or config.job == "rl",
+         f"parallel.rollout_ranks={p.rollout_ranks}: the {config.job} job generates nothing; set it to 0")
+
+
+def _check_batch_sizes(config: TrainConfig, rollout_world: int, dp: int, need) -> None:
+    """`rollout_world`: the processes that generate (all of them when colocated)."""
     d = config.data
     sequences = d.batch_size * config.rollout.n
     for role, section in (("actor", config.actor), ("critic", config.critic)):
@@ -305,10 +318,11 @@ def _check_batch_sizes(config: TrainConfig, world_size: int, dp: int, need) -> N
         need(sequences % max(section.mini_batch_size, 1) == 0,
              f"data.batch_size x rollout.n = {sequences} must be divisible by {role}.mini_batch_size="
              f"{section.mini_batch_size}")
-    replicas = rollout_placement(0, world_size, config.parallel.tp, config.parallel.rollout_tp).replicas
+    replicas = rollout_placement(0, rollout_world, config.parallel.tp, config.parallel.rollout_tp).replicas
+    generators = "parallel.rollout_ranks" if config.parallel.rollout_ranks else "processes"
     need(d.batch_size % replicas == 0,
          f"data.batch_size={d.batch_size} must be divisible by the number of rollout replicas {replicas} "
-         f"(processes / parallel.rollout_tp), so each generates the same number of prompts")
+         f"({generators} / parallel.rollout_tp), so each generates the same number of prompts")
 
 
 def _check_offline_batch_sizes(config: TrainConfig, dp: int, need) -> None:
