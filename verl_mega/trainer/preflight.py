@@ -179,9 +179,8 @@ def _check_dapo(config: TrainConfig, need, known) -> None:
 
 def _check_rollout_mode(config: TrainConfig, need, known) -> None:
     """rollout.mode and its async knobs: known values in range, set only with async, and nothing the mode cannot
-    keep: multi-turn episodes (the schedule's checkpointed buffer holds single-turn responses), routing replay
-    with async (a response's tokens may come from several weight versions), partial rollouts without a
-    generation in flight across weight updates."""
+    keep: multi-turn episodes (not scheduled off-policy), routing replay (the buffer holds no routing), partial
+    rollouts without a generation in flight across weight updates."""
     r = config.rollout
     known("rollout.mode", r.mode, ROLLOUT_MODES)
     known("rollout.partial", r.partial, PARTIAL_POLICIES)
@@ -193,13 +192,13 @@ def _check_rollout_mode(config: TrainConfig, need, known) -> None:
                  f"rollout.mode=async only (this run's is {r.mode}); set rollout.mode=async or drop the key")
     if r.mode == "sync":
         return
-    need(not r.multi_turn.enable, f"rollout.mode={r.mode} with rollout.multi_turn.enable: generated multi-turn "
-         "episodes cannot wait in the schedule's buffer; set rollout.mode=sync")
-    need(r.mode != "async" or config.actor.router_replay != "rollout", "rollout.mode=async with "
-         "actor.router_replay=rollout: replayed routing needs one weight version per response; set "
-         "actor.router_replay=off or rollout.mode=one_step_off")
-    need(r.mode != "async" or r.partial == "off", f"rollout.partial={r.partial}: colocated generation runs between steps, so no "
-         "sequence is in flight when new weights arrive; set rollout.partial=off")
+    need(not r.multi_turn.enable, f"rollout.mode={r.mode} with rollout.multi_turn.enable: agent episodes are "
+         "generated and trained in sync only; set rollout.mode=sync")
+    need(config.actor.router_replay != "rollout", f"rollout.mode={r.mode} with actor.router_replay=rollout: the "
+         "trajectory buffer holds no routing (and a partial rollout's tokens come from several weight versions); "
+         "set actor.router_replay=off or rollout.mode=sync")
+    need(r.mode != "async" or r.partial == "off", f"rollout.partial={r.partial}: colocated generation runs "
+         "between steps, so no sequence is in flight when new weights arrive; set rollout.partial=off")
 
 
 def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known) -> None:

@@ -29,6 +29,7 @@ from verl_mega.algorithms import (
     get_adv_estimator, get_kl_controller, masked_mean, mismatch_metrics_by_source, old_log_probs_from_rollout,
     overlong_filtered_mask, overlong_penalty, rollout_correction, trainable_groups, truncated_responses,
 )
+from verl_mega.algorithms.staleness import staleness_metrics
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
 from verl_mega.data.prompts import PromptDataset, as_messages
@@ -50,8 +51,8 @@ from verl_mega.tools import ToolSet
 
 from .job import TrainingJob
 from .metrics import StageTimer, step_performance
-from .rollout_batch import build_rollout_batch, response_tokens
-from .rollout_schedule import GeneratedRound, RolloutSchedule, rounds_ahead, staleness_metrics
+from .rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch, response_tokens
+from .rollout_schedule import GeneratedRound, RolloutSchedule
 
 # An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
 BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_pi_squared")
@@ -173,8 +174,10 @@ class RLJob(TrainingJob):
                                            gpu_memory_utilization=config.rollout.gpu_memory_utilization)
 
         # An MoE model's rollout routing, where the engine can record it: replayed (actor.router_replay), and
-        # compared with the trainer's own either way (actor/router_mismatch).
-        self.records_routing = self.hf_config.num_experts is not None and self.rollout.records_routing
+        # compared with the trainer's own either way (actor/router_mismatch). The trajectory buffer of the other
+        # rollout modes holds none.
+        self.records_routing = (self.hf_config.num_experts is not None and self.rollout.records_routing
+                                and config.rollout.mode == "sync")
         if replay == "rollout" and not self.rollout.records_routing:
             raise UserError(f"actor.router_replay=rollout: the {type(self.rollout).__name__} rollout engine cannot "
                             "return the experts it routed each token to; set rollout.engine=embedded or "
@@ -182,7 +185,8 @@ class RLJob(TrainingJob):
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
-        self.schedule = RolloutSchedule(rounds_ahead(config.rollout.mode, config.rollout.max_staleness))
+        self.schedule = RolloutSchedule(config.rollout.mode, config.rollout.max_staleness, config.data.batch_size,
+                                        config.rollout.n)
 
     def make_agent_loop(self) -> AgentLoop | None:
         """rollout.multi_turn's agent loop over its tools, or None for single-turn rollouts."""
@@ -219,9 +223,8 @@ class RLJob(TrainingJob):
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.reward_normalizer.load_state_dict(state["reward_normalizer"])
-        # A checkpoint written before the schedule existed was sync's: nothing ahead, the next slot its step's.
-        schedule = state.get("rollout_schedule", {"next_step": state["step"], "buffer": []})
-        self.schedule.load_state_dict(schedule, len(self.dataset))
+        if "rollout_schedule" in state:  # a checkpoint written before the schedule existed was sync's: no buffer
+            self.schedule.load_state_dict(state["rollout_schedule"], len(self.dataset))
 
     # --- non-finite values --------------------------------------------------------------------------------
 
@@ -305,26 +308,23 @@ class RLJob(TrainingJob):
                              else 1, drop_constant=filter_config.enable)
         kept: list[tuple[dict, list, RewardOutput]] = []
         generated = []  # every response of the step's rounds, dropped ones too, for the metrics
-        versions = []  # the weight version of each kept row
         # One transition for all rounds: the weights do not change between them.
         with self.rollout_engine_awake(timer):
             generate = functools.partial(self.generation_round, timer)
-            self.schedule.fill(generate)
+            self.schedule.fill(generate, self.step)
             while not groups.done:
-                generation = self.schedule.take(self.step, groups.rounds, generate)
+                generation = self.schedule.take(self.step, groups.rounds, generate, self.step)
                 rows, responses, reward, batch = self.scored_round(generation, timer)
                 generated.append({"scores": reward.scores, "responses": batch["responses"],
                                   "response_tokens": response_tokens(batch),
                                   "timeouts": torch.tensor([row in reward.timeouts for row in range(len(responses))])})
                 keep = groups.keep(self.filter_metric(reward)).repeat_interleave(n).nonzero().flatten().tolist()
                 kept.append((take_rows(rows, keep), take_rows(responses, keep), reward.take(keep)))
-                versions += [generation.version] * len(keep)
         rows, responses = (concat_rows(list(part)) for part in list(zip(*kept))[:2])
         reward = RewardOutput.concat([part[2] for part in kept])
         if groups.exhausted:
             usable = range(self.partial_batch_rows(groups))
             rows, responses, reward = take_rows(rows, usable), take_rows(responses, usable), reward.take(usable)
-            versions = versions[:len(usable)]
         rows["uid"] = [row // n for row in range(len(responses))]  # a group per prompt drawn, even drawn twice
         generated = concat_rows(generated)
         metrics = self.overlong_metrics(generated)
@@ -335,9 +335,10 @@ class RLJob(TrainingJob):
             metrics["reward/timeouts"] = int(generated["timeouts"].sum())
         if self.agent is not None:  # the episodes trained on
             metrics.update(episode_metrics(rows["episode"]))
-        if config.rollout.mode != "sync" and versions:
-            metrics.update(staleness_metrics(versions, self.step))
-        return (self.rollout_batch(rows, responses) if responses else None), rows, reward, metrics
+        batch = self.rollout_batch(rows, responses) if responses else None
+        if batch is not None and ROLLOUT_VERSIONS in batch:  # how many optimizer steps the weights that sampled lag
+            metrics.update(staleness_metrics(batch[ROLLOUT_VERSIONS], self.step, batch["response_mask"]))
+        return batch, rows, reward, metrics
 
     def generation_round(self, timer: StageTimer, step: int, gen_round: int) -> GeneratedRound:
         """data.batch_size prompts drawn and their responses (with ReMax's greedy ones where the estimator takes
@@ -353,7 +354,7 @@ class RLJob(TrainingJob):
             params = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
             with timer("remax_baseline"):
                 greedy = self.generate(prompts["input_ids"], params, conversations=prompts["raw_prompt"])
-        return GeneratedRound(indices, responses, self.step, step, gen_round, greedy)
+        return GeneratedRound(indices, responses, greedy)
 
     def scored_round(self, generation: GeneratedRound, timer: StageTimer
                      ) -> tuple[dict, list[Response], RewardOutput, dict]:
@@ -373,7 +374,8 @@ class RLJob(TrainingJob):
         return build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
                                    self.config.data.max_response_length, self.tokenizer.pad_token_id,
                                    [r.logprobs for r in responses] if log_probs else None,
-                                   [r.loss_mask for r in responses], rollout_routing(responses))
+                                   [r.loss_mask for r in responses], rollout_routing(responses),
+                                   [r.token_versions for r in responses])
 
     @property
     def uses_greedy_baseline(self) -> bool:
