@@ -44,14 +44,14 @@ def test_the_last_ranks_generate_and_each_role_numbers_its_own(world):
 def test_colocated_is_every_rank_training():
     placement = placement_for(2, 4, 0)
     assert (placement.role, placement.rank_in_role, placement.role_size, placement.replicas) == ("train", 2, 4, 0)
-    assert weight_routes(placement, tp=2) == ()
+    assert weight_routes(placement) == ()
 
 
 @pytest.mark.parametrize("world, rollout_ranks, rollout_tp, tp", list(splits()))
 def test_every_rollout_rank_gets_its_slice_from_a_training_rank_that_holds_it(world, rollout_ranks, rollout_tp, tp):
-    placement = placement_for(0, world, rollout_ranks, rollout_tp)
+    placement = placement_for(0, world, rollout_ranks, rollout_tp, tp)
     train = len(placement.train_ranks)
-    routes = weight_routes(placement, tp)
+    routes = weight_routes(placement)
     assert [route.target for route in routes] == list(placement.rollout_ranks)
     assert placement.replicas == rollout_ranks // rollout_tp
     for route in routes:
@@ -60,9 +60,9 @@ def test_every_rollout_rank_gets_its_slice_from_a_training_rank_that_holds_it(wo
         # The HybridEngine's own arithmetic on the sending rank streams that very slice.
         assert route.source in placement.train_ranks
         assert rollout_placement(route.source, train, tp, rollout_tp).rollout_tp_rank == route.slice
-        assert rollout_peer(placement, tp, route.target) == route
+        assert rollout_peer(placement, route.target) == route
     # Pushes spread over the holders of a slice: no holder sends more than one push beyond another.
-    for slice_index, holders in enumerate(slice_holders(placement, tp)):
+    for slice_index, holders in enumerate(slice_holders(placement)):
         sent = [sum(route.source == holder for route in routes) for holder in holders]
         assert max(sent) - min(sent) <= 1, (slice_index, sent)
 

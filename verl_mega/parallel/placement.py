@@ -24,7 +24,8 @@ ROLES = ("train", "rollout")
 
 @dataclass(frozen=True)
 class Placement:
-    """This process's role and the global ranks of both roles (`rollout_ranks` empty when colocated)."""
+    """This process's role and the global ranks of both roles (`rollout_ranks` empty when colocated); `train_tp`
+    and `rollout_tp` are parallel.tp and parallel.rollout_tp, which say who sends which weights to whom."""
 
     role: str
     global_rank: int
@@ -32,6 +33,7 @@ class Placement:
     train_ranks: tuple[int, ...]
     rollout_ranks: tuple[int, ...]
     rollout_tp: int = 1
+    train_tp: int = 1
 
     @property
     def disaggregated(self) -> bool:
@@ -79,7 +81,7 @@ def check_placement(global_size: int, rollout_ranks: int, rollout_tp: int = 1,
                          "(whole rollout replicas)")
 
 
-def placement_for(global_rank: int, global_size: int, rollout_ranks: int, rollout_tp: int = 1,
+def placement_for(global_rank: int, global_size: int, rollout_ranks: int, rollout_tp: int = 1, train_tp: int = 1,
                   names: dict[str, str] | None = None) -> Placement:
     """The placement of `global_rank` in a world of `global_size` whose last `rollout_ranks` ranks generate."""
     check_placement(global_size, rollout_ranks, rollout_tp, names)
@@ -88,7 +90,7 @@ def placement_for(global_rank: int, global_size: int, rollout_ranks: int, rollou
     first_rollout = global_size - rollout_ranks
     role = "train" if global_rank < first_rollout else "rollout"
     return Placement(role, global_rank, global_size, tuple(range(first_rollout)),
-                     tuple(range(first_rollout, global_size)), rollout_tp)
+                     tuple(range(first_rollout, global_size)), rollout_tp, train_tp)
 
 
 def training_data_parallel_size(placement: Placement, tp: int, pp: int, ep: int = 1,
@@ -112,8 +114,9 @@ class WeightRoute:
     slice: int
 
 
-def slice_holders(placement: Placement, tp: int) -> list[list[int]]:
+def slice_holders(placement: Placement) -> list[list[int]]:
     """For each rollout TP slice j, the global training ranks whose HybridEngine stream holds it."""
+    tp = placement.train_tp
     check_rollout_tp(tp, placement.rollout_tp)
     micro_dp = tp // placement.rollout_tp
     holders: list[list[int]] = [[] for _ in range(placement.rollout_tp)]
@@ -122,13 +125,13 @@ def slice_holders(placement: Placement, tp: int) -> list[list[int]]:
     return holders
 
 
-def rollout_peer(placement: Placement, tp: int, rollout_rank: int) -> WeightRoute:
-    """Which training rank sends which rollout TP slice to global rank `rollout_rank` (training TP `tp`)."""
+def rollout_peer(placement: Placement, rollout_rank: int) -> WeightRoute:
+    """Which training rank sends which rollout TP slice to global rank `rollout_rank`."""
     replica, slice_index = placement.rollout_coordinates(rollout_rank)
-    holders = slice_holders(placement, tp)[slice_index]
+    holders = slice_holders(placement)[slice_index]
     return WeightRoute(holders[replica % len(holders)], rollout_rank, slice_index)
 
 
-def weight_routes(placement: Placement, tp: int) -> tuple[WeightRoute, ...]:
+def weight_routes(placement: Placement) -> tuple[WeightRoute, ...]:
     """Every rollout rank's route, in rollout rank order (empty when colocated)."""
-    return tuple(rollout_peer(placement, tp, rank) for rank in placement.rollout_ranks)
+    return tuple(rollout_peer(placement, rank) for rank in placement.rollout_ranks)

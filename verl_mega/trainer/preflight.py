@@ -68,7 +68,7 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
     known("job", config.job, JOBS)
     _check_counts(config, need)
     _check_mirror(config, check, need)
-    placement = check(lambda: placement_for(0, world_size, p.rollout_ranks, p.rollout_tp, PARALLEL_NAMES))
+    placement = check(lambda: placement_for(0, world_size, p.rollout_ranks, p.rollout_tp, p.tp, PARALLEL_NAMES))
     dp = placement and check(lambda: training_data_parallel_size(placement, p.tp, p.pp, p.ep, PARALLEL_NAMES))
     _check_bridge(config, need)
     known("data.truncation", d.truncation, TRUNCATION_SIDES)
