@@ -103,6 +103,38 @@ def test_a_stop_token_at_a_chunks_end_finishes_the_sequence(engine, models):
     assert [r.token_ids for r in rollout.step()] == [tokens[:chunk]] and rollout.in_flight() == 0
 
 
+def test_prompts_started_between_steps_join_the_next_chunk(engine, models):
+    """A prompt started while others are mid-generation gets the next indices and its own full budget (greedy:
+    what one call gives it)."""
+    _, eos = models
+    params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
+    whole = engine.generate(PROMPTS, params)
+    rollout = PartialRollout(engine, params, CHUNK, eos_token_ids=[eos])
+    finished = []
+    for index, prompt in enumerate(PROMPTS):
+        assert rollout.start([prompt], version=0) == range(index, index + 1)
+        finished += rollout.step()
+    finished += run_to_end(rollout)
+    assert sorted((r.prompt_index, r.token_ids) for r in finished) == [(i, r.token_ids) for i, r in enumerate(whole)]
+
+
+def test_an_engine_failing_mid_step_leaves_the_rollout_as_it_was(engine, models):
+    """The step's second call fails (a prompt id outside the vocabulary) after its first succeeded: no sequence
+    took the first call's tokens, so the state is the one before the step."""
+    _, eos = models
+    rollout = PartialRollout(engine, SamplingParams(temperature=0, max_new_tokens=MAX_NEW), CHUNK,
+                             eos_token_ids=[eos])
+    rollout.start([PROMPTS[0]], version=0)
+    rollout.step()
+    rollout.step()  # 10 tokens: its next call asks for 2, the new prompt's for 5
+    assert rollout.in_flight() == 1
+    rollout.start([[5, 10**6]], version=0)
+    before = rollout.state_dict()
+    with pytest.raises(IndexError):
+        rollout.step()
+    assert rollout.state_dict() == before
+
+
 def test_sampling_is_reproducible_for_a_seed_and_the_samples_of_a_prompt_differ(engine, models):
     """The same seed and chunk size give the same responses; another seed others; and the two samples of a
     prompt draw from different streams (fails if every call of a step shared one seed: on vLLM, whose requests

@@ -3,7 +3,8 @@ HybridEngine's stream.
 
     parity --ckpt A --hf A_HF [--after-ckpt B --after-hf B_HF] [--mismatch OUT.json]   (1 rank)
         vLLM's greedy tokens on A's streamed weights equal transformers' on A_HF and the embedded engine's on
-        the same stream, their log-probs within fp32 noise; then B's weights (a PPO update) are copied into the
+        the same stream, their log-probs within fp32 noise, and a partial rollout on vLLM (chunks of 3) repeats
+        them; then B's weights (a PPO update) are copied into the
         training model in place and streamed again: vLLM must now match B_HF and no longer A. With
         --mismatch, both engines also sample at temperature 0.8 and the rollout_corr metrics of their
         log-probs against the megatron model's (the trainer's forward, same weights and temperature) go to
@@ -36,6 +37,7 @@ from verl_mega.models import HFModelConfig
 from verl_mega.rollout.engine import SamplingParams, WeightFeed
 from verl_mega.rollout.factory import make_rollout_engine
 from verl_mega.rollout.hybrid_engine import HybridEngine
+from verl_mega.rollout.partial import PartialRollout
 from verl_mega.rollout.vllm_engine import VLLMEngine, finish_reload
 from verl_mega.roles.actor import compute_response_logprobs
 from verl_mega.trainer.rollout_batch import build_rollout_batch
@@ -84,6 +86,7 @@ def parity(args) -> None:
     embedded.load_weights(hybrid.stream())
     assert [r.token_ids for r in embedded.generate(PROMPTS, GREEDY)] == [r.token_ids for r in first]
     print(f"vLLM greedy equals transformers and the embedded engine: {first[0].token_ids}", flush=True)
+    check_partial_rollout(engine, first, [cfg.raw["eos_token_id"]])
     if args.mismatch:
         measured = {name: sampled_mismatch(rollout, model, cfg.vocab_size)
                     for name, rollout in (("vllm", engine), ("embedded", embedded))}
@@ -105,6 +108,28 @@ def parity(args) -> None:
         print(f"vLLM generates from the updated weights (log-probs moved by up to {moved:.3g})", flush=True)
     engine.close()
     destroy_parallel()
+
+
+def check_partial_rollout(engine: VLLMEngine, whole, eos_token_ids: list[int]) -> None:
+    """A partial rollout on vLLM: greedy in chunks of 3 (re-prefilling prompt + tokens so far) gives one call's
+    tokens, their log-probs within fp32 noise, every token of version 0; sampled, the two samples of a prompt
+    differ (vLLM seeds the requests of a call alike: one call per sample slot keeps them apart) and a second
+    run with the same seed repeats the first."""
+    def run(params: SamplingParams) -> list:
+        rollout = PartialRollout(engine, params, 3, eos_token_ids=eos_token_ids)
+        rollout.start(PROMPTS, version=0)
+        finished = []
+        while rollout.in_flight():
+            finished += rollout.step()
+        return sorted(finished, key=lambda r: r.prompt_index)
+
+    chunked = run(GREEDY)
+    check_against(chunked, [(r.token_ids, r.logprobs) for r in whole], "partial rollout, greedy")
+    assert all(r.token_versions == (0,) * len(r.token_ids) for r in chunked)
+    sampled = [r.token_ids for r in run(SAMPLED)]
+    assert sampled == [r.token_ids for r in run(SAMPLED)], "a partial rollout on vLLM is not reproducible"
+    assert all(sampled[2 * i] != sampled[2 * i + 1] for i in range(len(PROMPTS))), sampled
+    print("a partial rollout on vLLM repeats one call's greedy tokens; its samples are reproducible", flush=True)
 
 
 def sampled_mismatch(rollout, model, vocab_size: int) -> dict[str, float]:
