@@ -8,7 +8,7 @@ from verl_mega.config import ConfigError, load_config
 from verl_mega.config.errors import UserError
 from verl_mega.rollout.engine import Response
 from verl_mega.trainer.preflight import preflight_check
-from verl_mega.trainer.rollout_schedule import GeneratedRound, RolloutSchedule
+from verl_mega.trainer.rollout_schedule import GeneratedRound, Pending, RolloutSchedule
 
 N = 2  # responses per prompt
 BATCH = 2  # prompts per round
@@ -18,15 +18,18 @@ class Generation:
     """The trainer's side of generation, without an engine: a round per slot asked for, its prompt indices and
     responses named by the slot (step, round), so a test tells which generation a step trains on."""
 
-    def __init__(self):
-        self.slots = []
+    def __init__(self, remote: bool = False):
+        self.slots, self.awaited, self.remote = [], [], remote
 
-    def __call__(self, step: int, gen_round: int) -> GeneratedRound:
+    def __call__(self, step: int, gen_round: int) -> Pending:
         self.slots.append((step, gen_round))
         indices = [10 * step + gen_round + prompt for prompt in range(BATCH)]
         responses = [Response(p, [step, gen_round, k], [-0.1 * step - 1 / 3, -0.5, -1.0]) for p in range(BATCH)
                      for k in range(N)]
-        return GeneratedRound(indices, responses, greedy=[Response(p, [step, p]) for p in range(BATCH)])
+        generated = GeneratedRound(indices, responses, greedy=[Response(p, [step, p]) for p in range(BATCH)])
+        if not self.remote:
+            return Pending.done(generated)
+        return Pending(lambda: self.awaited.append((step, gen_round)) or generated)
 
 
 def schedule_for(mode: str, staleness: int = 1) -> RolloutSchedule:
@@ -85,6 +88,23 @@ def test_dynamic_sampling_rounds_take_the_buffer_then_generate_in_their_own_slot
     assert len(set(generated)) == len(generated)
 
 
+def test_a_round_requested_ahead_is_awaited_only_when_the_step_settles():
+    """Rollout ranks of their own: in one_step_off, step k requests round k + 1 before it takes round k and
+    waits for it only when it settles (after its update), so generation overlaps training. Could fail if take
+    or fill waited for a round the step does not train on."""
+    generate, schedule = Generation(remote=True), schedule_for("one_step_off")
+    schedule.fill(generate, version=0)
+    assert generate.slots == [(0, 0), (1, 0)] and not generate.awaited
+    schedule.take(0, 0, generate, version=0)
+    assert generate.awaited == [(0, 0)] and len(schedule.in_flight) == 1
+    schedule.settle()
+    assert generate.awaited == [(0, 0), (1, 0)] and not schedule.in_flight
+    schedule.fill(generate, version=1)
+    taken = schedule.take(1, 0, generate, version=1)
+    assert generate.awaited == [(0, 0), (1, 0)] and taken.indices == [10, 11]
+    assert {v for r in taken.responses for v in r.token_versions} == {0}
+
+
 def test_remax_greedy_responses_travel_with_their_groups():
     generate, schedule = Generation(), schedule_for("one_step_off")
     schedule.fill(generate, version=0)
@@ -98,6 +118,7 @@ def test_the_buffer_survives_a_checkpoint_as_json_exactly():
     generate, schedule = Generation(), schedule_for("async", 2)
     schedule.fill(generate, version=0)
     schedule.take(0, 0, generate, version=0)
+    schedule.settle()
     resumed = schedule_for("async", 2)
     resumed.load_state_dict(json.loads(json.dumps(schedule.state_dict())), dataset_size=100)
     assert resumed.next_step == 3 and len(resumed.buffer) == 2 * BATCH
@@ -115,6 +136,7 @@ def test_the_buffer_survives_a_checkpoint_as_json_exactly():
 def test_a_tampered_buffer_is_refused_in_one_line(edit, words):
     generate, schedule = Generation(), schedule_for("one_step_off")
     schedule.fill(generate, version=0)
+    schedule.settle()
     state = json.loads(json.dumps(schedule.state_dict()))
     edit(state)
     with pytest.raises(UserError, match="rollout_schedule is malformed") as err:
@@ -136,7 +158,7 @@ def prompt_file(tmp_path):
     (["rollout.mode=async", "rollout.partial_chunk_tokens=0"], "rollout.partial_chunk_tokens must be >= 1"),
     (["rollout.max_staleness=3"], "rollout.max_staleness=3 applies to rollout.mode=async only (this run's is sync)"),
     (["rollout.mode=one_step_off", "rollout.partial=abort"], "rollout.partial=abort applies to rollout.mode=async"),
-    (["rollout.mode=async", "rollout.partial=finish"], "rollout.partial=finish: colocated generation runs between"),
+    (["rollout.mode=async", "rollout.partial=finish"], "rollout.partial=finish: the trainer generates whole rounds"),
     (["rollout.mode=one_step_off", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"],
      "rollout.mode=one_step_off with rollout.multi_turn.enable"),
     (["rollout.mode=one_step_off", "actor.router_replay=rollout"],

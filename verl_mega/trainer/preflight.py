@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
     ADV_ESTIMATORS, BYPASS_LOSS_TYPES, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS,
-    LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
+    LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, estimator_inputs,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
@@ -190,6 +190,8 @@ def _check_rollout_mode(config: TrainConfig, need, known) -> None:
         for key in ASYNC_KNOBS:
             need(getattr(r, key) == getattr(RolloutConfig, key), f"rollout.{key}={getattr(r, key)} applies to "
                  f"rollout.mode=async only (this run's is {r.mode}); set rollout.mode=async or drop the key")
+    if config.parallel.rollout_ranks:
+        _check_rollout_ranks(config, need)
     if r.mode == "sync":
         return
     need(not r.multi_turn.enable, f"rollout.mode={r.mode} with rollout.multi_turn.enable: agent episodes are "
@@ -197,8 +199,22 @@ def _check_rollout_mode(config: TrainConfig, need, known) -> None:
     need(config.actor.router_replay != "rollout", f"rollout.mode={r.mode} with actor.router_replay=rollout: the "
          "trajectory buffer holds no routing (and a partial rollout's tokens come from several weight versions); "
          "set actor.router_replay=off or rollout.mode=sync")
-    need(r.mode != "async" or r.partial == "off", f"rollout.partial={r.partial}: colocated generation runs "
-         "between steps, so no sequence is in flight when new weights arrive; set rollout.partial=off")
+    need(r.mode != "async" or r.partial == "off", f"rollout.partial={r.partial}: the trainer generates whole "
+         "rounds between weight pushes, so no sequence is in flight when new weights arrive (partial rollouts are "
+         "not wired into the rollout ranks yet); set rollout.partial=off")
+
+
+def _check_rollout_ranks(config: TrainConfig, need) -> None:
+    """What the rollout ranks do not run yet: validation, ReMax's greedy baseline, multi-turn episodes."""
+    key = f"parallel.rollout_ranks={config.parallel.rollout_ranks}"
+    need(not config.data.val_files, f"data.val_files with {key}: validation generates on the training ranks, "
+         "which have no engine in a disaggregated placement; drop data.val_files or set parallel.rollout_ranks=0")
+    estimator = config.algorithm.adv_estimator
+    need(estimator not in ADV_ESTIMATORS or "reward_baselines" not in estimator_inputs(estimator),
+         f"algorithm.adv_estimator={estimator} with {key}: its greedy baseline is generated colocated only; set "
+         "parallel.rollout_ranks=0")
+    need(not config.rollout.multi_turn.enable, f"rollout.multi_turn.enable with {key}: the rollout ranks run no "
+         "agent loop; set parallel.rollout_ranks=0")
 
 
 def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known) -> None:

@@ -36,7 +36,9 @@ from verl_mega.data.prompts import PromptDataset, as_messages
 from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.agree import all_finite
+from verl_mega.parallel.bridge import Bridge
 from verl_mega.parallel.layout import rollout_placement
+from verl_mega.parallel.placement import Placement
 from verl_mega.rewards.registry import RewardFn
 from verl_mega.roles.actor import Actor, is_on_policy, sampling_temperature, uses_kl_loss
 from verl_mega.roles.critic import Critic
@@ -52,7 +54,8 @@ from verl_mega.tools import ToolSet
 from .job import TrainingJob
 from .metrics import StageTimer, step_performance
 from .rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch, response_tokens
-from .rollout_schedule import GeneratedRound, RolloutSchedule
+from .rollout_schedule import GeneratedRound, Pending, RolloutSchedule
+from .rollout_service import RemoteRollout
 
 # An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
 BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_pi_squared")
@@ -117,10 +120,12 @@ class RLJob(TrainingJob):
     name = "rl"
     validates_before_training = True
 
-    def build(self, actor_ckpt: Path, critic_ckpt: Path | None = None, reward_fn: RewardFn | None = None) -> None:
+    def build(self, actor_ckpt: Path, critic_ckpt: Path | None = None, reward_fn: RewardFn | None = None,
+              bridge: Bridge | None = None, placement: Placement | None = None) -> None:
         """The prompts, the actor (and the reference and critic the config uses), the reward and the rollout
-        engine behind the HybridEngine. `reward_fn`: a callable in place of `reward.function` (the Python
-        API's)."""
+        engine behind the HybridEngine, or with rollout ranks of their own (`bridge` and `placement`), the client
+        that pushes the weights to them and asks them to generate. `reward_fn`: a callable in place of
+        `reward.function` (the Python API's)."""
         config = self.config
         self.actor_ckpt = Path(actor_ckpt)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
@@ -168,17 +173,21 @@ class RLJob(TrainingJob):
         # A multi-turn turn may ask for the longest budget left in its batch on top of a context of up to the
         # prompt and a whole budget: the engine's context limit holds both.
         responses = config.data.max_response_length * (2 if self.agent is not None else 1)
-        self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
-                                           self.hybrid.feed, max_model_len=config.data.max_prompt_length
-                                           + responses, dtype=rollout_dtype,
-                                           gpu_memory_utilization=config.rollout.gpu_memory_utilization)
+        self.remote = self.rollout = None
+        if placement is not None and placement.disaggregated:
+            self.remote = RemoteRollout(bridge, placement, self.hybrid, config.parallel.weight_push_bucket_mb)
+        else:
+            self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
+                                               self.hybrid.feed, max_model_len=config.data.max_prompt_length
+                                               + responses, dtype=rollout_dtype,
+                                               gpu_memory_utilization=config.rollout.gpu_memory_utilization)
 
         # An MoE model's rollout routing, where the engine can record it: replayed (actor.router_replay), and
         # compared with the trainer's own either way (actor/router_mismatch). The trajectory buffer of the other
         # rollout modes holds none.
-        self.records_routing = (self.hf_config.num_experts is not None and self.rollout.records_routing
-                                and config.rollout.mode == "sync")
-        if replay == "rollout" and not self.rollout.records_routing:
+        self.records_routing = (self.hf_config.num_experts is not None and self.rollout is not None
+                                and self.rollout.records_routing and config.rollout.mode == "sync")
+        if replay == "rollout" and not self.records_routing:
             raise UserError(f"actor.router_replay=rollout: the {type(self.rollout).__name__} rollout engine cannot "
                             "return the experts it routed each token to; set rollout.engine=embedded or "
                             "actor.router_replay=off")
@@ -217,7 +226,8 @@ class RLJob(TrainingJob):
 
     def job_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "reward_normalizer": self.reward_normalizer.state_dict(), "rollout_schedule": self.schedule.state_dict()}
+                "reward_normalizer": self.reward_normalizer.state_dict(),
+                "rollout_schedule": self.schedule.state_dict()}
 
     def load_job_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
@@ -263,28 +273,39 @@ class RLJob(TrainingJob):
             return {}
 
     def close(self) -> None:
-        self.rollout.close()
+        (self.rollout or self.remote).close()
         self.reward.close()
         if self.agent is not None:
             self.agent.toolset.close()
 
     def train_step(self) -> dict[str, float]:
-        """One step, stage by stage in dataflow order; a stage slots in here under its own name."""
+        """One step: its batch from the rollout schedule, then the stages that learn from it; rounds generated
+        meanwhile (rollout ranks of their own) come back before the weights change."""
         timer = StageTimer()
         batch, rows, reward, sampling = self.sample_batch(timer)
+        metrics = sampling if batch is None else self.learn(batch, rows, reward, sampling, timer)
+        if self.schedule.in_flight:
+            with timer("rollout_wait"):
+                self.schedule.settle()
         if batch is None:
-            return self.empty_step_metrics(sampling, timer)
+            return self.empty_step_metrics(metrics, timer)
+        return self.step_metrics(metrics, batch, reward, timer)
+
+    def learn(self, batch: dict, rows: dict, reward: RewardOutput, sampling: dict[str, float], timer: StageTimer
+              ) -> dict[str, float]:
+        """The stages after sampling, in dataflow order (a stage slots in here under its own name); a non-finite
+        reward or model output ends them before anything is applied."""
         self.log_probs_and_values(batch, timer)
         self.log_samples(batch, rows, reward)
         if self.nonfinite_reward(reward.scores):
-            return self.step_metrics(sampling, batch, reward, timer)
+            return sampling
         metrics = {**sampling, **self.compute_advantages(batch, reward.scores, reward.token_level_rewards, rows["uid"],
                                                          rows.get("reward_baseline"))}
         if self.nonfinite_batch(batch):
-            return self.step_metrics(metrics, batch, reward, timer)
+            return metrics
         metrics.update(self.update_roles(self.without_overlong(batch), timer))
         metrics.update(self.rollout_mismatch(batch, rows))
-        return self.step_metrics(metrics, batch, reward, timer)
+        return metrics
 
     # --- stages ---------------------------------------------------------------------------------------
 
@@ -340,12 +361,17 @@ class RLJob(TrainingJob):
             metrics.update(staleness_metrics(batch[ROLLOUT_VERSIONS], self.step, batch["response_mask"]))
         return batch, rows, reward, metrics
 
-    def generation_round(self, timer: StageTimer, step: int, gen_round: int) -> GeneratedRound:
+    def generation_round(self, timer: StageTimer, step: int, gen_round: int) -> Pending:
         """data.batch_size prompts drawn and their responses (with ReMax's greedy ones where the estimator takes
         them) from the current weights, seeded by slot (step, gen_round). Runs in the rollout engine's awake
-        window."""
+        window. With rollout ranks of their own, a request they answer while the step goes on."""
         indices = list(self.sampler.next_batch())
         prompts = self.prompt_rows(indices)
+        if self.remote is not None:
+            replicas = self.remote.replicas
+            params = [self.sampling_params(step, gen_round, replicas, replica) for replica in range(replicas)]
+            pending = self.remote.request(prompts["input_ids"], params)
+            return Pending(lambda: GeneratedRound(indices, pending.result()))
         with timer("rollout"):
             responses = self.generate(prompts["input_ids"], step=step, gen_round=gen_round,
                                       conversations=prompts["raw_prompt"])
@@ -354,7 +380,7 @@ class RLJob(TrainingJob):
             params = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
             with timer("remax_baseline"):
                 greedy = self.generate(prompts["input_ids"], params, conversations=prompts["raw_prompt"])
-        return GeneratedRound(indices, responses, greedy)
+        return Pending.done(GeneratedRound(indices, responses, greedy))
 
     def scored_round(self, generation: GeneratedRound, timer: StageTimer
                      ) -> tuple[dict, list[Response], RewardOutput, dict]:
@@ -477,6 +503,12 @@ class RLJob(TrainingJob):
         """The rollout engine with the actor's current weights and its KV cache, for the body; the training side's
         memory (gradient buffers, optimizer state, allocator cache) is released before the engine wakes, so the
         KV cache is not allocated on top of it, and comes back after the engine sleeps."""
+        if self.remote is not None:  # the rollout ranks' engines: the current weights pushed to them
+            if self.remote.version != self.step:
+                with timer("transition"):
+                    self.remote.push(self.step)
+            yield
+            return
         with training_memory_released(self.actor.model, self.actor.trainable.optimizer):
             with timer("transition"):
                 self.sync_rollout_weights()
@@ -554,11 +586,7 @@ class RLJob(TrainingJob):
         replicas, replica = placement.replicas, placement.replica
         share = len(prompts) // replicas
         mine = prompts[replica * share:(replica + 1) * share]
-        rollout = config.rollout
-        params = params or SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                                          max_new_tokens=config.data.max_response_length, n=rollout.n, logprobs=True,
-                                          routed_experts=self.records_routing,
-                                          seed=rollout_seed(rollout.seed, step, gen_round, replicas, replica))
+        params = params or self.sampling_params(step, gen_round, replicas, replica)
         mine_conversations = None if conversations is None else conversations[replica * share:(replica + 1) * share]
         responses = [dataclasses.replace(r, prompt_index=replica * share + r.prompt_index)
                      for r in self.rollout_responses(mine, mine_conversations, params)] if mine else []
@@ -566,6 +594,14 @@ class RLJob(TrainingJob):
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
         return [response for rep in range(replicas) for response in by_replica[rep]]
+
+    def sampling_params(self, step: int, gen_round: int, replicas: int, replica: int) -> SamplingParams:
+        """The rollout's sampling (rollout.*, n per prompt) for a replica, seeded by the slot (step, gen_round)."""
+        rollout = self.config.rollout
+        return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                              max_new_tokens=self.config.data.max_response_length, n=rollout.n, logprobs=True,
+                              routed_experts=self.records_routing,
+                              seed=rollout_seed(rollout.seed, step, gen_round, replicas, replica))
 
     def rollout_responses(self, prompts: list[list[int]], conversations: list | None, params: SamplingParams
                           ) -> list[Response]:

@@ -13,6 +13,11 @@ at most max_staleness versions old:
                     generates two
     async (s)       s + 1 rounds ahead: a step trains on rounds at most s versions old; s = 0 is sync
 
+With rollout ranks of their own (disaggregated placement) a round is a request: `fill` sends it and the
+rollout ranks generate while the step trains; `settle` (the step's end, before the weights are pushed) or a
+`take` that needs it waits for the responses. In one_step_off the round of step k + 1 is thus generated during
+step k, by the weights the step started with: the data/version schedule of the colocated run.
+
 Further rounds of the same step (dynamic sampling) take what the buffer still holds, then generate with the
 current weights in slots (step, round >= 1), which no round ahead (slot (step', 0)) shares. The reward scores a
 round when a step takes it (the training side's work). The buffer and the next slot are the job's resumable
@@ -22,6 +27,7 @@ resumes exactly.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import Callable
 
 from verl_mega.config.errors import UserError
@@ -44,7 +50,25 @@ class GeneratedRound:
     greedy: list[Response] | None = None
 
 
-Generate = Callable[[int, int], GeneratedRound]  # (step, gen_round) -> a round of the current weights in that slot
+class Pending:
+    """A round being generated: `result()` waits for it (once; later calls return the same round)."""
+
+    def __init__(self, wait: Callable[[], GeneratedRound]):
+        self._wait, self._round = wait, None
+
+    @classmethod
+    def done(cls, generated: GeneratedRound) -> "Pending":
+        pending = cls(lambda: generated)
+        pending.result()
+        return pending
+
+    def result(self) -> GeneratedRound:
+        if self._round is None:
+            self._round = self._wait()
+        return self._round
+
+
+Generate = Callable[[int, int], Pending]  # (step, gen_round) -> a round of the current weights in that slot
 
 
 def staleness_bound(mode: str, max_staleness: int) -> int:
@@ -60,22 +84,34 @@ class RolloutSchedule:
         self.staleness, self.batch_size, self.n = staleness_bound(mode, max_staleness), batch_size, n
         self.buffer = None if mode == "sync" else TrajectoryBuffer((self.staleness + 1) * batch_size)
         self.next_step = 0  # the slot of the next round generated ahead: (next_step, 0)
+        self.in_flight: deque[tuple[Pending, int]] = deque()  # requested rounds and their weight versions
 
     def fill(self, generate: Generate, version: int) -> None:
-        """A step's start: generate rounds with the current weights (`version`) until the buffer is full."""
-        while self.buffer is not None and len(self.buffer) + self.batch_size <= self.buffer.capacity:
-            for group in self.groups(generate(self.next_step, 0), version):
-                self.buffer.put(group)
+        """A step's start: start rounds with the current weights (`version`) until the buffer and the rounds in
+        flight make it full."""
+        while self.buffer is not None and (len(self.buffer) + (len(self.in_flight) + 1) * self.batch_size
+                                           <= self.buffer.capacity):
+            self.in_flight.append((generate(self.next_step, 0), version))
             self.next_step += 1
+
+    def settle(self, rounds: int | None = None) -> None:
+        """Wait for the oldest `rounds` in flight (all by default) and put their groups into the buffer."""
+        for _ in range(len(self.in_flight) if rounds is None else min(rounds, len(self.in_flight))):
+            pending, version = self.in_flight.popleft()
+            for group in self.groups(pending.result(), version):
+                self.buffer.put(group)
 
     def take(self, step: int, gen_round: int, generate: Generate, version: int) -> GeneratedRound:
         """A round for `step`'s `gen_round`: the buffer's oldest batch_size groups at most `staleness` versions
         old, or one generated now in slot (step, gen_round) (sync; dynamic sampling once the buffer is spent)."""
         if self.buffer is None:
-            return generate(step, gen_round)
+            return generate(step, gen_round).result()
+        if len(self.buffer) < self.batch_size:
+            self.settle(1)
         groups = self.buffer.take(self.batch_size, version, self.staleness)
         if groups is None:
-            groups = self.groups(generate(step, gen_round), version)
+            self.settle()  # the rounds requested before it come back first
+            groups = self.groups(generate(step, gen_round).result(), version)
         greedy = [Response(i, group.prompt[GREEDY]) for i, group in enumerate(groups) if GREEDY in group.prompt]
         return GeneratedRound([group.index for group in groups], [r for group in groups for r in group.responses],
                               greedy or None)
@@ -87,6 +123,9 @@ class RolloutSchedule:
                       tuple(tagged[i * self.n:(i + 1) * self.n])) for i, index in enumerate(generated.indices)]
 
     def state_dict(self) -> dict:
+        """The buffer and the next slot; the step has settled every round requested (a checkpoint follows it)."""
+        if self.in_flight:
+            raise RuntimeError("the rollout schedule is saved with rounds in flight: settle them first")
         return {"next_step": self.next_step, "buffer": None if self.buffer is None else self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict, dataset_size: int) -> None:
