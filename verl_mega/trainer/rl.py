@@ -280,13 +280,11 @@ class RLJob(TrainingJob):
 
     def train_step(self) -> dict[str, float]:
         """One step: its batch from the rollout schedule, then the stages that learn from it; rounds generated
-        meanwhile (rollout ranks of their own) come back before the weights change."""
+        meanwhile (rollout ranks of their own) come back (timed as rollout_wait) before the weights change."""
         timer = StageTimer()
         batch, rows, reward, sampling = self.sample_batch(timer)
         metrics = sampling if batch is None else self.learn(batch, rows, reward, sampling, timer)
-        if self.schedule.in_flight:
-            with timer("rollout_wait"):
-                self.schedule.settle()
+        self.schedule.settle()
         if batch is None:
             return self.empty_step_metrics(metrics, timer)
         return self.step_metrics(metrics, batch, reward, timer)
@@ -371,7 +369,7 @@ class RLJob(TrainingJob):
             replicas = self.remote.replicas
             params = [self.sampling_params(step, gen_round, replicas, replica) for replica in range(replicas)]
             pending = self.remote.request(prompts["input_ids"], params)
-            return Pending(lambda: GeneratedRound(indices, pending.result()))
+            return Pending(lambda: self.answered_round(indices, pending, timer))
         with timer("rollout"):
             responses = self.generate(prompts["input_ids"], step=step, gen_round=gen_round,
                                       conversations=prompts["raw_prompt"])
@@ -381,6 +379,15 @@ class RLJob(TrainingJob):
             with timer("remax_baseline"):
                 greedy = self.generate(prompts["input_ids"], params, conversations=prompts["raw_prompt"])
         return Pending.done(GeneratedRound(indices, responses, greedy))
+
+    @staticmethod
+    def answered_round(indices: list[int], pending: Pending, timer: StageTimer) -> GeneratedRound:
+        """The rollout ranks' round once they answer: the training ranks' wait is `rollout_wait`, the rollout
+        ranks' work for it `rollout_ranks_busy` (the bench's idle shares of both sides)."""
+        with timer("rollout_wait"):
+            responses, busy = pending.result()
+        timer.add("rollout_ranks_busy", busy)
+        return GeneratedRound(indices, responses)
 
     def scored_round(self, generation: GeneratedRound, timer: StageTimer
                      ) -> tuple[dict, list[Response], RewardOutput, dict]:

@@ -5,7 +5,8 @@ training rank (the leader), message by message over the bridge:
 
     ("build", padded_vocab, vocab_size)   build the engine for the actor's vocabulary (once, first)
     ("weights", version)                  receive the training ranks' push (`rollout.weight_push`), load it
-    ("generate", prompts, params)         generate; the replica's first rank sends the responses back
+    ("generate", prompts, params)         generate; the replica's first rank sends the responses back, with the
+                                          seconds it spent generating and loading weights since its last answer
     ("stop",)                             return
 
 The client on the training ranks sends them and hands the responses to every training rank. A request returns
@@ -20,6 +21,7 @@ the run; a training rank that dies leaves the rollout ranks' next receive to rai
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -54,6 +56,7 @@ class RolloutService:
         self.config, self.bridge, self.placement = config, bridge, placement
         self.engine = None
         self.version = -1
+        self.busy_seconds = 0.0  # generating and loading weights, since the last answer
 
     def serve(self) -> None:
         """Obey the leader until it says stop; PeerFailed (the leader died or went silent) ends the loop too."""
@@ -78,14 +81,19 @@ class RolloutService:
 
     def on_weights(self, version: int) -> None:
         self.version, stream = receive_weights(self.bridge, self.placement, self.config.parallel.weight_push_bucket_mb)
+        start = time.perf_counter()
         self.engine.wake_up(["weights"])
         self.engine.load_weights(stream)
         self.engine.wake_up(["kv_cache"])
+        self.busy_seconds += time.perf_counter() - start
 
     def on_generate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        start = time.perf_counter()
         responses = self.engine.generate(prompts, params) if prompts else []
+        self.busy_seconds += time.perf_counter() - start
         if self.placement.global_rank in replica_leaders(self.placement):
-            self.bridge.send_object(responses, leader(self.placement))
+            self.bridge.send_object((responses, self.busy_seconds), leader(self.placement))
+        self.busy_seconds = 0.0
 
 
 class RemoteRollout:
@@ -112,7 +120,8 @@ class RemoteRollout:
 
     def request(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> Pending:
         """Replica r generates its share r of `prompts` under `params[r]`; the Pending's result is every response,
-        in replica order, each prompt_index counted over all `prompts`."""
+        in replica order, each prompt_index counted over all `prompts`, and the seconds the busiest replica
+        spent generating and loading weights for it."""
         share = len(prompts) // self.replicas
         shares = [list(prompts[r * share:(r + 1) * share]) for r in range(self.replicas)]
         waiting = None
@@ -128,14 +137,16 @@ class RemoteRollout:
         if self.waiter is not None:
             self.waiter.shutdown()
 
-    def _responses(self, share: int) -> list[Response]:
-        responses = []
+    def _responses(self, share: int) -> tuple[list[Response], float]:
+        responses, busy = [], 0.0
         for replica, rank in enumerate(replica_leaders(self.placement)):
+            answered, seconds = self.bridge.recv_object(rank)
             responses += [dataclasses.replace(response, prompt_index=replica * share + response.prompt_index)
-                          for response in self.bridge.recv_object(rank)]
-        return responses
+                          for response in answered]
+            busy = max(busy, seconds)
+        return responses, busy
 
-    def _shared(self, waiting) -> list[Response]:
+    def _shared(self, waiting) -> tuple[list[Response], float]:
         """Collective on the training ranks: the leader's responses on every one of them."""
         shared = [waiting.result() if waiting is not None else None]
         dist.broadcast_object_list(shared, src=0)
