@@ -109,6 +109,8 @@ def train(config, reward_fn=None) -> None:
             if lock is not None:
                 lock.release()
     finally:
+        if bridge is not None:
+            bridge.close()
         destroy_parallel()
     if not finished and layout.rank == 0:
         requeue_slurm_job(config.trainer.log_format)
