@@ -7,7 +7,9 @@ import sys
 
 from verl_mega.parallel.spawn import run_torchrun
 
-from .payload import add_payload_arguments, check_trainer_config, parse_env, payload_from_args, split_passthrough
+from .payload import (
+    add_payload_arguments, add_rollout_ranks, check_trainer_config, parse_env, payload_from_args, split_passthrough,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,7 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="verl-mega launch local",
         description="Run the payload under torchrun on this machine. Arguments after -- go to --module verbatim.",
     )
-    parser.add_argument("--nproc", type=int, required=True, help="number of ranks")
+    parser.add_argument("--nproc", type=int, required=True, help="number of ranks (training ranks with --rollout-nproc)")
+    parser.add_argument("--rollout-nproc", type=int, default=0,
+                        help="rollout-only ranks started after the --nproc training ones (parallel.rollout_ranks)")
     add_payload_arguments(parser)
     return parser
 
@@ -26,14 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.rollout_nproc < 0:
+        parser.error(f"--rollout-nproc must be >= 0, got {args.rollout_nproc}")
+    world = args.nproc + args.rollout_nproc
     try:
+        add_rollout_ranks(args, args.rollout_nproc, "--rollout-nproc")
         payload = payload_from_args(args, passthrough)
         env = parse_env(args.env)
-        check_trainer_config(args, passthrough, args.nproc)
+        check_trainer_config(args, passthrough, world)
     except ValueError as error:
         parser.error(str(error))
     try:
-        run_torchrun(args.nproc, payload.module, list(payload.args), env=env)
+        run_torchrun(world, payload.module, list(payload.args), env=env)
     except subprocess.CalledProcessError as error:  # the failed rank's message is already the last line
         return error.returncode
     return 0

@@ -42,6 +42,21 @@ def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.total_steps=10")
 
 
+ROLLOUT_RANKS_KEY = "parallel.rollout_ranks"
+
+
+def add_rollout_ranks(args: argparse.Namespace, rollout_ranks: int, flag: str) -> None:
+    """Hand the trainer `parallel.rollout_ranks=N` for a launcher flag that places N rollout-only ranks (the
+    last global ranks); raises ValueError for another module or a second, explicit setting of the key."""
+    if rollout_ranks == 0:
+        return
+    if args.module != TRAINER_MODULE:
+        raise ValueError(f"{flag} places the trainer's rollout ranks; it does not apply to --module {args.module}")
+    if any(override.startswith(f"{ROLLOUT_RANKS_KEY}=") for override in args.overrides):
+        raise ValueError(f"{flag} sets {ROLLOUT_RANKS_KEY}; leave out the override {ROLLOUT_RANKS_KEY}=...")
+    args.overrides = [*args.overrides, f"{ROLLOUT_RANKS_KEY}={rollout_ranks}"]
+
+
 def payload_from_args(args: argparse.Namespace, passthrough: list[str]) -> Payload:
     """The module and its arguments; raises ValueError naming the missing or wrong argument."""
     module_args: list[str] = []

@@ -19,7 +19,8 @@ from pathlib import Path
 from verl_mega.files.atomic import atomic_write_text
 
 from .payload import (
-    Payload, add_payload_arguments, check_trainer_config, parse_env, payload_from_args, split_passthrough,
+    Payload, add_payload_arguments, add_rollout_ranks, check_trainer_config, parse_env, payload_from_args,
+    split_passthrough,
 )
 
 TEMPLATE = Path(__file__).parent / "templates" / "sbatch.sh"
@@ -69,6 +70,7 @@ class SlurmOptions:
     signal_seconds: int = 300
     singleton: bool = False
     python: str | None = None
+    rollout_nodes: int = 0
 
     def __post_init__(self):
         for name in ("nodes", "procs_per_node", "cpus_per_task"):
@@ -77,6 +79,9 @@ class SlurmOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.gpus_per_node < 0:
             raise ValueError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
+        if not 0 <= self.rollout_nodes < self.nodes:
+            raise ValueError(f"--rollout-nodes {self.rollout_nodes} must be >= 0 and leave at least one training "
+                             f"node of --nodes {self.nodes}")
         if not 1 <= self.signal_seconds <= _MAX_SIGNAL_SECONDS:
             raise ValueError(f"--signal-seconds must be within 1..{_MAX_SIGNAL_SECONDS}, got {self.signal_seconds}")
         directives = {"--job-name": self.job_name, "--partition": self.partition, "--time": self.time,
@@ -94,7 +99,7 @@ class SlurmOptions:
 
     @property
     def ranks_per_node(self) -> int:
-        return self.procs_per_node or self.gpus_per_node or 1
+        return ranks_per_node(self.procs_per_node, self.gpus_per_node)
 
     @property
     def interpreter(self) -> str:
@@ -103,6 +108,11 @@ class SlurmOptions:
         if self.python:
             return self.python
         return "python" if self.container_image else sys.executable
+
+
+def ranks_per_node(procs_per_node: int | None, gpus_per_node: int) -> int:
+    """--procs-per-node, else one rank per GPU, else one."""
+    return procs_per_node or gpus_per_node or 1
 
 
 def render_sbatch(options: SlurmOptions) -> str:
@@ -184,11 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--python", help="interpreter on the nodes (default: this one; python in a container)")
     parser.add_argument("--run-dir", help="folder for the script and logs (default: runs/<job-name>-<time>)")
     parser.add_argument("--dry-run", action="store_true", help="write and print the script, do not submit")
+    parser.add_argument("--rollout-nodes", type=int, default=0,
+                        help="nodes (the last ones) whose ranks only generate: parallel.rollout_ranks = this x "
+                             "ranks per node")
     add_payload_arguments(parser)
     return parser
 
 
 def options_from_args(args: argparse.Namespace, passthrough: list[str]) -> SlurmOptions:
+    # torchrun numbers each node's ranks consecutively, so the last nodes' ranks are the last global ranks.
+    add_rollout_ranks(args, args.rollout_nodes * ranks_per_node(args.procs_per_node, args.gpus_per_node),
+                      "--rollout-nodes")
     payload = payload_from_args(args, passthrough)
     job_name = args.job_name or _default_job_name(args)
     run_dir = Path(args.run_dir or Path("runs") / f"{job_name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -198,6 +214,7 @@ def options_from_args(args: argparse.Namespace, passthrough: list[str]) -> Slurm
         time=args.time, account=args.account, qos=args.qos, job_name=job_name,
         container_image=args.container_image, container_mounts=args.mounts, env=parse_env(args.env),
         signal_seconds=args.signal_seconds, singleton=args.singleton, python=args.python,
+        rollout_nodes=args.rollout_nodes,
     )
 
 

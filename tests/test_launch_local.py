@@ -22,3 +22,14 @@ def test_local_launch_refuses_zero_ranks(capsys):
     with pytest.raises(SystemExit):
         local.main(["--nproc", "0", "--module", "launch_payloads.allreduce"])
     assert "--nproc must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "1", "--rollout-nproc", "-1", "--module", "launch_payloads.allreduce"], "--rollout-nproc must be >= 0"),
+    (["--nproc", "1", "--rollout-nproc", "1", "--module", "launch_payloads.allreduce"],
+     "--rollout-nproc places the trainer's rollout ranks; it does not apply to --module launch_payloads.allreduce"),
+])
+def test_local_launch_refuses_rollout_ranks_it_cannot_place(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        local.main(argv)
+    assert message in capsys.readouterr().err

@@ -166,3 +166,29 @@ def test_warning_signal_must_come_before_the_time_limit(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "--signal-seconds 300 must be shorter than --time 5 (300 s)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_rollout_nodes_hand_the_trainer_the_last_nodes_ranks(capsys, tmp_path, config):
+    script = dry_run(capsys, tmp_path / "run", "--nodes", "3", "--gpus-per-node", "0", "--procs-per-node", "2",
+                     "--rollout-nodes", "1", str(config), "trainer.total_steps=3")
+    assert f"-m {TRAINER_MODULE} --config {config} trainer.total_steps=3 parallel.rollout_ranks=2 &" in script
+    assert "#SBATCH --nodes=3\n" in script
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "2", "--gpus-per-node", "0", "--rollout-nodes", "2", "CONFIG"],
+     "--rollout-nodes 2 must be >= 0 and leave at least one training node of --nodes 2"),
+    (["--nodes", "2", "--gpus-per-node", "0", "--rollout-nodes", "1", *SOME_MODULE],
+     "--rollout-nodes places the trainer's rollout ranks; it does not apply to --module verl_mega.converters.verify"),
+    (["--nodes", "2", "--gpus-per-node", "0", "--rollout-nodes", "1", "CONFIG", "parallel.rollout_ranks=1"],
+     "--rollout-nodes sets parallel.rollout_ranks; leave out the override"),
+    (["--nodes", "2", "--gpus-per-node", "0", "--rollout-nodes", "1", "CONFIG", "parallel.tp=2"],
+     "parallel.rollout_ranks=1 leaves 1 training processes: parallel.tp * parallel.pp = 2 must divide"),
+])
+def test_rollout_nodes_that_cannot_run_are_refused_and_write_nothing(capsys, tmp_path, config, argv, message):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        slurm.main(["--dry-run", "--run-dir", str(run_dir), *[str(config) if a == "CONFIG" else a for a in argv]])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not run_dir.exists()

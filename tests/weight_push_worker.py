@@ -101,13 +101,14 @@ def rollout_rank(bridge, placement, hf_dir: Path, ckpt: Path, report: dict) -> N
     me = placement.global_rank
 
     at = dataclasses.replace(placement, rollout_tp=1)
-    version, stream = receive_weights(bridge, at, BUCKET_MB, verify=True)
+    version, stream = receive_weights(bridge, at, BUCKET_MB)
     engine = EmbeddedEngine(cfg.raw)
     engine.load_weights(stream)
     colocated = bridge.recv_object(rollout_peer(at, me).source)
     held = checkpoint_tensors(engine.model)
     expected = expected_rollout_slice(reader, cfg, family, padded_vocab, 0, 1, 0.0)
-    assert version == 1 and stream.feed == rollout_feed(at, padded_vocab, cfg.vocab_size), (version, stream.feed)
+    assert version == 1 and stream.verified and stream.feed == rollout_feed(at, padded_vocab, cfg.vocab_size), (
+        version, stream.feed)
     for name, want in expected.items():
         assert torch.equal(held[name], want), f"push_tp1 rank {me}: '{name}' differs from the checkpoint"
         assert tensor_checksum(held[name]) == colocated[name], f"push_tp1 rank {me}: '{name}' checksum"
@@ -118,7 +119,8 @@ def rollout_rank(bridge, placement, hf_dir: Path, ckpt: Path, report: dict) -> N
     colocated = bridge.recv_object(rollout_peer(at, me).source)
     _, rollout_tp_rank = at.rollout_coordinates(me)
     expected = expected_rollout_slice(reader, cfg, family, padded_vocab, rollout_tp_rank, 2, STEP_SHIFT)
-    assert version == 2 and stream.feed == rollout_feed(at, padded_vocab, cfg.vocab_size), (version, stream.feed)
+    assert version == 2 and not stream.verified and stream.feed == rollout_feed(at, padded_vocab, cfg.vocab_size), (
+        version, stream.feed)
     assert set(received) == set(expected) == set(colocated), f"push_tp2 rank {me}: names differ"
     for name, want in expected.items():
         assert torch.equal(received[name], want), f"push_tp2 rank {me}: '{name}' differs from the checkpoint slice"
@@ -127,7 +129,7 @@ def rollout_rank(bridge, placement, hf_dir: Path, ckpt: Path, report: dict) -> N
 
     at = dataclasses.replace(placement, rollout_tp=1)
     wire = CorruptingBridge(bridge) if me == 2 else bridge
-    _, stream = receive_weights(wire, at, BUCKET_MB, verify=True)
+    _, stream = receive_weights(wire, at, BUCKET_MB)
     names = []
     try:
         for name, _ in stream:

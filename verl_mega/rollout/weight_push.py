@@ -17,6 +17,7 @@ no larger than the bucket size (or one tensor), names not seen before in the pus
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -31,8 +32,6 @@ from .hybrid_engine import HybridEngine
 WIRE_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
-# Bytes a checksum reads at once: bounds its int64 working copy.
-_CHECKSUM_CHUNK = 1 << 22
 
 
 class WeightMismatch(ValueError):
@@ -40,21 +39,16 @@ class WeightMismatch(ValueError):
 
 
 def weight_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """name -> an exact digest of each tensor's bytes, computed where the tensor lives: its byte count, byte sum
-    and position-weighted byte sum. Any single changed byte changes the weighted sum (weights < 2**16, so no
-    change of one byte is a multiple of 2**64)."""
+    """name -> an exact digest of each tensor's bytes (`tensor_checksum`)."""
     return {name: tensor_checksum(tensor) for name, tensor in named_tensors}
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    total = weighted = 0
-    for start in range(0, data.numel(), _CHECKSUM_CHUNK):
-        chunk = data[start:start + _CHECKSUM_CHUNK].to(torch.int64)
-        positions = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=chunk.device)
-        total += int(chunk.sum())
-        weighted += int((chunk * (positions % 65521 + 1)).sum())
-    return f"{data.numel()}:{total:x}:{weighted:x}"
+    """The byte count and CRC-32 of the tensor's bytes: any change of up to 32 consecutive bits is caught for
+    certain, any other with odds of 2**-32. Read on the host (a GPU tensor is copied there first): zlib's CRC
+    took 0.5 s for 200 MB where a position-weighted word sum in torch took 6.9 s, on the same busy CPU."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return f"{data.numel()}:{zlib.crc32(memoryview(data.numpy())):08x}"
 
 
 def push_weights(bridge: Bridge, hybrid: HybridEngine, placement: Placement, version: int, bucket_mb: float,
@@ -67,8 +61,8 @@ def push_weights(bridge: Bridge, hybrid: HybridEngine, placement: Placement, ver
                          f"parallel.rollout_tp={placement.rollout_tp}")
     targets = [route.target for route in weight_routes(placement) if route.source == placement.global_rank]
     feed = hybrid.feed
-    header = {"version": int(version), "feed": [feed.rollout_tp, feed.rollout_tp_rank, feed.padded_vocab,
-                                                 feed.vocab_size]}
+    header = {"version": int(version), "verify": bool(verify),
+              "feed": [feed.rollout_tp, feed.rollout_tp_rank, feed.padded_vocab, feed.vocab_size]}
     sent: dict[str, str] = {}
     count = 0
     for bucket in _buckets(hybrid.stream(), _bucket_bytes(bucket_mb)):
@@ -96,46 +90,47 @@ def rollout_feed(placement: Placement, padded_vocab: int, vocab_size: int) -> We
     return WeightFeed(placement.rollout_tp, rollout_tp_rank, padded_vocab, vocab_size)
 
 
-def receive_weights(bridge: Bridge, placement: Placement, bucket_mb: float,
-                    verify: bool = False) -> tuple[int, "WeightStream"]:
+def receive_weights(bridge: Bridge, placement: Placement, bucket_mb: float) -> tuple[int, "WeightStream"]:
     """On a rollout rank: wait for the next push (up to the bridge timeout) and return its version and the
     `(hf_name, tensor)` iterator of this rank's slice, for `RolloutEngine.load_weights`. Consume it fully: its
-    end answers the sender. A tensor is valid until the next one is drawn."""
+    end answers the sender. A tensor is valid until the next one is drawn. Whether the push is verified is the
+    sender's choice (`push_weights(verify=...)`), carried in its header."""
     source = rollout_peer(placement, placement.global_rank).source
     first = _decode(bridge.recv_bytes(source), bridge, source)
-    stream = WeightStream(bridge, placement, source, first, _bucket_bytes(bucket_mb), verify)
+    stream = WeightStream(bridge, placement, source, first, _bucket_bytes(bucket_mb))
     return stream.version, stream
 
 
 class WeightStream:
     """One push as the rollout rank receives it: iterate for `(hf_name, tensor)`; `feed` is the sender's."""
 
-    def __init__(self, bridge: Bridge, placement: Placement, source: int, first: dict, bucket_bytes: int,
-                 verify: bool):
+    def __init__(self, bridge: Bridge, placement: Placement, source: int, first: dict, bucket_bytes: int):
         self.bridge, self.placement, self.source = bridge, placement, source
         self.version = _field(first, "version", int, bridge, source)
+        self.verified = _field(first, "verify", bool, bridge, source)
         feed = _field(first, "feed", list, bridge, source)
         if len(feed) != 4 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in feed):
             raise PeerFailed(f"{bridge.peers[source]} sent a weight feed {str(feed)[:100]} that is not 4 counts")
         self.feed = WeightFeed(*feed)
-        self._first, self._bucket_bytes, self._verify = first, bucket_bytes, verify
+        self._first, self._bucket_bytes = first, bucket_bytes
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         header, seen, received = self._first, set(), {}
         while "end" not in header:
             for name, tensor in self._bucket(header, seen):
-                if self._verify:
+                if self.verified:
                     received[name] = tensor_checksum(tensor)
                 yield name, tensor
             header = self._next_header()
-        checksums = header.get("checksums")
+        announced = _field(header, "end", int, self.bridge, self.source)
         self.bridge.send_bytes(json.dumps({"received": len(seen),
-                                           "checksums": received if self._verify else None}).encode(), self.source)
-        if header["end"] != len(seen):
+                                           "checksums": received if self.verified else None}).encode(), self.source)
+        if announced != len(seen):
             raise PeerFailed(f"weight push version {self.version}: {self.bridge.peers[self.source]} announced "
-                             f"{header['end']} tensors, {len(seen)} arrived")
-        if self._verify:
-            _compare(checksums or {}, received, self.source, self.placement.global_rank, self.version)
+                             f"{announced} tensors, {len(seen)} arrived")
+        if self.verified:
+            sent = _field(header, "checksums", dict, self.bridge, self.source)
+            _compare(sent, received, self.source, self.placement.global_rank, self.version)
 
     def _next_header(self) -> dict:
         header = _decode(self.bridge.recv_bytes(self.source), self.bridge, self.source)
@@ -250,7 +245,7 @@ def _decode(data: bytes, bridge: Bridge, source: int) -> dict:
 
 def _field(message: dict, key: str, kind: type, bridge: Bridge, source: int):
     value = message.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise PeerFailed(f"{bridge.peers[source]} sent a weight push header whose '{key}' is {value!r}")
     return value
 
