@@ -10,7 +10,7 @@ training rank (the leader), message by message over the bridge:
     ("stop",)                             return
 
 The client on the training ranks sends them and hands the responses to every training rank. A request returns
-at once (`Pending`): the leader waits for the responses in a thread of its own while the training ranks train,
+at once (`Pending`): a thread of the leader's sends it and waits for the responses while the training ranks train,
 and every training rank takes them when the step settles (`RolloutSchedule.settle`), so in one_step_off the
 rollout ranks generate the next batch while the training ranks train on this one. The reward stays on the
 training side.
@@ -124,12 +124,8 @@ class RemoteRollout:
         spent generating and loading weights for it."""
         share = len(prompts) // self.replicas
         shares = [list(prompts[r * share:(r + 1) * share]) for r in range(self.replicas)]
-        waiting = None
-        if self.leads:
-            for rank in self.placement.rollout_ranks:
-                replica, _ = self.placement.rollout_coordinates(rank)
-                self.bridge.send_object(("generate", shares[replica], params[replica]), rank)
-            waiting = self.waiter.submit(self._responses, share)
+        # The leader's thread sends too: a send waits for a rollout rank still busy with an earlier round.
+        waiting = self.waiter.submit(self._generated, shares, params, share) if self.leads else None
         return Pending(lambda: self._shared(waiting))
 
     def close(self) -> None:
@@ -137,7 +133,11 @@ class RemoteRollout:
         if self.waiter is not None:
             self.waiter.shutdown()
 
-    def _responses(self, share: int) -> tuple[list[Response], float]:
+    def _generated(self, shares: list[list[list[int]]], params: Sequence[SamplingParams], share: int
+                   ) -> tuple[list[Response], float]:
+        for rank in self.placement.rollout_ranks:
+            replica, _ = self.placement.rollout_coordinates(rank)
+            self.bridge.send_object(("generate", shares[replica], params[replica]), rank)
         responses, busy = [], 0.0
         for replica, rank in enumerate(replica_leaders(self.placement)):
             answered, seconds = self.bridge.recv_object(rank)
