@@ -181,3 +181,19 @@ def test_mode_settings_that_fit_are_taken(tiny_models, prompt_file, overrides):
                                 "data.batch_size=4", "actor.mini_batch_size=4", "critic.mini_batch_size=4",
                                 *overrides])
     preflight_check(config, world_size=1, check_files=False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.val_files=[{prompts}]"], "data.val_files with parallel.rollout_ranks=1: validation generates on the"),
+    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax with parallel.rollout_ranks=1"),
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"],
+     "rollout.multi_turn.enable with parallel.rollout_ranks=1: the rollout ranks run no agent loop"),
+])
+def test_what_rollout_ranks_do_not_run_is_refused_naming_the_key(tiny_models, prompt_file, overrides, message):
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]",
+                                "data.batch_size=4", "actor.mini_batch_size=4", "critic.mini_batch_size=4",
+                                "parallel.rollout_ranks=1",
+                                *(o.format(prompts=prompt_file) for o in overrides)])
+    with pytest.raises(ConfigError) as err:
+        preflight_check(config, world_size=2, check_files=False)
+    assert any(line.startswith(f"  - {message}") for line in str(err.value).splitlines()), str(err.value)
