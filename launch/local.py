@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="verl-mega launch local",
         description="Run the payload under torchrun on this machine. Arguments after -- go to --module verbatim.",
     )
-    parser.add_argument("--nproc", type=int, required=True, help="number of ranks (training ranks with --rollout-nproc)")
+    parser.add_argument("--nproc", type=int, required=True,
+                        help="number of ranks (the training ranks, with --rollout-nproc)")
     parser.add_argument("--rollout-nproc", type=int, default=0,
                         help="rollout-only ranks started after the --nproc training ones (parallel.rollout_ranks)")
     add_payload_arguments(parser)

@@ -3,7 +3,8 @@
 One torchrun launch of tests/weight_push_worker.py runs every case in turn (see its docstring): at rollout TP 1
 (two replicas, each loading an embedded engine from the push) and at rollout TP 2 (one replica) every rollout
 rank holds bit for bit what the colocated HybridEngine stream gives at its rollout TP rank; a flipped byte is
-named by verify on both sides; a rollout rank that exits mid-push is named by the training rank it served."""
+named by verify on both sides; a rollout rank that exits mid-push is named by the training rank it served, and
+one that stays silent is named once the bridge's timeout has passed."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import pytest
 from verl_mega.parallel.spawn import run_torchrun
 
 TIMEOUT_S = 120  # the bridge's wait: long enough for a loaded machine's start-up, a dead peer is seen at once
+HANG_TIMEOUT_S = 2  # rank 0's wait for a silent rank 2
 TEST_SIZES = dict(num_hidden_layers=2)
 
 
@@ -29,8 +31,8 @@ def reports(tmp_path_factory) -> dict[int, dict]:
     out = root / "out"
     out.mkdir()
     try:
-        run_torchrun(4, "tests.weight_push_worker", [str(hf_dir), str(ckpt), str(out), str(TIMEOUT_S)],
-                     capture_output=True)
+        run_torchrun(4, "tests.weight_push_worker",
+                     [str(hf_dir), str(ckpt), str(out), str(TIMEOUT_S), str(HANG_TIMEOUT_S)], capture_output=True)
     except subprocess.CalledProcessError as failed:
         pytest.fail(f"the weight push launch failed:\n{(failed.stdout or '')[-3000:]}\n{(failed.stderr or '')[-6000:]}")
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)}
@@ -61,3 +63,12 @@ def test_a_rollout_rank_that_dies_mid_push_is_named_within_the_timeout(reports):
     assert "\n" not in message
     assert reports[1]["peer_dies_after_s"] < TIMEOUT_S
     assert reports[0]["peer_dies"] is None  # its own rollout rank was served in full
+
+
+@pytest.mark.slow
+def test_a_rollout_rank_that_stays_silent_is_named_after_the_timeout(reports):
+    message = reports[0]["peer_hangs"]
+    assert message is not None and message.startswith(
+        f"rollout rank 2 (pid {reports[2]['pid']} on "), message
+    assert f"did not answer within {HANG_TIMEOUT_S} s" in message and "\n" not in message
+    assert HANG_TIMEOUT_S <= reports[0]["peer_hangs_after_s"] < TIMEOUT_S

@@ -1,6 +1,6 @@
 """torchrun worker for tests/test_weight_push.py: 4 processes, ranks 0-1 training at TP 2, ranks 2-3 rollout only.
 
-    weight_push_worker HF_DIR CKPT_DIR OUT_DIR TIMEOUT_S
+    weight_push_worker HF_DIR CKPT_DIR OUT_DIR TIMEOUT_S HANG_TIMEOUT_S
 
 The cases run in turn in the same processes (one start-up):
 - `bridge`: objects point to point, tensors broadcast over every rank and over a subset;
@@ -9,12 +9,15 @@ The cases run in turn in the same processes (one start-up):
 - `push_tp2`: after a stand-in training step, rollout TP 2 (one replica): each rank's received slice must equal
   the checkpoint's slice for its rollout TP rank plus the step, and the colocated stream's checksums;
 - `corrupt`: rank 2's bridge flips one byte of the push; verify must name the first tensor on both sides;
-- `peer_dies`: rank 3 exits after the push began; training rank 1 must raise PeerFailed naming it.
+- `peer_dies`: rank 3 exits after the push began; training rank 1 must raise PeerFailed naming it;
+- `peer_hangs`: rank 2 stays silent; training rank 0, waiting HANG_TIMEOUT_S for it, must raise PeerFailed
+  naming it (then rank 1 lets rank 2 go).
 Each rank writes OUT_DIR/rank{N}.json with what it saw; an assertion failing in a case names the case.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import sys
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from tests.hybrid_worker import expected_rollout_slice
 from verl_mega.checkpoint.manifest import Manifest
@@ -90,6 +94,23 @@ def training_rank(bridge, placement, ckpt: Path, report: dict) -> None:
     except PeerFailed as error:
         report["peer_dies"] = str(error)
     report["peer_dies_after_s"] = time.monotonic() - started
+    peer_hangs(bridge, placement, report)
+
+
+def peer_hangs(bridge, placement, report: dict) -> None:
+    """Rank 0 waits for a word rank 2 never sends, under a short timeout; rank 1 releases rank 2 afterwards."""
+    if placement.global_rank == 0:
+        bridge.timeout = datetime.timedelta(seconds=report["hang_timeout_s"])
+        started = time.monotonic()
+        try:
+            bridge.recv_object(2)
+            report["peer_hangs"] = None
+        except PeerFailed as error:
+            report["peer_hangs"] = str(error)
+        report["peer_hangs_after_s"] = time.monotonic() - started
+    dist.barrier()  # the training world: rank 0 is through
+    if placement.global_rank == 1:
+        bridge.send_object("done", 2)
 
 
 def rollout_rank(bridge, placement, hf_dir: Path, ckpt: Path, report: dict) -> None:
@@ -144,6 +165,7 @@ def rollout_rank(bridge, placement, hf_dir: Path, ckpt: Path, report: dict) -> N
         os._exit(0)
     for _ in stream:
         pass
+    assert bridge.recv_object(1) == "done", "peer_hangs: rank 1's release"
 
 
 def bridge_case(bridge, placement) -> None:
@@ -164,11 +186,13 @@ def write_report(report: dict, rank: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    hf_dir, ckpt, out, timeout_s = Path(argv[0]), Path(argv[1]), argv[2], float(argv[3])
+    hf_dir, ckpt, out = Path(argv[0]), Path(argv[1]), argv[2]
+    timeout_s, hang_timeout_s = float(argv[3]), float(argv[4])
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     placement = placement_for(rank, size, 2, 1, TRAIN_TP)
     bridge = init_placement(placement, timeout_minutes=5, bridge_timeout_s=timeout_s)
-    report = {"out": out, "role": placement.role, "pid": os.getpid(), "rank_in_role": placement.rank_in_role}
+    report = {"out": out, "role": placement.role, "pid": os.getpid(), "rank_in_role": placement.rank_in_role,
+              "hang_timeout_s": hang_timeout_s}
     bridge_case(bridge, placement)
     if placement.role == "train":
         training_rank(bridge, placement, ckpt, report)
