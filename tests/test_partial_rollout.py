@@ -137,8 +137,7 @@ def test_an_engine_failing_mid_step_leaves_the_rollout_as_it_was(engine, models)
 
 def test_sampling_is_reproducible_for_a_seed_and_the_samples_of_a_prompt_differ(engine, models):
     """The same seed and chunk size give the same responses; another seed others; and the two samples of a
-    prompt draw from different streams (fails if every call of a step shared one seed: on vLLM, whose requests
-    of a call are seeded alike, the samples of a prompt would be one)."""
+    prompt differ (tests/vllm_worker.py checks the same on vLLM, whose requests of a call are seeded alike)."""
     _, eos = models
 
     def sample(seed: int) -> dict:
@@ -180,10 +179,10 @@ def test_finish_keeps_the_version_and_log_prob_of_the_policy_that_sampled_each_t
         torch.testing.assert_close(torch.tensor(response.logprobs), want, atol=1e-4, rtol=0)
 
 
-def test_abort_restarts_in_flight_sequences_under_the_new_weights(engine, models):
+def test_abort_restarts_in_flight_sequences_under_the_new_weights(engine, models, references):
     """After "abort", an in-flight sequence is what the new weights generate from its prompt (greedy: one call of
-    version 1), every token of version 1; one finished before the update keeps version 0. Fails if aborted
-    tokens were kept, or counted wrong."""
+    version 1), every token of version 1 with version 1's log-prob; one finished before the update keeps version
+    0. Fails if aborted tokens were kept, or counted wrong."""
     dirs, eos = models
     params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW, logprobs=True)
     rollout = PartialRollout(engine, params, CHUNK, eos_token_ids=[eos])
@@ -202,6 +201,8 @@ def test_abort_restarts_in_flight_sequences_under_the_new_weights(engine, models
     for response in later:
         assert response.token_ids == fresh[response.prompt_index].token_ids
         assert set(response.token_versions) == {1}
+        want = forward_logprobs(references[1], PROMPTS[response.prompt_index], response.token_ids)
+        torch.testing.assert_close(torch.tensor(response.logprobs), want, atol=1e-4, rtol=0)
 
 
 def test_a_state_saved_mid_generation_resumes_the_same_responses(engine, models):

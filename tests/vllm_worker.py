@@ -113,8 +113,8 @@ def parity(args) -> None:
 def check_partial_rollout(engine: VLLMEngine, whole, eos_token_ids: list[int]) -> None:
     """A partial rollout on vLLM: greedy in chunks of 3 (re-prefilling prompt + tokens so far) gives one call's
     tokens, their log-probs within fp32 noise, every token of version 0; sampled, the two samples of a prompt
-    differ (vLLM seeds the requests of a call alike: one call per sample slot keeps them apart) and a second
-    run with the same seed repeats the first."""
+    differ (vLLM seeds the requests of a call alike: the samples start in one request with vLLM's own n, and go
+    on in one call per sample slot) and a second run with the same seed repeats the first."""
     def run(params: SamplingParams) -> list:
         rollout = PartialRollout(engine, params, 3, eos_token_ids=eos_token_ids)
         rollout.start(PROMPTS, version=0)

@@ -12,11 +12,13 @@ is left of the sampling budget. Between steps the caller may load new weights in
 Everything a run needs to go on exactly is plain data (`state_dict`), so a checkpoint taken mid-generation
 resumes with the same responses.
 
-Seeds. `generate` takes one seed per call, and vLLM seeds every request of a call alike, so two in-flight samples
-of one prompt in the same call would draw the same numbers (and at the first chunk, the same tokens). A step
-therefore makes one call per sample slot (the j-th sample of every prompt) and remaining budget, seeded by a
-hash of (`params.seed`, the step's round, the slot, the budget): the n samples of a prompt draw from different
-streams, prompts stay batched, and a run is reproducible for a fixed seed and chunk size. Chunk boundaries
+Calls and seeds. `generate` takes one seed per call, and vLLM seeds every request of a call alike, so two
+in-flight samples of one prompt sent as two requests of one call would draw the same numbers (and from the prompt
+alone, the same tokens). A prompt whose `n` samples all start from it (nothing generated yet) therefore goes into
+one call with the engine's own `n`, which prefills it once and keeps its samples apart; a sample that has tokens
+goes into one call per sample slot (the j-th sample of every such prompt) and remaining budget. Each call is
+seeded by a hash of (`params.seed`, the step's round, the slot, the budget), so a run is reproducible for a fixed
+seed and chunk size (not to one `generate` call's samples, whose calls and seeds differ). Chunk boundaries
 change a sequence only as re-prefilling does (the prompt and the tokens so far run through the model again,
 where one call would have used its KV cache): with greedy decoding and unchanged weights, chunked equals
 unchunked token for token on the embedded engine.
@@ -35,6 +37,7 @@ from .plain_state import count, entry, floats, ints
 
 POLICIES = ("finish", "abort")  # what in-flight sequences do when new weights arrive
 SEED_RANGE = 2**31  # derived seeds stay below it: vLLM and torch take any int of that size
+FRESH = -1  # the slot of a call that starts prompts' n samples together, with the engine's own n
 
 
 def check_partial_config(partial: str, chunk_tokens: int, multi_turn: bool, need: Callable[[bool, str], None]
@@ -106,12 +109,12 @@ class PartialRollout:
     def step(self) -> list[Response]:
         """One chunk for every in-flight sequence; returns the sequences that finished (a stop token, or the
         whole `max_new_tokens`), ordered by prompt and sample."""
-        calls: dict[tuple[int, int], list[_Sequence]] = {}
-        for sequence in self._sequences:
-            calls.setdefault((sequence.sample, self._budget(sequence)), []).append(sequence)
+        calls = self._calls()
         # Every call first, then the sequences: an engine that fails mid-step leaves the rollout as it was.
-        results = [(sequences, budget, self._generate(sequences, sample, budget))
-                   for (sample, budget), sequences in sorted(calls.items())]
+        # Sequences under way go first, then the prompts that start.
+        order = sorted(calls, key=lambda call: (call[0] == FRESH, call))
+        results = [(calls[slot, budget], budget, self._generate(calls[slot, budget], slot, budget))
+                   for slot, budget in order]
         finished = []
         for sequences, budget, chunks in results:
             for sequence, chunk in zip(sequences, chunks):
@@ -164,16 +167,32 @@ class PartialRollout:
     def _budget(self, sequence: _Sequence) -> int:
         return min(self.chunk_tokens, self.params.max_new_tokens - len(sequence.tokens))
 
-    def _chunk_params(self, sample: int, budget: int) -> SamplingParams:
-        seed = None if self.params.seed is None else derived_seed(self.params.seed, self.rounds, sample, budget)
-        return dataclasses.replace(self.params, n=1, max_new_tokens=budget, seed=seed)
+    def _calls(self) -> dict[tuple[int, int], list[_Sequence]]:
+        """(slot, budget) -> the sequences of one engine call: prompts whose n samples all start now (slot FRESH,
+        n per prompt, in sample order), the others by sample slot (see the module docstring)."""
+        by_prompt: dict[int, list[_Sequence]] = {}
+        for sequence in self._sequences:
+            by_prompt.setdefault(sequence.prompt_index, []).append(sequence)
+        calls: dict[tuple[int, int], list[_Sequence]] = {}
+        for sequences in by_prompt.values():
+            if len(sequences) == self.params.n and not any(s.tokens for s in sequences):
+                calls.setdefault((FRESH, self._budget(sequences[0])), []).extend(
+                    sorted(sequences, key=lambda s: s.sample))
+            else:
+                for sequence in sequences:
+                    calls.setdefault((sequence.sample, self._budget(sequence)), []).append(sequence)
+        return calls
 
-    def _generate(self, sequences: list[_Sequence], sample: int, budget: int) -> list[Response]:
-        """One call: at most `budget` more tokens of each of `sequences` (all of sample slot `sample`)."""
-        chunks = self.engine.generate([s.prompt + s.tokens for s in sequences], self._chunk_params(sample, budget))
+    def _generate(self, sequences: list[_Sequence], slot: int, budget: int) -> list[Response]:
+        """One call: at most `budget` more tokens of each of `sequences` (one request each, or one per prompt
+        with the engine's n when `slot` is FRESH)."""
+        samples = self.params.n if slot == FRESH else 1
+        seed = None if self.params.seed is None else derived_seed(self.params.seed, self.rounds, slot, budget)
+        params = dataclasses.replace(self.params, n=samples, max_new_tokens=budget, seed=seed)
+        chunks = self.engine.generate([s.prompt + s.tokens for s in sequences[::samples]], params)
         if len(chunks) != len(sequences) or any(len(chunk.token_ids) > budget for chunk in chunks):
-            raise RuntimeError(f"the engine returned {len(chunks)} responses for {len(sequences)} prompts at n=1, "
-                               f"or more than the {budget} tokens asked for")
+            raise RuntimeError(f"the engine returned {len(chunks)} responses where {len(sequences)} were asked "
+                               f"for, or more than the {budget} tokens asked for")
         if self.params.logprobs and any(c.logprobs is None or len(c.logprobs) != len(c.token_ids) for c in chunks):
             raise RuntimeError("the engine returned no log-prob for every token, though asked to")
         return chunks

@@ -1,5 +1,5 @@
-"""Reading back the plain state (JSON types: dicts, lists, ints, floats, strings) that the partial rollout and the
-trajectory buffer save into a checkpoint's job state.
+"""The plain state (JSON types: dicts, lists, ints, floats, strings) that the partial rollout and the trajectory
+buffer save into a checkpoint's job state: what may go in (`check_plain`), and reading it back.
 
 A checkpoint file is hostile until checked: every value is checked for its type and range before anything is
 rebuilt from it, and a bad one is a ValueError naming where it sits (`what`), so a load changes nothing or
@@ -42,6 +42,27 @@ def floats(value: Any, what: str) -> list[float]:
     if not isinstance(value, list) or any(type(item) not in (int, float) for item in value):
         raise ValueError(f"{what} must be a list of numbers")
     return [float(item) for item in value]
+
+
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+def check_plain(value: Any, what: str, depth: int = 0) -> Any:
+    """`value` if it is made of JSON types only (dicts with string keys, lists, tuples, scalars), else a
+    ValueError naming `what`: a job state must survive json.dumps and hold nothing else."""
+    if depth > 32:
+        raise ValueError(f"{what} nests deeper than 32 levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{what} has a key {key!r} that is not a string")
+            check_plain(item, f"{what}[{key!r}]", depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain(item, f"{what}[{i}]", depth + 1)
+    elif not isinstance(value, _PLAIN_SCALARS):
+        raise ValueError(f"{what} holds a {type(value).__name__}; only JSON types can be saved with the run")
+    return value
 
 
 def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:

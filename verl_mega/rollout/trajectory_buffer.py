@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .engine import EpisodeInfo, Response
-from .plain_state import count, entry, floats, ints
+from .plain_state import check_plain, count, entry, floats, ints
 
 
 @dataclass(frozen=True)
@@ -189,27 +189,6 @@ class PendingGroups:
 
 
 # --- plain state ----------------------------------------------------------------------------------------
-
-_PLAIN_SCALARS = (str, int, float, bool, type(None))
-
-
-def check_plain(value: Any, what: str, depth: int = 0) -> Any:
-    """`value` if it is made of JSON types only (dicts with string keys, lists, tuples, scalars), else a
-    ValueError naming `what`: a job state must survive json.dumps and hold nothing else."""
-    if depth > 32:
-        raise ValueError(f"{what} nests deeper than 32 levels")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ValueError(f"{what} has a key {key!r} that is not a string")
-            check_plain(item, f"{what}[{key!r}]", depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_plain(item, f"{what}[{i}]", depth + 1)
-    elif not isinstance(value, _PLAIN_SCALARS):
-        raise ValueError(f"{what} holds a {type(value).__name__}; only JSON types can be saved with the run")
-    return value
-
 
 def check_prompt_fields(prompt: Any, what: str) -> dict:
     if not isinstance(prompt, dict):
