@@ -207,15 +207,9 @@ def train_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, thread
     return summarise(stage_seconds, lengths)
 
 
-def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path) -> dict:
-    from verl_mega.data.tables import write_rows
-    from verl_mega.parallel.spawn import torchrun_command
-    from verl_mega.run.folder import RunFolder
-    from verl_mega.trainer.plot import read_metrics
-
-    data = write_rows(rows, out / "copy.jsonl")
-    config = out / "grpo.yaml"
-    config.write_text(f"""
+def grpo_config(settings: dict, steps: int) -> str:
+    """verl_mega's GRPO config of the comparison (see the module docstring), as YAML."""
+    return f"""
 parallel: {{tp: 1, pp: 1, rollout_tp: 1}}
 data: {{max_prompt_length: {settings['max_prompt_length']}, max_response_length: {settings['max_new_tokens']},
         batch_size: {PROMPTS_PER_STEP}, truncation: error}}
@@ -230,7 +224,18 @@ critic: {{enable: false}}
 algorithm: {{adv_estimator: grpo}}
 reward: {{function: copy}}
 trainer: {{total_steps: {steps}, seed: 1, progress_bar: false}}
-""")
+"""
+
+
+def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path) -> dict:
+    from verl_mega.data.tables import write_rows
+    from verl_mega.parallel.spawn import torchrun_command
+    from verl_mega.run.folder import RunFolder
+    from verl_mega.trainer.plot import read_metrics
+
+    data = write_rows(rows, out / "copy.jsonl")
+    config = out / "grpo.yaml"
+    config.write_text(grpo_config(settings, steps))
     run_dir = out / "run"
     lines, wall = timed_lines(torchrun_command(1, "verl_mega.trainer.main", [
         "--config", str(config), f"model.hf_path={hf_dir}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",

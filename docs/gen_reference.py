@@ -38,6 +38,7 @@ from verl_mega.rewards.registry import REWARD_FUNCTIONS
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.agent_loop import TOOL_CALL_FORMATS
 from verl_mega.rollout.factory import ENGINES
+from verl_mega.trainer.rollout_schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 CONFIG_PAGE = "config.md"
@@ -52,6 +53,8 @@ CHOICES = {
     (schema.DataConfig, "truncation"): TRUNCATION_SIDES,
     (schema.RolloutConfig, "engine"): ENGINES,
     (schema.RolloutConfig, "dtype"): ["auto", *DTYPES],
+    (schema.RolloutConfig, "mode"): ROLLOUT_MODES,
+    (schema.RolloutConfig, "partial"): PARTIAL_POLICIES,
     (schema.MultiTurnConfig, "tool_call_format"): TOOL_CALL_FORMATS,
     (schema.UpdateSchedule, "use_packed_sequences"): PACKING_SETTINGS,
     (schema.ActorConfig, "router_replay"): REPLAY_SETTINGS,

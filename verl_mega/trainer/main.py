@@ -31,6 +31,8 @@ from verl_mega.run.continuity import check_continuation
 from verl_mega.run.folder import RunFolder, layout_name
 from verl_mega.run.lock import claim_run_folder
 from verl_mega.run.provenance import write_provenance
+from verl_mega.parallel.bridge import PeerFailed, init_placement
+from verl_mega.parallel.placement import placement_for
 from verl_mega.parallel.world import read_world
 
 from .metrics import print_note
@@ -38,8 +40,10 @@ from .preemption import StopRequest, requeue_slurm_job
 from .preference import PreferenceJob
 from .preflight import preflight_check
 from .rl import RLJob, uses_critic
+from .rollout_service import RolloutService
 from .sft import SFTJob
 
+PEER_FAILED_EXIT_CODE = 3  # a rank of the other role (disaggregated placement) died or hung
 OFFLINE_JOBS = {"sft": SFTJob, "preference": PreferenceJob}
 
 
@@ -57,6 +61,9 @@ def main(argv: list[str] | None = None, job: str | None = None) -> int:
         print(f"{command}: error: {err}", file=sys.stderr)
         report_to_launcher(str(err))
         return USER_ERROR_EXIT_CODE
+    except PeerFailed as err:  # the other role's rank, named; this one's state needs no traceback
+        print(f"{command}: error: {err}", file=sys.stderr)
+        return PEER_FAILED_EXIT_CODE
     return 0
 
 
@@ -77,6 +84,18 @@ def run(config, reward_fn=None) -> None:
 
 def train(config, reward_fn=None) -> None:
     p = config.parallel
+    bridge = placement = None
+    if p.rollout_ranks:  # disaggregated: each rank to its role, the rollout ranks to their loop
+        world = read_world()
+        placement = placement_for(world.rank, world.size, p.rollout_ranks, p.rollout_tp, p.tp)
+        bridge = init_placement(placement, bridge_timeout_s=p.bridge_timeout_s)
+        if placement.role == "rollout":
+            try:
+                RolloutService(config, bridge, placement).serve()
+            finally:
+                bridge.close()
+                destroy_parallel()
+            return
     layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed)
     run_dir = Path(config.trainer.run_dir)
     # The lock and the process group are released on an error too, so that a script (the Python API) may fix
@@ -86,17 +105,19 @@ def train(config, reward_fn=None) -> None:
         lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)),
                                 layout.rank, config.model.family_spec or None)
         try:
-            finished = _run_job(copy.deepcopy(config), layout, run_dir, reward_fn)
+            finished = _run_job(copy.deepcopy(config), layout, run_dir, reward_fn, bridge, placement)
         finally:
             if lock is not None:
                 lock.release()
     finally:
+        if bridge is not None:
+            bridge.close()
         destroy_parallel()
     if not finished and layout.rank == 0:
         requeue_slurm_job(config.trainer.log_format)
 
 
-def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
+def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=None) -> bool:
     # Read once per run, by rank 0: the weights' checksums, for the provenance record and the conversion cache.
     checksums = [model_checksums(config) if layout.rank == 0 else None]
     dist.broadcast_object_list(checksums, src=0)
@@ -118,7 +139,7 @@ def _run_job(config, layout, run_dir: Path, reward_fn) -> bool:
     if config.job == "rl":
         critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
         job = RLJob(config, layout, stop, checksums, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt,
-                    reward_fn=reward_fn)
+                    reward_fn=reward_fn, bridge=bridge, placement=placement)
     else:
         job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, actor_ckpt=ckpts["actor"])
     # Written once the job has been built and has resumed: a start refused on the way changes neither.

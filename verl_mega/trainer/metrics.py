@@ -39,7 +39,11 @@ class StageTimer:
         try:
             yield
         finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+            self.add(stage, time.perf_counter() - start)
+
+    def add(self, stage: str, seconds: float) -> None:
+        """Count `seconds` spent elsewhere (another process's share of the step) under `stage`."""
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
 
 def peak_memory_bytes() -> int:

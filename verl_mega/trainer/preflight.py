@@ -14,11 +14,11 @@ from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
     ADV_ESTIMATORS, BYPASS_LOSS_TYPES, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS,
-    LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES,
+    LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, estimator_inputs,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
-from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES
+from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES, RolloutConfig
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
@@ -39,7 +39,9 @@ from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
 
 from .rl import check_estimator_config
+from .rollout_schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
+ASYNC_KNOBS = ("max_staleness", "partial", "partial_chunk_tokens")  # rollout.* keys that only async reads
 PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp", "rollout_ranks")}
 
 
@@ -125,6 +127,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         known(f"{role}.optim.lr_decay_style", getattr(config, role).optim.lr_decay_style, LR_DECAY_STYLES)
     known("trainer.nonfinite", config.trainer.nonfinite, NONFINITE_POLICIES)
     _check_dapo(config, need, known)
+    _check_rollout_mode(config, need, known)
     if config.rollout.multi_turn.enable:
         _check_multi_turn(config, check_files, check, need, known)
     need(config.rollout.engine != "embedded" or p.rollout_tp == 1,
@@ -177,6 +180,46 @@ def _check_dapo(config: TrainConfig, need, known) -> None:
              f"{buffer.penalty_factor}")
 
 
+def _check_rollout_mode(config: TrainConfig, need, known) -> None:
+    """rollout.mode and its async knobs: known values in range, set only with async, and nothing the mode cannot
+    keep: multi-turn episodes (not scheduled off-policy), routing replay (the buffer holds no routing), partial
+    rollouts without a generation in flight across weight updates."""
+    r = config.rollout
+    known("rollout.mode", r.mode, ROLLOUT_MODES)
+    known("rollout.partial", r.partial, PARTIAL_POLICIES)
+    need(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0 (0: fresh data only), got {r.max_staleness}")
+    need(r.partial_chunk_tokens >= 1, f"rollout.partial_chunk_tokens must be >= 1, got {r.partial_chunk_tokens}")
+    if r.mode != "async":
+        for key in ASYNC_KNOBS:
+            need(getattr(r, key) == getattr(RolloutConfig, key), f"rollout.{key}={getattr(r, key)} applies to "
+                 f"rollout.mode=async only (this run's is {r.mode}); set rollout.mode=async or drop the key")
+    if config.parallel.rollout_ranks:
+        _check_rollout_ranks(config, need)
+    if r.mode == "sync":
+        return
+    need(not r.multi_turn.enable, f"rollout.mode={r.mode} with rollout.multi_turn.enable: agent episodes are "
+         "generated and trained in sync only; set rollout.mode=sync")
+    need(config.actor.router_replay != "rollout", f"rollout.mode={r.mode} with actor.router_replay=rollout: the "
+         "trajectory buffer holds no routing (and a partial rollout's tokens come from several weight versions); "
+         "set actor.router_replay=off or rollout.mode=sync")
+    need(r.mode != "async" or r.partial == "off", f"rollout.partial={r.partial}: the trainer generates whole "
+         "rounds between weight pushes, so no sequence is in flight when new weights arrive (partial rollouts are "
+         "not wired into the rollout ranks yet); set rollout.partial=off")
+
+
+def _check_rollout_ranks(config: TrainConfig, need) -> None:
+    """What the rollout ranks do not run yet: validation, ReMax's greedy baseline, multi-turn episodes."""
+    key = f"parallel.rollout_ranks={config.parallel.rollout_ranks}"
+    need(not config.data.val_files, f"data.val_files with {key}: validation generates on the training ranks, "
+         "which have no engine in a disaggregated placement; drop data.val_files or set parallel.rollout_ranks=0")
+    estimator = config.algorithm.adv_estimator
+    need(estimator not in ADV_ESTIMATORS or "reward_baselines" not in estimator_inputs(estimator),
+         f"algorithm.adv_estimator={estimator} with {key}: its greedy baseline is generated colocated only; set "
+         "parallel.rollout_ranks=0")
+    need(not config.rollout.multi_turn.enable, f"rollout.multi_turn.enable with {key}: the rollout ranks run no "
+         "agent loop; set parallel.rollout_ranks=0")
+
+
 def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known) -> None:
     """rollout.multi_turn: its counts, its budget within data.max_response_length, its tools, and (with the model
     folder at hand) a chat template that renders tool messages in a known tool-call format."""
@@ -201,6 +244,8 @@ def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, know
     """SFT and preference jobs: no rollout, reward or critic; the data rows are checked one by one."""
     if dp is not None:
         _check_offline_batch_sizes(config, dp, need)
+    need(config.rollout.mode == "sync", f"rollout.mode={config.rollout.mode}: job {config.job} generates nothing; "
+         "drop the key (rollout modes are the rl job's)")
     need(config.trainer.log_samples_every == 0, f"trainer.log_samples_every={config.trainer.log_samples_every}: "
          f"job {config.job} generates no samples to log; set it to 0")
     if config.job == "preference":

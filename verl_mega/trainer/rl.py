@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Callable
 
@@ -28,13 +29,16 @@ from verl_mega.algorithms import (
     get_adv_estimator, get_kl_controller, masked_mean, mismatch_metrics_by_source, old_log_probs_from_rollout,
     overlong_filtered_mask, overlong_penalty, rollout_correction, trainable_groups, truncated_responses,
 )
+from verl_mega.algorithms.staleness import staleness_metrics
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
 from verl_mega.data.prompts import PromptDataset, as_messages
 from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.agree import all_finite
+from verl_mega.parallel.bridge import Bridge
 from verl_mega.parallel.layout import rollout_placement
+from verl_mega.parallel.placement import Placement
 from verl_mega.rewards.registry import RewardFn
 from verl_mega.roles.actor import Actor, is_on_policy, sampling_temperature, uses_kl_loss
 from verl_mega.roles.critic import Critic
@@ -49,7 +53,9 @@ from verl_mega.tools import ToolSet
 
 from .job import TrainingJob
 from .metrics import StageTimer, step_performance
-from .rollout_batch import build_rollout_batch, response_tokens
+from .rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch, response_tokens
+from .rollout_schedule import GeneratedRound, Pending, RolloutSchedule
+from .rollout_service import RemoteRollout
 
 # An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
 BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_pi_squared")
@@ -114,10 +120,12 @@ class RLJob(TrainingJob):
     name = "rl"
     validates_before_training = True
 
-    def build(self, actor_ckpt: Path, critic_ckpt: Path | None = None, reward_fn: RewardFn | None = None) -> None:
+    def build(self, actor_ckpt: Path, critic_ckpt: Path | None = None, reward_fn: RewardFn | None = None,
+              bridge: Bridge | None = None, placement: Placement | None = None) -> None:
         """The prompts, the actor (and the reference and critic the config uses), the reward and the rollout
-        engine behind the HybridEngine. `reward_fn`: a callable in place of `reward.function` (the Python
-        API's)."""
+        engine behind the HybridEngine, or with rollout ranks of their own (`bridge` and `placement`), the client
+        that pushes the weights to them and asks them to generate. `reward_fn`: a callable in place of
+        `reward.function` (the Python API's)."""
         config = self.config
         self.actor_ckpt = Path(actor_ckpt)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
@@ -165,21 +173,29 @@ class RLJob(TrainingJob):
         # A multi-turn turn may ask for the longest budget left in its batch on top of a context of up to the
         # prompt and a whole budget: the engine's context limit holds both.
         responses = config.data.max_response_length * (2 if self.agent is not None else 1)
-        self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
-                                           self.hybrid.feed, max_model_len=config.data.max_prompt_length
-                                           + responses, dtype=rollout_dtype,
-                                           gpu_memory_utilization=config.rollout.gpu_memory_utilization)
+        self.remote = self.rollout = None
+        if placement is not None and placement.disaggregated:
+            self.remote = RemoteRollout(bridge, placement, self.hybrid, config.parallel.weight_push_bucket_mb)
+        else:
+            self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
+                                               self.hybrid.feed, max_model_len=config.data.max_prompt_length
+                                               + responses, dtype=rollout_dtype,
+                                               gpu_memory_utilization=config.rollout.gpu_memory_utilization)
 
         # An MoE model's rollout routing, where the engine can record it: replayed (actor.router_replay), and
-        # compared with the trainer's own either way (actor/router_mismatch).
-        self.records_routing = self.hf_config.num_experts is not None and self.rollout.records_routing
-        if replay == "rollout" and not self.rollout.records_routing:
+        # compared with the trainer's own either way (actor/router_mismatch). The trajectory buffer of the other
+        # rollout modes holds none.
+        self.records_routing = (self.hf_config.num_experts is not None and self.rollout is not None
+                                and self.rollout.records_routing and config.rollout.mode == "sync")
+        if replay == "rollout" and not self.records_routing:
             raise UserError(f"actor.router_replay=rollout: the {type(self.rollout).__name__} rollout engine cannot "
                             "return the experts it routed each token to; set rollout.engine=embedded or "
                             "actor.router_replay=off")
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
+        self.schedule = RolloutSchedule(config.rollout.mode, config.rollout.max_staleness, config.data.batch_size,
+                                        config.rollout.n)
 
     def make_agent_loop(self) -> AgentLoop | None:
         """rollout.multi_turn's agent loop over its tools, or None for single-turn rollouts."""
@@ -210,12 +226,15 @@ class RLJob(TrainingJob):
 
     def job_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "reward_normalizer": self.reward_normalizer.state_dict()}
+                "reward_normalizer": self.reward_normalizer.state_dict(),
+                "rollout_schedule": self.schedule.state_dict()}
 
     def load_job_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.reward_normalizer.load_state_dict(state["reward_normalizer"])
+        if "rollout_schedule" in state:  # a checkpoint written before the schedule existed was sync's: no buffer
+            self.schedule.load_state_dict(state["rollout_schedule"], len(self.dataset))
 
     # --- non-finite values --------------------------------------------------------------------------------
 
@@ -254,33 +273,42 @@ class RLJob(TrainingJob):
             return {}
 
     def close(self) -> None:
-        self.rollout.close()
+        (self.rollout or self.remote).close()
         self.reward.close()
         if self.agent is not None:
             self.agent.toolset.close()
 
     def train_step(self) -> dict[str, float]:
-        """One step, stage by stage in dataflow order; a stage slots in here under its own name."""
+        """One step: its batch from the rollout schedule, then the stages that learn from it; rounds generated
+        meanwhile (rollout ranks of their own) come back (timed as rollout_wait) before the weights change."""
         timer = StageTimer()
         batch, rows, reward, sampling = self.sample_batch(timer)
+        metrics = sampling if batch is None else self.learn(batch, rows, reward, sampling, timer)
+        self.schedule.settle()
         if batch is None:
-            return self.empty_step_metrics(sampling, timer)
+            return self.empty_step_metrics(metrics, timer)
+        return self.step_metrics(metrics, batch, reward, timer)
+
+    def learn(self, batch: dict, rows: dict, reward: RewardOutput, sampling: dict[str, float], timer: StageTimer
+              ) -> dict[str, float]:
+        """The stages after sampling, in dataflow order (a stage slots in here under its own name); a non-finite
+        reward or model output ends them before anything is applied."""
         self.log_probs_and_values(batch, timer)
         self.log_samples(batch, rows, reward)
         if self.nonfinite_reward(reward.scores):
-            return self.step_metrics(sampling, batch, reward, timer)
+            return sampling
         metrics = {**sampling, **self.compute_advantages(batch, reward.scores, reward.token_level_rewards, rows["uid"],
                                                          rows.get("reward_baseline"))}
         if self.nonfinite_batch(batch):
-            return self.step_metrics(metrics, batch, reward, timer)
+            return metrics
         metrics.update(self.update_roles(self.without_overlong(batch), timer))
         metrics.update(self.rollout_mismatch(batch, rows))
-        return self.step_metrics(metrics, batch, reward, timer)
+        return metrics
 
     # --- stages ---------------------------------------------------------------------------------------
 
-    def next_prompts(self) -> dict:
-        indices = self.sampler.next_batch()
+    def prompt_rows(self, indices: list[int]) -> dict:
+        """The prompts `indices` of the dataset: their token ids, indices and the fields the reward reads."""
         items = [self.dataset[i] for i in indices]
         return {"input_ids": [item["input_ids"] for item in items], "index": list(indices),
                 **{key: [item.get(key) for item in items] for key in PROMPT_FIELDS}}
@@ -290,8 +318,9 @@ class RLJob(TrainingJob):
         generation rounds. With dynamic sampling (algorithm.filter_groups) a round's groups whose filter metric
         is the same for every response are dropped, and rounds follow until data.batch_size groups are kept (cut
         to exactly that) or max_num_gen_batches rounds ran; then the run stops, or trains on the kept groups cut
-        to whole mini-batches (on_exhausted). Without it: one round, every group kept. Every round draws from
-        the sampler, whose position a checkpoint saves."""
+        to whole mini-batches (on_exhausted). Without it: one round, every group kept. The rounds come from the
+        rollout schedule (rollout.mode: generated now or earlier, see `trainer.rollout_schedule`); every round
+        draws from the sampler, whose position a checkpoint saves with the schedule's buffer."""
         config, n = self.config, self.config.rollout.n
         filter_config = config.algorithm.filter_groups
         groups = GroupFilter(config.data.batch_size, n, filter_config.max_num_gen_batches if filter_config.enable
@@ -300,8 +329,11 @@ class RLJob(TrainingJob):
         generated = []  # every response of the step's rounds, dropped ones too, for the metrics
         # One transition for all rounds: the weights do not change between them.
         with self.rollout_engine_awake(timer):
+            generate = functools.partial(self.generation_round, timer)
+            self.schedule.fill(generate, self.step)
             while not groups.done:
-                rows, responses, reward, batch = self.generation_round(timer, groups.rounds)
+                generation = self.schedule.take(self.step, groups.rounds, generate, self.step)
+                rows, responses, reward, batch = self.scored_round(generation, timer)
                 generated.append({"scores": reward.scores, "responses": batch["responses"],
                                   "response_tokens": response_tokens(batch),
                                   "timeouts": torch.tensor([row in reward.timeouts for row in range(len(responses))])})
@@ -322,18 +354,49 @@ class RLJob(TrainingJob):
             metrics["reward/timeouts"] = int(generated["timeouts"].sum())
         if self.agent is not None:  # the episodes trained on
             metrics.update(episode_metrics(rows["episode"]))
-        return (self.rollout_batch(rows, responses) if responses else None), rows, reward, metrics
+        batch = self.rollout_batch(rows, responses) if responses else None
+        if batch is not None and ROLLOUT_VERSIONS in batch:  # how many optimizer steps the weights that sampled lag
+            metrics.update(staleness_metrics(batch[ROLLOUT_VERSIONS], self.step, batch["response_mask"]))
+        return batch, rows, reward, metrics
 
-    def generation_round(self, timer: StageTimer, gen_round: int) -> tuple[dict, list[Response], RewardOutput, dict]:
-        """data.batch_size prompts drawn: their rows (with ReMax's greedy baseline where the estimator takes it),
-        responses, reward (overlong penalty included) and batch. Runs in the rollout engine's awake window."""
-        config = self.config
-        prompts = self.next_prompts()
+    def generation_round(self, timer: StageTimer, step: int, gen_round: int) -> Pending:
+        """data.batch_size prompts drawn and their responses (with ReMax's greedy ones where the estimator takes
+        them) from the current weights, seeded by slot (step, gen_round). Runs in the rollout engine's awake
+        window. With rollout ranks of their own, a request they answer while the step goes on."""
+        indices = list(self.sampler.next_batch())
+        prompts = self.prompt_rows(indices)
+        if self.remote is not None:
+            replicas = self.remote.replicas
+            params = [self.sampling_params(step, gen_round, replicas, replica) for replica in range(replicas)]
+            pending = self.remote.request(prompts["input_ids"], params)
+            return Pending(lambda: self.answered_round(indices, pending, timer))
         with timer("rollout"):
-            responses = self.generate(prompts["input_ids"], gen_round=gen_round, conversations=prompts["raw_prompt"])
-        rows = with_episodes(one_row_per_response(prompts, config.rollout.n), responses)
+            responses = self.generate(prompts["input_ids"], step=step, gen_round=gen_round,
+                                      conversations=prompts["raw_prompt"])
+        greedy = None
         if self.uses_greedy_baseline:
-            rows["reward_baseline"] = self.remax_baselines(prompts, timer)
+            params = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
+            with timer("remax_baseline"):
+                greedy = self.generate(prompts["input_ids"], params, conversations=prompts["raw_prompt"])
+        return Pending.done(GeneratedRound(indices, responses, greedy))
+
+    @staticmethod
+    def answered_round(indices: list[int], pending: Pending, timer: StageTimer) -> GeneratedRound:
+        """The rollout ranks' round once they answer: the training ranks' wait is `rollout_wait`, the rollout
+        ranks' work for it `rollout_ranks_busy` (the bench's idle shares of both sides)."""
+        with timer("rollout_wait"):
+            responses, busy = pending.result()
+        timer.add("rollout_ranks_busy", busy)
+        return GeneratedRound(indices, responses)
+
+    def scored_round(self, generation: GeneratedRound, timer: StageTimer
+                     ) -> tuple[dict, list[Response], RewardOutput, dict]:
+        """A generated round's rows (with ReMax's greedy baseline where the estimator takes it), responses,
+        reward (overlong penalty included) and batch."""
+        prompts, responses = self.prompt_rows(generation.indices), generation.responses
+        rows = with_episodes(one_row_per_response(prompts, self.config.rollout.n), responses)
+        if generation.greedy is not None:
+            rows["reward_baseline"] = self.remax_baselines(prompts, generation.greedy, timer)
         batch = self.rollout_batch(rows, responses)
         with timer("reward"):
             return rows, responses, self.shape_overlong(batch, self.agreed_score(batch, rows)), batch
@@ -344,21 +407,20 @@ class RLJob(TrainingJob):
         return build_rollout_batch(rows["input_ids"], [r.token_ids for r in responses],
                                    self.config.data.max_response_length, self.tokenizer.pad_token_id,
                                    [r.logprobs for r in responses] if log_probs else None,
-                                   [r.loss_mask for r in responses], rollout_routing(responses))
+                                   [r.loss_mask for r in responses], rollout_routing(responses),
+                                   [r.token_versions for r in responses])
 
     @property
     def uses_greedy_baseline(self) -> bool:
         return "reward_baselines" in estimator_inputs(self.config.algorithm.adv_estimator)
 
-    def remax_baselines(self, prompts: dict, timer: StageTimer) -> torch.Tensor:
-        """ReMax's baseline: the reward of one greedy response per prompt, from the same engine and weights as the
-        samples (inside their awake window, so it costs no transition), scored like them, repeated for the
-        prompt's n rows [B]; timed as `remax_baseline`."""
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=self.config.data.max_response_length)
+    def remax_baselines(self, prompts: dict, greedy: list[Response], timer: StageTimer) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy response per prompt (generated by the same engine and
+        weights as the samples, in their round), scored like them, repeated for the prompt's n rows [B]; timed as
+        `remax_baseline`."""
         with timer("remax_baseline"):
-            responses = self.generate(prompts["input_ids"], greedy, conversations=prompts["raw_prompt"])
-            rows = with_episodes({key: prompts[key] for key in ("input_ids", *PROMPT_FIELDS)}, responses)
-            scores = self.agreed_score(self.rollout_batch(rows, responses, log_probs=False), rows).scores
+            rows = with_episodes({key: prompts[key] for key in ("input_ids", *PROMPT_FIELDS)}, greedy)
+            scores = self.agreed_score(self.rollout_batch(rows, greedy, log_probs=False), rows).scores
         return scores.repeat_interleave(self.config.rollout.n)
 
     def agreed_score(self, batch: dict, rows: dict) -> RewardOutput:
@@ -448,6 +510,12 @@ class RLJob(TrainingJob):
         """The rollout engine with the actor's current weights and its KV cache, for the body; the training side's
         memory (gradient buffers, optimizer state, allocator cache) is released before the engine wakes, so the
         KV cache is not allocated on top of it, and comes back after the engine sleeps."""
+        if self.remote is not None:  # the rollout ranks' engines: the current weights pushed to them
+            if self.remote.version != self.step:
+                with timer("transition"):
+                    self.remote.push(self.step)
+            yield
+            return
         with training_memory_released(self.actor.model, self.actor.trainable.optimizer):
             with timer("transition"):
                 self.sync_rollout_weights()
@@ -513,23 +581,19 @@ class RLJob(TrainingJob):
                             or is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows))
         return kl_in_reward or estimator_needs or update_needs
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, gen_round: int = 0,
-                 conversations: list | None = None) -> list[Response]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, step: int = 0,
+                 gen_round: int = 0, conversations: list | None = None) -> list[Response]:
         """Each rollout replica generates its share of the prompts; every rank gets all responses, each with its
         tokens' log-probs under the distribution they were sampled from (the engine's own, at no extra pass).
-        `params`: the rollout's sampling (rollout.*, n per prompt, seeded by the step's generation round
-        `gen_round`) unless given. `conversations`: the prompts as the data gives them, which multi-turn
+        `params`: the rollout's sampling (rollout.*, n per prompt, seeded by the slot (`step`, `gen_round`)) unless
+        given. `conversations`: the prompts as the data gives them, which multi-turn
         episodes start from (rendered with the tools' schemas)."""
         config, layout = self.config, self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         replicas, replica = placement.replicas, placement.replica
         share = len(prompts) // replicas
         mine = prompts[replica * share:(replica + 1) * share]
-        rollout = config.rollout
-        params = params or SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                                          max_new_tokens=config.data.max_response_length, n=rollout.n, logprobs=True,
-                                          routed_experts=self.records_routing,
-                                          seed=rollout_seed(rollout.seed, self.step, gen_round, replicas, replica))
+        params = params or self.sampling_params(step, gen_round, replicas, replica)
         mine_conversations = None if conversations is None else conversations[replica * share:(replica + 1) * share]
         responses = [dataclasses.replace(r, prompt_index=replica * share + r.prompt_index)
                      for r in self.rollout_responses(mine, mine_conversations, params)] if mine else []
@@ -537,6 +601,14 @@ class RLJob(TrainingJob):
         dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
         return [response for rep in range(replicas) for response in by_replica[rep]]
+
+    def sampling_params(self, step: int, gen_round: int, replicas: int, replica: int) -> SamplingParams:
+        """The rollout's sampling (rollout.*, n per prompt) for a replica, seeded by the slot (step, gen_round)."""
+        rollout = self.config.rollout
+        return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                              max_new_tokens=self.config.data.max_response_length, n=rollout.n, logprobs=True,
+                              routed_experts=self.records_routing,
+                              seed=rollout_seed(rollout.seed, step, gen_round, replicas, replica))
 
     def rollout_responses(self, prompts: list[list[int]], conversations: list | None, params: SamplingParams
                           ) -> list[Response]:

@@ -1,0 +1,111 @@
+"""The same GRPO work in the rollout modes and placements, one after the other in one run.
+
+    python -m bench.async_step [--scale tiny|llama100m] [--steps 5] [--threads 1]
+
+bench/vs_trl.py's GRPO step (8 prompts x 4 samples of the copy task, fp32, random weights that generate to the
+length limit, so every mode decodes the same tokens) through the real trainer in:
+
+    sync colocated        1 process that generates, then trains
+    sync disaggregated    1 training + 1 rollout process (parallel.rollout_ranks=1), taking turns
+    one_step_off          the same 2 processes, the rollout rank generating step k + 1's batch during step k
+    async                 the same, max_staleness 2: up to 3 batches requested ahead
+
+Printed per mode, medians over the steps after the first: step time, completion tokens/s, the idle share of
+each side (training: waiting for responses, `timing/rollout_wait`, or colocated generating; rollout: the part
+of the step it neither generated nor loaded weights, `timing/rollout_ranks_busy`), the staleness histogram
+(`async/staleness_hist/<k>`, mean over the steps) and the reward per step; then one_step_off's step time over
+disaggregated sync's (goal <= 0.65: the overlap's limit is max(generate, train) / (generate + train)). Every
+process runs `--threads` threads, so the disaggregated placements use one more core than the colocated one. The
+machine's load average is printed before and after: a shared machine slows every mode, not alike.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench.vs_trl import BUILDERS, SCALES, SEQUENCES_PER_STEP, copy_rows, grpo_config
+
+DISAGGREGATED = ("parallel.rollout_ranks=1",)
+MODES = {  # name -> (processes, overrides)
+    "sync colocated": (1, ()),
+    "sync disaggregated": (2, DISAGGREGATED),
+    "one_step_off": (2, (*DISAGGREGATED, "rollout.mode=one_step_off")),
+    "async (max_staleness 2)": (2, (*DISAGGREGATED, "rollout.mode=async", "rollout.max_staleness=2")),
+}
+GOAL = 0.65  # one_step_off's step time over disaggregated sync's
+
+
+def run_mode(hf_dir: Path, data: Path, config: Path, nproc: int, overrides: tuple, threads: int, run_dir: Path
+             ) -> list[dict]:
+    from verl_mega.parallel.spawn import run_torchrun
+    from verl_mega.run.folder import RunFolder
+    from verl_mega.trainer.plot import read_metrics
+
+    run_torchrun(nproc, "verl_mega.trainer.main", [
+        "--config", str(config), f"model.hf_path={hf_dir}", f"data.train_files=[{data}]",
+        f"trainer.run_dir={run_dir}", *overrides], env={"OMP_NUM_THREADS": str(threads)})
+    return read_metrics(RunFolder(run_dir).metrics)
+
+
+def summarise(records: list[dict], colocated: bool) -> dict:
+    """Medians over the steps after the first (warm-up), the mean staleness histogram, the reward per step."""
+    measured = records[1:] or records
+    step = statistics.median(r["perf/step_seconds"] for r in measured)
+
+    def share(record: dict, stages: tuple[str, ...]) -> float:
+        return sum(record.get(f"timing/{stage}", 0.0) for stage in stages) / record["perf/step_seconds"]
+
+    if colocated:  # one process: it trains or generates, never both
+        train_idle = statistics.median(share(r, ("rollout", "transition")) for r in measured)
+        rollout_idle = 1 - statistics.median(share(r, ("rollout", "transition")) for r in measured)
+    else:
+        train_idle = statistics.median(share(r, ("rollout_wait",)) for r in measured)
+        rollout_idle = 1 - statistics.median(share(r, ("rollout_ranks_busy",)) for r in measured)
+    lags = sorted({int(key.rsplit("/", 1)[1]) for r in records for key in r if key.startswith("async/staleness_hist/")})
+    hist = {lag: statistics.mean(r.get(f"async/staleness_hist/{lag}", 0.0) for r in records) for lag in lags}
+    tokens = statistics.median(r["response/length_mean"] for r in measured) * SEQUENCES_PER_STEP
+    return {"step": step, "tokens_per_second": tokens / step, "train_idle": train_idle,
+            "rollout_idle": rollout_idle, "staleness": hist or {0: 1.0},
+            "reward": [round(r["reward/mean"], 4) for r in records]}
+
+
+def report(results: dict[str, dict], load_before: tuple, load_after: tuple) -> None:
+    print(f"load average before {load_before[0]:.1f} / {load_before[1]:.1f} / {load_before[2]:.1f}, after "
+          f"{load_after[0]:.1f} / {load_after[1]:.1f} / {load_after[2]:.1f}")
+    print(f"{'mode':26s} {'step s':>8s} {'tokens/s':>9s} {'train idle':>11s} {'rollout idle':>13s}  staleness  reward")
+    for name, r in results.items():
+        staleness = " ".join(f"{lag}:{share:.2f}" for lag, share in r["staleness"].items())
+        print(f"{name:26s} {r['step']:8.2f} {r['tokens_per_second']:9.1f} {r['train_idle']:11.0%} "
+              f"{r['rollout_idle']:13.0%}  {staleness:9s}  {r['reward']}")
+    ratio = results["one_step_off"]["step"] / results["sync disaggregated"]["step"]
+    print(f"one_step_off / sync disaggregated step time: {ratio:.2f} (goal <= {GOAL}): "
+          f"{'PASS' if ratio <= GOAL else 'FAIL'}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.async_step")
+    parser.add_argument("--scale", choices=sorted(SCALES), default="llama100m")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="threads of each process")
+    args = parser.parse_args(argv)
+    from verl_mega.data.tables import write_rows
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        hf_dir = BUILDERS[args.scale](root / "model")
+        data = write_rows(copy_rows(256), root / "copy.jsonl")
+        config = root / "grpo.yaml"
+        config.write_text(grpo_config(SCALES[args.scale], args.steps))
+        load_before = os.getloadavg()
+        results = {name: summarise(run_mode(hf_dir, data, config, nproc, overrides, args.threads, root / f"run{i}"),
+                                   colocated=nproc == 1)
+                   for i, (name, (nproc, overrides)) in enumerate(MODES.items())}
+        report(results, load_before, os.getloadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""Disaggregated placement (`parallel.rollout_ranks`): the rollout ranks' loop and the training ranks' client.
+
+The rollout ranks run only a rollout engine (embedded or vLLM, at parallel.rollout_tp) and obey the first
+training rank (the leader), message by message over the bridge:
+
+    ("build", padded_vocab, vocab_size)   build the engine for the actor's vocabulary (once, first)
+    ("weights", version)                  receive the training ranks' push (`rollout.weight_push`), load it
+    ("generate", prompts, params)         generate; the replica's first rank sends the responses back, with the
+                                          seconds it spent generating and loading weights since its last answer
+    ("stop",)                             return
+
+The client on the training ranks sends them and hands the responses to every training rank. A request returns
+at once (`Pending`): a thread of the leader's sends it and waits for the responses while the training ranks train,
+and every training rank takes them when the step settles (`RolloutSchedule.settle`), so in one_step_off the
+rollout ranks generate the next batch while the training ranks train on this one. The reward stays on the
+training side.
+
+Failures: a rollout rank that dies or hangs makes the leader's wait raise `PeerFailed` naming it, which stops
+the run; a training rank that dies leaves the rollout ranks' next receive to raise it, and they exit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import torch.distributed as dist
+
+from verl_mega.models import load_hf_model_config
+from verl_mega.models.builder import DTYPES
+from verl_mega.parallel.bridge import Bridge
+from verl_mega.parallel.placement import Placement
+from verl_mega.rollout.engine import Response, SamplingParams
+from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
+from verl_mega.rollout.hybrid_engine import HybridEngine
+from verl_mega.rollout.weight_push import push_weights, receive_weights, rollout_feed
+
+from .rollout_schedule import Pending
+
+
+def leader(placement: Placement) -> int:
+    """The training rank that talks to the rollout ranks."""
+    return placement.train_ranks[0]
+
+
+def replica_leaders(placement: Placement) -> list[int]:
+    """The first global rank of each rollout replica: it sends its replica's responses back."""
+    return list(placement.rollout_ranks[::placement.rollout_tp])
+
+
+class RolloutService:
+    """A rollout rank's loop (see the module docstring)."""
+
+    def __init__(self, config, bridge: Bridge, placement: Placement):
+        self.config, self.bridge, self.placement = config, bridge, placement
+        self.engine = None
+        self.version = -1
+        self.busy_seconds = 0.0  # generating and loading weights, since the last answer
+
+    def serve(self) -> None:
+        """Obey the leader until it says stop; PeerFailed (the leader died or went silent) ends the loop too."""
+        source = leader(self.placement)
+        while True:
+            message = self.bridge.recv_object(source)
+            if message[0] == "stop":
+                break
+            getattr(self, f"on_{message[0]}")(*message[1:])
+        if self.engine is not None:
+            self.engine.close()
+
+    def on_build(self, padded_vocab: int, vocab_size: int) -> None:
+        config = self.config
+        hf_config, _ = load_hf_model_config(config.model.hf_path, config.model.family_spec or None)
+        dtype = DTYPES[resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, config.model.dtype)]
+        self.engine = make_rollout_engine(config.rollout.engine, config.model.hf_path, hf_config.raw,
+                                          rollout_feed(self.placement, padded_vocab, vocab_size),
+                                          max_model_len=config.data.max_prompt_length
+                                          + config.data.max_response_length, dtype=dtype,
+                                          gpu_memory_utilization=config.rollout.gpu_memory_utilization)
+
+    def on_weights(self, version: int) -> None:
+        self.version, stream = receive_weights(self.bridge, self.placement, self.config.parallel.weight_push_bucket_mb)
+        start = time.perf_counter()
+        self.engine.wake_up(["weights"])
+        self.engine.load_weights(stream)
+        self.engine.wake_up(["kv_cache"])
+        self.busy_seconds += time.perf_counter() - start
+
+    def on_generate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        start = time.perf_counter()
+        responses = self.engine.generate(prompts, params) if prompts else []
+        self.busy_seconds += time.perf_counter() - start
+        if self.placement.global_rank in replica_leaders(self.placement):
+            self.bridge.send_object((responses, self.busy_seconds), leader(self.placement))
+        self.busy_seconds = 0.0
+
+
+class RemoteRollout:
+    """The training ranks' side: every training rank calls each method alike (see the module docstring)."""
+
+    def __init__(self, bridge: Bridge, placement: Placement, hybrid: HybridEngine, bucket_mb: float):
+        self.bridge, self.placement, self.hybrid, self.bucket_mb = bridge, placement, hybrid, bucket_mb
+        self.leads = placement.global_rank == leader(placement)
+        self.version = None  # of the weights the rollout ranks hold
+        self.waiter = ThreadPoolExecutor(max_workers=1) if self.leads else None
+        feed = hybrid.feed
+        self._tell(("build", feed.padded_vocab, feed.vocab_size))
+
+    @property
+    def replicas(self) -> int:
+        return self.placement.replicas
+
+    def push(self, version: int) -> None:
+        """The actor's weights after `version` optimizer steps to every rollout rank (collective on the training
+        ranks: the HybridEngine's stream needs them all)."""
+        self._tell(("weights", version))
+        push_weights(self.bridge, self.hybrid, self.placement, version, self.bucket_mb)
+        self.version = version
+
+    def request(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> Pending:
+        """Replica r generates its share r of `prompts` under `params[r]`; the Pending's result is every response,
+        in replica order, each prompt_index counted over all `prompts`, and the seconds the busiest replica
+        spent generating and loading weights for it."""
+        share = len(prompts) // self.replicas
+        shares = [list(prompts[r * share:(r + 1) * share]) for r in range(self.replicas)]
+        # The leader's thread sends too: a send waits for a rollout rank still busy with an earlier round.
+        waiting = self.waiter.submit(self._generated, shares, params, share) if self.leads else None
+        return Pending(lambda: self._shared(waiting))
+
+    def close(self) -> None:
+        self._tell(("stop",))
+        if self.waiter is not None:
+            self.waiter.shutdown()
+
+    def _generated(self, shares: list[list[list[int]]], params: Sequence[SamplingParams], share: int
+                   ) -> tuple[list[Response], float]:
+        for rank in self.placement.rollout_ranks:
+            replica, _ = self.placement.rollout_coordinates(rank)
+            self.bridge.send_object(("generate", shares[replica], params[replica]), rank)
+        responses, busy = [], 0.0
+        for replica, rank in enumerate(replica_leaders(self.placement)):
+            answered, seconds = self.bridge.recv_object(rank)
+            responses += [dataclasses.replace(response, prompt_index=replica * share + response.prompt_index)
+                          for response in answered]
+            busy = max(busy, seconds)
+        return responses, busy
+
+    def _shared(self, waiting) -> tuple[list[Response], float]:
+        """Collective on the training ranks: the leader's responses on every one of them."""
+        shared = [waiting.result() if waiting is not None else None]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+
+    def _tell(self, message: tuple) -> None:
+        if self.leads:
+            for rank in self.placement.rollout_ranks:
+                self.bridge.send_object(message, rank)
