@@ -106,11 +106,11 @@ class Bridge:
     # --- the calls --------------------------------------------------------------------------------------
 
     def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
-        self._wait(self._group.send([tensor], dst, 0), (dst,))
+        self._wait(lambda: self._group.send([tensor], dst, 0), (dst,))
 
     def recv_tensor(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into `tensor` (its shape and dtype are the sender's) and return it."""
-        self._wait(self._group.recv([tensor], src, 0), (src,))
+        self._wait(lambda: self._group.recv([tensor], src, 0), (src,))
         return tensor
 
     def send_bytes(self, data: bytes, dst: int) -> None:
@@ -138,7 +138,7 @@ class Bridge:
             raise ValueError(f"broadcast from rank {src} over ranks {ranks}: source and caller must be among them")
         group = self._group if len(ranks) == self.placement.global_size else self._subgroup(ranks)
         others = tuple(rank for rank in ranks if rank != src) if self.placement.global_rank == src else (src,)
-        self._wait(group.broadcast([tensor], _broadcast_options(ranks.index(src), self.timeout)), others)
+        self._wait(lambda: group.broadcast([tensor], _broadcast_options(ranks.index(src), self.timeout)), others)
         return tensor
 
     def close(self) -> None:
@@ -155,9 +155,10 @@ class Bridge:
                                                 self.timeout)
         return self._subgroups[ranks]
 
-    def _wait(self, work, peers: tuple[int, ...]) -> None:
+    def _wait(self, start, peers: tuple[int, ...]) -> None:
+        """Run `start()` (which posts the operation) and wait for it: gloo raises a dead peer's error from either."""
         try:
-            work.wait(self.timeout)
+            start().wait(self.timeout)
         except RuntimeError as error:  # gloo and NCCL raise it (DistBackendError is one) for death and timeout
             raise PeerFailed(self._failure(peers, error)) from None
 
