@@ -43,7 +43,7 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
 
     rows = make_task_rows("copy", 512, seed=0, max_digits=2)
     train_file = write_rows(rows, tmp_path / "copy.jsonl")
-    sft = sft_warmup(make_tiny_hf_model(tmp_path / "random", "qwen2", vocab_size=64), sft_pairs(rows), tmp_path / "sft")
+    sft, _ = sft_warmup(make_tiny_hf_model(tmp_path / "random", "qwen2", vocab_size=64), sft_pairs(rows), tmp_path / "sft")
     run_dir = tmp_path / "run"
     train(EXAMPLES / "ppo_gae_demo.yaml", 1, [
         f"model.hf_path={sft}", f"data.train_files=[{train_file}]", f"trainer.run_dir={run_dir}",

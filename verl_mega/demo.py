@@ -1,8 +1,8 @@
 """`make demo`: a tiny model learns by RL to copy digit strings: convert -> RL -> export, on CPU, in a few minutes.
 
 1. A tiny random Qwen2-style model and the character tokenizer are built locally; a short supervised
-   warm-up on the synthetic "copy" task (repeat a digit string; partial credit per position) stops while
-   the model still copies at about chance (held-out greedy score below 0.3).
+   warm-up on the synthetic "copy" task (repeat a digit string; partial credit per position) stops as soon as
+   the model starts to copy (greedy copies of training prompts score 0.3).
 2. The warm model is converted to Megatron shards and checked for logit parity with transformers.
 3. A few PPO steps with GAE and a critic at TP2 x PP2 x DP2 (8 processes) show the 3D layout; then GRPO at
    DP2 (2 processes, one per core of a small machine) does the learning.
@@ -39,9 +39,14 @@ from verl_mega.trainer.plot import read_metrics
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TASK = "copy"
-# Stopped while the warm model still copies at about chance (after 50 steps its held-out greedy copies score
-# 0.10, after 60 steps already 0.48): RL, not the warm-up, turns it into a model that copies.
-WARMUP_STEPS = 50
+# The warm-up stops as soon as greedy copies of training prompts score WARMUP_TARGET (asked every
+# WARMUP_CHECK_EVERY steps, at most WARMUP_MAX_STEPS steps): the copy circuit has begun to form. The model makes
+# that jump suddenly and at a step that varies (a score of 0.3 came after 76, 90 and 166 steps for seeds 2, 0
+# and 1), so a fixed step count stops some seeds and machines before it, and GRPO from there sometimes never
+# found it. A target of 0.5 did worse at seed 0 (0.792 after RL against 0.979) and did not help seed 1.
+WARMUP_MAX_STEPS = 200
+WARMUP_TARGET = 0.3
+WARMUP_CHECK_EVERY = 2
 # name -> (tp, pp, processes): a few PPO steps show the 3D layout; GRPO at DP2 (a process per core) learns.
 LAYOUTS = {"ppo": (2, 2, 8), "grpo": (1, 1, 2)}
 SAMPLES = 4
@@ -54,40 +59,42 @@ def main(argv=None) -> None:
     parser.add_argument("--layout-steps", type=int, default=4, help="PPO steps of the TP2 x PP2 x DP2 run")
     parser.add_argument("--sft-dpo", action="store_true", help="instead: the SFT -> DPO demo (`make demo-dpo`)")
     parser.add_argument("--dapo", action="store_true", help="instead: examples/dapo.yaml (`make demo-dapo`)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the warm-up (initial weights, batches); the training runs take the next one")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.sft_dpo:
-            run_sft_dpo(Path(args.workdir or tmp), args.steps)
+            run_sft_dpo(Path(args.workdir or tmp), args.steps, args.seed)
         elif args.dapo:
-            run_dapo(Path(args.workdir or tmp), args.steps)
+            run_dapo(Path(args.workdir or tmp), args.steps, args.seed)
         else:
-            run(Path(args.workdir or tmp), args.steps, args.layout_steps)
+            run(Path(args.workdir or tmp), args.steps, args.layout_steps, args.seed)
 
 
-def warm_start(workdir: Path) -> tuple[Path, Path, list[dict], Path, list[str]]:
-    """The copy task's train and held-out files, the held-out rows, the warm model and its held-out replies."""
+def warm_start(workdir: Path, seed: int) -> tuple[Path, Path, list[dict], Path, list[str]]:
+    """The copy task's train and held-out files, the held-out rows, the warm model (warmed up from `seed`) and its
+    held-out replies. The rows are the same for every seed: seeds compare on one held-out set."""
     workdir.mkdir(parents=True, exist_ok=True)
     train_rows, heldout_rows = disjoint_copy_rows()
     train_file = write_rows(train_rows, workdir / "copy_train.jsonl")
     heldout_file = write_rows(heldout_rows, workdir / "copy_heldout.jsonl")
     hf = make_tiny_hf_model(workdir / "random", "qwen2", vocab_size=64)
-    warm = sft_warmup(hf, sft_pairs(train_rows), workdir / "warm")
+    probe = [row for row in train_rows if len(row["reward_model"]["ground_truth"]) == 2][:len(heldout_rows)]
+    warm, steps = sft_warmup(hf, sft_pairs(train_rows), workdir / "warm", WARMUP_MAX_STEPS, seed=seed,
+                             until=lambda model, tokenizer: copies_at_least(model, tokenizer, probe, WARMUP_TARGET))
     before = greedy_replies(warm, heldout_rows)
-    print(f"[demo] short supervised warm-up ({WARMUP_STEPS} steps): held-out greedy copy score "
-          f"{mean_score(before, heldout_rows):.3f}; RL starts from this model", flush=True)
+    print(f"[demo] short supervised warm-up: {steps} steps, until greedy copies of training prompts score "
+          f"{WARMUP_TARGET}; held-out greedy copy score {mean_score(before, heldout_rows):.3f}; RL starts from this "
+          f"model", flush=True)
     return train_file, heldout_file, heldout_rows, warm, before
 
 
-def run(workdir: Path, steps: int, layout_steps: int) -> None:
+def run(workdir: Path, steps: int, layout_steps: int, seed: int) -> None:
     start = time.perf_counter()
-    train_file, heldout_file, heldout_rows, warm, before = warm_start(workdir)
+    train_file, heldout_file, heldout_rows, warm, before = warm_start(workdir, seed)
 
-    for name, (tp, pp, _) in LAYOUTS.items():
-        ckpt = convert_hf_to_mcore(warm, workdir / f"mcore_tp{tp}_pp{pp}", tp=tp, pp=pp, overwrite=True)
-        (parity,) = verify_checkpoints([(warm, workdir / f"mcore_tp{tp}_pp{pp}")])
-        # The converter printed the parity figures just above; the demo adds only its verdict.
-        print(f"[demo] converted to megatron {ckpt.format} tp={tp} pp={pp}: logit parity with transformers "
-              f"{'passed' if parity.passed else 'FAILED'}", flush=True)
+    for tp, pp, _ in LAYOUTS.values():
+        convert_and_verify(warm, workdir / f"mcore_tp{tp}_pp{pp}", tp, pp)
 
     for name, total_steps in (("ppo", layout_steps), ("grpo", steps)):
         tp, pp, procs = LAYOUTS[name]
@@ -95,7 +102,7 @@ def run(workdir: Path, steps: int, layout_steps: int) -> None:
         train(EXAMPLES / f"{name}_{'gae_' if name == 'ppo' else ''}demo.yaml", procs, [
             f"model.hf_path={warm}", f"model.actor_ckpt={workdir / f'mcore_tp{tp}_pp{pp}'}",
             f"data.train_files=[{train_file}]", f"trainer.run_dir={run_dir}", f"trainer.total_steps={total_steps}",
-            *([f"data.val_files=[{heldout_file}]", f"trainer.val_every={max(total_steps // 4, 1)}"]
+            training_seed(seed), *([f"data.val_files=[{heldout_file}]", f"trainer.val_every={max(total_steps // 4, 1)}"]
               if name == "grpo" else []),
         ])
         records = read_metrics(RunFolder(run_dir).metrics)
@@ -117,19 +124,28 @@ def run(workdir: Path, steps: int, layout_steps: int) -> None:
     print(f"[demo] done in {time.perf_counter() - start:.0f} s")
 
 
-def run_dapo(workdir: Path, steps: int) -> None:
+def convert_and_verify(hf_dir: Path, out: Path, tp: int, pp: int) -> None:
+    """Megatron shards of `hf_dir` at TP x PP in `out`, and one line with their logit parity with transformers."""
+    ckpt = convert_hf_to_mcore(hf_dir, out, tp=tp, pp=pp, overwrite=True)
+    (parity,) = verify_checkpoints([(hf_dir, out)])
+    # verify_checkpoints keeps its ranks' output to itself: this line is the conversion's only parity report.
+    print(f"[demo] converted to megatron {ckpt.format} tp={tp} pp={pp}: logit parity with transformers, "
+          f"{parity.describe()}", flush=True)
+
+
+def run_dapo(workdir: Path, steps: int, seed: int) -> None:
     """`make demo-dapo`: examples/dapo.yaml (clip-higher, token-mean, dynamic sampling, overlong punishment and
     filtering) at DP2 from the warm model; the reward, the generation rounds per step and the held-out greedy
     reward, then RUN/metrics.png."""
     start = time.perf_counter()
-    train_file, heldout_file, heldout_rows, warm, _ = warm_start(workdir)
+    train_file, heldout_file, heldout_rows, warm, _ = warm_start(workdir, seed)
     ckpt = workdir / "mcore_tp1_pp1"
     convert_hf_to_mcore(warm, ckpt, tp=1, pp=1, overwrite=True)
     run_dir = workdir / "run_dapo"
     train(EXAMPLES / "dapo.yaml", 2, [
         f"model.hf_path={warm}", f"model.actor_ckpt={ckpt}", f"data.train_files=[{train_file}]",
         f"data.val_files=[{heldout_file}]", f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
-        f"trainer.val_every={max(steps // 4, 1)}"])
+        f"trainer.val_every={max(steps // 4, 1)}", training_seed(seed)])
     records = read_metrics(RunFolder(run_dir).metrics)
     steps_logged = [r for r in records if "filter_groups/gen_rounds" in r]
     for name, key in (("generated score mean (dropped groups too)", "filter_groups/generated_score_mean"),
@@ -143,7 +159,7 @@ def run_dapo(workdir: Path, steps: int) -> None:
     print(f"[demo] done in {time.perf_counter() - start:.0f} s")
 
 
-def run_sft_dpo(workdir: Path, steps: int) -> None:
+def run_sft_dpo(workdir: Path, steps: int, seed: int) -> None:
     """`make demo-dpo`: `verl-mega sft` on chat rows of the copy task at DP2, export, then `verl-mega dpo` at TP2
     on pairs preferring the correct copy over a corrupted one; preference accuracy and margins rise."""
     start = time.perf_counter()
@@ -156,7 +172,7 @@ def run_sft_dpo(workdir: Path, steps: int) -> None:
     hf = make_tiny_hf_model(workdir / "random", "qwen2", vocab_size=64)
     train(EXAMPLES / "sft_demo.yaml", 2, [
         f"model.hf_path={hf}", f"data.train_files=[{files['sft_train']}]", f"data.val_files=[{files['sft_val']}]",
-        f"trainer.run_dir={workdir / 'run_sft'}", f"trainer.total_steps={max(steps, 40)}"])
+        f"trainer.run_dir={workdir / 'run_sft'}", f"trainer.total_steps={max(steps, 40)}", training_seed(seed)])
     records = read_metrics(RunFolder(workdir / "run_sft").metrics)
     val = [r["val/loss"] for r in records if "val/loss" in r]
     print(f"[demo] SFT at dp=2: train loss {records[0]['sft/loss']:.3f} -> {records[-1]['sft/loss']:.3f}, held-out "
@@ -168,7 +184,7 @@ def run_sft_dpo(workdir: Path, steps: int) -> None:
     train(EXAMPLES / "dpo_demo.yaml", 2, [
         f"model.hf_path={workdir / 'sft_hf'}", f"data.train_files=[{files['pairs_train']}]",
         f"data.val_files=[{files['pairs_val']}]", f"trainer.run_dir={workdir / 'run_dpo'}", "parallel.tp=2",
-        f"trainer.total_steps={steps}", f"trainer.val_every={max(steps // 4, 1)}"])
+        f"trainer.total_steps={steps}", f"trainer.val_every={max(steps // 4, 1)}", training_seed(seed)])
     records = read_metrics(RunFolder(workdir / "run_dpo").metrics)
     accuracy = [r["preference/rewards/accuracy"] for r in records]
     val = [r for r in records if "val/rewards/accuracy" in r]
@@ -201,6 +217,11 @@ def disjoint_copy_rows(heldout_prompts: int = 24, train_rows: int = 512) -> tupl
     return train[:train_rows], heldout
 
 
+def training_seed(seed: int) -> str:
+    """The training runs' seed for the demo's `--seed`: the next one, so the default 0 keeps the configs' 1."""
+    return f"trainer.seed={seed + 1}"
+
+
 def train(config: Path, procs: int, overrides: list[str]) -> None:
     run_torchrun(procs, "verl_mega.trainer.main", ["--config", str(config), *overrides])
 
@@ -209,9 +230,12 @@ def _chat_prompt(tokenizer, row: dict) -> list[int]:
     return encode_chat(tokenizer, as_messages(row["prompt"]), add_generation_prompt=True)
 
 
-def sft_warmup(hf_dir: Path, pairs: list[dict], out: Path, steps: int = WARMUP_STEPS, lr: float = 3e-3) -> Path:
-    """Supervised warm-up on (prompt, response + EOS) pairs with the loss on the response only."""
-    torch.manual_seed(0)
+def sft_warmup(hf_dir: Path, pairs: list[dict], out: Path, steps: int = 50, lr: float = 3e-3,
+               seed: int = 0, until=None) -> tuple[Path, int]:
+    """Supervised warm-up on (prompt, response + EOS) pairs with the loss on the response only; `seed` draws the
+    initial weights and the batches. Stops after `steps` steps, or earlier once `until(model, tokenizer)` holds
+    (asked every WARMUP_CHECK_EVERY steps). The saved folder and the steps taken."""
+    torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     # The tiny test model's weights are deliberately wild; start from a standard init (biases at zero: q/k biases
@@ -224,9 +248,9 @@ def sft_warmup(hf_dir: Path, pairs: list[dict], out: Path, steps: int = WARMUP_S
         answer = tokenizer(pair["response"], add_special_tokens=False)["input_ids"]
         examples.append((_chat_prompt(tokenizer, pair), answer + [tokenizer.eos_token_id]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    rng = random.Random(0)
+    rng = random.Random(seed)
     model.train()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         batch = rng.sample(examples, 32)
         width = max(len(p) + len(a) for p, a in batch)
         ids = torch.full((len(batch), width), tokenizer.pad_token_id)
@@ -241,9 +265,17 @@ def sft_warmup(hf_dir: Path, pairs: list[dict], out: Path, steps: int = WARMUP_S
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if until is not None and step % WARMUP_CHECK_EVERY == 0 and until(model.eval(), tokenizer):
+            break
+        model.train()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return out
+    return out, step
+
+
+def copies_at_least(model, tokenizer, rows: list[dict], target: float) -> bool:
+    """Whether the model's greedy replies to `rows` score `target` on average."""
+    return mean_score([greedy_reply(model, tokenizer, row) for row in rows], rows) >= target
 
 
 def greedy_replies(hf_dir: Path, rows: list[dict]) -> list[str]:
