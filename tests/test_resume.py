@@ -93,6 +93,9 @@ def test_resume_at_another_layout_and_partial_saves_are_ignored(bf16_layout_runs
 
 
 ONE_PROCESS = ("parallel.tp=1", "parallel.pp=1")
+# The one_step_off run trains LoRA adapters (actor and critic): their step checkpoints (adapters, optimizer
+# state, no base) must resume bitwise after SIGKILL too, and the weights pushed to the rollout rank are merged.
+LORA = ("actor.lora.rank=4", "critic.lora.rank=4")
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +129,10 @@ def test_one_step_off_resumes_exactly_and_runs_the_same_on_a_rollout_rank_of_its
     staleness histogram: step 1 trains on its own round (version 0), every later step on the round of the
     weights one version older. The same run with 1 training and 1 rollout process (parallel.rollout_ranks=1:
     the rollout rank generates step k + 1's round while the training rank trains on step k's) logs the same
-    metrics, bit for bit: could fail if a pushed weight, a seed or the data/version schedule differed."""
-    steps = ("trainer.total_steps=4", "rollout.mode=one_step_off")
+    metrics, bit for bit: could fail if a pushed weight, a seed or the data/version schedule differed. Both roles
+    train LoRA adapters here: the resume also fails if a step checkpoint lost an adapter or its optimizer state,
+    and the rollout rank's run differs if the push sent base weights instead of the merged ones."""
+    steps = ("trainer.total_steps=4", "rollout.mode=one_step_off", *LORA)
     assert_resume_after_sigkill_is_bitwise(lambda run_dir: train_command(setup, run_dir, 1, *ONE_PROCESS, *steps),
                                            tmp_path, total_steps=4, save_every=2)
     colocated = records(tmp_path / "straight")
