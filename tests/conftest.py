@@ -1,4 +1,5 @@
 """Session fixtures shared by the test files: tiny HF models and the layout grids' launches, built once."""
+import json
 import os
 
 import pytest
@@ -43,3 +44,11 @@ def bf16_layout_runs(tmp_path_factory):
         return done[algorithm]
 
     return get
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    """Eight prompts of the copy task, for configs the pre-flight check reads."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"copy: {i}"}) for i in range(8)))
+    return path

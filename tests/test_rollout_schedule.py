@@ -144,13 +144,6 @@ def test_a_tampered_buffer_is_refused_in_one_line(edit, words):
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.fixture
-def prompt_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": f"copy: {i}"}) for i in range(8)))
-    return path
-
-
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.mode=later"], "rollout.mode 'later' is unknown; known: sync, one_step_off, async"),
     (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0"),

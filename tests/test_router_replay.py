@@ -164,13 +164,6 @@ def test_recording_a_dense_model_is_refused(tiny_models):
         engine.generate([[5, 6]], SamplingParams(max_new_tokens=2, routed_experts=True))
 
 
-@pytest.fixture
-def prompt_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": f"copy: {i}"}) for i in range(4)))
-    return path
-
-
 @pytest.mark.parametrize("model, overrides, problem", [
     ("qwen2", [], "actor.router_replay=rollout replays the routing of MoE layers and model.hf_path"),
     ("mixtral", ["rollout.engine=vllm"], "actor.router_replay=rollout: rollout.engine=vllm runs vLLM here"),
