@@ -1,5 +1,5 @@
 """A rank's start and exit: megatron-core's torch.compile decorations deferred to each function's first call
-(`parallel/deferred_compile.py`) and the exit without the interpreter's teardown (`parallel/process_exit.py`)."""
+(`parallel/deferred_compile.py`)."""
 import subprocess
 import sys
 import textwrap
@@ -63,21 +63,3 @@ def test_inside_a_compiled_region_the_deferred_function_is_traced_inline():
     x = torch.randn(3)
     assert torch.equal(outer(x), x * 2 + 1)
     assert len(graphs) == 1  # one graph: no break at the deferred function
-
-
-def test_exit_process_keeps_what_a_normal_exit_does(tmp_path):
-    result = run_python("""
-        import atexit, sys, threading, time
-        from pathlib import Path
-        from verl_mega.parallel.process_exit import exit_process
-
-        folder = Path(sys.argv[1])
-        atexit.register(lambda: (folder / "atexit").write_text("ran"))
-        threading.Thread(target=lambda: (time.sleep(0.2), (folder / "thread").write_text("ran"))).start()
-        print("buffered, no newline", end="")
-        print("to stderr", end="", file=sys.stderr)
-        exit_process(3)
-    """, str(tmp_path))
-    assert result.returncode == 3
-    assert (result.stdout, result.stderr) == ("buffered, no newline", "to stderr")
-    assert (tmp_path / "atexit").read_text() == (tmp_path / "thread").read_text() == "ran"
