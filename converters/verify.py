@@ -25,6 +25,7 @@ from verl_mega.models.builder import DTYPES, uses_transformer_engine
 from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.parallel.spawn import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
+from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
 from .hf_to_mcore import check_hf_tensors
@@ -190,4 +191,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_process(main())

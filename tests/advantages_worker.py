@@ -11,6 +11,7 @@ import json
 import sys
 import traceback
 
+from verl_mega.parallel.process_exit import exit_process
 from verl_mega.trainer import rl as job_module
 from verl_mega.trainer.main import main
 
@@ -76,3 +77,4 @@ if __name__ == "__main__":
     results = {name: run_case(argv) for name, argv in split_cases(sys.argv[2:]).items()}
     with open(sys.argv[1], "w") as out:
         json.dump(results, out)
+    exit_process(0)

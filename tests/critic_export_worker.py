@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from verl_mega.parallel.process_exit import exit_process
+
 from roles_worker import MICRO_BATCH, fixed_batch
 
 
@@ -47,4 +49,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_process(main(sys.argv[1:]))

@@ -28,6 +28,7 @@ from verl_mega.models.sharding import rank_slots, tp_part
 from verl_mega.models.builder import checkpoint_tensors
 from verl_mega.models.lora import apply_lora, lora_modules, lora_parameters
 from verl_mega.parallel.layout import rollout_vocab_rows
+from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.planner import plan
@@ -229,4 +230,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_process(main())

@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from verl_mega.parallel.process_exit import exit_process
+
 import lora_worker
 import offline_roles_worker
 import roles_worker
@@ -67,4 +69,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_process(main(sys.argv[1:]))

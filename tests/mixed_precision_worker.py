@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from verl_mega.parallel.process_exit import exit_process
+
 from training_state_worker import MICRO_BATCH, MINI_BATCH, OPTIMIZER_KINDS, training_batch
 
 DTYPES = ("bf16", "fp16")
@@ -79,4 +81,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_process(main(sys.argv[1:]))

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from verl_mega.parallel.process_exit import exit_process
+
 
 BATCH, PROMPT, RESPONSE = 8, 6, 5
 PROMPT_LENGTHS = [6, 3, 4, 1, 5, 2, 6, 4]
@@ -180,4 +182,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_process(main(sys.argv[1:]))

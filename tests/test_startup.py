@@ -63,3 +63,30 @@ def test_inside_a_compiled_region_the_deferred_function_is_traced_inline():
     x = torch.randn(3)
     assert torch.equal(outer(x), x * 2 + 1)
     assert len(graphs) == 1  # one graph: no break at the deferred function
+
+
+def test_exit_process_keeps_what_a_normal_exit_does(tmp_path):
+    """Threads joined, Python's and the C library's atexit handlers run (native libraries free shared memory in
+    the latter's turn: os._exit would skip it), open files and the standard streams flushed, the code kept."""
+    result = run_python("""
+        import atexit, ctypes, sys, threading, time
+        from pathlib import Path
+        from verl_mega.parallel.process_exit import exit_process
+
+        folder = Path(sys.argv[1])
+        atexit.register(lambda: (folder / "atexit").write_text("ran"))
+        threading.Thread(target=lambda: (time.sleep(0.2), (folder / "thread").write_text("ran"))).start()
+        at_c_exit = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p)(
+            lambda status, arg: (folder / "c_atexit").write_text(f"ran with {status}"))
+        ctypes.CDLL(None).on_exit(at_c_exit, None)  # glibc's; what the C library runs at exit
+        never_closed = open(folder / "never_closed", "w")
+        never_closed.write("buffered")
+        print("buffered, no newline", end="")
+        print("to stderr", end="", file=sys.stderr)
+        exit_process(3)
+    """, str(tmp_path))
+    assert result.returncode == 3, result.stderr
+    assert (result.stdout, result.stderr) == ("buffered, no newline", "to stderr")
+    assert (tmp_path / "atexit").read_text() == (tmp_path / "thread").read_text() == "ran"
+    assert (tmp_path / "c_atexit").read_text() == "ran with 3"
+    assert (tmp_path / "never_closed").read_text() == "buffered"

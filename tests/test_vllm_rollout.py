@@ -159,9 +159,9 @@ def test_ppo_run_at_tp2_pp2_with_vllm_rollout(qwen2, tmp_path, rollout_tp, examp
         "trainer.total_steps=3", "data.batch_size=8", "rollout.n=4", f"actor.mini_batch_size={actor_mini_batch}",
         "critic.mini_batch_size=16", "actor.ppo_epochs=1", "critic.ppo_epochs=1", "actor.optim.lr=0.01", *extra,
     ])
-    # vLLM's CPU engine at rollout TP > 1 keeps its all-reduce buffers in /dev/shm and removes them only in the
-    # interpreter's teardown: a rank that skipped it would leave them, and the next run's engine would fail to
-    # create its own ("create shm in SHMManager failed. errno: 17").
+    # vLLM's CPU engine at rollout TP > 1 keeps its all-reduce buffers in /dev/shm and removes them only in its
+    # C++ destructors at exit: a rank that skipped those (os._exit) would leave them, and the next run's engine
+    # would fail to create its own ("create shm in SHMManager failed. errno: 17").
     assert set(Path("/dev/shm").glob("*cpushm*")) <= shared_memory
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]

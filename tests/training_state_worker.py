@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from verl_mega.parallel.process_exit import exit_process
+
 from roles_worker import MINI_BATCH, fixed_batch, gather_hf_weights
 
 OPTIMIZER_KINDS = {"plain": False, "distributed": True, "lora": True}
@@ -207,4 +209,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_process(main(sys.argv[1:]))

@@ -9,6 +9,7 @@ import contextlib
 import json
 import sys
 
+from verl_mega.parallel.process_exit import exit_process
 from verl_mega.trainer import rl as job_module
 from verl_mega.trainer.main import main
 
@@ -66,4 +67,4 @@ if __name__ == "__main__":
     code = main(sys.argv[2:])
     with open(sys.argv[1], "w") as out:
         json.dump(calls, out)
-    sys.exit(code)
+    exit_process(code)

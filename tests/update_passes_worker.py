@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from verl_mega.parallel.process_exit import exit_process
+
 from roles_worker import BATCH, MICRO_BATCH, MINI_BATCH, fixed_batch, gather_hf_weights
 
 OPTIM = dict(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2)
@@ -197,4 +199,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_process(main(sys.argv[1:]))

@@ -32,6 +32,7 @@ import torch
 from verl_mega.algorithms import mismatch_metrics, rollout_correction
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
 from verl_mega.models import HFModelConfig
 from verl_mega.rollout.engine import SamplingParams, WeightFeed
@@ -247,4 +248,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_process(main())

@@ -35,6 +35,7 @@ from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import checkpoint_tensors
 from verl_mega.parallel.bridge import PeerFailed, init_placement
 from verl_mega.parallel.placement import placement_for, rollout_peer, weight_routes
+from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 from verl_mega.rollout.embedded import EmbeddedEngine
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -204,4 +205,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_process(main(sys.argv[1:]))

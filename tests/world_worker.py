@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 
 EXPORTED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -28,4 +29,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    exit_process(main(sys.argv[1]))

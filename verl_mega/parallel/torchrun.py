@@ -17,6 +17,8 @@ import os
 import signal
 import sys
 
+from .process_exit import exit_process
+
 # The agent's pid, exported to its ranks: a rank whose parent is no longer this pid has lost its agent.
 AGENT_PID_ENV = "VERL_MEGA_TORCHRUN_AGENT_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -64,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -24,6 +24,7 @@ from verl_mega.config.errors import USER_ERROR_EXIT_CODE, UserError, report_to_l
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.files.atomic import atomic_write_text
 from verl_mega.models import HFModelConfig
+from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 from verl_mega.run.checkpoints import complete_checkpoints, model_fingerprint
 from verl_mega.run.continuity import check_continuation
@@ -194,4 +195,4 @@ def conversion_path(config, run_dir: Path, role: str, checksum: str) -> Path:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # a rank: everything is written by now; skip freeing the interpreter's objects
