@@ -1,5 +1,5 @@
-"""bf16 (and fp16) end to end: the optimizer's fp32 main weights through the dist checkpoint, PPO and GRPO runs
-that save, resume at another layout and export, and the config's dtype rules.
+"""bf16 (and fp16) end to end: the optimizer's fp32 main weights through the dist checkpoint, a PPO run that
+saves, resumes at another layout and exports, and the config's dtype rules.
 
 Every parameter follows the model dtype (verl_mega.models.builder says why), so a bf16 checkpoint holds bf16
 model tensors and, beside them, the optimizer's fp32 main weights and Adam moments: resuming is exact.

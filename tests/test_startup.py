@@ -90,3 +90,14 @@ def test_exit_process_keeps_what_a_normal_exit_does(tmp_path):
     assert (tmp_path / "atexit").read_text() == (tmp_path / "thread").read_text() == "ran"
     assert (tmp_path / "c_atexit").read_text() == "ran with 3"
     assert (tmp_path / "never_closed").read_text() == "buffered"
+
+
+def test_under_a_profiler_exit_process_is_a_normal_exit(tmp_path):
+    """cProfile writes its file after the program returns: there exit_process must not cut the process short."""
+    script = tmp_path / "rank.py"
+    script.write_text("from verl_mega.parallel.process_exit import exit_process\nexit_process(0)\n")
+    stats = tmp_path / "rank.prof"
+    result = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(stats), str(script)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert stats.stat().st_size > 0

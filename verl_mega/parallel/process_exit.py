@@ -27,7 +27,10 @@ from typing import NoReturn
 
 
 def exit_process(code: int | None) -> NoReturn:
-    """Exit with `code` as `sys.exit(code)` would (None is 0), minus freeing the interpreter's objects."""
+    """Exit with `code` as `sys.exit(code)` would (None is 0), minus freeing the interpreter's objects; under a
+    profiler, debugger or coverage tool, exactly `sys.exit(code)`."""
+    if observed():  # `python -m cProfile -o F -m verl_mega.trainer.main` writes F after the module returns
+        sys.exit(code)
     code = 0 if code is None else code
     if type(code) is not int:  # sys.exit prints any other object and exits 1
         print(code, file=sys.stderr)
@@ -41,6 +44,14 @@ def exit_process(code: int | None) -> NoReturn:
     # whole, and no Python thread runs while they do.
     ctypes.PyDLL(None).exit(code)
     raise AssertionError("the C library's exit returned")  # pragma: no cover
+
+
+def observed() -> bool:
+    """Whether a tool watches this interpreter (a trace or profile hook, or a sys.monitoring tool on 3.12+) and
+    may still have work to do after the program returns."""
+    monitoring = getattr(sys, "monitoring", None)
+    tools = monitoring is not None and any(monitoring.get_tool(tool) for tool in range(6))
+    return sys.gettrace() is not None or sys.getprofile() is not None or tools
 
 
 def flush_open_files() -> None:
