@@ -97,9 +97,9 @@ def check_pair(hf_dir: str | Path, ckpt_dir: str | Path, family_spec: str | None
 
 def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec=None, result_file=None) -> list[Parity]:
     results = []
+    layout = init_parallel(tp, pp, ep)  # once: every pair is checked at the same layout, in eval (no RNG drawn)
     for hf_dir, ckpt_dir in pairs:
-        layout = init_parallel(tp, pp, ep)
-        parity, model_type = _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec)
+        parity, model_type = _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec, layout.tp_rank == 0)
         results.append(parity)
         if layout.rank == 0:
             print(f"logit parity {model_type} {ckpt_dir} at tp={tp} pp={pp} ep={ep}:\n{parity.describe()}", flush=True)
@@ -109,11 +109,12 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec=None, res
     return results
 
 
-def _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec) -> tuple[Parity, str]:
-    """The pair's figures on every rank. Both sides' weights upcast exactly to fp32 and compared under the fp32
-    rule: what a conversion can get wrong is a weight, and 16-bit rounding of every activation hides a wrong
-    tensor in a deep model. A 16-bit checkpoint is also compared in its own dtype, like with like (both sides
-    round the weights the same way), the second line of its report."""
+def _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec, judge: bool) -> tuple[Parity, str]:
+    """The pair's figures on every rank, as the last stage's `judge` rank finds them (its first TP rank: every
+    TP rank there holds the gathered logits, and one transformers pass is enough). Both sides' weights upcast
+    exactly to fp32 and compared under the fp32 rule: what a conversion can get wrong is a weight, and 16-bit
+    rounding of every activation hides a wrong tensor in a deep model. A 16-bit checkpoint is also compared in
+    its own dtype, like with like (both sides round the weights the same way), the second line of its report."""
     manifest = Manifest.read(ckpt_dir, family_spec)
     hf_config = HFModelConfig.from_dict(manifest.hf_config)
     generator = torch.Generator().manual_seed(seed)
@@ -121,7 +122,7 @@ def _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec) -> tuple[P
     dtypes = ("fp32",) if manifest.dtype == "fp32" else ("fp32", manifest.dtype)
     outputs = {dtype: _megatron_logits(ckpt_dir, dtype, tokens, family_spec) for dtype in dtypes}
     parity = None
-    if outputs["fp32"][0] is not None:  # the last pipeline stage
+    if judge and outputs["fp32"][0] is not None:  # the last pipeline stage
         lines = {}
         for dtype, (logits, family, tf32) in outputs.items():
             reference = _reference_logits(hf_dir, tokens, dtype, manifest.dtype)
