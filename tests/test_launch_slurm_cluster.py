@@ -106,17 +106,10 @@ def metric_records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in records}
 
 
-def test_ppo_run_on_two_nodes_completes(monkeypatch, capsys, tmp_path, slurm_cluster, ppo_config):  # noqa: F811
-    run_dir = tmp_path / "run"
-    job_id = launch(monkeypatch, capsys, slurm_cluster, run_dir, "--nodes", "2", "--gpus-per-node", "0",
-                    "--procs-per-node", "2", str(ppo_config), f"trainer.run_dir={run_dir}", "trainer.total_steps=3")
-    finished(slurm_cluster, job_id, run_dir, timeout=240)
-    assert sorted(metric_records(run_dir)) == [1, 2, 3]
-    assert (run_dir / "final_actor" / "verl_mega_manifest.json").is_file()
-
-
-def test_ppo_warning_signal_saves_requeues_resumes_and_matches_an_uninterrupted_run(
+def test_ppo_run_on_two_nodes_saves_at_the_warning_signal_requeues_resumes_and_matches_an_uninterrupted_run(
         monkeypatch, capsys, tmp_path, slurm_cluster, ppo_config):  # noqa: F811
+    """The PPO trainer as a job of 2 nodes x 2 ranks, warned (USR1) after its second step: it saves, is requeued,
+    resumes and completes, with the metrics of the same run launched locally in one go and its final weights."""
     from verl_mega.launch import local
 
     steps = ["trainer.total_steps=6"]
@@ -143,6 +136,8 @@ def test_ppo_warning_signal_saves_requeues_resumes_and_matches_an_uninterrupted_
     log = "".join(path.read_text() for path in run_dir.glob("slurm-*.out"))
     assert "resumed from" in log
     assert metric_records(run_dir) == metric_records(straight)
+    assert sorted(metric_records(run_dir)) == [1, 2, 3, 4, 5, 6]
+    assert (run_dir / "final_actor" / "verl_mega_manifest.json").is_file()
 
 
 def test_converter_verify_runs_as_a_slurm_job(monkeypatch, capsys, tmp_path, slurm_cluster):  # noqa: F811

@@ -43,7 +43,7 @@ def exit_process(code: int | None) -> NoReturn:
     # PyDLL keeps the GIL through the call: native destructors that touch Python objects find the interpreter
     # whole, and no Python thread runs while they do.
     ctypes.PyDLL(None).exit(code)
-    raise AssertionError("the C library's exit returned")  # pragma: no cover
+    raise AssertionError("the C library's exit returned")
 
 
 def observed() -> bool:
