@@ -16,18 +16,20 @@ PREPARE = ("kit", "package", "imports")
 CHECKS = ("kernels-build", "kernels-parity", "kernels-speed", "ppo-nccl-vs-gloo", "throughput-bf16")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # ~26 s, a Python process per step: the tests that read it are slow ones
 def dry_run() -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(GPU_CHECK), "--dry-run"], capture_output=True, text=True, timeout=600,
                           env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "HOME": "/tmp"})
 
 
+@pytest.mark.slow
 def test_the_dry_run_passes_with_no_failures(dry_run):
     assert dry_run.returncode == 0, dry_run.stdout + dry_run.stderr
     assert "gpu_check: 0 failed" in dry_run.stdout
     assert "FAIL" not in dry_run.stdout
 
 
+@pytest.mark.slow
 def test_the_dry_run_shows_every_prepare_step_and_check_with_its_limit(dry_run):
     steps = re.findall(r"^DRY (\S+) \(limit (\d+) s\)", dry_run.stdout, re.MULTILINE)
     names = [name for name, _ in steps]
@@ -37,6 +39,7 @@ def test_the_dry_run_shows_every_prepare_step_and_check_with_its_limit(dry_run):
     assert "pip install --no-index --no-deps --target" in dry_run.stdout
 
 
+@pytest.mark.slow
 def test_the_dry_run_names_the_comparisons_and_what_skips(dry_run):
     out = dry_run.stdout
     assert "1024x152064 bf16 misaligned on the device with float64" in out
