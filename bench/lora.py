@@ -11,16 +11,29 @@ converted once. Each (job, mode) runs in a fresh process, so that the RSS high-w
 - DPO: the reference scores 16 chosen/rejected pairs, then one update on the sigmoid loss.
 
 Full-parameter runs hold a second model as the reference; LoRA runs (rank --rank on linear_qkv, linear_proj,
-linear_fc1, linear_fc2) score the reference with the actor's own model, adapters off. Printed per run: the
-bytes of the parameters (the reference's included), of the gradient buffers and of the optimizer state, the
-process's RSS high-water mark, and the median step time (wall and CPU) over the steps after the first
-(warm-up); then LoRA's ratios to full-parameter.
+linear_fc1, linear_fc2) score the reference with the actor's own model, adapters off. Printed per run, as the
+parts of the process's RSS high-water mark:
+
+- runtime: the process's resident size once torch, transformers and megatron-core are imported and the process
+  group is up, before any model exists (what every run holds alike);
+- weights, reference, grads, optimizer: the bytes of the actor's parameters, of the reference's own model (none
+  with LoRA), of the DDP gradient buffers and of the optimizer state (moments; fp32 main copies for 16-bit
+  models);
+- activations: the most bytes autograd held at once for the backward (the tensors the forward saved,
+  parameters left out, counted per storage), of which `logits` are one micro-batch's fp32 logits;
+- rest: the high-water mark less all the above (the backward's temporaries, the allocator's free lists);
+- build peak: the high-water mark while the roles are built (loading the checkpoint), reset before the steps
+  (`/proc/self/clear_refs`), so the step peak is the steps' own;
+
+then the median step time (wall and CPU) over the steps after the first (warm-up), and LoRA's ratios to
+full-parameter: of the RSS peak, of the model state (weights + reference + grads + optimizer) and of the peak
+less the runtime.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import re
 import statistics
 import subprocess
 import sys
@@ -60,8 +73,49 @@ def optimizer_state_bytes(optimizer) -> int:
     return tensor_bytes(state) + tensor_bytes(mains)
 
 
+def resident_bytes() -> tuple[int, int]:
+    """(current, high-water) resident bytes of this process (VmRSS, VmHWM)."""
+    status = Path("/proc/self/status").read_text()
+    return tuple(int(re.search(rf"{key}:\s+(\d+) kB", status).group(1)) * 1024 for key in ("VmRSS", "VmHWM"))
+
+
+def reset_resident_peak() -> None:
+    """Start VmHWM again from the current resident size (Linux's clear_refs 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+class SavedActivations:
+    """Within it, `peak` follows the most bytes that autograd holds at once for the backward: the storages of the
+    tensors the forward saves, the model's parameters left out, each counted once while it lives."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+        self.live: dict[int, tuple] = {}
+        self.peak = 0
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.parameters:
+            self.live = {ptr: entry for ptr, entry in self.live.items() if not entry[0].expired()}
+            self.live.setdefault(key, (StorageWeakRef(storage), storage.nbytes()))
+            self.peak = max(self.peak, sum(size for _, size in self.live.values()))
+        return tensor
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
 def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int) -> dict:
-    """One job's steps, full-parameter (rank 0) or LoRA, in this process: sizes, RSS high-water and step times."""
+    """One job's steps, full-parameter (rank 0) or LoRA, in this process: the parts of the RSS high-water mark
+    (see the module's docstring) and step times."""
     from verl_mega.algorithms import masked_sum
     from verl_mega.config import AlgorithmConfig, LoraConfig, OptimConfig, PolicyLossConfig
     from verl_mega.parallel.state import init_parallel
@@ -71,6 +125,8 @@ def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     init_parallel(1, 1)
+    runtime, _ = resident_bytes()
+    reset_resident_peak()
     loss = PolicyLossConfig(use_kl_loss=True, kl_loss_coef=0.001)
     actor = Actor(ckpt, OptimConfig(lr=1e-5 if rank else 1e-6), loss, schedule_steps=steps,
                   lora=LoraConfig(rank=rank))
@@ -78,29 +134,34 @@ def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int) -> dict:
     dpo_loss = pair_sequence_loss(AlgorithmConfig(loss="dpo"))
     generator = torch.Generator().manual_seed(0)
     walls, cpus = [], []
+    _, build_peak = resident_bytes()
+    reset_resident_peak()
+    activations = SavedActivations(actor.model)
     for _ in range(steps):
         batch = random_batch(actor.vocab_size, generator)
         wall, cpu = time.perf_counter(), time.process_time()
         ref = reference.compute_ref_log_prob(batch, MICRO)
-        if job == "grpo":
-            batch["ref_log_probs"] = ref
-            actor.update_policy(batch, ppo_epochs=1, mini_batch_size=ROWS, micro_batch_size=MICRO)
-        else:
-            batch["ref_sequence_log_probs"] = masked_sum(ref.cpu(), batch["response_mask"], dim=-1)
-            actor.update_on_sequences(batch, ROWS, MICRO, PAIR_METRICS, dpo_loss)
+        with activations:
+            if job == "grpo":
+                batch["ref_log_probs"] = ref
+                actor.update_policy(batch, ppo_epochs=1, mini_batch_size=ROWS, micro_batch_size=MICRO)
+            else:
+                batch["ref_sequence_log_probs"] = masked_sum(ref.cpu(), batch["response_mask"], dim=-1)
+                actor.update_on_sequences(batch, ROWS, MICRO, PAIR_METRICS, dpo_loss)
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    params = list(actor.model.parameters())
-    if isinstance(reference, Reference):
-        params += list(reference.model.parameters())
     ddp = actor.trainable.model
     return {
         "job": job, "rank": rank,
-        "param_bytes": tensor_bytes(params),
         "trainable_params": sum(p.numel() for p in actor.model.parameters() if p.requires_grad),
+        "runtime_bytes": runtime,
+        "weight_bytes": tensor_bytes(actor.model.parameters()),
+        "reference_bytes": tensor_bytes(reference.model.parameters()) if isinstance(reference, Reference) else 0,
         "grad_bytes": tensor_bytes(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers),
         "optimizer_bytes": optimizer_state_bytes(actor.trainable.optimizer),
-        "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "activation_bytes": activations.peak,
+        "logit_bytes": MICRO * (PROMPT + RESPONSE) * actor.vocab_size * 4,
+        "build_peak_bytes": build_peak, "rss_peak_bytes": max(build_peak, resident_bytes()[1]),
         "step_wall_s": statistics.median(walls[1:] or walls), "step_cpu_s": statistics.median(cpus[1:] or cpus),
     }
 
@@ -120,25 +181,35 @@ def gib(value: float) -> str:
     return f"{value / 2**30:.3f}"
 
 
+PARTS = ("runtime_bytes", "weight_bytes", "reference_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes")
+MODEL_STATE = ("weight_bytes", "reference_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def model_state(run: dict) -> int:
+    return sum(run[key] for key in MODEL_STATE)
+
+
 def report(runs: list[dict]) -> None:
-    columns = ("param_bytes", "grad_bytes", "optimizer_bytes", "rss_peak_bytes")
-    print("| job | mode | trainable params | params GiB | grads GiB | optimizer GiB | tensors GiB | RSS peak GiB "
-          "| step wall s | step CPU s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| job | mode | trainable params | runtime | weights | reference | grads | optimizer | activations "
+          "(logits) | rest | RSS peak | build peak | step wall s | step CPU s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for run in runs:
         mode = f"LoRA r={run['rank']}" if run["rank"] else "full"
-        tensors = sum(run[key] for key in columns[:3])
+        rest = run["rss_peak_bytes"] - sum(run[key] for key in PARTS)
         print(f"| {run['job']} | {mode} | {run['trainable_params']:,} | "
-              + " | ".join(gib(run[key]) for key in columns[:3])
-              + f" | {gib(tensors)} | {gib(run['rss_peak_bytes'])} | {run['step_wall_s']:.2f} "
+              + " | ".join(gib(run[key]) for key in PARTS[:-1])
+              + f" | {gib(run['activation_bytes'])} ({gib(run['logit_bytes'])}) | {gib(rest)} "
+              f"| {gib(run['rss_peak_bytes'])} | {gib(run['build_peak_bytes'])} | {run['step_wall_s']:.2f} "
               f"| {run['step_cpu_s']:.2f} |")
+    print("GiB; rest = RSS peak less the parts before it")
     for job in JOBS:
         full, lora = (next(run for run in runs if run["job"] == job and bool(run["rank"]) == is_lora)
                       for is_lora in (False, True))
-        tensors = [sum(run[key] for key in columns[:3]) for run in (full, lora)]
-        print(f"{job}: LoRA / full: tensors {tensors[1] / tensors[0]:.2f}, RSS peak "
-              f"{lora['rss_peak_bytes'] / full['rss_peak_bytes']:.2f}, step wall "
-              f"{lora['step_wall_s'] / full['step_wall_s']:.2f}, step CPU {lora['step_cpu_s'] / full['step_cpu_s']:.2f}")
+        above_runtime = [run["rss_peak_bytes"] - run["runtime_bytes"] for run in (full, lora)]
+        print(f"{job}: LoRA / full: RSS peak {lora['rss_peak_bytes'] / full['rss_peak_bytes']:.2f}, model state "
+              f"{model_state(lora) / model_state(full):.2f}, RSS peak less the runtime "
+              f"{above_runtime[1] / above_runtime[0]:.2f}, step wall {lora['step_wall_s'] / full['step_wall_s']:.2f}, "
+              f"step CPU {lora['step_cpu_s'] / full['step_cpu_s']:.2f}")
 
 
 def main() -> None:
