@@ -322,6 +322,9 @@ def adapters_disabled(model):
 def merged_weight(weight_local: torch.Tensor, a_local: torch.Tensor, b_local: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """W + scale * B @ A for one TP shard (a column layer's B shard and whole A, or a row layer's whole B and A
-    shard), computed in fp32, returned in W's dtype."""
-    delta = b_local.float() @ a_local.float()
-    return (weight_local.float() + scale * delta).to(weight_local.dtype)
+    shard), computed in fp32, returned in W's dtype. In place in one fp32 buffer: the HybridEngine's transition,
+    the final weights and the export hold one shard-sized tensor for it (plus the cast copy for a narrower W),
+    where the out-of-place expression holds three or four."""
+    merged = b_local.float() @ a_local.float()
+    merged.mul_(scale).add_(weight_local)
+    return merged.to(weight_local.dtype)
