@@ -1,7 +1,8 @@
 """LoRA cases of the layout grids' launches (tests/layout_grid_worker.py runs them; tests/test_lora.py compares):
 
 - `layers`: at TP 2, a column- and a row-parallel linear with adapters, forward and backward on known full
-  weights; each rank saves its shards, the test puts them together against y = W x + (alpha/r) B A x.
+  weights, without and with dropout; each rank saves its shards (and the RNG states its masks came from), the test
+  puts them together against y = W x + (alpha/r) B A (m x), m the TP 1 mask the ranks' masks make.
 - `update` of a model at (TP, PP, EP): a LoRA actor's PPO update (two optimizer steps, KL to its adapters-off
   reference) and a LoRA critic's value updates on the role grid's batch; saves the metrics, the effective weights
   W + s B A as full HF tensors (every expert's), and the reference's log-probs before and after the update.
@@ -46,33 +47,53 @@ def full_tensors(seed: int = 5) -> dict[str, torch.Tensor]:
             "proj.x": draw(3, 2, QKV), "proj.grad": draw(3, 2, HIDDEN)}
 
 
+DROPOUT = 0.5
+
+
 def run_layers(out_dir: Path) -> None:
-    """Each TP rank's outputs and gradients of both adapted layers at TP 2, into out_dir/layers_tp{rank}.pt."""
-    from verl_mega.config import LoraConfig
-    from verl_mega.models.lora import apply_lora
+    """Each TP rank's outputs and gradients of both adapted layers at TP 2, into out_dir/layers_tp{rank}.pt: without
+    dropout, and with DROPOUT in training mode beside the RNG states each layer's mask was drawn from (the
+    generator the TP ranks share, `rng`, and the model-parallel tracker's, `tracker_rng`)."""
     from verl_mega.parallel.state import init_parallel
 
     layout = init_parallel(2, 1)
-    rank, full = layout.tp_rank, full_tensors()
+    saved = {}
+    for prefix, dropout in (("", 0.0), ("dropout_", DROPOUT)):
+        for name, module, x, grad in adapted_layers(layout.tp_rank, dropout):
+            rng = rng_states()
+            x = x.clone().requires_grad_()
+            out, _ = module(x)
+            out.backward(grad)
+            saved[prefix + name] = {"out": out.detach(), "x_grad": x.grad, "a": module.lora_a.detach().clone(),
+                                    "a_grad": module.lora_a.grad, "b_grad": module.lora_b.grad, **rng}
+    torch.save(saved, out_dir / f"layers_tp{layout.tp_rank}.pt")
+    dist.barrier()
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"rng": torch.get_rng_state(), "tracker_rng": get_cuda_rng_tracker().get_states()["model-parallel-rng"]}
+
+
+def adapted_layers(rank: int, dropout: float) -> list[tuple]:
+    """(name, layer, its input, its output's gradient) of both layers with adapters at TP rank `rank` of 2, their
+    weights and B the shards of full_tensors()'."""
+    from verl_mega.config import LoraConfig
+    from verl_mega.models.lora import apply_lora
+
+    full = full_tensors()
     model = TwoLinears()
-    apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA))
-    rows, columns = slice(rank * QKV // 2, (rank + 1) * QKV // 2), slice(None)
+    apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, dropout=dropout))
+    rows = slice(rank * QKV // 2, (rank + 1) * QKV // 2)
     qkv, proj = model.linear_qkv, model.linear_proj
     with torch.no_grad():  # column: W and B split by output rows; row: W split by input columns, B whole
         qkv.weight.copy_(full["qkv.weight"][rows])
         qkv.lora_b.copy_(full["qkv.b"][rows])
         proj.weight.copy_(full["proj.weight"][:, rows])
-        proj.lora_b.copy_(full["proj.b"][columns])
-    saved = {}
-    for name, module, x, grad in (("qkv", qkv, full["qkv.x"], full["qkv.grad"][..., rows]),
-                                  ("proj", proj, full["proj.x"][..., rows], full["proj.grad"])):
-        x = x.clone().requires_grad_()
-        out, _ = module(x)
-        out.backward(grad)
-        saved[name] = {"out": out.detach(), "x_grad": x.grad, "a": module.lora_a.detach().clone(),
-                       "a_grad": module.lora_a.grad, "b_grad": module.lora_b.grad}
-    torch.save(saved, out_dir / f"layers_tp{rank}.pt")
-    dist.barrier()
+        proj.lora_b.copy_(full["proj.b"])
+    return [("qkv", qkv, full["qkv.x"], full["qkv.grad"][..., rows]),
+            ("proj", proj, full["proj.x"][..., rows], full["proj.grad"])]
 
 
 def run_update(ckpt: Path, out_dir: Path, model: str, tp: int, pp: int, ep: int) -> None:
