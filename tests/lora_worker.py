@@ -3,7 +3,7 @@
 - `layers`: at TP 2, a column- and a row-parallel linear with adapters, forward and backward on known full
   weights, without and with dropout; each rank saves its shards (and the RNG states its masks came from), the test
   puts them together against y = W x + (alpha/r) B A (m x), m the TP 1 mask the ranks' masks make.
-- `update` of a model at (TP, PP, EP): a LoRA actor's PPO update (two optimizer steps, KL to its adapters-off
+- `update` of a model at (TP, PP, EP), in fp32 or bf16: a LoRA actor's PPO update (two optimizer steps, KL to its adapters-off
   reference) and a LoRA critic's value updates on the role grid's batch; saves the metrics, the effective weights
   W + s B A as full HF tensors (every expert's), and the reference's log-probs before and after the update.
 """
@@ -96,17 +96,24 @@ def adapted_layers(rank: int, dropout: float) -> list[tuple]:
             ("proj", proj, full["proj.x"][..., rows], full["proj.grad"])]
 
 
-def run_update(ckpt: Path, out_dir: Path, model: str, tp: int, pp: int, ep: int) -> None:
-    """One LoRA actor update and two LoRA critic updates at (tp, pp, ep) from `ckpt` (converted at that layout);
-    the last stages' results (TP rank 0, DP rank 0) into out_dir/{model}_tp{TP}pp{PP}ep{EP}dp{DP}_stage{S}.pt."""
+def update_name(model: str, dtype: str, tp: int, pp: int, ep: int, dp: int) -> str:
+    """The file stem of one update's results: fp32 ones under the model's name alone, as they came first."""
+    return f"{model}{'' if dtype == 'fp32' else '_' + dtype}_tp{tp}pp{pp}ep{ep}dp{dp}"
+
+
+def run_update(ckpt: Path, out_dir: Path, model: str, tp: int, pp: int, ep: int, dtype: str = "fp32") -> None:
+    """One LoRA actor update and two LoRA critic updates at (tp, pp, ep) in `dtype` from `ckpt` (converted at that
+    layout); the last stages' results (TP rank 0, DP rank 0) into out_dir/{update_name(...)}_stage{S}.pt, with the
+    adapters' dtypes and those of the optimizer's copies of them."""
     from verl_mega.checkpoint.manifest import Manifest
     from verl_mega.config import LoraConfig, OptimConfig, PolicyLossConfig, ValueLossConfig
     from verl_mega.models import HFModelConfig, family_for
-    from verl_mega.models.lora import lora_modules, merged_weight
+    from verl_mega.models.lora import lora_modules, lora_parameters, merged_weight
     from verl_mega.parallel.state import init_parallel
     from verl_mega.roles.actor import Actor
     from verl_mega.roles.critic import Critic
     from verl_mega.roles.reference import make_reference
+    from verl_mega.run.training_state import _inner_states
 
     layout = init_parallel(tp, pp, ep)
     cfg = HFModelConfig.from_dict(Manifest.read(ckpt).hf_config)
@@ -116,8 +123,8 @@ def run_update(ckpt: Path, out_dir: Path, model: str, tp: int, pp: int, ep: int)
                         use_distributed_optimizer=layout.dp > 1)
     lora = LoraConfig(rank=RANK, alpha=ALPHA)
     actor = Actor(ckpt, optim, PolicyLossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1),
-                  schedule_steps=4, dtype="fp32", lora=lora)
-    reference = make_reference(ckpt, use_kl=True, actor=actor, dtype="fp32")
+                  schedule_steps=4, dtype=dtype, lora=lora)
+    reference = make_reference(ckpt, use_kl=True, actor=actor, dtype=dtype)
     noise = torch.Generator().manual_seed(1)
     batch["ref_log_probs"] = reference.compute_ref_log_prob(batch, MICRO_BATCH)
     batch["old_log_probs"] = batch["ref_log_probs"] + 0.3 * torch.randn(batch["responses"].shape, generator=noise)
@@ -125,6 +132,8 @@ def run_update(ckpt: Path, out_dir: Path, model: str, tp: int, pp: int, ep: int)
     batch["returns"] = torch.randn(batch["responses"].shape, generator=noise)
     batch["values"] = torch.zeros(batch["responses"].shape)
     metrics = actor.update_policy(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH, micro_batch_size=MICRO_BATCH)
+    dtypes = {"adapters": {param.dtype for _, param in lora_parameters(actor.model)},
+              "optimizer": {param.dtype for param, _ in _inner_states(actor.trainable.optimizer)}}
     reference_after = reference.compute_ref_log_prob(batch, MICRO_BATCH)
     module = actor.model.module
     with torch.no_grad():  # the effective weights, compared as HF tensors
@@ -132,12 +141,12 @@ def run_update(ckpt: Path, out_dir: Path, model: str, tp: int, pp: int, ep: int)
             layer = module.get_submodule(info.name)
             layer.weight.copy_(merged_weight(layer.weight, layer.lora_a, layer.lora_b, info.scale))
     weights = gather_hf_weights(module, cfg, family_for(cfg))
-    critic = Critic(ckpt, optim, ValueLossConfig(cliprange_value=0.5), schedule_steps=4, dtype="fp32", lora=lora)
+    critic = Critic(ckpt, optim, ValueLossConfig(cliprange_value=0.5), schedule_steps=4, dtype=dtype, lora=lora)
     critic_metrics = [critic.update_critic(batch, ppo_epochs=1, mini_batch_size=MINI_BATCH * 2,
                                            micro_batch_size=MICRO_BATCH) for _ in range(2)]
     if layout.tp_rank == 0 and layout.dp_rank == 0:
         torch.save({"metrics": metrics, "weights": weights, "reference": batch["ref_log_probs"],
                     "reference_after": reference_after, "critic_metrics": critic_metrics,
-                    "response_mask": batch["response_mask"]},
-                   out_dir / f"{model}_tp{tp}pp{pp}ep{ep}dp{layout.dp}_stage{layout.pp_rank}.pt")
+                    "response_mask": batch["response_mask"], "dtypes": dtypes},
+                   out_dir / f"{update_name(model, dtype, tp, pp, ep, layout.dp)}_stage{layout.pp_rank}.pt")
     dist.barrier()
