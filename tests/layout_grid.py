@@ -36,8 +36,8 @@ OFFLINE_LAUNCHES = {
 LORA_LAUNCHES = {1: [f"{DENSE}:1,1,1", f"{MOE}:1,1,1", f"{DENSE}:1,1,1:bf16"],
                  2: [f"{DENSE}:2,1,1", f"{DENSE}:1,2,1", f"{DENSE}:1,1,1", f"{MOE}:1,1,2", f"{DENSE}:2,1,1:bf16"],
                  8: [f"{DENSE}:2,2,1"]}
-# ...and the adapted linears at TP 2 (lora_layers).
-SHARED_CASES = {2: ["update_passes", "lora_layers"], 8: ["state_save:2,2"]}
+# ...and the adapted linears at TP 2 (lora_layers), and the SFT and DPO jobs with LoRA on 2 ranks (lora_jobs).
+SHARED_CASES = {2: ["update_passes", "lora_layers", "lora_jobs"], 8: ["state_save:2,2"]}
 
 
 def launch_cases(nproc: int) -> list[str]:

@@ -150,3 +150,78 @@ def run_update(ckpt: Path, out_dir: Path, model: str, tp: int, pp: int, ep: int,
                     "response_mask": batch["response_mask"], "dtypes": dtypes},
                    out_dir / f"{update_name(model, dtype, tp, pp, ep, layout.dp)}_stage{layout.pp_rank}.pt")
     dist.barrier()
+
+
+# The LoRA offline jobs (`jobs`): SFT at TP 2, DPO at DP 2 (the distributed optimizer), on the role grid's model.
+JOB_LAYOUTS = {"sft": (2, 1), "dpo": (1, 1)}  # job -> (TP, PP); DP is what the world's 2 ranks leave
+JOB_STEPS = 6
+
+
+def job_config(job: str, hf_dir: Path, ckpt: Path, data: Path, run_dir: Path):
+    from verl_mega.config import load_config
+    from verl_mega.demo import EXAMPLES
+
+    tp, pp = JOB_LAYOUTS[job]
+    example = {"sft": "sft_demo.yaml", "dpo": "dpo_demo.yaml"}[job]
+    return load_config(EXAMPLES / example, [
+        f"model.hf_path={hf_dir}", f"model.actor_ckpt={ckpt}", f"data.train_files=[{data}]",
+        f"trainer.run_dir={run_dir}", f"parallel.tp={tp}", f"parallel.pp={pp}", "actor.lora.rank=4",
+        "actor.optim.lr=1e-2", f"actor.optim.use_distributed_optimizer={str(tp * pp < 2).lower()}",
+        f"trainer.total_steps={JOB_STEPS}", "trainer.val_every=0", "trainer.tensorboard=false"])
+
+
+def job_data(out_dir: Path) -> dict[str, Path]:
+    """The copy task's SFT conversations and preference pairs, written by rank 0: one batch of each (the demo
+    configs' data.batch_size), so that every step trains on the same rows and the loss must fall."""
+    from verl_mega.data.synthetic import make_task_rows, preference_pairs, sft_conversations
+    from verl_mega.data.tables import write_rows
+
+    files = {"sft": out_dir / "sft.jsonl", "dpo": out_dir / "pairs.jsonl"}
+    if dist.get_rank() == 0:
+        rows = make_task_rows("copy", 32, seed=0, max_digits=2)
+        write_rows(sft_conversations(rows), files["sft"])
+        write_rows(preference_pairs(rows)[:16], files["dpo"])
+    dist.barrier()
+    return files
+
+
+def run_jobs(roles: Path, out_dir: Path) -> None:
+    """`verl-mega sft` and `verl-mega preference` (DPO) with LoRA on two ranks, each job built as the trainer builds
+    it, into out_dir/{job}/ (run folders); out_dir/{job}_rank{R}.pt records, on each rank, whether the frozen base
+    stayed bitwise as loaded, which adapters moved, what trained, and (DPO) whether the reference is the actor's
+    own model with its adapters off."""
+    from verl_mega.models.lora import lora_parameters
+    from verl_mega.parallel.state import init_parallel
+    from verl_mega.roles.reference import AdaptersOffReference
+    from verl_mega.trainer.main import OFFLINE_JOBS, model_checksums
+
+    init_parallel(1, 1)
+    data = job_data(out_dir)
+    for job, (tp, pp) in JOB_LAYOUTS.items():
+        config = job_config(job, roles / "hf", roles / "ckpt" / f"tp{tp}pp{pp}", data[job], out_dir / job)
+        layout = init_parallel(tp, pp, seed=config.trainer.seed)
+        (out_dir / job).mkdir(exist_ok=True)  # the trainer's claim on the run folder makes it
+        trainer = OFFLINE_JOBS[config.job](config, layout, base_checksums=model_checksums(config),
+                                           actor_ckpt=Path(config.model.actor_ckpt))
+        model = trainer.actor.model
+        base = {name: param.detach().clone() for name, param in model.named_parameters() if not param.requires_grad}
+        adapters = {name: param.detach().clone() for name, param in lora_parameters(model)}
+        trainer.fit()
+        trainer.close()
+        record = {
+            "base_changed": [name for name, param in model.named_parameters()
+                             if name in base and not torch.equal(param, base[name])],
+            "base_count": len(base),
+            "adapters_moved": sorted(name for name, param in lora_parameters(model)
+                                     if not torch.equal(param, adapters[name])),
+            "adapters": sorted(adapters),
+            "trained": sorted(name.removeprefix("module.") for name, param in model.named_parameters()
+                              if param.requires_grad),
+        }
+        reference = getattr(trainer, "reference", None)
+        if reference is not None:
+            storage = {param.data_ptr() for param in model.parameters()}
+            record["reference_is_adapters_off"] = isinstance(reference, AdaptersOffReference)
+            record["reference_storage_is_the_actors"] = {p.data_ptr() for p in reference.model.parameters()} <= storage
+        torch.save(record, out_dir / f"{job}_rank{layout.rank}.pt")
+        dist.barrier()

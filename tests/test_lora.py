@@ -15,7 +15,7 @@ from verl_mega.models.lora import (
     merged_weight,
 )
 
-from lora_worker import ALPHA, DROPOUT, HIDDEN, QKV, RANK, TwoLinears, full_tensors
+from lora_worker import ALPHA, DROPOUT, HIDDEN, JOB_STEPS, QKV, RANK, TwoLinears, full_tensors
 from test_layout_invariance import (
     BF16_AGGREGATE_TOL, BF16_SMOOTH_METRICS, LAYOUTS, LOGPROB_ATOL, REL_TOL, bf16_weight_tol, rel_diff,
 )
@@ -479,3 +479,29 @@ def test_one_bf16_lora_update_is_layout_invariant_within_bf16_rounding(layout_gr
                 for name, tensor in reference["weights"].items())
     print(f"bf16 LoRA at TP 2: worst effective weight at {worst[0]:.2f} of its bf16 tolerance ({worst[1]})")
     assert worst[0] <= 1.0, worst[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["sft", "dpo"])
+def test_the_offline_jobs_train_lora_adapters_on_two_ranks(layout_grid, job):
+    """The SFT job at TP 2 and the DPO job at DP 2 (distributed optimizer), built as the trainer builds them, in the
+    layout grid's 2-process launch (lora_worker.run_jobs): the loss falls, every adapter moves and nothing else
+    trains, the base stays bitwise as loaded, and DPO's reference is the actor's own model with its adapters off:
+    its first step, where the adapters are still the base's, scores every pair at zero margin (loss ln 2)."""
+    import json
+
+    jobs = layout_grid / "lora" / "jobs"
+    records = [json.loads(line) for line in (jobs / job / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == list(range(1, JOB_STEPS + 1))
+    losses = [record["sft/loss" if job == "sft" else "preference/loss"] for record in records]
+    assert losses[-1] < min(losses[:2]), losses  # the same batch at every step
+    if job == "dpo":
+        assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+        assert records[0]["preference/rewards/accuracy"] == 0.0
+    for rank in range(2):
+        record = torch.load(jobs / f"{job}_rank{rank}.pt")
+        assert record["base_count"] > 0 and record["base_changed"] == [], record["base_changed"][:3]
+        assert record["adapters"] and record["adapters_moved"] == record["adapters"]
+        assert record["trained"] == record["adapters"]
+        if job == "dpo":
+            assert record["reference_is_adapters_off"] and record["reference_storage_is_the_actors"]
