@@ -1,13 +1,13 @@
 """LoRA against full-parameter training on the ~100M model: peak memory and step time of GRPO and DPO steps.
 
-    python -m bench.lora [--steps 4] [--rank 16] [--threads 2]
+    python -m bench.lora [--steps 4] [--rank 16] [--threads 2] [--micro 8]
 
 The model is bench.vs_trl's `llama100m` (~110M parameters, Llama-shaped, random weights, fp32 on the CPU),
 converted once. Each (job, mode) runs in a fresh process, so that the RSS high-water mark is its own:
 
 - GRPO: the training half of a step, at the roles: the reference's log-probs (verl's GRPO recipe keeps a KL
   loss to the reference), then one on-policy update (one epoch over one mini-batch of 8 prompts x 4 samples,
-  micro-batches of 8 rows). Generation is the rollout engine's and does not depend on how the actor trains.
+  micro-batches of --micro rows). Generation is the rollout engine's and does not depend on how the actor trains.
 - DPO: the reference scores 16 chosen/rejected pairs, then one update on the sigmoid loss.
 
 Full-parameter runs hold a second model as the reference; LoRA runs (rank --rank on linear_qkv, linear_proj,
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-PROMPT, RESPONSE, ROWS, MICRO = 64, 32, 32, 8
+PROMPT, RESPONSE, ROWS = 64, 32, 32
 JOBS = ("grpo", "dpo")
 
 
@@ -113,7 +113,7 @@ class SavedActivations:
         self.hooks.__exit__(*exc)
 
 
-def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int) -> dict:
+def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int, micro: int) -> dict:
     """One job's steps, full-parameter (rank 0) or LoRA, in this process: the parts of the RSS high-water mark
     (see the module's docstring) and step times."""
     from verl_mega.algorithms import masked_sum
@@ -140,14 +140,14 @@ def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int) -> dict:
     for _ in range(steps):
         batch = random_batch(actor.vocab_size, generator)
         wall, cpu = time.perf_counter(), time.process_time()
-        ref = reference.compute_ref_log_prob(batch, MICRO)
+        ref = reference.compute_ref_log_prob(batch, micro)
         with activations:
             if job == "grpo":
                 batch["ref_log_probs"] = ref
-                actor.update_policy(batch, ppo_epochs=1, mini_batch_size=ROWS, micro_batch_size=MICRO)
+                actor.update_policy(batch, ppo_epochs=1, mini_batch_size=ROWS, micro_batch_size=micro)
             else:
                 batch["ref_sequence_log_probs"] = masked_sum(ref.cpu(), batch["response_mask"], dim=-1)
-                actor.update_on_sequences(batch, ROWS, MICRO, PAIR_METRICS, dpo_loss)
+                actor.update_on_sequences(batch, ROWS, micro, PAIR_METRICS, dpo_loss)
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     ddp = actor.trainable.model
@@ -160,7 +160,7 @@ def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int) -> dict:
         "grad_bytes": tensor_bytes(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers),
         "optimizer_bytes": optimizer_state_bytes(actor.trainable.optimizer),
         "activation_bytes": activations.peak,
-        "logit_bytes": MICRO * (PROMPT + RESPONSE) * actor.vocab_size * 4,
+        "micro": micro, "logit_bytes": micro * (PROMPT + RESPONSE) * actor.vocab_size * 4,
         "build_peak_bytes": build_peak, "rss_peak_bytes": max(build_peak, resident_bytes()[1]),
         "step_wall_s": statistics.median(walls[1:] or walls), "step_cpu_s": statistics.median(cpus[1:] or cpus),
     }
@@ -190,6 +190,7 @@ def model_state(run: dict) -> int:
 
 
 def report(runs: list[dict]) -> None:
+    print(f"micro-batches of {runs[0]['micro']} rows")
     print("| job | mode | trainable params | runtime | weights | reference | grads | optimizer | activations "
           "(logits) | rest | RSS peak | build peak | step wall s | step CPU s |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -217,11 +218,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first (warm-up) is not timed")
     parser.add_argument("--rank", type=int, default=16, help="the LoRA runs' rank")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--micro", type=int, default=8, help="rows per micro-batch (the activations scale with it)")
     parser.add_argument("--run", nargs=3, metavar=("JOB", "RANK", "CKPT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:  # one measurement, in the fresh process the parent started
         job, rank, ckpt = args.run
-        print(json.dumps(measure(job, int(rank), Path(ckpt), args.steps, args.threads)))
+        print(json.dumps(measure(job, int(rank), Path(ckpt), args.steps, args.threads, args.micro)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = prepare(Path(tmp))
@@ -229,7 +231,8 @@ def main() -> None:
         for job in JOBS:
             for rank in (0, args.rank):
                 out = subprocess.run([sys.executable, "-m", "bench.lora", "--steps", str(args.steps), "--threads",
-                                      str(args.threads), "--run", job, str(rank), str(ckpt)],
+                                      str(args.threads), "--micro", str(args.micro), "--run", job, str(rank),
+                                      str(ckpt)],
                                      check=True, capture_output=True, text=True).stdout
                 runs.append(json.loads(out.strip().splitlines()[-1]))
     report(runs)
