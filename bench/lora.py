@@ -1,6 +1,6 @@
 """LoRA against full-parameter training on the ~100M model: peak memory and step time of GRPO and DPO steps.
 
-    python -m bench.lora [--steps 4] [--rank 16] [--threads 2] [--micro 8]
+    python -m bench.lora [--steps 4] [--rank 16] [--threads 2] [--micro 8] [--mmap-threshold 131072]
 
 The model is bench.vs_trl's `llama100m` (~110M parameters, Llama-shaped, random weights, fp32 on the CPU),
 converted once. Each (job, mode) runs in a fresh process, so that the RSS high-water mark is its own:
@@ -25,7 +25,14 @@ parts of the process's RSS high-water mark:
 - build peak: the high-water mark while the roles are built (loading the checkpoint), reset before the steps
   (`/proc/self/clear_refs`), so the step peak is the steps' own;
 
-then the median step time (wall and CPU) over the steps after the first (warm-up), and LoRA's ratios to
+The runs' processes start with glibc's mmap threshold fixed at --mmap-threshold bytes (MALLOC_MMAP_THRESHOLD_;
+0 keeps glibc's default): by default glibc raises the threshold to the size of each large block freed (up to
+32 MiB), so that later tensors below it come from the heap, whose freed holes stay resident. The high-water mark
+then counts memory of tensors freed earlier: with 8-row micro-batches 0.6 to 1.1 GiB of `rest`, more with LoRA
+than without (docs/lora.md has the figures). A fixed threshold maps every tensor above it
+on its own and unmaps it when freed, so the high-water mark is what the tensors need.
+
+Then the median step time (wall and CPU) over the steps after the first (warm-up), and LoRA's ratios to
 full-parameter: of the RSS peak, of the model state (weights + reference + grads + optimizer) and of the peak
 less the runtime.
 """
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -160,7 +168,8 @@ def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int, micro: in
         "grad_bytes": tensor_bytes(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers),
         "optimizer_bytes": optimizer_state_bytes(actor.trainable.optimizer),
         "activation_bytes": activations.peak,
-        "micro": micro, "logit_bytes": micro * (PROMPT + RESPONSE) * actor.vocab_size * 4,
+        "micro": micro, "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default"),
+        "logit_bytes": micro * (PROMPT + RESPONSE) * actor.vocab_size * 4,
         "build_peak_bytes": build_peak, "rss_peak_bytes": max(build_peak, resident_bytes()[1]),
         "step_wall_s": statistics.median(walls[1:] or walls), "step_cpu_s": statistics.median(cpus[1:] or cpus),
     }
@@ -190,7 +199,7 @@ def model_state(run: dict) -> int:
 
 
 def report(runs: list[dict]) -> None:
-    print(f"micro-batches of {runs[0]['micro']} rows")
+    print(f"micro-batches of {runs[0]['micro']} rows, glibc's mmap threshold {runs[0]['mmap_threshold']}")
     print("| job | mode | trainable params | runtime | weights | reference | grads | optimizer | activations "
           "(logits) | rest | RSS peak | build peak | step wall s | step CPU s |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -219,6 +228,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="the LoRA runs' rank")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--micro", type=int, default=8, help="rows per micro-batch (the activations scale with it)")
+    parser.add_argument("--mmap-threshold", type=int, default=131072,
+                        help="glibc's M_MMAP_THRESHOLD in the runs' processes, bytes (0: glibc's dynamic default)")
     parser.add_argument("--run", nargs=3, metavar=("JOB", "RANK", "CKPT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:  # one measurement, in the fresh process the parent started
@@ -228,12 +239,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = prepare(Path(tmp))
         runs = []
+        env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {})}
         for job in JOBS:
             for rank in (0, args.rank):
                 out = subprocess.run([sys.executable, "-m", "bench.lora", "--steps", str(args.steps), "--threads",
                                       str(args.threads), "--micro", str(args.micro), "--run", job, str(rank),
                                       str(ckpt)],
-                                     check=True, capture_output=True, text=True).stdout
+                                     check=True, capture_output=True, text=True, env=env).stdout
                 runs.append(json.loads(out.strip().splitlines()[-1]))
     report(runs)
 
