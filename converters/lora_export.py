@@ -26,6 +26,7 @@ from verl_mega.files.atomic import atomic_output_dir
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES
 from verl_mega.models.expected_shapes import mcore_shape
+from verl_mega.models.lora import merged_weight
 from verl_mega.models.sharding import rank_slots, split_mcore_to_hf
 
 PEFT_CONFIG = "adapter_config.json"
@@ -79,7 +80,7 @@ def merged_hf_tensors(tensors: Iterator[tuple[str, torch.Tensor]], deltas: dict[
     for name, tensor in tensors:
         if name in deltas:
             a, b = deltas[name]
-            tensor = tensor.float() + scale * (b.float() @ a.float())
+            tensor = merged_weight(tensor.float(), a, b, scale)
         yield name, tensor
 
 

@@ -6,7 +6,8 @@ peak must stay within the planner's figure. Then every parameter is moved (a sta
 the next transition must carry the moved weights. With --greedy, the embedded engine loaded from the
 stream must generate what transformers generates from the exported checkpoint. With --lora FAMILY, that
 family's model gains LoRA adapters on its four linears: the stream must equal, bit for bit, the stream of a
-model built with W + scale * B @ A written into its weights by hand, and stay within the planner's peak.
+model built with W + scale * B @ A written into its weights by hand, and stay within the planner's peak; then the
+same for the model built in bf16 (bf16 adapters, merged in fp32 and rounded once).
 
     --tp TP --pp PP --case FAMILY,HF_DIR,CKPT_DIR,EP [--case ...] [--greedy FAMILY=EXPORTED_HF_DIR ...]
         [--lora FAMILY ...] [--next --tp TP --pp PP --case ...]
@@ -131,8 +132,9 @@ def add_trained_adapters(model) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator))
 
 
-def check_merged_stream(model, ckpt_dir: str, hf_dir: str, cfg, family, label: str) -> None:
-    """The stream of a model with adapters == the stream of a model built with W + scale * B @ A as its weights."""
+def check_merged_stream(model, ckpt_dir: str, hf_dir: str, cfg, family, label: str, dtype: str = "fp32") -> None:
+    """The stream of a model in `dtype` with adapters == the stream of a model built with W + scale * B @ A (fp32
+    math, rounded to `dtype`) as its weights."""
     layout = current_layout()
     add_trained_adapters(model)
     rollout_tps = [t for t in range(1, layout.tp + 1) if layout.tp % t == 0]
@@ -140,13 +142,13 @@ def check_merged_stream(model, ckpt_dir: str, hf_dir: str, cfg, family, label: s
     for rollout_tp in rollout_tps:
         engine = HybridEngine(model, cfg, family, rollout_tp, measure_peak=True)
         merged_streams[rollout_tp] = {name: tensor.clone() for name, tensor in engine.stream()}
-        figures = plan(hf_dir, layout.tp, layout.pp, layout.dp, rollout_tp, ep=layout.ep, lora_rank=LORA.rank,
-                       lora_targets=LORA.targets).ranks[layout.rank]
+        figures = plan(hf_dir, layout.tp, layout.pp, layout.dp, rollout_tp, ep=layout.ep, dtype=dtype,
+                       lora_rank=LORA.rank, lora_targets=LORA.targets).ranks[layout.rank]
         assert engine.tracker.peak <= figures.transition_peak_bytes, (
             f"{label} -> t_g={rollout_tp} rank {layout.rank}: measured peak {engine.tracker.peak} B > planned "
             f"{figures.transition_peak_bytes} B with adapters")
         peaks.append(f"t_g={rollout_tp} peak {engine.tracker.peak} B <= planned {figures.transition_peak_bytes} B")
-    by_hand, _, _, _ = build_model_from_checkpoint(ckpt_dir)
+    by_hand, _, _, _ = build_model_from_checkpoint(ckpt_dir, dtype=dtype)
     trained = checkpoint_tensors(model)
     with torch.no_grad():
         for name, tensor in checkpoint_tensors(by_hand).items():  # the model's weights as trained so far
@@ -186,7 +188,10 @@ def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp:
         label = f"{family_name} tp={tp} pp={pp} dp={layout.dp} ep={ep} -> t_g={engine.rollout_tp} after a step"
         check_transition(engine, reader, hf_dir, cfg, family, manifest.padded_vocab_size, TRAINING_STEP_SHIFT, label)
     if lora:
-        check_merged_stream(model, ckpt_dir, hf_dir, cfg, family, f"{family_name} tp={tp} pp={pp} dp={layout.dp} with LoRA")
+        label = f"{family_name} tp={tp} pp={pp} dp={layout.dp} with LoRA"
+        check_merged_stream(model, ckpt_dir, hf_dir, cfg, family, label)
+        bf16_model, _, _, _ = build_model_from_checkpoint(ckpt_dir, dtype="bf16")
+        check_merged_stream(bf16_model, ckpt_dir, hf_dir, cfg, family, f"{label} in bf16", "bf16")
 
 
 def layout_groups(argv: list[str]) -> list[list[str]]:

@@ -30,12 +30,14 @@ OFFLINE_LAUNCHES = {
 # processes -> other test files' cases on the role grid's checkpoints: tests/update_passes_worker.py's updates
 # (into ROOT/passes) and tests/training_state_worker.py's save at (TP, PP) = (2, 2) (into ROOT/state; its
 # resume phase needs fresh processes, so tests/test_training_state.py launches it).
-# processes -> tests/lora_worker.py's updates (MODEL:TP,PP,EP, into ROOT/lora): a LoRA actor and critic at every
-# role-grid layout on its checkpoints, and on the offline grid's MoE model at EP 1 and 2 (its experts' adapters).
-LORA_LAUNCHES = {1: [f"{DENSE}:1,1,1", f"{MOE}:1,1,1"], 2: [f"{DENSE}:2,1,1", f"{DENSE}:1,2,1", f"{DENSE}:1,1,1",
-                                                          f"{MOE}:1,1,2"], 8: [f"{DENSE}:2,2,1"]}
-# ...and the adapted linears at TP 2 (lora_layers).
-SHARED_CASES = {2: ["update_passes", "lora_layers"], 8: ["state_save:2,2"]}
+# processes -> tests/lora_worker.py's updates (MODEL:TP,PP,EP[:bf16], into ROOT/lora): a LoRA actor and critic at
+# every role-grid layout on its checkpoints, in bf16 at TP 1 and TP 2, and on the offline grid's MoE model at EP 1
+# and 2 (its experts' adapters).
+LORA_LAUNCHES = {1: [f"{DENSE}:1,1,1", f"{MOE}:1,1,1", f"{DENSE}:1,1,1:bf16"],
+                 2: [f"{DENSE}:2,1,1", f"{DENSE}:1,2,1", f"{DENSE}:1,1,1", f"{MOE}:1,1,2", f"{DENSE}:2,1,1:bf16"],
+                 8: [f"{DENSE}:2,2,1"]}
+# ...and the adapted linears at TP 2 (lora_layers), and the SFT and DPO jobs with LoRA on 2 ranks (lora_jobs).
+SHARED_CASES = {2: ["update_passes", "lora_layers", "lora_jobs"], 8: ["state_save:2,2"]}
 
 
 def launch_cases(nproc: int) -> list[str]:

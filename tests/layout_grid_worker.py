@@ -8,9 +8,10 @@ a CASE being `roles:DTYPE:TP,PP` (ROOT/roles/ckpt/tp{TP}pp{PP}, results in ROOT/
 `offline:MODEL:DTYPE:TP,PP,EP` (ROOT/offline/ckpt/MODEL/tp{TP}pp{PP}ep{EP}, results in ROOT/offline/out),
 `update_passes` (tests/update_passes_worker.py on the role grid's checkpoints, into ROOT/passes) or
 `state_save:TP,PP` (tests/training_state_worker.py's save phase on them, into ROOT/state), `lora:MODEL:TP,PP,EP`
-(a LoRA actor and critic update on the role grid's qwen2 checkpoint or the offline grid's MODEL, into ROOT/lora)
-or `lora_layers` (adapted linears at TP 2, into ROOT/lora; both tests/lora_worker.py). A case that raises
-stops the launch with an error naming that case.
+or `lora:MODEL:TP,PP,EP:bf16` (a LoRA actor and critic update, in fp32 or bf16, on the role grid's qwen2
+checkpoint or the offline grid's MODEL, into ROOT/lora), `lora_layers` (adapted linears at TP 2, into
+ROOT/lora) or `lora_jobs` (the SFT and DPO jobs with LoRA on 2 ranks, into ROOT/lora/jobs; all three
+tests/lora_worker.py). A case that raises stops the launch with an error naming that case.
 """
 from __future__ import annotations
 
@@ -43,17 +44,20 @@ def run_case(root: Path, case: str) -> None:
         tp, pp = (int(size) for size in sizes.split(","))
         training_state_worker.save_phase(root / "roles" / "ckpt", root / "state", tp, pp)
     elif kind == "lora":
-        model, sizes = spec
+        model, sizes, *dtype = spec
         tp, pp, ep = (int(size) for size in sizes.split(","))
         # The dense model is the role grid's, the others the offline grid's (tests/layout_grid.py converts both).
         ckpt = (root / "roles" / "ckpt" / f"tp{tp}pp{pp}" if model == "qwen2"
                 else root / "offline" / "ckpt" / model / f"tp{tp}pp{pp}ep{ep}")
-        lora_worker.run_update(ckpt, root / "lora", model, tp, pp, ep)
+        lora_worker.run_update(ckpt, root / "lora", model, tp, pp, ep, *dtype)
     elif kind == "lora_layers":
         lora_worker.run_layers(root / "lora")
+    elif kind == "lora_jobs":
+        (root / "lora" / "jobs").mkdir(exist_ok=True)
+        lora_worker.run_jobs(root / "roles", root / "lora" / "jobs")
     else:
-        raise ValueError(f"unknown case kind {kind!r} in {case!r}: roles, offline, update_passes, state_save, lora "
-                         "or lora_layers")
+        raise ValueError(f"unknown case kind {kind!r} in {case!r}: roles, offline, update_passes, state_save, lora, "
+                         "lora_layers or lora_jobs")
 
 
 def main(argv: list[str]) -> None:

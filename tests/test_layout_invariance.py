@@ -146,13 +146,19 @@ def test_critic_starts_at_zero_and_lowers_value_loss(results, layout):
 @pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda layout: "tp{}pp{}dp{}".format(*layout))
 def test_bf16_ppo_update_is_layout_invariant_within_bf16_rounding(bf16_results, layout):
     reference, result = bf16_results[(1, 1, 1)], bf16_results[layout]
+    assert_within_bf16_rounding(result, reference, "actor_metrics", layout)
+
+
+def assert_within_bf16_rounding(result: dict, reference: dict, actor_metrics: str, label) -> None:
+    """A bf16 update at one layout against the same at (1, 1, 1): the actor's smooth metrics (under the key
+    `actor_metrics`), the critic's value losses and every updated weight within the bf16 bounds above."""
     for name in BF16_SMOOTH_METRICS:
-        difference = rel_diff(result["actor_metrics"][name], reference["actor_metrics"][name])
+        difference = rel_diff(result[actor_metrics][name], reference[actor_metrics][name])
         assert difference <= BF16_AGGREGATE_TOL, f"{name}: {difference:.2e} > {BF16_AGGREGATE_TOL:.2e}"
     for before, after in zip(reference["critic_metrics"], result["critic_metrics"]):
         assert rel_diff(after["vf_loss"], before["vf_loss"]) <= BF16_AGGREGATE_TOL
     assert result["weights"].keys() == reference["weights"].keys()
     worst = max((rel_diff(result["weights"][name], tensor) / bf16_weight_tol(tensor), name)
                 for name, tensor in reference["weights"].items())
-    print(f"{layout}: worst updated weight at {worst[0]:.2f} of its bf16 tolerance ({worst[1]})")
+    print(f"{label}: worst updated weight at {worst[0]:.2f} of its bf16 tolerance ({worst[1]})")
     assert worst[0] <= 1.0, worst[1]

@@ -15,8 +15,8 @@ from verl_mega.models.lora import (
     merged_weight,
 )
 
-from lora_worker import ALPHA, HIDDEN, QKV, RANK, TwoLinears, full_tensors
-from test_layout_invariance import LAYOUTS, LOGPROB_ATOL, REL_TOL, rel_diff
+from lora_worker import ALPHA, DROPOUT, HIDDEN, JOB_STEPS, QKV, RANK, TwoLinears, full_tensors
+from test_layout_invariance import LAYOUTS, LOGPROB_ATOL, REL_TOL, assert_within_bf16_rounding, rel_diff
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,10 @@ def with_random_b(model) -> None:
             param.data.copy_(torch.randn(param.shape, generator=generator))
 
 
-def reference_linear(x, weight, a, b, scale):
-    return x @ weight.t() + scale * (x @ a.t()) @ b.t()
+def reference_linear(x, weight, a, b, scale, mask=None):
+    """y = W x + scale * B A (mask x): `mask` the adapters' dropout (scaled by 1 / (1 - p)), None for none."""
+    dropped = x if mask is None else x * mask
+    return x @ weight.t() + scale * (dropped @ a.t()) @ b.t()
 
 
 @pytest.mark.parametrize("target", ["linear_qkv", "linear_proj"])
@@ -341,11 +343,13 @@ def test_the_preflight_check_refuses_a_target_the_family_lacks(preflight_inputs)
 
 # --- at TP 2 and at every layout (the layout grids' launches, tests/lora_worker.py) ---------------------------
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["qkv", "proj"])
-def test_layers_at_tp2_match_the_reference_forward_and_backward(layout_grid, name):
-    """Column (qkv: B and the output split) and row (proj: A and the input split) parallel, put together."""
-    ranks = [torch.load(layout_grid / "lora" / f"layers_tp{rank}.pt")[name] for rank in range(2)]
+def tp2_layers(grid, name: str) -> list[dict]:
+    return [torch.load(grid / "lora" / f"layers_tp{rank}.pt")[name] for rank in range(2)]
+
+
+def assert_tp2_layer_is_the_tp1_one(ranks: list[dict], name: str, mask=None) -> None:
+    """The two TP ranks' outputs and gradients of layer `name` (qkv: column-, proj: row-parallel), put together,
+    against y = W x + (alpha/r) B A (mask x) on the whole tensors."""
     full = full_tensors()
     column = name == "qkv"
     a = ranks[0]["a"] if column else torch.cat([rank["a"] for rank in ranks], dim=1)
@@ -353,7 +357,7 @@ def test_layers_at_tp2_match_the_reference_forward_and_backward(layout_grid, nam
     assert torch.equal(a, initial_a(lora(rank=RANK), a.shape[1], target))  # sliced from the one draw
     x = full[f"{name}.x"].clone().requires_grad_()
     a, b = a.clone().requires_grad_(), full[f"{name}.b"].clone().requires_grad_()
-    expected = reference_linear(x, full[f"{name}.weight"], a, b, ALPHA / RANK)
+    expected = reference_linear(x, full[f"{name}.weight"], a, b, ALPHA / RANK, mask)
     expected.backward(full[f"{name}.grad"])
     if column:  # the output and B split by rows; A and x whole on each rank
         torch.testing.assert_close(torch.cat([rank["out"] for rank in ranks], dim=-1), expected.detach())
@@ -368,6 +372,41 @@ def test_layers_at_tp2_match_the_reference_forward_and_backward(layout_grid, nam
             torch.testing.assert_close(rank["out"], expected.detach())
             torch.testing.assert_close(rank["b_grad"], b.grad)
     assert x.shape[-1] == (HIDDEN if column else QKV)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qkv", "proj"])
+def test_layers_at_tp2_match_the_reference_forward_and_backward(layout_grid, name):
+    """Column (qkv: B and the output split) and row (proj: A and the input split) parallel, put together."""
+    assert_tp2_layer_is_the_tp1_one(tp2_layers(layout_grid, name), name)
+
+
+def dropout_mask(rng_state: torch.Tensor, shape) -> torch.Tensor:
+    """The mask (kept elements scaled by 1 / (1 - p)) that dropout draws for a tensor of `shape` from a generator
+    in `rng_state`."""
+    generator = torch.Generator().set_state(rng_state)
+    return torch.empty(shape).bernoulli_(1 - DROPOUT, generator=generator) / (1 - DROPOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qkv", "proj"])
+def test_dropout_at_tp2_is_one_tp1_mask_drawn_as_megatron_draws_its_own(layout_grid, name):
+    """Column-parallel (replicated input): both TP ranks draw the same mask, from the generator they share.
+    Row-parallel (split input): each rank draws its slice's mask from the model-parallel RNG tracker, seeded per
+    rank, so the slices' masks are independent. Either way the layer at TP 2 computes the TP 1 layer with the
+    mask the ranks' masks make (the same drawn twice, or the slices side by side)."""
+    ranks = tp2_layers(layout_grid, f"dropout_{name}")
+    x = full_tensors()[f"{name}.x"]
+    if name == "qkv":
+        masks = [dropout_mask(rank["rng"], x.shape) for rank in ranks]
+        assert torch.equal(masks[0], masks[1])
+        mask = masks[0]
+    else:
+        masks = [dropout_mask(rank["tracker_rng"], (*x.shape[:-1], x.shape[-1] // 2)) for rank in ranks]
+        assert not torch.equal(masks[0], masks[1])
+        mask = torch.cat(masks, dim=-1)
+    assert 0 < (mask == 0).sum() < mask.numel()
+    assert_tp2_layer_is_the_tp1_one(ranks, name, mask)
 
 
 def lora_results(grid, model: str, layouts) -> dict:
@@ -415,3 +454,43 @@ def test_one_lora_update_is_layout_invariant(layout_grid, model, layouts):
                "up_proj.weight", "down_proj.weight", "w1.weight", "w2.weight", "w3.weight")
     for name, tensor in reference["weights"].items():
         assert torch.equal(tensor, base[name].float()) != name.endswith(adapted), name
+
+
+@pytest.mark.slow
+def test_one_bf16_lora_update_is_layout_invariant_within_bf16_rounding(layout_grid):
+    """In bf16 the adapters are bf16 parameters, like the base weights whose GEMMs they join, and the optimizer
+    steps fp32 main copies of them (megatron's mixed-precision optimizer, as Megatron-Bridge and NeMo have it):
+    TP 2 agrees with TP 1 within the role grid's bf16 rules, and the adapters-off reference is the bf16 base,
+    bitwise, before and after the update."""
+    results = lora_results(layout_grid, "qwen2_bf16", [(1, 1, 1, 1), (2, 1, 1, 1)])
+    reference, result = results[(1, 1, 1)], results[(2, 1, 1)]
+    for outcome in results.values():
+        assert outcome["dtypes"] == {"adapters": {torch.bfloat16}, "optimizer": {torch.float32}}
+        assert torch.equal(outcome["reference_after"], outcome["reference"])
+    assert_within_bf16_rounding(result, reference, "metrics", "bf16 LoRA at TP 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["sft", "dpo"])
+def test_the_offline_jobs_train_lora_adapters_on_two_ranks(layout_grid, job):
+    """The SFT job at TP 2 and the DPO job at DP 2 (distributed optimizer), built as the trainer builds them, in the
+    layout grid's 2-process launch (lora_worker.run_jobs): the loss falls, every adapter moves and nothing else
+    trains, the base stays bitwise as loaded, and DPO's reference is the actor's own model with its adapters off:
+    its first step, where the adapters are still the base's, scores every pair at zero margin (loss ln 2)."""
+    import json
+
+    jobs = layout_grid / "lora" / "jobs"
+    records = [json.loads(line) for line in (jobs / job / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == list(range(1, JOB_STEPS + 1))
+    losses = [record["sft/loss" if job == "sft" else "preference/loss"] for record in records]
+    assert losses[-1] < min(losses[:2]), losses  # the same batch at every step
+    if job == "dpo":
+        assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+        assert records[0]["preference/rewards/accuracy"] == 0.0
+    for rank in range(2):
+        record = torch.load(jobs / f"{job}_rank{rank}.pt")
+        assert record["base_count"] > 0 and record["base_changed"] == [], record["base_changed"][:3]
+        assert record["adapters"] and record["adapters_moved"] == record["adapters"]
+        assert record["trained"] == record["adapters"]
+        if job == "dpo":
+            assert record["reference_is_adapters_off"] and record["reference_storage_is_the_actors"]

@@ -277,8 +277,10 @@ class LoraConfig:
     """The adapters' output is scaled by alpha / rank; None: 2 x rank (scale 2, whatever the rank). PEFT's and
     verl's lora_alpha (PEFT's default, 8 with r=8, is scale 1; alpha = 2 x rank is the common choice)."""
     dropout: float = 0.0
-    """Dropout on the adapters' input while training (0: none; the run then is exactly reproducible at any
-    layout). PEFT's lora_dropout."""
+    """Dropout on the adapters' input while training (0: none). Masks are drawn as megatron draws its own: the
+    same on every TP rank for a replicated input (linear_qkv, linear_fc1), independent per rank for a split one
+    (linear_proj, linear_fc2), so the masks follow the same law at any layout but are the same draws only at the
+    same layout. PEFT's and verl's lora_dropout."""
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """The linear layers that get adapters, megatron's names: linear_qkv (q, k, v), linear_proj (o_proj),
     linear_fc1 (gate and up), linear_fc2 (down); in MoE layers also each expert's linear_fc1 / linear_fc2.

@@ -16,6 +16,12 @@ rows in megatron's layout.
 
 A is drawn for the whole (TP-merged) matrix from a generator seeded by the layer's global name, then sliced,
 so every layout starts from the same adapters; B starts at zero, so the first forward is the base model's.
+
+Dropout on the adapters' input is drawn as megatron draws its own: a column-parallel layer's input is replicated
+over TP, so every TP rank draws the same mask from the generator they share (as megatron's hidden dropout);
+a row-parallel layer's input is split, so each rank draws its slice's mask from megatron's model-parallel RNG
+tracker (seeded per TP rank, as megatron's attention dropout; an expert's from the experts' tracker).
+Together the ranks' masks are then one mask of the whole input drawn independently per element, as at TP 1.
 """
 from __future__ import annotations
 
@@ -139,8 +145,8 @@ class _Adapter:
 
         # The input, however the layer was called (megatron's linears name it `input_`, transformer-engine's `x`).
         x = adapter_input(module, args[0] if args else kwargs.get("input_", kwargs.get("x")))
-        if self.dropout:
-            x = F.dropout(x, self.dropout, training=module.training)
+        if self.dropout and module.training:
+            x = self.dropped(module, x)
         low_rank = F.linear(x, module.lora_a)
         group = getattr(module, "tp_group", None)
         if self.kind == COLUMN:
@@ -149,6 +155,18 @@ class _Adapter:
             low_rank = reduce_from_tensor_model_parallel_region(low_rank, group=group)
         out, bias = output
         return out + self.scale * F.linear(low_rank, module.lora_b), bias
+
+    def dropped(self, module, x: torch.Tensor) -> torch.Tensor:
+        """`x` through dropout, its mask drawn by the rule of the module docstring."""
+        if self.kind == COLUMN:  # replicated input: the generator every TP rank shares draws one mask
+            return F.dropout(x, self.dropout)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        tracker = get_cuda_rng_tracker()
+        split_rng = (tracker.fork(get_expert_parallel_rng_tracker_name()) if getattr(module, "is_expert", False)
+                     else tracker.fork())
+        with split_rng:
+            return F.dropout(x, self.dropout)
 
 
 def adapter_input(module, x: torch.Tensor) -> torch.Tensor:
@@ -322,6 +340,9 @@ def adapters_disabled(model):
 def merged_weight(weight_local: torch.Tensor, a_local: torch.Tensor, b_local: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """W + scale * B @ A for one TP shard (a column layer's B shard and whole A, or a row layer's whole B and A
-    shard), computed in fp32, returned in W's dtype."""
-    delta = b_local.float() @ a_local.float()
-    return (weight_local.float() + scale * delta).to(weight_local.dtype)
+    shard), computed in fp32, returned in W's dtype. In place in one fp32 buffer: the HybridEngine's transition,
+    the final weights and the export hold one shard-sized tensor for it (plus the cast copy for a narrower W),
+    where the out-of-place expression holds three or four."""
+    merged = b_local.float() @ a_local.float()
+    merged.mul_(scale).add_(weight_local)
+    return merged.to(weight_local.dtype)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from verl_mega.models.builder import checkpoint_tensors, unwrap_model
 from verl_mega.models.hf_config import HFModelConfig
-from verl_mega.models.lora import lora_modules
+from verl_mega.models.lora import lora_modules, merged_weight
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
 from verl_mega.models.spec import SAME, FamilySpec, TensorRule, canonical_names
 from verl_mega.parallel.layout import rollout_placement, rollout_vocab_rows
@@ -66,15 +66,6 @@ class _Adapter:
     a: torch.Tensor  # [rank, in_local]
     b: torch.Tensor  # [out_local, rank]
     scale: float  # alpha / rank
-
-
-def merged_shard(weight: torch.Tensor, adapter: _Adapter) -> torch.Tensor:
-    """`models.lora.merged_weight`'s W + scale * B @ A (fp32 math, W's dtype, the same bits), computed in place in
-    one fp32 buffer: the transition holds one shard-sized tensor for it (plus the cast copy for a narrower W),
-    where the out-of-place expression holds three or four."""
-    delta = adapter.b.float() @ adapter.a.float()
-    delta.mul_(adapter.scale).add_(weight)
-    return delta.to(weight.dtype)
 
 
 @dataclass(frozen=True)
@@ -214,7 +205,8 @@ class HybridEngine:
         name = slot.global_name
         shard = self._params.get(name)
         if name in self._adapters:
-            shard = merged_shard(shard, self._adapters[name])
+            adapter = self._adapters[name]
+            shard = merged_weight(shard, adapter.a, adapter.b, adapter.scale)
         if shard is None and (self.layout.pp > 1 or (slot.rule.per_expert and self.layout.ep > 1)):
             shard = into if into is not None else self._empty(name)
         if slot.rule.per_expert and self.layout.ep > 1 and self.layout.pp_rank == stage:

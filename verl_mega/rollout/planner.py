@@ -101,7 +101,7 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
             numel = numel // hf_config.vocab_size * padded_vocab
         return numel * item(slot) // (train_tp if slot.rule.tp_dim is not None else 1)
 
-    def merge_bytes(slot) -> int:  # HybridEngine.merged_shard's buffers; 0 for a tensor without adapters
+    def merge_bytes(slot) -> int:  # the buffers of models.lora.merged_weight; 0 for a tensor without adapters
         if lora_rank == 0 or not any(slot.rule.mcore.endswith(f".{target}.weight") for target in lora_targets):
             return 0
         rows, cols = mcore_shard_shape(slot, hf_config, train_tp, padded_vocab)
