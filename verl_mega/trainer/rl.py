@@ -54,8 +54,9 @@ from verl_mega.tools import ToolSet
 from .job import TrainingJob
 from .metrics import StageTimer, step_performance
 from .rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch, response_tokens
+from .partial_schedule import LocalChunks, PartialSchedule
 from .rollout_schedule import GeneratedRound, Pending, RolloutSchedule
-from .rollout_service import RemoteRollout
+from .rollout_service import RemoteChunks, RemoteRollout
 
 # An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
 BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_pi_squared")
@@ -194,8 +195,36 @@ class RLJob(TrainingJob):
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
-        self.schedule = RolloutSchedule(config.rollout.mode, config.rollout.max_staleness, config.data.batch_size,
-                                        config.rollout.n)
+        self.schedule = self.make_schedule()
+
+    def make_schedule(self) -> RolloutSchedule:
+        """rollout.mode's schedule; with async partial rollouts, the replicas' chunked generation (on the rollout
+        ranks, or here) behind it."""
+        config, rollout = self.config, self.config.rollout
+        if rollout.mode != "async" or rollout.partial == "off":
+            return RolloutSchedule(rollout.mode, rollout.max_staleness, config.data.batch_size, rollout.n)
+        layout = self.layout
+        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
+        replicas = self.remote.replicas if self.remote is not None else placement.replicas
+        params = [self.sampling_params(0, 0, replicas, replica) for replica in range(replicas)]
+        chunk_tokens = rollout.partial_chunk_tokens
+        if self.remote is not None:
+            chunks = RemoteChunks(self.remote, params, chunk_tokens, rollout.partial, self.eos_token_ids)
+        else:
+            chunks = LocalChunks(self.rollout, params[placement.replica], chunk_tokens, rollout.partial,
+                                 self.eos_token_ids, placement, layout.world_size)
+        seeds = functools.partial(self.round_seeds, replicas)
+        return PartialSchedule(rollout.max_staleness, config.data.batch_size, rollout.n, chunks, self.draw_round,
+                               seeds)
+
+    def draw_round(self) -> tuple[list[int], list[list[int]]]:
+        """The next data.batch_size prompts of the sampler: their indices and token ids."""
+        indices = list(self.sampler.next_batch())
+        return indices, self.prompt_rows(indices)["input_ids"]
+
+    def round_seeds(self, replicas: int, step: int, gen_round: int) -> list[int]:
+        """Each replica's sampling seed of slot (step, gen_round), as a whole-round generation has it."""
+        return [self.sampling_params(step, gen_round, replicas, replica).seed for replica in range(replicas)]
 
     def make_agent_loop(self) -> AgentLoop | None:
         """rollout.multi_turn's agent loop over its tools, or None for single-turn rollouts."""
@@ -329,7 +358,9 @@ class RLJob(TrainingJob):
         generated = []  # every response of the step's rounds, dropped ones too, for the metrics
         # One transition for all rounds: the weights do not change between them.
         with self.rollout_engine_awake(timer):
-            generate = functools.partial(self.generation_round, timer)
+            # Rounds come from `generation_round`; partial rollouts' chunks from the schedule's own replicas.
+            generate = timer if isinstance(self.schedule, PartialSchedule) else functools.partial(
+                self.generation_round, timer)
             self.schedule.fill(generate, self.step)
             while not groups.done:
                 generation = self.schedule.take(self.step, groups.rounds, generate, self.step)
@@ -339,6 +370,7 @@ class RLJob(TrainingJob):
                                   "timeouts": torch.tensor([row in reward.timeouts for row in range(len(responses))])})
                 keep = groups.keep(self.filter_metric(reward)).repeat_interleave(n).nonzero().flatten().tolist()
                 kept.append((take_rows(rows, keep), take_rows(responses, keep), reward.take(keep)))
+            self.schedule.ahead(timer, self.step)
         rows, responses = (concat_rows(list(part)) for part in list(zip(*kept))[:2])
         reward = RewardOutput.concat([part[2] for part in kept])
         if groups.exhausted:
