@@ -3,6 +3,7 @@ between chunks ("finish" and "abort") against fresh forwards of each version's m
 round trip, the refusals; and the batch's `rollout_versions`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -150,6 +151,25 @@ def test_sampling_is_reproducible_for_a_seed_and_the_samples_of_a_prompt_differ(
     assert sample(7) == first
     assert sample(8) != first
     assert all(first[index, 0] != first[index, 1] for index in range(len(PROMPTS)))
+
+
+def test_prompts_started_with_a_seed_of_their_own_are_one_plain_call_in_a_whole_budget_chunk(engine, models):
+    """A round started with its slot's seed (the trainer's) and a chunk of the whole budget is one `generate`
+    call of its prompts with that seed: the same tokens and log-probs, bit for bit (what makes async partial
+    rollouts at max_staleness 0 equal sync). Two rounds started with two seeds are two calls. Could fail if the
+    start seed were ignored, or the rounds merged into one call."""
+    _, eos = models
+    params = SamplingParams(max_new_tokens=MAX_NEW, n=2, seed=3, logprobs=True)
+    rollout = PartialRollout(engine, params, MAX_NEW, eos_token_ids=[eos])
+    rollout.start(PROMPTS[:2], version=0, seed=11)
+    rollout.start(PROMPTS[2:], version=0, seed=12)
+    got = run_to_end(rollout)
+    plain = [*engine.generate(PROMPTS[:2], dataclasses.replace(params, seed=11)),
+             *[dataclasses.replace(r, prompt_index=2) for r in engine.generate(PROMPTS[2:],
+                                                                             dataclasses.replace(params, seed=12))]]
+    assert [(r.prompt_index, r.token_ids, r.logprobs) for r in got] == [
+        (r.prompt_index, r.token_ids, r.logprobs) for r in plain]
+    assert all(set(r.token_versions) == {0} for r in got)
 
 
 def test_finish_keeps_the_version_and_log_prob_of_the_policy_that_sampled_each_token(engine, models, references):
