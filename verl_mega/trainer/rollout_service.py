@@ -214,7 +214,8 @@ class RemoteChunks:
     def __init__(self, remote: RemoteRollout, params: Sequence[SamplingParams], chunk_tokens: int, policy: str,
                  eos_token_ids: Sequence[int]):
         self.remote, self.replicas = remote, remote.replicas
-        self.running = None  # the leader's chunks ahead
+        self.running = None  # the leader's chunks ahead, and the step's timer they count into
+        self.ahead_busy = 0.0  # the rollout ranks' seconds for them
         for rank in remote.placement.rollout_ranks if remote.leads else ():
             replica, _ = remote.placement.rollout_coordinates(rank)
             remote.bridge.send_object(("partial", params[replica], chunk_tokens, policy, list(eos_token_ids)), rank)
@@ -235,16 +236,24 @@ class RemoteChunks:
         return finished
 
     def ahead(self, work, timer: StageTimer) -> None:
-        """`work` in the leader's thread, on the leader's schedule (the rollout ranks' seconds go untimed)."""
+        """`work` in the leader's thread, on the leader's schedule; the rollout ranks' seconds for it count in
+        the step's `rollout_ranks_busy` when it is joined."""
         if self.remote.leads:
-            self.running = self.remote.waiter.submit(work, lambda: self._exchange()[0])
+            self.running = (self.remote.waiter.submit(work, self._exchange_ahead), timer)
+
+    def _exchange_ahead(self) -> list[list[Response]]:
+        finished, busy = self._exchange()
+        self.ahead_busy += busy
+        return finished
 
     def join(self, progress) -> dict | None:
         """Wait for the chunks ahead; with several training ranks, the leader's progress for the others (None on
         the leader, which has it)."""
         running, self.running = self.running, None
         if running is not None:
-            running.result()
+            running[0].result()
+            running[1].add("rollout_ranks_busy", self.ahead_busy)
+            self.ahead_busy = 0.0
         if dist.get_world_size() == 1:
             return None
         shared = self.remote.shared(progress() if self.remote.leads else None)
