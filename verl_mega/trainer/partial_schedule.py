@@ -106,9 +106,10 @@ class PartialSchedule(RolloutSchedule):
         return {**self._progress(), "rollouts": self.chunks.states()}
 
     def load_state_dict(self, state: dict, dataset_size: int) -> None:
+        """The saved schedule, every entry checked (the replicas' partial rollouts too, before any is sent on)."""
         what = "trainer_state.json: rollout_schedule"
-        rollouts = entry(state, "rollouts", list, what) if isinstance(state, dict) and "rollouts" in state else None
-        if rollouts is None or len(rollouts) != self.chunks.replicas:
+        rollouts = state.get("rollouts") if isinstance(state, dict) else None
+        if not isinstance(rollouts, list) or len(rollouts) != self.chunks.replicas:
             raise UserError(f"{what} holds no partial rollouts of {self.chunks.replicas} rollout replicas (it was "
                             "saved with another rollout.partial or parallel layout); resume from another "
                             "checkpoint")

@@ -214,6 +214,9 @@ class RemoteChunks:
     def __init__(self, remote: RemoteRollout, params: Sequence[SamplingParams], chunk_tokens: int, policy: str,
                  eos_token_ids: Sequence[int]):
         self.remote, self.replicas = remote, remote.replicas
+        # The rollout ranks' partial rollouts, unbuilt here: what checks a saved state before it is sent on.
+        self.checkers = [PartialRollout(None, replica_params, chunk_tokens, eos_token_ids=eos_token_ids)
+                         for replica_params in params]
         self.running = None  # the leader's chunks ahead, and the step's timer they count into
         self.ahead_busy = 0.0  # the rollout ranks' seconds for them
         for rank in remote.placement.rollout_ranks if remote.leads else ():
@@ -267,6 +270,10 @@ class RemoteChunks:
         return self.remote.shared(states)
 
     def load_states(self, states: list[dict]) -> None:
+        """Each replica's saved state, checked here first: a bad one is a ValueError naming it, and nothing is
+        sent."""
+        for checker, state in zip(self.checkers, states):
+            checker.load_state_dict(state)
         self._to_replicas(lambda replica: ("load_partial", states[replica]))
 
     def _exchange(self) -> tuple[list[list[Response]], float]:
