@@ -167,18 +167,24 @@ def test_partial_rollouts_resume_with_sequences_in_flight_and_run_the_same_on_a_
     next step's groups in chunks while the training rank trains, and takes each push between two chunks): it logs
     the colocated run's metrics and ends with its weights, bit for bit. Could fail if the partial rollout's state,
     the groups pending or the buffer were not saved or not sent to the rollout rank, if a push did not reach the
-    sequences in flight, or if the two placements chunked differently. Some step trains on tokens of two versions."""
-    straight = tmp_path / "straight"
-    run(train_command(setup, straight, 1, *ONE_PROCESS, *PARTIAL))
+    sequences in flight, or if the two placements chunked differently. Some step trains on tokens of two versions.
+    Both validate on the training prompts (the rollout rank generating the validation batches for the resumed
+    run): the same greedy responses, so the same val/ metrics."""
+    straight, (_, _, data) = tmp_path / "straight", setup
+    val = tmp_path / "val.jsonl"  # validation too, on 4 of the training prompts: before step 1 and after step 4
+    val.write_text("".join(data.read_text().splitlines(keepends=True)[:4]))
+    validated = (*PARTIAL, f"data.val_files=[{val}]")
+    run(train_command(setup, straight, 1, *ONE_PROCESS, *validated))
     expected = records(straight)
     state = json.loads((straight / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     in_flight = state["rollout_schedule"]["rollouts"][0]["sequences"]
     assert any(sequence["tokens"] for sequence in in_flight)
-    assert any(0 < record["async/staleness_hist/0"] < 1 for record in expected.values())
+    assert any(0 < record.get("async/staleness_hist/0", 0) < 1 for record in expected.values())
+    assert "val/reward_mean" in expected[0] and "val/reward_mean" in expected[4]
 
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step_000004", "final_*"))
-    result = run(train_command(setup, resumed, 2, *ONE_PROCESS, *PARTIAL, "parallel.rollout_ranks=1"))
+    result = run(train_command(setup, resumed, 2, *ONE_PROCESS, *validated, "parallel.rollout_ranks=1"))
     assert "resumed from" in result.stdout
     assert records(resumed) == expected
     weights, expected_weights = final_actor_weights(resumed), final_actor_weights(straight)

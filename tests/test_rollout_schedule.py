@@ -182,7 +182,6 @@ def test_mode_settings_that_fit_are_taken(tiny_models, prompt_file, overrides):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.val_files=[{prompts}]"], "data.val_files with parallel.rollout_ranks=1: validation generates on the"),
     (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax with parallel.rollout_ranks=1"),
     (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"],
      "rollout.multi_turn.enable with parallel.rollout_ranks=1: the rollout ranks run no agent loop"),
@@ -195,3 +194,11 @@ def test_what_rollout_ranks_do_not_run_is_refused_naming_the_key(tiny_models, pr
     with pytest.raises(ConfigError) as err:
         preflight_check(config, world_size=2, check_files=False)
     assert any(line.startswith(f"  - {message}") for line in str(err.value).splitlines()), str(err.value)
+
+
+def test_validation_with_rollout_ranks_is_taken(tiny_models, prompt_file):
+    """The rollout ranks generate the validation batches (tests/test_resume.py's partial run validates so)."""
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]",
+                                f"data.val_files=[{prompt_file}]", "data.batch_size=4", "actor.mini_batch_size=4",
+                                "critic.mini_batch_size=4", "parallel.rollout_ranks=1"])
+    preflight_check(config, world_size=2, check_files=False)

@@ -209,10 +209,8 @@ def _check_rollout_mode(config: TrainConfig, need, known) -> None:
 
 
 def _check_rollout_ranks(config: TrainConfig, need) -> None:
-    """What the rollout ranks do not run yet: validation, ReMax's greedy baseline, multi-turn episodes."""
+    """What the rollout ranks do not run yet: ReMax's greedy baseline, multi-turn episodes."""
     key = f"parallel.rollout_ranks={config.parallel.rollout_ranks}"
-    need(not config.data.val_files, f"data.val_files with {key}: validation generates on the training ranks, "
-         "which have no engine in a disaggregated placement; drop data.val_files or set parallel.rollout_ranks=0")
     estimator = config.algorithm.adv_estimator
     need(estimator not in ADV_ESTIMATORS or "reward_baselines" not in estimator_inputs(estimator),
          f"algorithm.adv_estimator={estimator} with {key}: its greedy baseline is generated colocated only; set "

@@ -690,12 +690,17 @@ class RLJob(TrainingJob):
     def validate(self) -> dict[str, float]:
         """The mean reward of greedy generations on data.val_files, overall and per data_source, and their mean
         length. Each rollout replica generates and scores its share (every replicas-th prompt, in batches of
-        data.batch_size); the sums are gathered from every replica's leader."""
+        data.batch_size); the sums are gathered from every replica's leader. With rollout ranks of their own, they
+        generate every batch (split over their replicas) and the first training rank scores it."""
         if self.val_dataset is None:
             return {}
         config, layout = self.config, self.layout
-        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
-        mine = [self.val_dataset[i] for i in range(placement.replica, len(self.val_dataset), placement.replicas)]
+        if self.remote is not None:
+            mine, leads = [self.val_dataset[i] for i in range(len(self.val_dataset))], layout.rank == 0
+        else:
+            placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
+            mine = [self.val_dataset[i] for i in range(placement.replica, len(self.val_dataset), placement.replicas)]
+            leads = placement.leads_replica
         greedy = SamplingParams(temperature=0.0, max_new_tokens=config.data.max_response_length,
                                 seed=config.rollout.seed)
         sums: dict[str | None, list[float]] = {}  # data_source -> [reward sum, rows, response tokens, timeouts]
@@ -704,8 +709,8 @@ class RLJob(TrainingJob):
             for start in range(0, len(mine), config.data.batch_size):
                 items = mine[start:start + config.data.batch_size]
                 rows = {key: [item.get(key) for item in items] for key in ("input_ids", *PROMPT_FIELDS)}
-                responses = self.rollout_responses(rows["input_ids"], rows["raw_prompt"], greedy)
-                if not placement.leads_replica:  # its replica's leader scores the same responses
+                responses = self.validation_responses(rows, greedy)
+                if not leads:  # its replica's leader scores the same responses
                     continue
                 rows = with_episodes(rows, responses)
                 batch = self.rollout_batch(rows, responses, log_probs=False)
@@ -727,6 +732,13 @@ class RLJob(TrainingJob):
         if self.reward.worker is not None:
             metrics["reward/timeouts"] = timeouts
         return metrics
+
+    def validation_responses(self, rows: dict, greedy: SamplingParams) -> list[Response]:
+        """This replica's greedy responses to a validation batch, or every one from the rollout ranks."""
+        if self.remote is None:
+            return self.rollout_responses(rows["input_ids"], rows["raw_prompt"], greedy)
+        responses, _ = self.remote.request(rows["input_ids"], [greedy] * self.remote.replicas).result()
+        return responses
 
     def score(self, batch: dict, rows: dict) -> RewardOutput:
         """Sequence scores [B], the same placed on each response's last token [B, R], and a dict reward's extra

@@ -160,13 +160,13 @@ class RemoteRollout:
         self.version = version
 
     def request(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> Pending:
-        """Replica r generates its share r of `prompts` under `params[r]`; the Pending's result is every response,
-        in replica order, each prompt_index counted over all `prompts`, and the seconds the busiest replica
-        spent generating and loading weights for it."""
-        share = len(prompts) // self.replicas
-        shares = [list(prompts[r * share:(r + 1) * share]) for r in range(self.replicas)]
+        """Replica r generates its share r of `prompts` (contiguous, as even as the count allows) under
+        `params[r]`; the Pending's result is every response, in replica order, each prompt_index counted over all
+        `prompts`, and the seconds the busiest replica spent generating and loading weights for it."""
+        bounds = [r * len(prompts) // self.replicas for r in range(self.replicas + 1)]
+        shares = [list(prompts[bounds[r]:bounds[r + 1]]) for r in range(self.replicas)]
         # The leader's thread sends too: a send waits for a rollout rank still busy with an earlier round.
-        waiting = self.waiter.submit(self._generated, shares, params, share) if self.leads else None
+        waiting = self.waiter.submit(self._generated, shares, params, bounds) if self.leads else None
         return Pending(lambda: self._shared(waiting))
 
     def close(self) -> None:
@@ -174,7 +174,7 @@ class RemoteRollout:
         if self.waiter is not None:
             self.waiter.shutdown()
 
-    def _generated(self, shares: list[list[list[int]]], params: Sequence[SamplingParams], share: int
+    def _generated(self, shares: list[list[list[int]]], params: Sequence[SamplingParams], bounds: list[int]
                    ) -> tuple[list[Response], float]:
         for rank in self.placement.rollout_ranks:
             replica, _ = self.placement.rollout_coordinates(rank)
@@ -182,7 +182,7 @@ class RemoteRollout:
         responses, busy = [], 0.0
         for replica, rank in enumerate(replica_leaders(self.placement)):
             answered, seconds = self.bridge.recv_object(rank)
-            responses += [dataclasses.replace(response, prompt_index=replica * share + response.prompt_index)
+            responses += [dataclasses.replace(response, prompt_index=bounds[replica] + response.prompt_index)
                           for response in answered]
             busy = max(busy, seconds)
         return responses, busy
