@@ -53,8 +53,8 @@ from verl_mega.tools import ToolSet
 
 from .job import TrainingJob
 from .metrics import StageTimer, step_performance
-from .rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch, response_tokens
 from .partial_schedule import LocalChunks, PartialSchedule
+from .rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch, response_tokens
 from .rollout_schedule import GeneratedRound, Pending, RolloutSchedule
 from .rollout_service import RemoteChunks, RemoteRollout
 
