@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_partial_rollouts_resume_with_sequences_in_flight_and_run_the_same_on_a_
     run): the same greedy responses, so the same val/ metrics."""
     straight, (_, _, data) = tmp_path / "straight", setup
     val = tmp_path / "val.jsonl"  # validation too, on 4 of the training prompts: before step 1 and after step 4
-    val.write_text("".join(data.read_text().splitlines(keepends=True)[:4]))
+    val.write_text("".join(Path(data).read_text().splitlines(keepends=True)[:4]))
     validated = (*PARTIAL, f"data.val_files=[{val}]")
     run(train_command(setup, straight, 1, *ONE_PROCESS, *validated))
     expected = records(straight)
