@@ -9,6 +9,8 @@ length limit, so every mode decodes the same tokens) through the real trainer in
     sync disaggregated    1 training + 1 rollout process (parallel.rollout_ranks=1), taking turns
     one_step_off          the same 2 processes, the rollout rank generating step k + 1's batch during step k
     async                 the same, max_staleness 2: up to 3 batches requested ahead
+    async partial         the same with partial rollouts (finish) in chunks of 16 tokens: the rollout rank
+                          generates the next step's groups during the update, taking each push between chunks
 
 Printed per mode, medians over the steps after the first: step time, completion tokens/s, the idle share of
 each side (training: waiting for responses, `timing/rollout_wait`, or colocated generating; rollout: the part
@@ -29,11 +31,14 @@ from pathlib import Path
 from bench.vs_trl import BUILDERS, SCALES, SEQUENCES_PER_STEP, copy_rows, grpo_config
 
 DISAGGREGATED = ("parallel.rollout_ranks=1",)
+PARTIAL_CHUNK = 16  # tokens: two chunks of the 32 new tokens (bench.partial_chunks: 0.49x one call's tokens/s)
 MODES = {  # name -> (processes, overrides)
     "sync colocated": (1, ()),
     "sync disaggregated": (2, DISAGGREGATED),
     "one_step_off": (2, (*DISAGGREGATED, "rollout.mode=one_step_off")),
     "async (max_staleness 2)": (2, (*DISAGGREGATED, "rollout.mode=async", "rollout.max_staleness=2")),
+    "async partial (finish)": (2, (*DISAGGREGATED, "rollout.mode=async", "rollout.max_staleness=2",
+                                   "rollout.partial=finish", f"rollout.partial_chunk_tokens={PARTIAL_CHUNK}")),
 }
 GOAL = 0.65  # one_step_off's step time over disaggregated sync's
 

@@ -1,8 +1,10 @@
 """Partial rollouts on the embedded engine with a tiny Llama: chunked generation against one call, weight changes
 between chunks ("finish" and "abort") against fresh forwards of each version's model, a mid-generation state
-round trip, the refusals; and the batch's `rollout_versions`."""
+round trip, the refusals; the batch's `rollout_versions`; and the trainer's schedule of partial rollouts on it
+(staleness, versions mixed in flight, resuming from its state, abort)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -152,6 +154,25 @@ def test_sampling_is_reproducible_for_a_seed_and_the_samples_of_a_prompt_differ(
     assert all(first[index, 0] != first[index, 1] for index in range(len(PROMPTS)))
 
 
+def test_prompts_started_with_a_seed_of_their_own_are_one_plain_call_in_a_whole_budget_chunk(engine, models):
+    """A round started with its slot's seed (the trainer's) and a chunk of the whole budget is one `generate`
+    call of its prompts with that seed: the same tokens and log-probs, bit for bit (what makes async partial
+    rollouts at max_staleness 0 equal sync). Two rounds started with two seeds are two calls. Could fail if the
+    start seed were ignored, or the rounds merged into one call."""
+    _, eos = models
+    params = SamplingParams(max_new_tokens=MAX_NEW, n=2, seed=3, logprobs=True)
+    rollout = PartialRollout(engine, params, MAX_NEW, eos_token_ids=[eos])
+    rollout.start(PROMPTS[:2], version=0, seed=11)
+    rollout.start(PROMPTS[2:], version=0, seed=12)
+    got = run_to_end(rollout)
+    plain = [*engine.generate(PROMPTS[:2], dataclasses.replace(params, seed=11)),
+             *[dataclasses.replace(r, prompt_index=2) for r in engine.generate(PROMPTS[2:],
+                                                                             dataclasses.replace(params, seed=12))]]
+    assert [(r.prompt_index, r.token_ids, r.logprobs) for r in got] == [
+        (r.prompt_index, r.token_ids, r.logprobs) for r in plain]
+    assert all(set(r.token_versions) == {0} for r in got)
+
+
 def test_finish_keeps_the_version_and_log_prob_of_the_policy_that_sampled_each_token(engine, models, references):
     """Version 0 samples the first chunk, version 1 the rest; each token's log-prob is its model's (a fresh full
     forward of that version over prompt + tokens). Fails if the update re-tagged old tokens, or if a chunk's
@@ -279,3 +300,90 @@ def test_the_batch_keeps_each_tokens_version_padded_with_minus_one():
         build_rollout_batch([[5], [6]], [[1], [2]], 2, 0, token_versions=[(1,), None])
     with pytest.raises(ValueError, match="2 tokens came with 1 token versions"):
         build_rollout_batch([[5]], [[1, 2]], 2, 0, token_versions=[(1,)])
+
+
+# --- the trainer's schedule of partial rollouts (colocated, one process) ------------------------------------
+
+@pytest.fixture(scope="module")
+def one_rank_world(tmp_path_factory):
+    """A gloo world of this process alone: LocalChunks gathers each chunk's responses over it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('world') / 'store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def partial_schedule(engine, eos: int, staleness: int, policy: str):
+    """PartialSchedule over LocalChunks on the tiny engine: rounds of 2 prompts (drawn by round number, as a
+    sampler's position would), 2 samples each, one-token chunks."""
+    from verl_mega.parallel.layout import rollout_placement
+    from verl_mega.trainer.partial_schedule import LocalChunks, PartialSchedule
+
+    params = SamplingParams(max_new_tokens=4, n=2, seed=5, logprobs=True)
+    chunks = LocalChunks(engine, params, 1, policy, [eos], rollout_placement(0, 1, 1, 1), 1)
+
+    def draw():
+        first = 2 * schedule.next_step
+        indices = [first % 6, (first + 1) % 6]
+        return indices, [[5 + index, 6 + index, 7] for index in indices]
+
+    schedule = PartialSchedule(staleness, 2, 2, chunks, draw, lambda step, gen_round: [1000 + step])
+    return schedule
+
+
+def trained_groups(schedule, steps: range) -> list[list[tuple]]:
+    """What each step trains on (the weights' version is the step): per group, its prompt and each response's
+    tokens, versions and log-probs."""
+    from verl_mega.trainer.metrics import StageTimer
+
+    trained = []
+    for version in steps:
+        timer = StageTimer()
+        schedule.fill(timer, version)
+        taken = schedule.take(version, 0, timer, version)
+        schedule.ahead(timer, version)
+        schedule.settle()
+        responses = [(r.token_ids, r.token_versions, r.logprobs) for r in taken.responses]
+        trained.append([(index, *responses[2 * i:2 * i + 2]) for i, index in enumerate(taken.indices)])
+    return trained
+
+
+def test_the_partial_schedule_keeps_staleness_bounded_and_mixes_versions_in_flight(engine, models, one_rank_world):
+    """At max_staleness 1 with one-token chunks, rounds start a chunk apart, so some group a step trains on holds
+    tokens of two versions; none is older than one version or from the future. Could fail if chunks were not
+    taken between weight versions, or stale groups were trained on."""
+    _, eos = models
+    trained = trained_groups(partial_schedule(engine, eos, 1, "finish"), range(5))
+    for step, groups in enumerate(trained):
+        versions = [v for group in groups for tokens, token_versions, _ in group[1:] for v in token_versions]
+        assert step - 1 <= min(versions) and max(versions) <= step
+    assert any(len({v for _, token_versions, _ in group[1:] for v in token_versions}) == 2
+               for groups in trained for group in groups)
+
+
+def test_the_partial_schedule_resumes_from_its_state_with_sequences_in_flight(engine, models, one_rank_world):
+    """Saved after step 2 (sequences in flight) and loaded into a fresh schedule, it trains steps 3-4 on what the
+    uninterrupted one did, tokens, versions and log-probs. Could fail if the partial rollout, the pending groups
+    or the buffer were not in the state."""
+    _, eos = models
+    straight = trained_groups(partial_schedule(engine, eos, 1, "finish"), range(4))
+    first = partial_schedule(engine, eos, 1, "finish")
+    trained_groups(first, range(2))
+    state = json.loads(json.dumps(first.state_dict()))
+    assert any(sequence["tokens"] for sequence in state["rollouts"][0]["sequences"])
+    resumed = partial_schedule(engine, eos, 1, "finish")
+    resumed.load_state_dict(state, dataset_size=6)
+    assert trained_groups(resumed, range(2, 4)) == straight[2:]
+
+
+def test_abort_in_the_partial_schedule_trains_on_one_version_per_response(engine, models, one_rank_world):
+    """With abort, sequences in flight when a version arrives start again: every response is one version's, and
+    tokens were dropped. Could fail if the policy did not reach the chunks' partial rollout."""
+    _, eos = models
+    schedule = partial_schedule(engine, eos, 1, "abort")
+    trained = trained_groups(schedule, range(4))
+    assert all(len(set(token_versions)) == 1 for groups in trained for group in groups
+               for _, token_versions, _ in group[1:])
+    assert schedule.chunks.partial.discarded_tokens > 0

@@ -1,9 +1,12 @@
 """Checkpoint and resume of the PPO trainer: exact after SIGKILL, at another layout, refusals."""
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,14 +110,21 @@ def two_step_sync_run(setup, tmp_path_factory):
     return run_dir, records(run_dir)
 
 
+# Partial rollouts in chunks of the whole response budget (data.max_response_length=4 in the example): each
+# round's first chunk is its one call, seeded by its slot, so they too must be sync's bit for bit.
+WHOLE_CHUNKS = ("rollout.partial=finish", "rollout.partial_chunk_tokens=4")
+
+
 @pytest.mark.slow
-def test_async_at_staleness_0_is_sync_bitwise(setup, tmp_path, two_step_sync_run):
+@pytest.mark.parametrize("partial", [(), WHOLE_CHUNKS], ids=["rounds", "partial-whole-chunks"])
+def test_async_at_staleness_0_is_sync_bitwise(setup, tmp_path, two_step_sync_run, partial):
     """Same seeds, rollout.mode=async with max_staleness 0: every metric of every step equals sync's bit for bit
     (the staleness metrics aside, which sync does not log: all 0 here). Could fail if async drew prompts or seeds
-    in another order, kept a round ahead, or its buffer changed a token or log-prob."""
+    in another order, kept a round ahead, or its buffer changed a token or log-prob; with partial rollouts, if a
+    round's first chunk were not seeded by its slot or a chunk split a response."""
     _, expected = two_step_sync_run
     run(train_command(setup, tmp_path / "async", 1, *ONE_PROCESS, "trainer.total_steps=2", "rollout.mode=async",
-                      "rollout.max_staleness=0"))
+                      "rollout.max_staleness=0", *partial))
     got = records(tmp_path / "async")
     assert all(step["async/staleness_max"] == 0 and step["async/staleness_hist/0"] == 1 for step in got.values())
     assert {step: {k: v for k, v in record.items() if not k.startswith("async/")}
@@ -143,6 +153,45 @@ def test_one_step_off_resumes_exactly_and_runs_the_same_on_a_rollout_rank_of_its
                                                          "async/staleness_hist/1": 1.0}] * 3
     run(train_command(setup, tmp_path / "disaggregated", 2, *ONE_PROCESS, *steps, "parallel.rollout_ranks=1"))
     assert records(tmp_path / "disaggregated") == colocated
+
+
+# Chunks of one token, at most one version stale: rounds start a chunk apart, so every step's weights arrive
+# with sequences part-way (their tokens sampled by two versions).
+PARTIAL = ("trainer.total_steps=4", "rollout.mode=async", "rollout.max_staleness=1", "rollout.partial=finish",
+           "rollout.partial_chunk_tokens=1")
+
+
+@pytest.mark.slow
+def test_partial_rollouts_resume_with_sequences_in_flight_and_run_the_same_on_a_rollout_rank(setup, tmp_path):
+    """async partial rollouts (finish), colocated for 4 steps; step 2's checkpoint holds sequences in flight
+    (tokens of version 1 in the partial rollout's state). A copy of the run folder cut back to that checkpoint
+    resumes with 1 training and 1 rollout process (the rollout rank gets the sequences in flight, generates the
+    next step's groups in chunks while the training rank trains, and takes each push between two chunks): it logs
+    the colocated run's metrics and ends with its weights, bit for bit. Could fail if the partial rollout's state,
+    the groups pending or the buffer were not saved or not sent to the rollout rank, if a push did not reach the
+    sequences in flight, or if the two placements chunked differently. Some step trains on tokens of two versions.
+    Both validate on the training prompts (the rollout rank generating the validation batches for the resumed
+    run): the same greedy responses, so the same val/ metrics."""
+    straight, (_, _, data) = tmp_path / "straight", setup
+    val = tmp_path / "val.jsonl"  # validation too, on 4 of the training prompts: before step 1 and after step 4
+    val.write_text("".join(Path(data).read_text().splitlines(keepends=True)[:4]))
+    validated = (*PARTIAL, f"data.val_files=[{val}]")
+    run(train_command(setup, straight, 1, *ONE_PROCESS, *validated))
+    expected = records(straight)
+    state = json.loads((straight / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    in_flight = state["rollout_schedule"]["rollouts"][0]["sequences"]
+    assert any(sequence["tokens"] for sequence in in_flight)
+    assert any(0 < record.get("async/staleness_hist/0", 0) < 1 for record in expected.values())
+    assert "val/reward_mean" in expected[0] and "val/reward_mean" in expected[4]
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step_000004", "final_*"))
+    result = run(train_command(setup, resumed, 2, *ONE_PROCESS, *validated, "parallel.rollout_ranks=1"))
+    assert "resumed from" in result.stdout
+    assert records(resumed) == expected
+    weights, expected_weights = final_actor_weights(resumed), final_actor_weights(straight)
+    assert weights.keys() == expected_weights.keys() and weights
+    assert all(torch.equal(weights[name], expected_weights[name]) for name in weights)
 
 
 @pytest.mark.slow

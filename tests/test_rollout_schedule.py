@@ -151,7 +151,10 @@ def test_a_tampered_buffer_is_refused_in_one_line(edit, words):
     (["rollout.mode=async", "rollout.partial_chunk_tokens=0"], "rollout.partial_chunk_tokens must be >= 1"),
     (["rollout.max_staleness=3"], "rollout.max_staleness=3 applies to rollout.mode=async only (this run's is sync)"),
     (["rollout.mode=one_step_off", "rollout.partial=abort"], "rollout.partial=abort applies to rollout.mode=async"),
-    (["rollout.mode=async", "rollout.partial=finish"], "rollout.partial=finish: the trainer generates whole rounds"),
+    (["rollout.mode=async", "rollout.partial=finish", "algorithm.adv_estimator=remax"],
+     "rollout.partial=finish with algorithm.adv_estimator=remax: its greedy baseline"),
+    (["rollout.mode=async", "rollout.partial=abort", "rollout.multi_turn.enable=true",
+      "rollout.multi_turn.tools=[calculator]"], "rollout.mode=async with rollout.multi_turn.enable"),
     (["rollout.mode=one_step_off", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"],
      "rollout.mode=one_step_off with rollout.multi_turn.enable"),
     (["rollout.mode=one_step_off", "actor.router_replay=rollout"],
@@ -168,7 +171,9 @@ def test_mode_settings_that_cannot_work_are_refused_naming_the_key(tiny_models, 
 
 
 @pytest.mark.parametrize("overrides", [["rollout.mode=one_step_off"],
-                                       ["rollout.mode=async", "rollout.max_staleness=0"]])
+                                       ["rollout.mode=async", "rollout.max_staleness=0"],
+                                       ["rollout.mode=async", "rollout.partial=finish"],
+                                       ["rollout.mode=async", "rollout.partial=abort", "rollout.max_staleness=0"]])
 def test_mode_settings_that_fit_are_taken(tiny_models, prompt_file, overrides):
     config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]",
                                 "data.batch_size=4", "actor.mini_batch_size=4", "critic.mini_batch_size=4",
@@ -177,7 +182,6 @@ def test_mode_settings_that_fit_are_taken(tiny_models, prompt_file, overrides):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.val_files=[{prompts}]"], "data.val_files with parallel.rollout_ranks=1: validation generates on the"),
     (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax with parallel.rollout_ranks=1"),
     (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"],
      "rollout.multi_turn.enable with parallel.rollout_ranks=1: the rollout ranks run no agent loop"),
@@ -190,3 +194,11 @@ def test_what_rollout_ranks_do_not_run_is_refused_naming_the_key(tiny_models, pr
     with pytest.raises(ConfigError) as err:
         preflight_check(config, world_size=2, check_files=False)
     assert any(line.startswith(f"  - {message}") for line in str(err.value).splitlines()), str(err.value)
+
+
+def test_validation_with_rollout_ranks_is_taken(tiny_models, prompt_file):
+    """The rollout ranks generate the validation batches (tests/test_resume.py's partial run validates so)."""
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]",
+                                f"data.val_files=[{prompt_file}]", "data.batch_size=4", "actor.mini_batch_size=4",
+                                "critic.mini_batch_size=4", "parallel.rollout_ranks=1"])
+    preflight_check(config, world_size=2, check_files=False)

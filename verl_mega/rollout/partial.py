@@ -18,7 +18,9 @@ alone, the same tokens). A prompt whose `n` samples all start from it (nothing g
 one call with the engine's own `n`, which prefills it once and keeps its samples apart; a sample that has tokens
 goes into one call per sample slot (the j-th sample of every such prompt) and remaining budget. Each call is
 seeded by a hash of (`params.seed`, the step's round, the slot, the budget), so a run is reproducible for a fixed
-seed and chunk size (not to one `generate` call's samples, whose calls and seeds differ). Chunk boundaries
+seed and chunk size (not to one `generate` call's samples, whose calls and seeds differ), except the first chunk of
+prompts started with a seed of their own (`start(..., seed=)`): one call per such seed, seeded by it, so that with
+a chunk as long as `max_new_tokens` a round started so is exactly one plain `generate` call of it. Chunk boundaries
 change a sequence only as re-prefilling does (the prompt and the tokens so far run through the model again,
 where one call would have used its KV cache): with greedy decoding and unchanged weights, chunked equals
 unchunked token for token on the embedded engine.
@@ -59,11 +61,13 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    seed: int | None = None  # of its first chunk, as `start` was given it; None: derived like the others'
 
     def restart(self) -> int:
-        """Drop what it generated; returns how many tokens that was."""
+        """Drop what it generated; returns how many tokens that was. Its new first chunk is seeded as the
+        others are (its own seed drew the dropped tokens)."""
         dropped = len(self.tokens)
-        self.tokens, self.logprobs, self.versions = [], [], []
+        self.tokens, self.logprobs, self.versions, self.seed = [], [], [], None
         return dropped
 
 
@@ -89,19 +93,22 @@ class PartialRollout:
         self.discarded_tokens = 0  # tokens dropped by "abort"
         self._sequences: list[_Sequence] = []
 
-    def start(self, prompts: Sequence[Sequence[int]], version: int) -> range:
+    def start(self, prompts: Sequence[Sequence[int]], version: int, seed: int | None = None) -> range:
         """Put `params.n` samples of each prompt in flight, sampled from `version`'s weights (the engine's now:
-        the version in-flight sequences have, if any). Returns the prompts' indices, which their responses'
-        `prompt_index` holds: they count every prompt started on this rollout, from 0."""
+        the version in-flight sequences have, if any); `seed`: their first chunk's (one call of these prompts),
+        else derived. Returns the prompts' indices, which their responses' `prompt_index` holds: they count every
+        prompt started on this rollout, from 0."""
         if any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("a partial rollout cannot start from an empty prompt")
+        if seed is not None and type(seed) is not int:
+            raise ValueError(f"a start seed must be an integer, got {seed!r}")
         if self._sequences and version != self.version:
             raise ValueError(f"start at version {version} with sequences in flight at {self.version}: "
                              "call update_weights first")
         self._check_version(version, allow_same=True)
         self.version = version
         indices = range(self.started, self.started + len(prompts))
-        self._sequences += [_Sequence(index, sample, list(prompt))
+        self._sequences += [_Sequence(index, sample, list(prompt), seed=seed)
                             for index, prompt in zip(indices, prompts) for sample in range(self.params.n)]
         self.started += len(prompts)
         return indices
@@ -112,9 +119,8 @@ class PartialRollout:
         calls = self._calls()
         # Every call first, then the sequences: an engine that fails mid-step leaves the rollout as it was.
         # Sequences under way go first, then the prompts that start.
-        order = sorted(calls, key=lambda call: (call[0] == FRESH, call))
-        results = [(calls[slot, budget], budget, self._generate(calls[slot, budget], slot, budget))
-                   for slot, budget in order]
+        order = sorted(calls, key=lambda call: (call[0] == FRESH, call[:2], call[2] is not None, call[2] or 0))
+        results = [(calls[key], key[1], self._generate(calls[key], *key)) for key in order]
         finished = []
         for sequences, budget, chunks in results:
             for sequence, chunk in zip(sequences, chunks):
@@ -167,27 +173,31 @@ class PartialRollout:
     def _budget(self, sequence: _Sequence) -> int:
         return min(self.chunk_tokens, self.params.max_new_tokens - len(sequence.tokens))
 
-    def _calls(self) -> dict[tuple[int, int], list[_Sequence]]:
-        """(slot, budget) -> the sequences of one engine call: prompts whose n samples all start now (slot FRESH,
-        n per prompt, in sample order), the others by sample slot (see the module docstring)."""
+    def _calls(self) -> dict[tuple[int, int, int | None], list[_Sequence]]:
+        """(slot, budget, start seed) -> the sequences of one engine call: prompts whose n samples all start now
+        (slot FRESH, n per prompt, in sample order, by the seed `start` was given), the others by sample slot (see
+        the module docstring)."""
         by_prompt: dict[int, list[_Sequence]] = {}
         for sequence in self._sequences:
             by_prompt.setdefault(sequence.prompt_index, []).append(sequence)
         calls: dict[tuple[int, int], list[_Sequence]] = {}
         for sequences in by_prompt.values():
             if len(sequences) == self.params.n and not any(s.tokens for s in sequences):
-                calls.setdefault((FRESH, self._budget(sequences[0])), []).extend(
+                calls.setdefault((FRESH, self._budget(sequences[0]), sequences[0].seed), []).extend(
                     sorted(sequences, key=lambda s: s.sample))
             else:
                 for sequence in sequences:
-                    calls.setdefault((sequence.sample, self._budget(sequence)), []).append(sequence)
+                    calls.setdefault((sequence.sample, self._budget(sequence), None), []).append(sequence)
         return calls
 
-    def _generate(self, sequences: list[_Sequence], slot: int, budget: int) -> list[Response]:
+    def _generate(self, sequences: list[_Sequence], slot: int, budget: int, start_seed: int | None
+                  ) -> list[Response]:
         """One call: at most `budget` more tokens of each of `sequences` (one request each, or one per prompt
-        with the engine's n when `slot` is FRESH)."""
+        with the engine's n when `slot` is FRESH), seeded by `start_seed` where they were started with one."""
         samples = self.params.n if slot == FRESH else 1
-        seed = None if self.params.seed is None else derived_seed(self.params.seed, self.rounds, slot, budget)
+        seed = start_seed
+        if seed is None and self.params.seed is not None:
+            seed = derived_seed(self.params.seed, self.rounds, slot, budget)
         params = dataclasses.replace(self.params, n=samples, max_new_tokens=budget, seed=seed)
         chunks = self.engine.generate([s.prompt + s.tokens for s in sequences[::samples]], params)
         if len(chunks) != len(sequences) or any(len(chunk.token_ids) > budget for chunk in chunks):
@@ -199,6 +209,7 @@ class PartialRollout:
 
     def _extend(self, sequence: _Sequence, chunk: Response) -> None:
         sequence.tokens += chunk.token_ids
+        sequence.seed = None  # its first chunk is done
         sequence.versions += [self.version] * len(chunk.token_ids)
         if self.params.logprobs:
             sequence.logprobs += chunk.logprobs
@@ -228,12 +239,15 @@ class PartialRollout:
         tokens = ints(entry(item, "tokens", list, what), f"{what}.tokens", low=0)
         versions = ints(entry(item, "versions", list, what), f"{what}.versions", low=0, high=version)
         logprobs = floats(entry(item, "logprobs", list, what), f"{what}.logprobs")
+        seed = entry(item, "seed", (int, type(None)), what)
+        if seed is not None and tokens:
+            raise ValueError(f"{what} has tokens and still a start seed: its first chunk is done")
         if not prompt or len(tokens) >= self.params.max_new_tokens:
             raise ValueError(f"{what} has an empty prompt or its whole budget of tokens: it is not in flight")
         if len(versions) != len(tokens) or len(logprobs) != (len(tokens) if self.params.logprobs else 0):
             raise ValueError(f"{what} has {len(tokens)} tokens but {len(versions)} versions and {len(logprobs)} "
                              "log-probs")
-        return _Sequence(prompt_index, sample, prompt, tokens, logprobs, versions)
+        return _Sequence(prompt_index, sample, prompt, tokens, logprobs, versions, seed)
 
 
 def derived_seed(seed: int, round_: int, sample: int, budget: int) -> int:

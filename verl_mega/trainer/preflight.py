@@ -182,8 +182,8 @@ def _check_dapo(config: TrainConfig, need, known) -> None:
 
 def _check_rollout_mode(config: TrainConfig, need, known) -> None:
     """rollout.mode and its async knobs: known values in range, set only with async, and nothing the mode cannot
-    keep: multi-turn episodes (not scheduled off-policy), routing replay (the buffer holds no routing), partial
-    rollouts without a generation in flight across weight updates."""
+    keep: multi-turn episodes (not scheduled off-policy, nor resumed in chunks), routing replay (the buffer holds
+    no routing), ReMax's greedy baseline with partial rollouts."""
     r = config.rollout
     known("rollout.mode", r.mode, ROLLOUT_MODES)
     known("rollout.partial", r.partial, PARTIAL_POLICIES)
@@ -202,16 +202,15 @@ def _check_rollout_mode(config: TrainConfig, need, known) -> None:
     need(config.actor.router_replay != "rollout", f"rollout.mode={r.mode} with actor.router_replay=rollout: the "
          "trajectory buffer holds no routing (and a partial rollout's tokens come from several weight versions); "
          "set actor.router_replay=off or rollout.mode=sync")
-    need(r.mode != "async" or r.partial == "off", f"rollout.partial={r.partial}: the trainer generates whole "
-         "rounds between weight pushes, so no sequence is in flight when new weights arrive (partial rollouts are "
-         "not wired into the rollout ranks yet); set rollout.partial=off")
+    estimator = config.algorithm.adv_estimator
+    need(r.partial == "off" or estimator not in ADV_ESTIMATORS or "reward_baselines" not in estimator_inputs(estimator),
+         f"rollout.partial={r.partial} with algorithm.adv_estimator={estimator}: its greedy baseline is generated "
+         "with whole rounds only; set rollout.partial=off")
 
 
 def _check_rollout_ranks(config: TrainConfig, need) -> None:
-    """What the rollout ranks do not run yet: validation, ReMax's greedy baseline, multi-turn episodes."""
+    """What the rollout ranks do not run yet: ReMax's greedy baseline, multi-turn episodes."""
     key = f"parallel.rollout_ranks={config.parallel.rollout_ranks}"
-    need(not config.data.val_files, f"data.val_files with {key}: validation generates on the training ranks, "
-         "which have no engine in a disaggregated placement; drop data.val_files or set parallel.rollout_ranks=0")
     estimator = config.algorithm.adv_estimator
     need(estimator not in ADV_ESTIMATORS or "reward_baselines" not in estimator_inputs(estimator),
          f"algorithm.adv_estimator={estimator} with {key}: its greedy baseline is generated colocated only; set "

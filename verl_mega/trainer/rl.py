@@ -53,9 +53,10 @@ from verl_mega.tools import ToolSet
 
 from .job import TrainingJob
 from .metrics import StageTimer, step_performance
+from .partial_schedule import LocalChunks, PartialSchedule
 from .rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch, response_tokens
 from .rollout_schedule import GeneratedRound, Pending, RolloutSchedule
-from .rollout_service import RemoteRollout
+from .rollout_service import RemoteChunks, RemoteRollout
 
 # An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
 BATCH_ESTIMATOR_INPUTS = ("values", "old_log_probs", "rollout_log_probs", "sum_pi_squared")
@@ -194,8 +195,36 @@ class RLJob(TrainingJob):
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_normalizer = RunningMeanStd()
-        self.schedule = RolloutSchedule(config.rollout.mode, config.rollout.max_staleness, config.data.batch_size,
-                                        config.rollout.n)
+        self.schedule = self.make_schedule()
+
+    def make_schedule(self) -> RolloutSchedule:
+        """rollout.mode's schedule; with async partial rollouts, the replicas' chunked generation (on the rollout
+        ranks, or here) behind it."""
+        config, rollout = self.config, self.config.rollout
+        if rollout.mode != "async" or rollout.partial == "off":
+            return RolloutSchedule(rollout.mode, rollout.max_staleness, config.data.batch_size, rollout.n)
+        layout = self.layout
+        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
+        replicas = self.remote.replicas if self.remote is not None else placement.replicas
+        params = [self.sampling_params(0, 0, replicas, replica) for replica in range(replicas)]
+        chunk_tokens = rollout.partial_chunk_tokens
+        if self.remote is not None:
+            chunks = RemoteChunks(self.remote, params, chunk_tokens, rollout.partial, self.eos_token_ids)
+        else:
+            chunks = LocalChunks(self.rollout, params[placement.replica], chunk_tokens, rollout.partial,
+                                 self.eos_token_ids, placement, layout.world_size)
+        seeds = functools.partial(self.round_seeds, replicas)
+        return PartialSchedule(rollout.max_staleness, config.data.batch_size, rollout.n, chunks, self.draw_round,
+                               seeds)
+
+    def draw_round(self) -> tuple[list[int], list[list[int]]]:
+        """The next data.batch_size prompts of the sampler: their indices and token ids."""
+        indices = list(self.sampler.next_batch())
+        return indices, self.prompt_rows(indices)["input_ids"]
+
+    def round_seeds(self, replicas: int, step: int, gen_round: int) -> list[int]:
+        """Each replica's sampling seed of slot (step, gen_round), as a whole-round generation has it."""
+        return [self.sampling_params(step, gen_round, replicas, replica).seed for replica in range(replicas)]
 
     def make_agent_loop(self) -> AgentLoop | None:
         """rollout.multi_turn's agent loop over its tools, or None for single-turn rollouts."""
@@ -329,7 +358,9 @@ class RLJob(TrainingJob):
         generated = []  # every response of the step's rounds, dropped ones too, for the metrics
         # One transition for all rounds: the weights do not change between them.
         with self.rollout_engine_awake(timer):
-            generate = functools.partial(self.generation_round, timer)
+            # Rounds come from `generation_round`; partial rollouts' chunks from the schedule's own replicas.
+            generate = timer if isinstance(self.schedule, PartialSchedule) else functools.partial(
+                self.generation_round, timer)
             self.schedule.fill(generate, self.step)
             while not groups.done:
                 generation = self.schedule.take(self.step, groups.rounds, generate, self.step)
@@ -339,6 +370,7 @@ class RLJob(TrainingJob):
                                   "timeouts": torch.tensor([row in reward.timeouts for row in range(len(responses))])})
                 keep = groups.keep(self.filter_metric(reward)).repeat_interleave(n).nonzero().flatten().tolist()
                 kept.append((take_rows(rows, keep), take_rows(responses, keep), reward.take(keep)))
+            self.schedule.ahead(timer, self.step)
         rows, responses = (concat_rows(list(part)) for part in list(zip(*kept))[:2])
         reward = RewardOutput.concat([part[2] for part in kept])
         if groups.exhausted:
@@ -658,12 +690,17 @@ class RLJob(TrainingJob):
     def validate(self) -> dict[str, float]:
         """The mean reward of greedy generations on data.val_files, overall and per data_source, and their mean
         length. Each rollout replica generates and scores its share (every replicas-th prompt, in batches of
-        data.batch_size); the sums are gathered from every replica's leader."""
+        data.batch_size); the sums are gathered from every replica's leader. With rollout ranks of their own, they
+        generate every batch (split over their replicas) and the first training rank scores it."""
         if self.val_dataset is None:
             return {}
         config, layout = self.config, self.layout
-        placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
-        mine = [self.val_dataset[i] for i in range(placement.replica, len(self.val_dataset), placement.replicas)]
+        if self.remote is not None:
+            mine, leads = [self.val_dataset[i] for i in range(len(self.val_dataset))], layout.rank == 0
+        else:
+            placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
+            mine = [self.val_dataset[i] for i in range(placement.replica, len(self.val_dataset), placement.replicas)]
+            leads = placement.leads_replica
         greedy = SamplingParams(temperature=0.0, max_new_tokens=config.data.max_response_length,
                                 seed=config.rollout.seed)
         sums: dict[str | None, list[float]] = {}  # data_source -> [reward sum, rows, response tokens, timeouts]
@@ -672,8 +709,8 @@ class RLJob(TrainingJob):
             for start in range(0, len(mine), config.data.batch_size):
                 items = mine[start:start + config.data.batch_size]
                 rows = {key: [item.get(key) for item in items] for key in ("input_ids", *PROMPT_FIELDS)}
-                responses = self.rollout_responses(rows["input_ids"], rows["raw_prompt"], greedy)
-                if not placement.leads_replica:  # its replica's leader scores the same responses
+                responses = self.validation_responses(rows, greedy)
+                if not leads:  # its replica's leader scores the same responses
                     continue
                 rows = with_episodes(rows, responses)
                 batch = self.rollout_batch(rows, responses, log_probs=False)
@@ -695,6 +732,13 @@ class RLJob(TrainingJob):
         if self.reward.worker is not None:
             metrics["reward/timeouts"] = timeouts
         return metrics
+
+    def validation_responses(self, rows: dict, greedy: SamplingParams) -> list[Response]:
+        """This replica's greedy responses to a validation batch, or every one from the rollout ranks."""
+        if self.remote is None:
+            return self.rollout_responses(rows["input_ids"], rows["raw_prompt"], greedy)
+        responses, _ = self.remote.request(rows["input_ids"], [greedy] * self.remote.replicas).result()
+        return responses
 
     def score(self, batch: dict, rows: dict) -> RewardOutput:
         """Sequence scores [B], the same placed on each response's last token [B, R], and a dict reward's extra

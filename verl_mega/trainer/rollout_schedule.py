@@ -112,9 +112,11 @@ class RolloutSchedule:
         if groups is None:
             self.settle()  # the rounds requested before it come back first
             groups = self.groups(generate(step, gen_round).result(), version)
-        greedy = [Response(i, group.prompt[GREEDY]) for i, group in enumerate(groups) if GREEDY in group.prompt]
-        return GeneratedRound([group.index for group in groups], [r for group in groups for r in group.responses],
-                              greedy or None)
+        return as_round(groups)
+
+    def ahead(self, timer, version: int) -> None:
+        """After a step's rounds are taken: nothing here (rounds ahead are requested by `fill`); a partial
+        schedule generates the next step's groups."""
 
     def groups(self, generated: GeneratedRound, version: int) -> list[Group]:
         """A round's groups, each response token tagged with `version`."""
@@ -144,3 +146,10 @@ class RolloutSchedule:
         except ValueError as err:
             raise UserError(f"{what} is malformed ({err}); resume from another checkpoint") from None
         self.next_step = next_step
+
+
+def as_round(groups: list[Group]) -> GeneratedRound:
+    """Groups as the round a step trains on: their prompts, their responses prompt-major (and ReMax's greedy ones)."""
+    greedy = [Response(i, group.prompt[GREEDY]) for i, group in enumerate(groups) if GREEDY in group.prompt]
+    return GeneratedRound([group.index for group in groups], [r for group in groups for r in group.responses],
+                          greedy or None)

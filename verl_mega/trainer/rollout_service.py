@@ -9,6 +9,17 @@ training rank (the leader), message by message over the bridge:
                                           seconds it spent generating and loading weights since its last answer
     ("stop",)                             return
 
+With partial rollouts (`trainer.partial_schedule`) each replica drives a `PartialRollout` on its engine:
+
+    ("partial", params, chunk_tokens, policy, eos_token_ids)   make it (once, after build)
+    ("start", prompts, seed)              put the replica's share of a round in flight, at the weights held
+    ("chunk",)                            one chunk; the replica's first rank sends back the finished responses
+                                          (and its busy seconds)
+    ("partial_state",) / ("load_partial", state)   the replica's first rank sends its state / every rank loads one
+
+and a weight push (`weights`) is taken between two chunks: the sequences in flight go on under the new weights
+or start again (`rollout.partial`).
+
 The client on the training ranks sends them and hands the responses to every training rank. A request returns
 at once (`Pending`): a thread of the leader's sends it and waits for the responses while the training ranks train,
 and every training rank takes them when the step settles (`RolloutSchedule.settle`), so in one_step_off the
@@ -34,8 +45,10 @@ from verl_mega.parallel.placement import Placement
 from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
+from verl_mega.rollout.partial import PartialRollout
 from verl_mega.rollout.weight_push import push_weights, receive_weights, rollout_feed
 
+from .metrics import StageTimer
 from .rollout_schedule import Pending
 
 
@@ -55,6 +68,8 @@ class RolloutService:
     def __init__(self, config, bridge: Bridge, placement: Placement):
         self.config, self.bridge, self.placement = config, bridge, placement
         self.engine = None
+        self.partial: PartialRollout | None = None
+        self.policy = "finish"
         self.version = -1
         self.busy_seconds = 0.0  # generating and loading weights, since the last answer
 
@@ -85,15 +100,41 @@ class RolloutService:
         self.engine.wake_up(["weights"])
         self.engine.load_weights(stream)
         self.engine.wake_up(["kv_cache"])
+        if self.partial is not None and self.version > self.partial.version:
+            self.partial.update_weights(self.version, self.policy)
         self.busy_seconds += time.perf_counter() - start
 
     def on_generate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         start = time.perf_counter()
         responses = self.engine.generate(prompts, params) if prompts else []
         self.busy_seconds += time.perf_counter() - start
-        if self.placement.global_rank in replica_leaders(self.placement):
-            self.bridge.send_object((responses, self.busy_seconds), leader(self.placement))
+        self._answer((responses, self.busy_seconds))
         self.busy_seconds = 0.0
+
+    def on_partial(self, params: SamplingParams, chunk_tokens: int, policy: str, eos_token_ids: list[int]) -> None:
+        self.partial = PartialRollout(self.engine, params, chunk_tokens, eos_token_ids=eos_token_ids)
+        self.policy = policy
+
+    def on_start(self, prompts: list[list[int]], seed: int) -> None:
+        self.partial.start(prompts, self.version, seed=seed)
+
+    def on_chunk(self) -> None:
+        start = time.perf_counter()
+        finished = self.partial.step()
+        self.busy_seconds += time.perf_counter() - start
+        self._answer((finished, self.busy_seconds))
+        self.busy_seconds = 0.0
+
+    def on_partial_state(self) -> None:
+        self._answer(self.partial.state_dict())
+
+    def on_load_partial(self, state: dict) -> None:
+        self.partial.load_state_dict(state)
+
+    def _answer(self, message) -> None:
+        """The replica's first rank answers the leader (the replica's other ranks hold the same)."""
+        if self.placement.global_rank in replica_leaders(self.placement):
+            self.bridge.send_object(message, leader(self.placement))
 
 
 class RemoteRollout:
@@ -119,13 +160,13 @@ class RemoteRollout:
         self.version = version
 
     def request(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> Pending:
-        """Replica r generates its share r of `prompts` under `params[r]`; the Pending's result is every response,
-        in replica order, each prompt_index counted over all `prompts`, and the seconds the busiest replica
-        spent generating and loading weights for it."""
-        share = len(prompts) // self.replicas
-        shares = [list(prompts[r * share:(r + 1) * share]) for r in range(self.replicas)]
+        """Replica r generates its share r of `prompts` (contiguous, as even as the count allows) under
+        `params[r]`; the Pending's result is every response, in replica order, each prompt_index counted over all
+        `prompts`, and the seconds the busiest replica spent generating and loading weights for it."""
+        bounds = [r * len(prompts) // self.replicas for r in range(self.replicas + 1)]
+        shares = [list(prompts[bounds[r]:bounds[r + 1]]) for r in range(self.replicas)]
         # The leader's thread sends too: a send waits for a rollout rank still busy with an earlier round.
-        waiting = self.waiter.submit(self._generated, shares, params, share) if self.leads else None
+        waiting = self.waiter.submit(self._generated, shares, params, bounds) if self.leads else None
         return Pending(lambda: self._shared(waiting))
 
     def close(self) -> None:
@@ -133,7 +174,7 @@ class RemoteRollout:
         if self.waiter is not None:
             self.waiter.shutdown()
 
-    def _generated(self, shares: list[list[list[int]]], params: Sequence[SamplingParams], share: int
+    def _generated(self, shares: list[list[list[int]]], params: Sequence[SamplingParams], bounds: list[int]
                    ) -> tuple[list[Response], float]:
         for rank in self.placement.rollout_ranks:
             replica, _ = self.placement.rollout_coordinates(rank)
@@ -141,14 +182,21 @@ class RemoteRollout:
         responses, busy = [], 0.0
         for replica, rank in enumerate(replica_leaders(self.placement)):
             answered, seconds = self.bridge.recv_object(rank)
-            responses += [dataclasses.replace(response, prompt_index=replica * share + response.prompt_index)
+            responses += [dataclasses.replace(response, prompt_index=bounds[replica] + response.prompt_index)
                           for response in answered]
             busy = max(busy, seconds)
         return responses, busy
 
     def _shared(self, waiting) -> tuple[list[Response], float]:
         """Collective on the training ranks: the leader's responses on every one of them."""
-        shared = [waiting.result() if waiting is not None else None]
+        return self.shared(waiting.result() if waiting is not None else None)
+
+    @staticmethod
+    def shared(value):
+        """Collective on the training ranks: the leader's `value` on every one of them."""
+        if dist.get_world_size() == 1:
+            return value
+        shared = [value]
         dist.broadcast_object_list(shared, src=0)
         return shared[0]
 
@@ -156,3 +204,87 @@ class RemoteRollout:
         if self.leads:
             for rank in self.placement.rollout_ranks:
                 self.bridge.send_object(message, rank)
+
+
+class RemoteChunks:
+    """The replicas' partial rollouts on the rollout ranks, for `PartialSchedule` (see the module docstring): the
+    leader sends, and every training rank gets the answers; `ahead` chunks in the leader's thread while the
+    training ranks train."""
+
+    def __init__(self, remote: RemoteRollout, params: Sequence[SamplingParams], chunk_tokens: int, policy: str,
+                 eos_token_ids: Sequence[int]):
+        self.remote, self.replicas = remote, remote.replicas
+        # The rollout ranks' partial rollouts, unbuilt here: what checks a saved state before it is sent on.
+        self.checkers = [PartialRollout(None, replica_params, chunk_tokens, eos_token_ids=eos_token_ids)
+                         for replica_params in params]
+        self.running = None  # the leader's chunks ahead, and the step's timer they count into
+        self.ahead_busy = 0.0  # the rollout ranks' seconds for them
+        for rank in remote.placement.rollout_ranks if remote.leads else ():
+            replica, _ = remote.placement.rollout_coordinates(rank)
+            remote.bridge.send_object(("partial", params[replica], chunk_tokens, policy, list(eos_token_ids)), rank)
+
+    def advance(self, version: int) -> None:
+        """Nothing to do: the rollout ranks take new weights with the push."""
+
+    def start(self, shares: list[list[list[int]]], seeds: list[int], version: int) -> None:
+        if version != self.remote.version:
+            raise RuntimeError(f"prompts start at version {version}, the rollout ranks hold {self.remote.version}")
+        self._to_replicas(lambda replica: ("start", shares[replica], seeds[replica]))
+
+    def chunk(self, timer: StageTimer) -> list[list[Response]]:
+        with timer("rollout_wait"):
+            answered = self._exchange() if self.remote.leads else None
+            finished, busy = self.remote.shared(answered)
+        timer.add("rollout_ranks_busy", busy)
+        return finished
+
+    def ahead(self, work, timer: StageTimer) -> None:
+        """`work` in the leader's thread, on the leader's schedule; the rollout ranks' seconds for it count in
+        the step's `rollout_ranks_busy` when it is joined."""
+        if self.remote.leads:
+            self.running = (self.remote.waiter.submit(work, self._exchange_ahead), timer)
+
+    def _exchange_ahead(self) -> list[list[Response]]:
+        finished, busy = self._exchange()
+        self.ahead_busy += busy
+        return finished
+
+    def join(self, progress) -> dict | None:
+        """Wait for the chunks ahead; with several training ranks, the leader's progress for the others (None on
+        the leader, which has it)."""
+        running, self.running = self.running, None
+        if running is not None:
+            running[0].result()
+            running[1].add("rollout_ranks_busy", self.ahead_busy)
+            self.ahead_busy = 0.0
+        if dist.get_world_size() == 1:
+            return None
+        shared = self.remote.shared(progress() if self.remote.leads else None)
+        return None if self.remote.leads else shared
+
+    def states(self) -> list[dict]:
+        states = None
+        if self.remote.leads:
+            self._to_replicas(lambda replica: ("partial_state",))
+            states = [self.remote.bridge.recv_object(rank) for rank in replica_leaders(self.remote.placement)]
+        return self.remote.shared(states)
+
+    def load_states(self, states: list[dict]) -> None:
+        """Each replica's saved state, checked here first: a bad one is a ValueError naming it, and nothing is
+        sent."""
+        for checker, state in zip(self.checkers, states):
+            checker.load_state_dict(state)
+        self._to_replicas(lambda replica: ("load_partial", states[replica]))
+
+    def _exchange(self) -> tuple[list[list[Response]], float]:
+        """The leader: one chunk on every replica, its finished responses by replica, and the busiest one's
+        seconds."""
+        self._to_replicas(lambda replica: ("chunk",))
+        answers = [self.remote.bridge.recv_object(rank) for rank in replica_leaders(self.remote.placement)]
+        return [finished for finished, _ in answers], max(busy for _, busy in answers)
+
+    def _to_replicas(self, message_for) -> None:
+        if self.remote.leads:
+            for rank in self.remote.placement.rollout_ranks:
+                replica, _ = self.remote.placement.rollout_coordinates(rank)
+                self.remote.bridge.send_object(message_for(replica), rank)
