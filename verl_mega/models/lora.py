@@ -154,7 +154,12 @@ class _Adapter:
         else:
             low_rank = reduce_from_tensor_model_parallel_region(low_rank, group=group)
         out, bias = output
-        return out + self.scale * F.linear(low_rank, module.lora_b), bias
+        # One GEMM that also scales and adds to the output: out + scale * low_rank B^T. The separate scale and sum
+        # were two passes over the layer's whole output and a temporary of its size (a tenth of a LoRA step's
+        # CPU time on the ~100M model, bench/lora.py).
+        update = torch.addmm(out.reshape(-1, out.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1]),
+                             module.lora_b.t(), alpha=self.scale)
+        return update.view(out.shape), bias
 
     def dropped(self, module, x: torch.Tensor) -> torch.Tensor:
         """`x` through dropout, its mask drawn by the rule of the module docstring."""
