@@ -1,6 +1,6 @@
 """LoRA against full-parameter training on the ~100M model: peak memory and step time of GRPO and DPO steps.
 
-    python -m bench.lora [--steps 4] [--rank 16] [--threads 2] [--micro 8] [--mmap-threshold 131072]
+    python -m bench.lora [--steps 4] [--rank 16] [--threads 2] [--micro 8] [--mmap-threshold 131072] [--rounds 2]
 
 The model is bench.vs_trl's `llama100m` (~110M parameters, Llama-shaped, random weights, fp32 on the CPU),
 converted once. Each (job, mode) runs in a fresh process, so that the RSS high-water mark is its own:
@@ -32,9 +32,15 @@ then counts memory of tensors freed earlier: with 8-row micro-batches 0.6 to 1.1
 than without (docs/lora.md has the figures). A fixed threshold maps every tensor above it
 on its own and unmaps it when freed, so the high-water mark is what the tensors need.
 
-Then the median step time (wall and CPU) over the steps after the first (warm-up), and LoRA's ratios to
-full-parameter: of the RSS peak, of the model state (weights + reference + grads + optimizer) and of the peak
-less the runtime.
+Then LoRA's ratios to full-parameter: of the RSS peak, of the model state (weights + reference + grads +
+optimizer) and of the peak less the runtime (what the job allocates above the runtime's fixed footprint: the
+CPU counterpart of a GPU's `max_memory_allocated`, which leaves out the CUDA context).
+
+Step time is measured in other processes, with glibc's default allocator settings: the fixed threshold maps and
+unmaps every large tensor, so each step pays its page faults again (measured: 1.6x the step time of both modes).
+--rounds rounds each run full-parameter and LoRA in fresh processes, in alternating order, so a change of the
+machine's load falls on both; printed per round, the median step time (wall and CPU) over the steps after the
+first (warm-up), and the median of the rounds' LoRA / full ratios.
 """
 from __future__ import annotations
 
@@ -201,16 +207,15 @@ def model_state(run: dict) -> int:
 def report(runs: list[dict]) -> None:
     print(f"micro-batches of {runs[0]['micro']} rows, glibc's mmap threshold {runs[0]['mmap_threshold']}")
     print("| job | mode | trainable params | runtime | weights | reference | grads | optimizer | activations "
-          "(logits) | rest | RSS peak | build peak | step wall s | step CPU s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "(logits) | rest | RSS peak | build peak |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for run in runs:
         mode = f"LoRA r={run['rank']}" if run["rank"] else "full"
         rest = run["rss_peak_bytes"] - sum(run[key] for key in PARTS)
         print(f"| {run['job']} | {mode} | {run['trainable_params']:,} | "
               + " | ".join(gib(run[key]) for key in PARTS[:-1])
               + f" | {gib(run['activation_bytes'])} ({gib(run['logit_bytes'])}) | {gib(rest)} "
-              f"| {gib(run['rss_peak_bytes'])} | {gib(run['build_peak_bytes'])} | {run['step_wall_s']:.2f} "
-              f"| {run['step_cpu_s']:.2f} |")
+              f"| {gib(run['rss_peak_bytes'])} | {gib(run['build_peak_bytes'])} |")
     print("GiB; rest = RSS peak less the parts before it")
     for job in JOBS:
         full, lora = (next(run for run in runs if run["job"] == job and bool(run["rank"]) == is_lora)
@@ -218,8 +223,25 @@ def report(runs: list[dict]) -> None:
         above_runtime = [run["rss_peak_bytes"] - run["runtime_bytes"] for run in (full, lora)]
         print(f"{job}: LoRA / full: RSS peak {lora['rss_peak_bytes'] / full['rss_peak_bytes']:.2f}, model state "
               f"{model_state(lora) / model_state(full):.2f}, RSS peak less the runtime "
-              f"{above_runtime[1] / above_runtime[0]:.2f}, step wall {lora['step_wall_s'] / full['step_wall_s']:.2f}, "
-              f"step CPU {lora['step_cpu_s'] / full['step_cpu_s']:.2f}")
+              f"{above_runtime[1] / above_runtime[0]:.2f}")
+
+
+def report_times(rounds: list[dict]) -> None:
+    """`rounds`: per round, (job, rank) -> a timing run's result."""
+    print("step time, glibc's default allocator: | job | round | full wall s | LoRA wall s | LoRA / full wall "
+          "| full CPU s | LoRA CPU s | LoRA / full CPU |")
+    ratios = {job: ([], []) for job in JOBS}
+    for index, runs in enumerate(rounds):
+        for job in JOBS:
+            full, lora = (run for (name, rank), run in sorted(runs.items()) if name == job)
+            wall, cpu = (lora[key] / full[key] for key in ("step_wall_s", "step_cpu_s"))
+            ratios[job][0].append(wall)
+            ratios[job][1].append(cpu)
+            print(f"| {job} | {index + 1} | {full['step_wall_s']:.2f} | {lora['step_wall_s']:.2f} | {wall:.2f} "
+                  f"| {full['step_cpu_s']:.2f} | {lora['step_cpu_s']:.2f} | {cpu:.2f} |")
+    for job, (walls, cpus) in ratios.items():
+        print(f"{job}: LoRA / full step time, median of {len(walls)} rounds: wall {statistics.median(walls):.2f}, "
+              f"CPU {statistics.median(cpus):.2f}")
 
 
 def main() -> None:
@@ -230,24 +252,31 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8, help="rows per micro-batch (the activations scale with it)")
     parser.add_argument("--mmap-threshold", type=int, default=131072,
                         help="glibc's M_MMAP_THRESHOLD in the runs' processes, bytes (0: glibc's dynamic default)")
+    parser.add_argument("--rounds", type=int, default=2, help="step-time rounds (full and LoRA, alternating)")
     parser.add_argument("--run", nargs=3, metavar=("JOB", "RANK", "CKPT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:  # one measurement, in the fresh process the parent started
         job, rank, ckpt = args.run
         print(json.dumps(measure(job, int(rank), Path(ckpt), args.steps, args.threads, args.micro)))
         return
+
+    def run(job: str, rank: int, env: dict) -> dict:
+        out = subprocess.run([sys.executable, "-m", "bench.lora", "--steps", str(args.steps), "--threads",
+                              str(args.threads), "--micro", str(args.micro), "--run", job, str(rank), str(ckpt)],
+                             check=True, capture_output=True, text=True, env=env).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    default_env = {name: value for name, value in os.environ.items() if name != "MALLOC_MMAP_THRESHOLD_"}
+    memory_env = {**default_env, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {})}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = prepare(Path(tmp))
-        runs = []
-        env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {})}
-        for job in JOBS:
-            for rank in (0, args.rank):
-                out = subprocess.run([sys.executable, "-m", "bench.lora", "--steps", str(args.steps), "--threads",
-                                      str(args.threads), "--micro", str(args.micro), "--run", job, str(rank),
-                                      str(ckpt)],
-                                     check=True, capture_output=True, text=True, env=env).stdout
-                runs.append(json.loads(out.strip().splitlines()[-1]))
+        runs = [run(job, rank, memory_env) for job in JOBS for rank in (0, args.rank)]
+        rounds = []
+        for index in range(args.rounds):
+            order = (0, args.rank) if index % 2 == 0 else (args.rank, 0)
+            rounds.append({(job, rank): run(job, rank, default_env) for job in JOBS for rank in order})
     report(runs)
+    report_times(rounds)
 
 
 if __name__ == "__main__":
