@@ -55,7 +55,7 @@ from .job import TrainingJob
 from .metrics import StageTimer, step_performance
 from .partial_schedule import LocalChunks, PartialSchedule
 from .rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch, response_tokens
-from .rollout_schedule import GeneratedRound, Pending, RolloutSchedule
+from .rollout_schedule import GeneratedRound, Pending, RolloutSchedule, Schedule
 from .rollout_service import RemoteChunks, RemoteRollout
 
 # An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
@@ -197,12 +197,13 @@ class RLJob(TrainingJob):
         self.reward_normalizer = RunningMeanStd()
         self.schedule = self.make_schedule()
 
-    def make_schedule(self) -> RolloutSchedule:
+    def make_schedule(self) -> Schedule:
         """rollout.mode's schedule; with async partial rollouts, the replicas' chunked generation (on the rollout
         ranks, or here) behind it."""
         config, rollout = self.config, self.config.rollout
         if rollout.mode != "async" or rollout.partial == "off":
-            return RolloutSchedule(rollout.mode, rollout.max_staleness, config.data.batch_size, rollout.n)
+            return RolloutSchedule(rollout.mode, rollout.max_staleness, config.data.batch_size, rollout.n,
+                                   self.generation_round)
         layout = self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         replicas = self.remote.replicas if self.remote is not None else placement.replicas
@@ -358,12 +359,9 @@ class RLJob(TrainingJob):
         generated = []  # every response of the step's rounds, dropped ones too, for the metrics
         # One transition for all rounds: the weights do not change between them.
         with self.rollout_engine_awake(timer):
-            # Rounds come from `generation_round`; partial rollouts' chunks from the schedule's own replicas.
-            generate = timer if isinstance(self.schedule, PartialSchedule) else functools.partial(
-                self.generation_round, timer)
-            self.schedule.fill(generate, self.step)
+            self.schedule.fill(timer, self.step)
             while not groups.done:
-                generation = self.schedule.take(self.step, groups.rounds, generate, self.step)
+                generation = self.schedule.take(self.step, groups.rounds, timer, self.step)
                 rows, responses, reward, batch = self.scored_round(generation, timer)
                 generated.append({"scores": reward.scores, "responses": batch["responses"],
                                   "response_tokens": response_tokens(batch),
