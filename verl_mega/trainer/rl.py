@@ -176,7 +176,8 @@ class RLJob(TrainingJob):
         responses = config.data.max_response_length * (2 if self.agent is not None else 1)
         self.remote = self.rollout = None
         if placement is not None and placement.disaggregated:
-            self.remote = RemoteRollout(bridge, placement, self.hybrid, config.parallel.weight_push_bucket_mb)
+            self.remote = RemoteRollout(bridge, placement, self.hybrid, config.parallel.weight_push_bucket_mb,
+                                        config.parallel.weight_push_verify)
         else:
             self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
                                                self.hybrid.feed, max_model_len=config.data.max_prompt_length
@@ -813,7 +814,14 @@ class RLJob(TrainingJob):
         return {**metrics, **fields, "trainer/nonfinite_skipped": self.nonfinite_skipped,
                 "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
                 "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
-                **step_performance(timer, batch["attention_mask"].sum().item())}
+                **self.weight_push_metrics(), **step_performance(timer, batch["attention_mask"].sum().item())}
+
+    def weight_push_metrics(self) -> dict[str, int]:
+        """With parallel.weight_push_verify: how many tensors of the last push to the rollout ranks had the same
+        checksum on both sides (every one, or the push would have stopped the run)."""
+        if self.remote is None or not self.remote.verify:
+            return {}
+        return {"weight_push/verified_tensors": self.remote.verified_tensors}
 
 
 def with_episodes(rows: dict, responses: list[Response]) -> dict:

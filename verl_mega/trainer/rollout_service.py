@@ -36,12 +36,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.bridge import Bridge
 from verl_mega.parallel.placement import Placement
+from verl_mega.parallel.state import device
 from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -60,6 +62,18 @@ def leader(placement: Placement) -> int:
 def replica_leaders(placement: Placement) -> list[int]:
     """The first global rank of each rollout replica: it sends its replica's responses back."""
     return list(placement.rollout_ranks[::placement.rollout_tp])
+
+
+def replica_messages(placement: Placement, message_for) -> list[tuple[int, tuple]]:
+    """(rollout rank, message) for every rollout rank, in rank order: `message_for(replica)` of its replica, so
+    the rollout TP ranks of a replica get the same one."""
+    return [(rank, message_for(placement.rollout_coordinates(rank)[0])) for rank in placement.rollout_ranks]
+
+
+def replica_bounds(prompts: int, replicas: int) -> list[int]:
+    """Where each replica's contiguous share of `prompts` prompts starts (and the last one ends): as even as the
+    count allows."""
+    return [replica * prompts // replicas for replica in range(replicas + 1)]
 
 
 class RolloutService:
@@ -140,10 +154,13 @@ class RolloutService:
 class RemoteRollout:
     """The training ranks' side: every training rank calls each method alike (see the module docstring)."""
 
-    def __init__(self, bridge: Bridge, placement: Placement, hybrid: HybridEngine, bucket_mb: float):
+    def __init__(self, bridge: Bridge, placement: Placement, hybrid: HybridEngine, bucket_mb: float,
+                 verify: bool = False):
         self.bridge, self.placement, self.hybrid, self.bucket_mb = bridge, placement, hybrid, bucket_mb
+        self.verify = verify
         self.leads = placement.global_rank == leader(placement)
         self.version = None  # of the weights the rollout ranks hold
+        self.verified_tensors = 0  # of the last push (with `verify`): tensors checked alike, over every rollout rank
         self.waiter = ThreadPoolExecutor(max_workers=1) if self.leads else None
         feed = hybrid.feed
         self._tell(("build", feed.padded_vocab, feed.vocab_size))
@@ -156,14 +173,16 @@ class RemoteRollout:
         """The actor's weights after `version` optimizer steps to every rollout rank (collective on the training
         ranks: the HybridEngine's stream needs them all)."""
         self._tell(("weights", version))
-        push_weights(self.bridge, self.hybrid, self.placement, version, self.bucket_mb)
+        verified = push_weights(self.bridge, self.hybrid, self.placement, version, self.bucket_mb, self.verify)
+        if self.verify:
+            self.verified_tensors = summed(verified)
         self.version = version
 
     def request(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> Pending:
         """Replica r generates its share r of `prompts` (contiguous, as even as the count allows) under
         `params[r]`; the Pending's result is every response, in replica order, each prompt_index counted over all
         `prompts`, and the seconds the busiest replica spent generating and loading weights for it."""
-        bounds = [r * len(prompts) // self.replicas for r in range(self.replicas + 1)]
+        bounds = replica_bounds(len(prompts), self.replicas)
         shares = [list(prompts[bounds[r]:bounds[r + 1]]) for r in range(self.replicas)]
         # The leader's thread sends too: a send waits for a rollout rank still busy with an earlier round.
         waiting = self.waiter.submit(self._generated, shares, params, bounds) if self.leads else None
@@ -176,9 +195,9 @@ class RemoteRollout:
 
     def _generated(self, shares: list[list[list[int]]], params: Sequence[SamplingParams], bounds: list[int]
                    ) -> tuple[list[Response], float]:
-        for rank in self.placement.rollout_ranks:
-            replica, _ = self.placement.rollout_coordinates(rank)
-            self.bridge.send_object(("generate", shares[replica], params[replica]), rank)
+        for rank, message in replica_messages(self.placement, lambda replica: ("generate", shares[replica],
+                                                                                 params[replica])):
+            self.bridge.send_object(message, rank)
         responses, busy = [], 0.0
         for replica, rank in enumerate(replica_leaders(self.placement)):
             answered, seconds = self.bridge.recv_object(rank)
@@ -206,6 +225,14 @@ class RemoteRollout:
                 self.bridge.send_object(message, rank)
 
 
+def summed(count: int) -> int:
+    """Collective on the training ranks: the sum of every one's `count`."""
+    total = torch.tensor([count], dtype=torch.int64, device=device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return int(total.item())
+
+
 class RemoteChunks:
     """The replicas' partial rollouts on the rollout ranks, for `PartialSchedule` (see the module docstring): the
     leader sends, and every training rank gets the answers; `ahead` chunks in the leader's thread while the
@@ -219,9 +246,7 @@ class RemoteChunks:
                          for replica_params in params]
         self.running = None  # the leader's chunks ahead, and the step's timer they count into
         self.ahead_busy = 0.0  # the rollout ranks' seconds for them
-        for rank in remote.placement.rollout_ranks if remote.leads else ():
-            replica, _ = remote.placement.rollout_coordinates(rank)
-            remote.bridge.send_object(("partial", params[replica], chunk_tokens, policy, list(eos_token_ids)), rank)
+        self._to_replicas(lambda replica: ("partial", params[replica], chunk_tokens, policy, list(eos_token_ids)))
 
     def advance(self, version: int) -> None:
         """Nothing to do: the rollout ranks take new weights with the push."""
@@ -285,6 +310,5 @@ class RemoteChunks:
 
     def _to_replicas(self, message_for) -> None:
         if self.remote.leads:
-            for rank in self.remote.placement.rollout_ranks:
-                replica, _ = self.remote.placement.rollout_coordinates(rank)
-                self.remote.bridge.send_object(message_for(replica), rank)
+            for rank, message in replica_messages(self.remote.placement, message_for):
+                self.remote.bridge.send_object(message, rank)
