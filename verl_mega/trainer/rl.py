@@ -414,10 +414,10 @@ class RLJob(TrainingJob):
     @staticmethod
     def answered_round(indices: list[int], pending: Pending, timer: StageTimer) -> GeneratedRound:
         """The rollout ranks' round once they answer: the training ranks' wait is `rollout_wait`, the rollout
-        ranks' work for it `rollout_ranks_busy` (the bench's idle shares of both sides)."""
+        ranks' work for it `rollout_ranks_busy` and `rollout_ranks_cpu` (the bench's idle shares of both sides)."""
         with timer("rollout_wait"):
             responses, busy = pending.result()
-        timer.add("rollout_ranks_busy", busy)
+        busy.count_into(timer)
         return GeneratedRound(indices, responses)
 
     def scored_round(self, generation: GeneratedRound, timer: StageTimer
