@@ -3,10 +3,11 @@
     python -m bench.thread_cpu [--match MODULE ...] [--every 0.5] -- COMMAND ...
 
 Runs COMMAND and, every `--every` seconds, reads the CPU time of each thread (/proc/PID/task/TID/stat) of every
-process that runs `python -m MODULE` for a MODULE of `--match` (default: the trainer's ranks and torchrun's
-agent); a thread's time is its last reading. Printed at the end: per process (its RANK and module), the CPU
-seconds of its busiest threads by name, over the wall time the process was seen. A training rank whose waiting thread spins shows up as a second busy thread; two processes
-that take more than the machine's cores show up as CPU seconds well below their wall time.
+process COMMAND started that runs `python -m MODULE` for a MODULE of `--match` (default: the trainer's ranks and
+torchrun's agent); a thread's time is its last reading. Printed at the end: per process (its RANK and module),
+the CPU seconds of its busiest threads by name, over the wall time the process was seen. A training rank whose
+waiting thread spins shows up as a second busy thread; processes that want more than the machine's cores show
+up as CPU seconds well below their wall time.
 """
 from __future__ import annotations
 
@@ -16,13 +17,20 @@ import subprocess
 import time
 from collections import defaultdict
 
+import psutil
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def matching(pattern: str) -> dict[int, str]:
-    """pid -> a label (its RANK and its module) of every process that runs `python -m pattern`."""
+def matching(root: int, pattern: str) -> dict[int, str]:
+    """pid -> a label (its RANK and its module) of every process under `root` that runs `python -m pattern`
+    (another session's processes on a shared machine are not counted)."""
     found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        descendants = [child.pid for child in psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return found
+    for pid in descendants:
         try:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
@@ -61,7 +69,8 @@ def main(argv=None) -> int:
     labels: dict[int, str] = {}
     while process.poll() is None:
         now = time.perf_counter()
-        for pid, label in {pid: label for module in args.match for pid, label in matching(module).items()}.items():
+        for pid, label in {pid: label for module in args.match
+                           for pid, label in matching(process.pid, module).items()}.items():
             labels[pid] = label
             seen.setdefault(pid, [now, now])[1] = now
             readings[pid].update(thread_seconds(pid))
