@@ -23,3 +23,14 @@ def test_disaggregated_idle_shares_come_from_the_wait_and_the_rollout_ranks_work
 def test_colocated_sides_take_turns_and_sync_is_never_stale():
     figures = summarise([step(2.0, 0.0, rollout=1.5, transition=0.5), step(2.0, 0.0, rollout=1.0)], colocated=True)
     assert (figures["train_idle"], figures["rollout_idle"]) == (0.5, 0.5) and figures["staleness"] == {0: 1.0}
+
+
+def test_each_sides_seconds_and_the_limit_the_sides_alone_allow():
+    """Could fail if the training side's busy time kept its wait, or the limit counted the push twice."""
+    from bench.async_step import overlap_limit
+
+    records = [step(10.0, 0.0, transition=1.0, rollout_wait=6.0, rollout_ranks_busy=7.0, rollout_ranks_cpu=6.5)] * 2
+    figures = summarise([{**r, "perf/step_cpu_seconds": 3.5} for r in records], colocated=False)
+    assert figures["seconds"] == {"push": 1.0, "train_busy": 4.0, "train_cpu": 3.5, "rollout_busy": 7.0,
+                                  "rollout_cpu": 6.5}
+    assert overlap_limit(figures) == (1.0 + 6.0) / 10.0

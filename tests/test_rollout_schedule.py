@@ -8,10 +8,12 @@ from verl_mega.config import ConfigError, load_config
 from verl_mega.config.errors import UserError
 from verl_mega.rollout.engine import Response
 from verl_mega.trainer.preflight import preflight_check
+from verl_mega.trainer.metrics import StageTimer
 from verl_mega.trainer.rollout_schedule import GeneratedRound, Pending, RolloutSchedule
 
 N = 2  # responses per prompt
 BATCH = 2  # prompts per round
+TIMER = StageTimer()  # the step's stage timer, handed on to the generation
 
 
 class Generation:
@@ -21,7 +23,7 @@ class Generation:
     def __init__(self, remote: bool = False):
         self.slots, self.awaited, self.remote = [], [], remote
 
-    def __call__(self, step: int, gen_round: int) -> Pending:
+    def __call__(self, timer, step: int, gen_round: int) -> Pending:
         self.slots.append((step, gen_round))
         indices = [10 * step + gen_round + prompt for prompt in range(BATCH)]
         responses = [Response(p, [step, gen_round, k], [-0.1 * step - 1 / 3, -0.5, -1.0]) for p in range(BATCH)
@@ -32,19 +34,20 @@ class Generation:
         return Pending(lambda: self.awaited.append((step, gen_round)) or generated)
 
 
-def schedule_for(mode: str, staleness: int = 1) -> RolloutSchedule:
-    return RolloutSchedule(mode, staleness, BATCH, N)
+def schedule_for(mode: str, staleness: int = 1, generate: Generation | None = None) -> RolloutSchedule:
+    return RolloutSchedule(mode, staleness, BATCH, N, generate or Generation())
 
 
 def trained_rounds(mode: str, staleness: int, steps: int, rounds_per_step=lambda step: 1):
     """For each round the `steps` steps train on: (its generation slot, its weight version, the step); the weights
     advance one version a step. And every slot generated."""
-    generate, schedule = Generation(), schedule_for(mode, staleness)
+    generate = Generation()
+    schedule = schedule_for(mode, staleness, generate=generate)
     trained = []
     for step in range(steps):
-        schedule.fill(generate, version=step)
+        schedule.fill(TIMER, version=step)
         for gen_round in range(rounds_per_step(step)):
-            taken = schedule.take(step, gen_round, generate, version=step)
+            taken = schedule.take(step, gen_round, TIMER, version=step)
             slot = tuple(taken.responses[0].token_ids[:2])
             versions = {v for r in taken.responses for v in (r.token_versions or (step,))}
             assert len(versions) == 1 and len(taken.indices) == BATCH and len(taken.responses) == BATCH * N
@@ -62,7 +65,7 @@ def test_sync_and_async_at_staleness_0_train_each_step_on_its_own_fresh_round():
 
 
 def test_sync_tags_no_versions_so_its_batch_is_todays():
-    taken = schedule_for("sync").take(0, 0, Generation(), version=0)
+    taken = schedule_for("sync").take(0, 0, TIMER, version=0)
     assert all(response.token_versions is None for response in taken.responses)
 
 
@@ -92,38 +95,40 @@ def test_a_round_requested_ahead_is_awaited_only_when_the_step_settles():
     """Rollout ranks of their own: in one_step_off, step k requests round k + 1 before it takes round k and
     waits for it only when it settles (after its update), so generation overlaps training. Could fail if take
     or fill waited for a round the step does not train on."""
-    generate, schedule = Generation(remote=True), schedule_for("one_step_off")
-    schedule.fill(generate, version=0)
+    generate = Generation(remote=True)
+    schedule = schedule_for("one_step_off", generate=generate)
+    schedule.fill(TIMER, version=0)
     assert generate.slots == [(0, 0), (1, 0)] and not generate.awaited
-    schedule.take(0, 0, generate, version=0)
+    schedule.take(0, 0, TIMER, version=0)
     assert generate.awaited == [(0, 0)] and len(schedule.in_flight) == 1
     schedule.settle()
     assert generate.awaited == [(0, 0), (1, 0)] and not schedule.in_flight
-    schedule.fill(generate, version=1)
-    taken = schedule.take(1, 0, generate, version=1)
+    schedule.fill(TIMER, version=1)
+    taken = schedule.take(1, 0, TIMER, version=1)
     assert generate.awaited == [(0, 0), (1, 0)] and taken.indices == [10, 11]
     assert {v for r in taken.responses for v in r.token_versions} == {0}
 
 
 def test_remax_greedy_responses_travel_with_their_groups():
-    generate, schedule = Generation(), schedule_for("one_step_off")
-    schedule.fill(generate, version=0)
-    schedule.take(0, 0, generate, version=0)
-    taken = schedule.take(1, 0, generate, version=1)
+    schedule = schedule_for("one_step_off")
+    schedule.fill(TIMER, version=0)
+    schedule.take(0, 0, TIMER, version=0)
+    taken = schedule.take(1, 0, TIMER, version=1)
     assert [r.token_ids for r in taken.greedy] == [[1, 0], [1, 1]] and taken.indices == [10, 11]
 
 
 def test_the_buffer_survives_a_checkpoint_as_json_exactly():
     """Could fail if the state lost a log-prob's last bit, a version, or the next slot."""
-    generate, schedule = Generation(), schedule_for("async", 2)
-    schedule.fill(generate, version=0)
-    schedule.take(0, 0, generate, version=0)
+    generate = Generation()
+    schedule = schedule_for("async", 2, generate=generate)
+    schedule.fill(TIMER, version=0)
+    schedule.take(0, 0, TIMER, version=0)
     schedule.settle()
-    resumed = schedule_for("async", 2)
+    resumed = schedule_for("async", 2, generate=generate)
     resumed.load_state_dict(json.loads(json.dumps(schedule.state_dict())), dataset_size=100)
     assert resumed.next_step == 3 and len(resumed.buffer) == 2 * BATCH
     for step in (1, 2):
-        before, after = (s.take(step, 0, generate, version=1) for s in (schedule, resumed))
+        before, after = (s.take(step, 0, TIMER, version=1) for s in (schedule, resumed))
         assert after == before  # indices, tokens, log-probs and versions, bit for bit
 
 
@@ -134,8 +139,8 @@ def test_the_buffer_survives_a_checkpoint_as_json_exactly():
     (lambda state: state["buffer"]["groups"][0]["responses"][0].update(token_ids=[1]), "other counts of versions"),
 ])
 def test_a_tampered_buffer_is_refused_in_one_line(edit, words):
-    generate, schedule = Generation(), schedule_for("one_step_off")
-    schedule.fill(generate, version=0)
+    schedule = schedule_for("one_step_off")
+    schedule.fill(TIMER, version=0)
     schedule.settle()
     state = json.loads(json.dumps(schedule.state_dict()))
     edit(state)

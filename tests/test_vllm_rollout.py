@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -180,3 +181,41 @@ def test_ppo_run_at_tp2_pp2_with_vllm_rollout(qwen2, tmp_path, rollout_tp, examp
         run_torchrun(1, "tests.vllm_worker", [
             "parity", "--ckpt", str(qwen2 / "tp1"), "--hf", str(qwen2 / "hf"),
             "--after-ckpt", str(tmp_path / "trained_tp1"), "--after-hf", str(exported)])
+
+
+# 2 training ranks at TP 2 and 2 rollout ranks (one vLLM replica at rollout TP 2), async partial rollouts.
+ROLLOUT_RANKS_AT_TP2 = (
+    "parallel.tp=2", "parallel.pp=1", "parallel.rollout_ranks=2", "parallel.rollout_tp=2",
+    "parallel.weight_push_verify=true", "rollout.engine=vllm", "rollout.mode=async", "rollout.max_staleness=1",
+    "rollout.partial=finish", "rollout.partial_chunk_tokens=2", "data.max_response_length=4",
+    "trainer.total_steps=3", "trainer.save_every=0", "actor.ppo_epochs=1", "actor.mini_batch_size=8")
+
+
+@pytest.mark.slow
+def test_async_partial_rollouts_on_rollout_ranks_at_rollout_tp2(qwen2, tmp_path):
+    """The disaggregated placement with vLLM at rollout TP 2: 2 training ranks (TP 2) push their slices to 2 rollout
+    ranks (one replica) after each step, which generate async partial rollouts (finish, 2-token chunks of 4-token
+    responses, at most one version stale) in chunks while the training ranks train, and the validation batches.
+    3 steps, every push checked by its per-tensor checksums on both sides; step 3 trains on responses begun under
+    the first weights and finished under the second. Could fail if a rollout rank's vLLM engine at TP 2 could not
+    be built in the rollout ranks' own world, a push sent a rank another TP rank's slice (a checksum or the run
+    would tell), the sequences in flight missed a push, or the data were staler than the bound."""
+    from tests.trainer_runs import records, run, train_command
+    from verl_mega.data.synthetic import make_task_rows
+    from verl_mega.data.tables import write_rows
+
+    needs_devices(4)
+    data = write_rows(make_task_rows("copy", 64, seed=0, max_digits=2), tmp_path / "copy.jsonl")
+    val = write_rows(make_task_rows("copy", 4, seed=1, max_digits=2), tmp_path / "val.jsonl")
+    shared_memory = set(Path("/dev/shm").glob("*cpushm*"))
+    run(train_command((tmp_path, qwen2 / "hf", data), tmp_path / "run", 4, *ROLLOUT_RANKS_AT_TP2,
+                      f"data.val_files=[{val}]", example="grpo_demo.yaml"))
+    assert set(Path("/dev/shm").glob("*cpushm*")) <= shared_memory  # the rollout ranks' vLLM exited cleanly
+    got = records(tmp_path / "run")
+    assert sorted(got) == [0, 1, 2, 3] and "val/reward_mean" in got[0] and "val/reward_mean" in got[3]
+    steps = [got[1], got[2], got[3]]
+    assert all(math.isfinite(value) for step in steps for value in step.values() if isinstance(value, float))
+    assert all(step["async/staleness_max"] <= 1 and step["response/length_mean"] > 0 for step in steps), steps
+    assert 0 < got[3]["async/staleness_hist/0"] < 1, got[3]  # tokens of both versions in its responses
+    verified = {step["weight_push/verified_tensors"] for step in steps}
+    assert len(verified) == 1 and verified.pop() > 0, steps

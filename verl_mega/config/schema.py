@@ -168,6 +168,10 @@ class ParallelConfig:
     weight_push_bucket_mb: int = 256
     """Size of the buckets the weights travel to the rollout ranks in (disaggregated placement): larger ones
     take fewer messages, each holds that much memory on both sides while in flight."""
+    weight_push_verify: bool = False
+    """Compare a checksum of every pushed tensor on both sides after each push to the rollout ranks (stopping
+    the run naming the first that differs) and log how many agreed (weight_push/verified_tensors). It costs a
+    host pass over the weights on each side: for tests and for debugging a new transport."""
 
 
 @dataclass

@@ -52,10 +52,11 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 
 
 def push_weights(bridge: Bridge, hybrid: HybridEngine, placement: Placement, version: int, bucket_mb: float,
-                 verify: bool = False) -> None:
+                 verify: bool = False) -> int:
     """On every training rank, after an optimizer step: stream `hybrid` (at the rollout ranks' rollout TP) and
-    send this rank's slice to the rollout ranks it serves. Raises PeerFailed naming a rollout rank that died or
-    hung, WeightMismatch (with `verify`) naming the first tensor a rollout rank holds differently."""
+    send this rank's slice to the rollout ranks it serves. Returns how many tensors both sides checked alike
+    (with `verify`; over every rollout rank this one served, else 0). Raises PeerFailed naming a rollout rank that
+    died or hung, WeightMismatch (with `verify`) naming the first tensor a rollout rank holds differently."""
     if hybrid.rollout_tp != placement.rollout_tp:
         raise ValueError(f"the HybridEngine streams rollout TP {hybrid.rollout_tp} but the rollout ranks run "
                          f"parallel.rollout_tp={placement.rollout_tp}")
@@ -81,6 +82,7 @@ def push_weights(bridge: Bridge, hybrid: HybridEngine, placement: Placement, ver
     for target in targets:
         answer = _decode(bridge.recv_bytes(target), bridge, target)
         _check_answer(answer, count, sent if verify else None, placement.global_rank, target, version)
+    return len(sent) * len(targets)
 
 
 def rollout_feed(placement: Placement, padded_vocab: int, vocab_size: int) -> WeightFeed:

@@ -43,7 +43,7 @@ from verl_mega.rollout.plain_state import entry, ints
 from verl_mega.rollout.trajectory_buffer import PendingGroups
 
 from .metrics import StageTimer
-from .rollout_schedule import GeneratedRound, RolloutSchedule, as_round
+from .rollout_schedule import BufferedSchedule, GeneratedRound, as_round
 
 Draw = Callable[[], tuple[list[int], list[list[int]]]]  # the next round: sampler indices and prompt token ids
 Seeds = Callable[[int, int], list[int]]  # slot (step, round) -> each replica's seed of its first chunk
@@ -63,11 +63,11 @@ class Chunks(Protocol):
     def load_states(self, states: list[dict]) -> None: ...
 
 
-class PartialSchedule(RolloutSchedule):
+class PartialSchedule(BufferedSchedule):
     """The async schedule of partial rollouts (see the module docstring); `draw` and `seeds` are the job's."""
 
     def __init__(self, max_staleness: int, batch_size: int, n: int, chunks: Chunks, draw: Draw, seeds: Seeds):
-        super().__init__("async", max_staleness, batch_size, n)
+        super().__init__(max_staleness, batch_size, n, buffered=True)
         self.chunks, self.draw, self.seeds = chunks, draw, seeds
         self.pending = [PendingGroups(n) for _ in range(chunks.replicas)]
         self.started = [0] * chunks.replicas  # prompts started on each replica: its partial rollout's next index
@@ -89,7 +89,7 @@ class PartialSchedule(RolloutSchedule):
         if self.staleness > 0:
             self.chunks.ahead(functools.partial(self._run_ahead, version), timer)
 
-    def settle(self, rounds: int | None = None) -> None:
+    def settle(self) -> None:
         """Wait for the groups generated ahead; every training rank then holds the leader's, its sampler drawn as
         far."""
         shared = self.chunks.join(self._progress)
@@ -146,7 +146,7 @@ class PartialSchedule(RolloutSchedule):
         """One chunk's finished responses into their groups; complete groups into the buffer, replica by replica."""
         for pending, responses in zip(self.pending, finished):
             for group in pending.add(responses):
-                if not self.buffer.put(group):  # `_start_rounds` leaves room for every prompt in flight
+                if not self.buffer.put(group):  # `_chunk` leaves room for every prompt in flight
                     raise RuntimeError("the trajectory buffer is full with prompts still in flight")
 
     def _run_ahead(self, version: int, chunk: Callable[[], list[list[Response]]]) -> None:

@@ -55,7 +55,7 @@ from .job import TrainingJob
 from .metrics import StageTimer, step_performance
 from .partial_schedule import LocalChunks, PartialSchedule
 from .rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch, response_tokens
-from .rollout_schedule import GeneratedRound, Pending, RolloutSchedule
+from .rollout_schedule import GeneratedRound, Pending, RolloutSchedule, Schedule
 from .rollout_service import RemoteChunks, RemoteRollout
 
 # An advantage estimator's inputs that the batch holds when the step computed them (see algorithms.advantages).
@@ -176,7 +176,8 @@ class RLJob(TrainingJob):
         responses = config.data.max_response_length * (2 if self.agent is not None else 1)
         self.remote = self.rollout = None
         if placement is not None and placement.disaggregated:
-            self.remote = RemoteRollout(bridge, placement, self.hybrid, config.parallel.weight_push_bucket_mb)
+            self.remote = RemoteRollout(bridge, placement, self.hybrid, config.parallel.weight_push_bucket_mb,
+                                        config.parallel.weight_push_verify)
         else:
             self.rollout = make_rollout_engine(config.rollout.engine, config.model.hf_path, self.hf_config.raw,
                                                self.hybrid.feed, max_model_len=config.data.max_prompt_length
@@ -197,12 +198,13 @@ class RLJob(TrainingJob):
         self.reward_normalizer = RunningMeanStd()
         self.schedule = self.make_schedule()
 
-    def make_schedule(self) -> RolloutSchedule:
+    def make_schedule(self) -> Schedule:
         """rollout.mode's schedule; with async partial rollouts, the replicas' chunked generation (on the rollout
         ranks, or here) behind it."""
         config, rollout = self.config, self.config.rollout
         if rollout.mode != "async" or rollout.partial == "off":
-            return RolloutSchedule(rollout.mode, rollout.max_staleness, config.data.batch_size, rollout.n)
+            return RolloutSchedule(rollout.mode, rollout.max_staleness, config.data.batch_size, rollout.n,
+                                   self.generation_round)
         layout = self.layout
         placement = rollout_placement(layout.rank, layout.world_size, layout.tp, config.parallel.rollout_tp)
         replicas = self.remote.replicas if self.remote is not None else placement.replicas
@@ -358,12 +360,9 @@ class RLJob(TrainingJob):
         generated = []  # every response of the step's rounds, dropped ones too, for the metrics
         # One transition for all rounds: the weights do not change between them.
         with self.rollout_engine_awake(timer):
-            # Rounds come from `generation_round`; partial rollouts' chunks from the schedule's own replicas.
-            generate = timer if isinstance(self.schedule, PartialSchedule) else functools.partial(
-                self.generation_round, timer)
-            self.schedule.fill(generate, self.step)
+            self.schedule.fill(timer, self.step)
             while not groups.done:
-                generation = self.schedule.take(self.step, groups.rounds, generate, self.step)
+                generation = self.schedule.take(self.step, groups.rounds, timer, self.step)
                 rows, responses, reward, batch = self.scored_round(generation, timer)
                 generated.append({"scores": reward.scores, "responses": batch["responses"],
                                   "response_tokens": response_tokens(batch),
@@ -415,10 +414,10 @@ class RLJob(TrainingJob):
     @staticmethod
     def answered_round(indices: list[int], pending: Pending, timer: StageTimer) -> GeneratedRound:
         """The rollout ranks' round once they answer: the training ranks' wait is `rollout_wait`, the rollout
-        ranks' work for it `rollout_ranks_busy` (the bench's idle shares of both sides)."""
+        ranks' work for it `rollout_ranks_busy` and `rollout_ranks_cpu` (the bench's idle shares of both sides)."""
         with timer("rollout_wait"):
             responses, busy = pending.result()
-        timer.add("rollout_ranks_busy", busy)
+        busy.count_into(timer)
         return GeneratedRound(indices, responses)
 
     def scored_round(self, generation: GeneratedRound, timer: StageTimer
@@ -815,7 +814,14 @@ class RLJob(TrainingJob):
         return {**metrics, **fields, "trainer/nonfinite_skipped": self.nonfinite_skipped,
                 "reward/mean": scores.mean().item(), "reward/std": scores.std().item() if len(scores) > 1 else 0.0,
                 "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
-                **step_performance(timer, batch["attention_mask"].sum().item())}
+                **self.weight_push_metrics(), **step_performance(timer, batch["attention_mask"].sum().item())}
+
+    def weight_push_metrics(self) -> dict[str, int]:
+        """With parallel.weight_push_verify: how many tensors of the last push to the rollout ranks had the same
+        checksum on both sides (every one, or the push would have stopped the run)."""
+        if self.remote is None or not self.remote.verify:
+            return {}
+        return {"weight_push/verified_tensors": self.remote.verified_tensors}
 
 
 def with_episodes(rows: dict, responses: list[Response]) -> dict:

@@ -23,17 +23,24 @@ current weights in slots (step, round >= 1), which no round ahead (slot (step', 
 round when a step takes it (the training side's work). The buffer and the next slot are the job's resumable
 state (JSON: the responses' tokens, log-probs and versions), so a checkpoint taken with rounds in the buffer
 resumes exactly.
+
+Every schedule answers the trainer with the same calls (`Schedule`): `fill(timer, version)` at a step's start,
+`take(step, gen_round, timer, version)` for each of its rounds, `ahead(timer, version)` once they are taken and
+`settle()` at its end. Where the data comes from is the schedule's own, given when it is made: whole rounds from
+a `Generate` callable here, chunks of partial rollouts in `trainer.partial_schedule`.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Callable
+from typing import Callable, Protocol
 
 from verl_mega.config.errors import UserError
 from verl_mega.rollout.engine import Response
 from verl_mega.rollout.plain_state import count, entry
 from verl_mega.rollout.trajectory_buffer import Group, TrajectoryBuffer
+
+from .metrics import StageTimer
 
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
 PARTIAL_POLICIES = ("off", "finish", "abort")
@@ -68,7 +75,7 @@ class Pending:
         return self._round
 
 
-Generate = Callable[[int, int], Pending]  # (step, gen_round) -> a round of the current weights in that slot
+Generate = Callable[[StageTimer, int, int], Pending]  # (timer, step, gen_round) -> a round of the current weights
 
 
 def staleness_bound(mode: str, max_staleness: int) -> int:
@@ -76,58 +83,27 @@ def staleness_bound(mode: str, max_staleness: int) -> int:
     return {"sync": 0, "one_step_off": 1}.get(mode, max_staleness)
 
 
-class RolloutSchedule:
-    """The rounds generated and not yet trained on: `staleness + 1` rounds of `batch_size` groups ahead at a
-    step's start, none in sync (`buffer` is None)."""
+class Schedule(Protocol):
+    """The calls the trainer makes of every rollout schedule, in this order each step (see the module docstring)."""
 
-    def __init__(self, mode: str, max_staleness: int, batch_size: int, n: int):
-        self.staleness, self.batch_size, self.n = staleness_bound(mode, max_staleness), batch_size, n
-        self.buffer = None if mode == "sync" else TrajectoryBuffer((self.staleness + 1) * batch_size)
-        self.next_step = 0  # the slot of the next round generated ahead: (next_step, 0)
-        self.in_flight: deque[tuple[Pending, int]] = deque()  # requested rounds and their weight versions
+    def fill(self, timer: StageTimer, version: int) -> None: ...
+    def take(self, step: int, gen_round: int, timer: StageTimer, version: int) -> "GeneratedRound": ...
+    def ahead(self, timer: StageTimer, version: int) -> None: ...
+    def settle(self) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict, dataset_size: int) -> None: ...
 
-    def fill(self, generate: Generate, version: int) -> None:
-        """A step's start: start rounds with the current weights (`version`) until the buffer and the rounds in
-        flight make it full."""
-        while self.buffer is not None and (len(self.buffer) + (len(self.in_flight) + 1) * self.batch_size
-                                           <= self.buffer.capacity):
-            self.in_flight.append((generate(self.next_step, 0), version))
-            self.next_step += 1
 
-    def settle(self, rounds: int | None = None) -> None:
-        """Wait for the oldest `rounds` in flight (all by default) and put their groups into the buffer."""
-        for _ in range(len(self.in_flight) if rounds is None else min(rounds, len(self.in_flight))):
-            pending, version = self.in_flight.popleft()
-            for group in self.groups(pending.result(), version):
-                self.buffer.put(group)
+class BufferedSchedule:
+    """What every schedule keeps between steps: the trajectory buffer (None in sync) of at most `staleness + 1`
+    rounds of `batch_size` groups, and the slot of the next round generated ahead, (next_step, 0)."""
 
-    def take(self, step: int, gen_round: int, generate: Generate, version: int) -> GeneratedRound:
-        """A round for `step`'s `gen_round`: the buffer's oldest batch_size groups at most `staleness` versions
-        old, or one generated now in slot (step, gen_round) (sync; dynamic sampling once the buffer is spent)."""
-        if self.buffer is None:
-            return generate(step, gen_round).result()
-        if len(self.buffer) < self.batch_size:
-            self.settle(1)
-        groups = self.buffer.take(self.batch_size, version, self.staleness)
-        if groups is None:
-            self.settle()  # the rounds requested before it come back first
-            groups = self.groups(generate(step, gen_round).result(), version)
-        return as_round(groups)
-
-    def ahead(self, timer, version: int) -> None:
-        """After a step's rounds are taken: nothing here (rounds ahead are requested by `fill`); a partial
-        schedule generates the next step's groups."""
-
-    def groups(self, generated: GeneratedRound, version: int) -> list[Group]:
-        """A round's groups, each response token tagged with `version`."""
-        tagged = [dataclasses.replace(r, token_versions=(version,) * len(r.token_ids)) for r in generated.responses]
-        return [Group(index, {} if generated.greedy is None else {GREEDY: generated.greedy[i].token_ids},
-                      tuple(tagged[i * self.n:(i + 1) * self.n])) for i, index in enumerate(generated.indices)]
+    def __init__(self, staleness: int, batch_size: int, n: int, buffered: bool):
+        self.staleness, self.batch_size, self.n = staleness, batch_size, n
+        self.buffer = TrajectoryBuffer((staleness + 1) * batch_size) if buffered else None
+        self.next_step = 0
 
     def state_dict(self) -> dict:
-        """The buffer and the next slot; the step has settled every round requested (a checkpoint follows it)."""
-        if self.in_flight:
-            raise RuntimeError("the rollout schedule is saved with rounds in flight: settle them first")
         return {"next_step": self.next_step, "buffer": None if self.buffer is None else self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict, dataset_size: int) -> None:
@@ -146,6 +122,59 @@ class RolloutSchedule:
         except ValueError as err:
             raise UserError(f"{what} is malformed ({err}); resume from another checkpoint") from None
         self.next_step = next_step
+
+
+class RolloutSchedule(BufferedSchedule):
+    """Whole rounds from `generate`: `staleness + 1` rounds of `batch_size` groups ahead at a step's start, none
+    in sync (`buffer` is None)."""
+
+    def __init__(self, mode: str, max_staleness: int, batch_size: int, n: int, generate: Generate):
+        super().__init__(staleness_bound(mode, max_staleness), batch_size, n, buffered=mode != "sync")
+        self.generate = generate
+        self.in_flight: deque[tuple[Pending, int]] = deque()  # requested rounds and their weight versions
+
+    def fill(self, timer: StageTimer, version: int) -> None:
+        """A step's start: start rounds with the current weights (`version`) until the buffer and the rounds in
+        flight make it full."""
+        while self.buffer is not None and (len(self.buffer) + (len(self.in_flight) + 1) * self.batch_size
+                                           <= self.buffer.capacity):
+            self.in_flight.append((self.generate(timer, self.next_step, 0), version))
+            self.next_step += 1
+
+    def settle(self, rounds: int | None = None) -> None:
+        """Wait for the oldest `rounds` in flight (all by default) and put their groups into the buffer."""
+        for _ in range(len(self.in_flight) if rounds is None else min(rounds, len(self.in_flight))):
+            pending, version = self.in_flight.popleft()
+            for group in self.groups(pending.result(), version):
+                self.buffer.put(group)
+
+    def take(self, step: int, gen_round: int, timer: StageTimer, version: int) -> GeneratedRound:
+        """A round for `step`'s `gen_round`: the buffer's oldest batch_size groups at most `staleness` versions
+        old, or one generated now in slot (step, gen_round) (sync; dynamic sampling once the buffer is spent)."""
+        if self.buffer is None:
+            return self.generate(timer, step, gen_round).result()
+        if len(self.buffer) < self.batch_size:
+            self.settle(1)
+        groups = self.buffer.take(self.batch_size, version, self.staleness)
+        if groups is None:
+            self.settle()  # the rounds requested before it come back first
+            groups = self.groups(self.generate(timer, step, gen_round).result(), version)
+        return as_round(groups)
+
+    def ahead(self, timer: StageTimer, version: int) -> None:
+        """After a step's rounds are taken: nothing here (`fill` requested the rounds ahead)."""
+
+    def groups(self, generated: GeneratedRound, version: int) -> list[Group]:
+        """A round's groups, each response token tagged with `version`."""
+        tagged = [dataclasses.replace(r, token_versions=(version,) * len(r.token_ids)) for r in generated.responses]
+        return [Group(index, {} if generated.greedy is None else {GREEDY: generated.greedy[i].token_ids},
+                      tuple(tagged[i * self.n:(i + 1) * self.n])) for i, index in enumerate(generated.indices)]
+
+    def state_dict(self) -> dict:
+        """The buffer and the next slot; the step has settled every round requested (a checkpoint follows it)."""
+        if self.in_flight:
+            raise RuntimeError("the rollout schedule is saved with rounds in flight: settle them first")
+        return super().state_dict()
 
 
 def as_round(groups: list[Group]) -> GeneratedRound:

@@ -6,7 +6,8 @@ training rank (the leader), message by message over the bridge:
     ("build", padded_vocab, vocab_size)   build the engine for the actor's vocabulary (once, first)
     ("weights", version)                  receive the training ranks' push (`rollout.weight_push`), load it
     ("generate", prompts, params)         generate; the replica's first rank sends the responses back, with the
-                                          seconds it spent generating and loading weights since its last answer
+                                          seconds (wall and CPU, `Busy`) it spent generating and loading weights
+                                          since its last answer
     ("stop",)                             return
 
 With partial rollouts (`trainer.partial_schedule`) each replica drives a `PartialRollout` on its engine:
@@ -31,17 +32,20 @@ the run; a training rank that dies leaves the rollout ranks' next receive to rai
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.bridge import Bridge
 from verl_mega.parallel.placement import Placement
+from verl_mega.parallel.state import device
 from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -62,6 +66,39 @@ def replica_leaders(placement: Placement) -> list[int]:
     return list(placement.rollout_ranks[::placement.rollout_tp])
 
 
+def replica_messages(placement: Placement, message_for) -> list[tuple[int, tuple]]:
+    """(rollout rank, message) for every rollout rank, in rank order: `message_for(replica)` of its replica, so
+    the rollout TP ranks of a replica get the same one."""
+    return [(rank, message_for(placement.rollout_coordinates(rank)[0])) for rank in placement.rollout_ranks]
+
+
+def replica_bounds(prompts: int, replicas: int) -> list[int]:
+    """Where each replica's contiguous share of `prompts` prompts starts (and the last one ends): as even as the
+    count allows."""
+    return [replica * prompts // replicas for replica in range(replicas + 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Busy:
+    """A rollout replica's seconds generating and loading weights: wall time and its process's CPU time (which a
+    wait for a core does not add to, and a wait for memory does)."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    def __add__(self, other: "Busy") -> "Busy":
+        return Busy(self.wall + other.wall, self.cpu + other.cpu)
+
+    @staticmethod
+    def busiest(answers: list["Busy"]) -> "Busy":
+        return max(answers, key=lambda busy: busy.wall, default=Busy())
+
+    def count_into(self, timer: StageTimer) -> None:
+        """The step's `timing/rollout_ranks_busy` (wall) and `timing/rollout_ranks_cpu`."""
+        timer.add("rollout_ranks_busy", self.wall)
+        timer.add("rollout_ranks_cpu", self.cpu)
+
+
 class RolloutService:
     """A rollout rank's loop (see the module docstring)."""
 
@@ -71,7 +108,7 @@ class RolloutService:
         self.partial: PartialRollout | None = None
         self.policy = "finish"
         self.version = -1
-        self.busy_seconds = 0.0  # generating and loading weights, since the last answer
+        self.busy = Busy()  # generating and loading weights, since the last answer
 
     def serve(self) -> None:
         """Obey the leader until it says stop; PeerFailed (the leader died or went silent) ends the loop too."""
@@ -96,20 +133,17 @@ class RolloutService:
 
     def on_weights(self, version: int) -> None:
         self.version, stream = receive_weights(self.bridge, self.placement, self.config.parallel.weight_push_bucket_mb)
-        start = time.perf_counter()
-        self.engine.wake_up(["weights"])
-        self.engine.load_weights(stream)
-        self.engine.wake_up(["kv_cache"])
-        if self.partial is not None and self.version > self.partial.version:
-            self.partial.update_weights(self.version, self.policy)
-        self.busy_seconds += time.perf_counter() - start
+        with self._busy():
+            self.engine.wake_up(["weights"])
+            self.engine.load_weights(stream)
+            self.engine.wake_up(["kv_cache"])
+            if self.partial is not None and self.version > self.partial.version:
+                self.partial.update_weights(self.version, self.policy)
 
     def on_generate(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        start = time.perf_counter()
-        responses = self.engine.generate(prompts, params) if prompts else []
-        self.busy_seconds += time.perf_counter() - start
-        self._answer((responses, self.busy_seconds))
-        self.busy_seconds = 0.0
+        with self._busy():
+            responses = self.engine.generate(prompts, params) if prompts else []
+        self._answer_with_busy(responses)
 
     def on_partial(self, params: SamplingParams, chunk_tokens: int, policy: str, eos_token_ids: list[int]) -> None:
         self.partial = PartialRollout(self.engine, params, chunk_tokens, eos_token_ids=eos_token_ids)
@@ -119,17 +153,27 @@ class RolloutService:
         self.partial.start(prompts, self.version, seed=seed)
 
     def on_chunk(self) -> None:
-        start = time.perf_counter()
-        finished = self.partial.step()
-        self.busy_seconds += time.perf_counter() - start
-        self._answer((finished, self.busy_seconds))
-        self.busy_seconds = 0.0
+        with self._busy():
+            finished = self.partial.step()
+        self._answer_with_busy(finished)
 
     def on_partial_state(self) -> None:
         self._answer(self.partial.state_dict())
 
     def on_load_partial(self, state: dict) -> None:
         self.partial.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def _busy(self):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.busy += Busy(time.perf_counter() - wall, time.process_time() - cpu)
+
+    def _answer_with_busy(self, responses: list[Response]) -> None:
+        self._answer((responses, self.busy))
+        self.busy = Busy()
 
     def _answer(self, message) -> None:
         """The replica's first rank answers the leader (the replica's other ranks hold the same)."""
@@ -140,10 +184,13 @@ class RolloutService:
 class RemoteRollout:
     """The training ranks' side: every training rank calls each method alike (see the module docstring)."""
 
-    def __init__(self, bridge: Bridge, placement: Placement, hybrid: HybridEngine, bucket_mb: float):
+    def __init__(self, bridge: Bridge, placement: Placement, hybrid: HybridEngine, bucket_mb: float,
+                 verify: bool = False):
         self.bridge, self.placement, self.hybrid, self.bucket_mb = bridge, placement, hybrid, bucket_mb
+        self.verify = verify
         self.leads = placement.global_rank == leader(placement)
         self.version = None  # of the weights the rollout ranks hold
+        self.verified_tensors = 0  # of the last push (with `verify`): tensors checked alike, over every rollout rank
         self.waiter = ThreadPoolExecutor(max_workers=1) if self.leads else None
         feed = hybrid.feed
         self._tell(("build", feed.padded_vocab, feed.vocab_size))
@@ -156,14 +203,16 @@ class RemoteRollout:
         """The actor's weights after `version` optimizer steps to every rollout rank (collective on the training
         ranks: the HybridEngine's stream needs them all)."""
         self._tell(("weights", version))
-        push_weights(self.bridge, self.hybrid, self.placement, version, self.bucket_mb)
+        verified = push_weights(self.bridge, self.hybrid, self.placement, version, self.bucket_mb, self.verify)
+        if self.verify:
+            self.verified_tensors = summed(verified)
         self.version = version
 
     def request(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> Pending:
         """Replica r generates its share r of `prompts` (contiguous, as even as the count allows) under
         `params[r]`; the Pending's result is every response, in replica order, each prompt_index counted over all
-        `prompts`, and the seconds the busiest replica spent generating and loading weights for it."""
-        bounds = [r * len(prompts) // self.replicas for r in range(self.replicas + 1)]
+        `prompts`, and the `Busy` seconds of the busiest replica generating and loading weights for it."""
+        bounds = replica_bounds(len(prompts), self.replicas)
         shares = [list(prompts[bounds[r]:bounds[r + 1]]) for r in range(self.replicas)]
         # The leader's thread sends too: a send waits for a rollout rank still busy with an earlier round.
         waiting = self.waiter.submit(self._generated, shares, params, bounds) if self.leads else None
@@ -175,19 +224,19 @@ class RemoteRollout:
             self.waiter.shutdown()
 
     def _generated(self, shares: list[list[list[int]]], params: Sequence[SamplingParams], bounds: list[int]
-                   ) -> tuple[list[Response], float]:
-        for rank in self.placement.rollout_ranks:
-            replica, _ = self.placement.rollout_coordinates(rank)
-            self.bridge.send_object(("generate", shares[replica], params[replica]), rank)
-        responses, busy = [], 0.0
+                   ) -> tuple[list[Response], "Busy"]:
+        for rank, message in replica_messages(self.placement, lambda replica: ("generate", shares[replica],
+                                                                                 params[replica])):
+            self.bridge.send_object(message, rank)
+        responses, busy = [], []
         for replica, rank in enumerate(replica_leaders(self.placement)):
             answered, seconds = self.bridge.recv_object(rank)
             responses += [dataclasses.replace(response, prompt_index=bounds[replica] + response.prompt_index)
                           for response in answered]
-            busy = max(busy, seconds)
-        return responses, busy
+            busy.append(seconds)
+        return responses, Busy.busiest(busy)
 
-    def _shared(self, waiting) -> tuple[list[Response], float]:
+    def _shared(self, waiting) -> tuple[list[Response], "Busy"]:
         """Collective on the training ranks: the leader's responses on every one of them."""
         return self.shared(waiting.result() if waiting is not None else None)
 
@@ -206,6 +255,14 @@ class RemoteRollout:
                 self.bridge.send_object(message, rank)
 
 
+def summed(count: int) -> int:
+    """Collective on the training ranks: the sum of every one's `count`."""
+    total = torch.tensor([count], dtype=torch.int64, device=device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return int(total.item())
+
+
 class RemoteChunks:
     """The replicas' partial rollouts on the rollout ranks, for `PartialSchedule` (see the module docstring): the
     leader sends, and every training rank gets the answers; `ahead` chunks in the leader's thread while the
@@ -218,10 +275,8 @@ class RemoteChunks:
         self.checkers = [PartialRollout(None, replica_params, chunk_tokens, eos_token_ids=eos_token_ids)
                          for replica_params in params]
         self.running = None  # the leader's chunks ahead, and the step's timer they count into
-        self.ahead_busy = 0.0  # the rollout ranks' seconds for them
-        for rank in remote.placement.rollout_ranks if remote.leads else ():
-            replica, _ = remote.placement.rollout_coordinates(rank)
-            remote.bridge.send_object(("partial", params[replica], chunk_tokens, policy, list(eos_token_ids)), rank)
+        self.ahead_busy = Busy()  # the rollout ranks' seconds for them
+        self._to_replicas(lambda replica: ("partial", params[replica], chunk_tokens, policy, list(eos_token_ids)))
 
     def advance(self, version: int) -> None:
         """Nothing to do: the rollout ranks take new weights with the push."""
@@ -235,7 +290,7 @@ class RemoteChunks:
         with timer("rollout_wait"):
             answered = self._exchange() if self.remote.leads else None
             finished, busy = self.remote.shared(answered)
-        timer.add("rollout_ranks_busy", busy)
+        busy.count_into(timer)
         return finished
 
     def ahead(self, work, timer: StageTimer) -> None:
@@ -255,8 +310,8 @@ class RemoteChunks:
         running, self.running = self.running, None
         if running is not None:
             running[0].result()
-            running[1].add("rollout_ranks_busy", self.ahead_busy)
-            self.ahead_busy = 0.0
+            self.ahead_busy.count_into(running[1])
+            self.ahead_busy = Busy()
         if dist.get_world_size() == 1:
             return None
         shared = self.remote.shared(progress() if self.remote.leads else None)
@@ -276,15 +331,14 @@ class RemoteChunks:
             checker.load_state_dict(state)
         self._to_replicas(lambda replica: ("load_partial", states[replica]))
 
-    def _exchange(self) -> tuple[list[list[Response]], float]:
+    def _exchange(self) -> tuple[list[list[Response]], "Busy"]:
         """The leader: one chunk on every replica, its finished responses by replica, and the busiest one's
         seconds."""
         self._to_replicas(lambda replica: ("chunk",))
         answers = [self.remote.bridge.recv_object(rank) for rank in replica_leaders(self.remote.placement)]
-        return [finished for finished, _ in answers], max(busy for _, busy in answers)
+        return [finished for finished, _ in answers], Busy.busiest([busy for _, busy in answers])
 
     def _to_replicas(self, message_for) -> None:
         if self.remote.leads:
-            for rank in self.remote.placement.rollout_ranks:
-                replica, _ = self.remote.placement.rollout_coordinates(rank)
-                self.remote.bridge.send_object(message_for(replica), rank)
+            for rank, message in replica_messages(self.remote.placement, message_for):
+                self.remote.bridge.send_object(message, rank)
