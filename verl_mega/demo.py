@@ -44,8 +44,9 @@ TASK = "copy"
 # stands once in each place, so a fixed reply earns at most 0.1 there and a model that answers with a few
 # digits whatever it is asked at most their share. The former stop, a score of 0.3 on training prompts, was
 # reached by such replies: seed 1's warm model answered every prompt with a string of the digits 0, 1 and 4
-# ('41', '01', '10', '44', '11') and GRPO from it stalled at 0.56. On the probe the score wanders between 0.1 and 0.4 for 100-200 steps before
-# copying sets in (seeds 0 and 1 first reach 0.5 after 154 and 212 steps), hence the 400-step cap.
+# ('41', '01', '10', '44', '11') and GRPO from it stalled at 0.56. On the probe the score wanders between 0.1
+# and 0.4 for 100-200 steps before copying sets in (seeds 0 and 1 first reach 0.5 after 154 and 212 steps),
+# hence the 400-step cap.
 WARMUP_MAX_STEPS = 400
 WARMUP_TARGET = 0.5
 WARMUP_CHECK_EVERY = 2
