@@ -40,18 +40,23 @@ def _answers(rows: list[dict]) -> set[str]:
     return {row["reward_model"]["ground_truth"] for row in rows}
 
 
-def test_warmup_probe_is_never_trained_on_nor_held_out():
-    train, probe, heldout = disjoint_copy_rows()
+@pytest.fixture(scope="module")
+def copy_rows():
+    return disjoint_copy_rows()
+
+
+def test_warmup_probe_is_never_trained_on_nor_held_out(copy_rows):
+    train, probe, heldout = copy_rows
     assert len(probe) == 10 and len(heldout) == 24 and len(train) == 512
     assert _answers(train).isdisjoint(_answers(probe) | _answers(heldout))
     assert _answers(probe).isdisjoint(_answers(heldout))
 
 
-def test_warmup_stop_is_out_of_reach_of_replies_from_a_few_digits():
+def test_warmup_stop_is_out_of_reach_of_replies_from_a_few_digits(copy_rows):
     """Seed 1's former warm model answered every prompt with one of a few strings of the digits 0, 1 and 4 and
     passed the former stop (0.3 on training prompts). On the probe, replies from any k digits (the best such
     reply for each prompt) score at most k/10, and a fixed reply at most 0.1."""
-    _, probe, _ = disjoint_copy_rows()
+    _, probe, _ = copy_rows
     for digits in itertools.combinations("0123456789", 4):
         best = [_best_reply_from(row["reward_model"]["ground_truth"], digits) for row in probe]
         assert mean_score(best, probe) <= 0.4 < WARMUP_TARGET
