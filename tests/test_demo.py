@@ -1,11 +1,15 @@
 """`make demo`'s own pieces: `--seed` reaches the warm-up and the training runs (the default keeps the configs'
-seeds), and each conversion's parity is reported once, with its figures."""
+seeds), the warm-up's stop is passed only by a model that copies, and each conversion's parity is reported once,
+with its figures."""
+import itertools
+
 import pytest
 import torch
 import yaml
 
 from verl_mega.data.synthetic import make_task_rows, sft_pairs
-from verl_mega.demo import EXAMPLES, convert_and_verify, sft_warmup, training_seed
+from verl_mega.demo import (EXAMPLES, WARMUP_TARGET, convert_and_verify, disjoint_copy_rows, mean_score,
+                            probe_answers, sft_warmup, training_seed)
 from verl_mega.models.tiny import make_tiny_hf_model
 
 
@@ -30,6 +34,45 @@ def test_default_seed_trains_at_the_configs_seed(config):
     """The figures the docs print were measured at the configs' seeds: `--seed 0` must not move them."""
     seed = yaml.safe_load((EXAMPLES / config).read_text())["trainer"]["seed"]
     assert training_seed(0) == f"trainer.seed={seed}"
+
+
+def _answers(rows: list[dict]) -> set[str]:
+    return {row["reward_model"]["ground_truth"] for row in rows}
+
+
+@pytest.fixture(scope="module")
+def copy_rows():
+    return disjoint_copy_rows()
+
+
+def test_warmup_probe_is_never_trained_on_nor_held_out(copy_rows):
+    train, probe, heldout = copy_rows
+    assert len(probe) == 10 and len(heldout) == 24 and len(train) == 512
+    assert _answers(train).isdisjoint(_answers(probe) | _answers(heldout))
+    assert _answers(probe).isdisjoint(_answers(heldout))
+
+
+def test_warmup_stop_is_out_of_reach_of_replies_from_a_few_digits(copy_rows):
+    """Seed 1's former warm model answered every prompt with one of a few strings of the digits 0, 1 and 4 and
+    passed the former stop (0.3 on training prompts). On the probe, replies from any k digits (the best such
+    reply for each prompt) score at most k/10, and a fixed reply at most 0.1."""
+    _, probe, _ = copy_rows
+    for digits in itertools.combinations("0123456789", 4):
+        best = [_best_reply_from(row["reward_model"]["ground_truth"], digits) for row in probe]
+        assert mean_score(best, probe) <= 0.4 < WARMUP_TARGET
+    assert max(mean_score([f"{a}{b}"] * len(probe), probe) for a in "0123456789" for b in "0123456789") == 0.1
+
+
+def _best_reply_from(answer: str, digits: tuple[str, ...]) -> str:
+    return "".join(char if char in digits else digits[0] for char in answer)
+
+
+def test_probe_answers_put_each_digit_once_in_each_place():
+    answers = probe_answers({"07", "18"})
+    assert sorted(a[0] for a in answers) == sorted(a[1] for a in answers) == list("0123456789")
+    assert {"07", "18"}.isdisjoint(answers) and all(a[0] != a[1] for a in answers)
+    with pytest.raises(ValueError, match="hold out fewer"):
+        probe_answers({f"{d}{(d + s) % 10}" for s in range(1, 10) for d in range(1)})
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 1. A tiny random Qwen2-style model and the character tokenizer are built locally; a short supervised
    warm-up on the synthetic "copy" task (repeat a digit string; partial credit per position) stops as soon as
-   the model starts to copy (greedy copies of training prompts score 0.3).
+   the model starts to copy (greedy copies of ten probe prompts it never trains on score WARMUP_TARGET).
 2. The warm model is converted to Megatron shards and checked for logit parity with transformers.
 3. A few PPO steps with GAE and a critic at TP2 x PP2 x DP2 (8 processes) show the 3D layout; then GRPO at
    DP2 (2 processes, one per core of a small machine) does the learning.
@@ -39,13 +39,16 @@ from verl_mega.trainer.plot import read_metrics
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TASK = "copy"
-# The warm-up stops as soon as greedy copies of training prompts score WARMUP_TARGET (asked every
-# WARMUP_CHECK_EVERY steps, at most WARMUP_MAX_STEPS steps): the copy circuit has begun to form. The model makes
-# that jump suddenly and at a step that varies (a score of 0.3 came after 76, 90 and 166 steps for seeds 2, 0
-# and 1), so a fixed step count stops some seeds and machines before it, and GRPO from there sometimes never
-# found it. A target of 0.5 did worse at seed 0 (0.792 after RL against 0.979) and did not help seed 1.
-WARMUP_MAX_STEPS = 200
-WARMUP_TARGET = 0.3
+# The warm-up stops once greedy replies to PROBE prompts it never trains on score WARMUP_TARGET (asked every
+# WARMUP_CHECK_EVERY steps, at most WARMUP_MAX_STEPS steps): the model has begun to copy. In the probe each digit
+# stands once in each place, so a fixed reply earns at most 0.1 there and a model that answers with a few
+# digits whatever it is asked at most their share. The former stop, a score of 0.3 on training prompts, was
+# reached by such replies: seed 1's warm model answered every prompt with a string of the digits 0, 1 and 4
+# ('41', '01', '10', '44', '11') and GRPO from it stalled at 0.56. On the probe the score wanders between 0.1
+# and 0.4 for 100-200 steps before copying sets in (seeds 0 and 1 first reach 0.5 after 154 and 212 steps),
+# hence the 400-step cap.
+WARMUP_MAX_STEPS = 400
+WARMUP_TARGET = 0.5
 WARMUP_CHECK_EVERY = 2
 # name -> (tp, pp, processes): a few PPO steps show the 3D layout; GRPO at DP2 (a process per core) learns.
 LAYOUTS = {"ppo": (2, 2, 8), "grpo": (1, 1, 2)}
@@ -78,17 +81,17 @@ def warm_start(workdir: Path, seed: int) -> tuple[Path, Path, list[dict], Path, 
     """The copy task's train and held-out files, the held-out rows, the warm model (warmed up from `seed`) and its
     held-out replies. The rows are the same for every seed: seeds compare on one held-out set."""
     workdir.mkdir(parents=True, exist_ok=True)
-    train_rows, heldout_rows = disjoint_copy_rows()
+    train_rows, probe_rows, heldout_rows = disjoint_copy_rows()
     train_file = write_rows(train_rows, workdir / "copy_train.jsonl")
     heldout_file = write_rows(heldout_rows, workdir / "copy_heldout.jsonl")
     hf = make_tiny_hf_model(workdir / "random", "qwen2", vocab_size=64)
-    probe = [row for row in train_rows if len(row["reward_model"]["ground_truth"]) == 2][:len(heldout_rows)]
     warm, steps = sft_warmup(hf, sft_pairs(train_rows), workdir / "warm", WARMUP_MAX_STEPS, seed=seed,
-                             until=lambda model, tokenizer: copies_at_least(model, tokenizer, probe, WARMUP_TARGET))
+                             until=lambda model, tokenizer: copies_at_least(model, tokenizer, probe_rows,
+                                                                            WARMUP_TARGET))
     before = greedy_replies(warm, heldout_rows)
-    print(f"[demo] short supervised warm-up: {steps} steps, until greedy copies of training prompts score "
-          f"{WARMUP_TARGET}; held-out greedy copy score {mean_score(before, heldout_rows):.3f}; RL starts from this "
-          f"model", flush=True)
+    print(f"[demo] short supervised warm-up: {steps} steps, until greedy copies of {len(probe_rows)} untrained probe "
+          f"prompts score {WARMUP_TARGET}; held-out greedy copy score {mean_score(before, heldout_rows):.3f}; RL "
+          f"starts from this model", flush=True)
     return train_file, heldout_file, heldout_rows, warm, before
 
 
@@ -201,24 +204,40 @@ def run_sft_dpo(workdir: Path, steps: int, seed: int) -> None:
     print(f"[demo] done in {time.perf_counter() - start:.0f} s")
 
 
-def disjoint_copy_rows(heldout_prompts: int = 24, train_rows: int = 512) -> tuple[list[dict], list[dict]]:
-    """Copy rows of 1-2 digits: `heldout_prompts` distinct two-digit prompts held out, so the held-out score
-    measures copying unseen digit pairs, not recall; training rows cover every other prompt about equally
-    often (a plain draw would make half of them the 10 single digits)."""
+def disjoint_copy_rows(heldout_prompts: int = 24, train_rows: int = 512) -> tuple[list[dict], list[dict], list[dict]]:
+    """Copy rows of 1-2 digits for three disjoint sets of prompts: training rows, the warm-up's probe and the held-out
+    rows. `heldout_prompts` distinct two-digit prompts are held out, so the held-out score measures copying unseen
+    digit pairs, not recall; the probe is ten more two-digit prompts (probe_answers); training rows cover every
+    other prompt about equally often (a plain draw would make half of them the 10 single digits)."""
+    pool = make_task_rows(TASK, 1000, seed=1, max_digits=2, split="test")
     heldout, held = [], set()
-    for row in make_task_rows(TASK, 1000, seed=1, max_digits=2, split="test"):
+    for row in pool:
         answer = row["reward_model"]["ground_truth"]
         if len(answer) == 2 and answer not in held and len(heldout) < heldout_prompts:
             held.add(answer)
             heldout.append(row)
-    per_prompt = -(-train_rows // (110 - len(held)))
+    probe = [next(row for row in pool if row["reward_model"]["ground_truth"] == answer)
+             for answer in probe_answers(held)]
+    untrained = held | {row["reward_model"]["ground_truth"] for row in probe}
+    per_prompt = -(-train_rows // (110 - len(untrained)))
     train, seen = [], collections.Counter()
     for row in make_task_rows(TASK, 200 * train_rows, seed=0, max_digits=2):
         answer = row["reward_model"]["ground_truth"]
-        if answer not in held and seen[answer] < per_prompt:
+        if answer not in untrained and seen[answer] < per_prompt:
             seen[answer] += 1
             train.append(row)
-    return train[:train_rows], heldout
+    return train[:train_rows], probe, heldout
+
+
+def probe_answers(held: set[str]) -> list[str]:
+    """Ten two-digit strings in which each digit stands once in each place: digit d then d + shift (mod 10), at the
+    first shift none of whose strings is in `held`. A shift of 0 ('00' ... '99') is skipped: repeating the first
+    digit would pass it."""
+    for shift in range(1, 10):
+        answers = [f"{digit}{(digit + shift) % 10}" for digit in range(10)]
+        if held.isdisjoint(answers):
+            return answers
+    raise ValueError("every shift has a held-out string: hold out fewer prompts")
 
 
 def training_seed(seed: int) -> str:
