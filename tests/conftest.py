@@ -1,38 +1,10 @@
-"""Session fixtures shared by the test files: tiny HF models and the layout grids' launches, built once; and the
-pytest-xdist groups that keep each of them built once when `make test` runs the suite in two workers."""
+"""Session fixtures shared by the test files: tiny HF models and the layout grids' launches, built once."""
 import json
 import os
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-# Session fixtures that tests of several files read, each costing minutes: every file that uses one joins its
-# xdist group, so one worker builds it once.
-SHARED_SESSION_FIXTURES = ("layout_grid", "bf16_layout_runs")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n N --dist loadgroup` (make test): a file with a slow test runs whole on one worker, so its
-    module fixtures are built once, and the files sharing a SHARED_SESSION_FIXTURES fixture on the same worker.
-    xdist hands out the largest groups first; the other tests go one by one to whichever worker is free."""
-    parent = {}
-
-    def root(node: str) -> str:
-        while parent.setdefault(node, node) != node:
-            node = parent[node]
-        return node
-
-    files_with_slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    for item in items:
-        file = item.nodeid.split("::")[0]
-        for name in SHARED_SESSION_FIXTURES:
-            if file in files_with_slow and name in item.fixturenames:
-                parent[root(file)] = root(name)
-    for item in items:
-        file = item.nodeid.split("::")[0]
-        if file in files_with_slow:
-            item.add_marker(pytest.mark.xdist_group(root(file)))
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "gemma2", "qwen3_moe", "deepseek_v3")
 
