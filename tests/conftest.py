@@ -1,6 +1,8 @@
 """Session fixtures shared by the test files: tiny HF models and the layout grids' launches, built once."""
+import fcntl
 import json
 import os
+import shutil
 
 import pytest
 
@@ -20,30 +22,44 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def layout_grid(tmp_path_factory):
-    """The folder of the layout grids' results (tests/layout_grid.py): three torchrun launches, once per session,
-    shared by tests/test_layout_invariance.py, test_offline_layout_invariance.py, test_update_passes.py and
-    test_training_state.py."""
+    """The folder of the layout grids' results (tests/layout_grid.py): three torchrun launches, once per test run,
+    shared by tests/test_layout_invariance.py, test_offline_layout_invariance.py, test_update_passes.py,
+    test_training_state.py and test_lora.py."""
     from layout_grid import run_layout_grid
 
-    return run_layout_grid(tmp_path_factory.mktemp("layout_grid"))
+    return built_once_per_run(tmp_path_factory, "layout_grid", run_layout_grid)
 
 
 @pytest.fixture(scope="session")
 def bf16_layout_runs(tmp_path_factory):
     """algorithm -> the record of tests/trainer_runs.py's bf16 run resumed at another layout, each run at most once
-    per session: tests/test_resume.py and tests/test_mixed_precision.py check the same ppo_gae run."""
-    from trainer_runs import bf16_layout_change_run, make_inputs
-
-    root = tmp_path_factory.mktemp("bf16_layout_runs")
-    setup = make_inputs(root)
-    done = {}
+    per test run (built_once_per_run): tests/test_resume.py and tests/test_mixed_precision.py check the same ppo_gae run."""
+    from trainer_runs import bf16_layout_change_run, layout_change_record, make_inputs
 
     def get(algorithm: str) -> dict:
-        if algorithm not in done:
-            done[algorithm] = bf16_layout_change_run(setup, root / algorithm, algorithm)
-        return done[algorithm]
+        folder = built_once_per_run(tmp_path_factory, f"bf16_layout_run_{algorithm}",
+                                    lambda folder: bf16_layout_change_run(make_inputs(folder), folder, algorithm))
+        return layout_change_record(folder)
 
     return get
+
+
+def built_once_per_run(tmp_path_factory, name, build):
+    """The folder `name` that `build(folder)` fills, built once per test run. pytest-xdist's workers share the run's
+    temp folder: the first worker to ask builds while the others wait on a lock, and a `done` file marks a finished
+    build, so a worker never reads a half-built one (a failed build is cleared and tried again by the next worker,
+    which then reports the failure itself)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / "done").touch()
+    return folder
 
 
 @pytest.fixture

@@ -79,7 +79,7 @@ def test_bf16_run_saves_resumes_at_another_layout_and_exports(bf16_layout_runs, 
     assert stored["optimizer.state.fp32_param.decoder.final_layernorm.weight"] == torch.float32
     assert stored["optimizer.state.exp_avg.decoder.final_layernorm.weight"] == torch.float32
 
-    assert f"resumed from {saved} at step 2" in shared["resumed"].stdout
+    assert f"resumed from {saved} at step 2" in shared["resumed_stdout"]
     assert sorted(records(run_dir)) == [1, 2, 3, 4]
     assert all(all(map(_finite, record.values())) for record in records(run_dir).values())
 

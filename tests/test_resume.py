@@ -88,7 +88,7 @@ def test_resume_at_another_layout_and_partial_saves_are_ignored(bf16_layout_runs
     record = bf16_layout_runs("ppo_gae")
     run_dir = record["run_dir"]
     assert [p.name for p in record["first_checkpoints"]] == ["step_000002"]
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_000002'} at step 2" in record["resumed"].stdout
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_000002'} at step 2" in record["resumed_stdout"]
     steps = sorted(records(run_dir))
     assert steps == [1, 2, 3, 4]
     assert (run_dir / "final_actor" / "verl_mega_manifest.json").is_file()

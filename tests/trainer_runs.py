@@ -54,12 +54,14 @@ def records(run_dir):
             for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def bf16_layout_change_run(setup, run_dir: Path, algorithm: str) -> dict:
-    """A bf16 run of `algorithm` (RUNS) at (TP, PP, DP) = (2, 2, 2) for 2 steps (a save at step 2), then, beside a
-    planted partial save of step 4, resumed at (2, 1, 2) to step 4. What the tests check between the two runs is
-    recorded: the complete checkpoints and the saved actor's tensor dtypes; `resumed` is the second run."""
+def bf16_layout_change_run(setup, folder: Path, algorithm: str) -> None:
+    """A bf16 run of `algorithm` (RUNS) in `folder`/run at (TP, PP, DP) = (2, 2, 2) for 2 steps (a save at step 2),
+    then, beside a planted partial save of step 4, resumed at (2, 1, 2) to step 4. What the tests check between the
+    two runs is recorded in `folder`/record.json (layout_change_record reads it): the complete checkpoints, the
+    saved actor's tensor dtypes and the resumed run's output."""
     from megatron.core import dist_checkpointing
 
+    run_dir = folder / "run"
     common = ["model.dtype=bf16", "data.batch_size=8", "actor.mini_batch_size=8", "critic.mini_batch_size=8"]
     run(train_command(setup, run_dir, 8, "parallel.tp=2", "parallel.pp=2", "trainer.total_steps=2", *common,
                       example=RUNS[algorithm]))
@@ -70,5 +72,18 @@ def bf16_layout_change_run(setup, run_dir: Path, algorithm: str) -> dict:
     planted.write_text("")
     resumed = run(train_command(setup, run_dir, 4, "parallel.tp=2", "parallel.pp=1", "trainer.total_steps=4",
                                 *common, example=RUNS[algorithm]))
-    return {"run_dir": run_dir, "first_checkpoints": first, "stored_dtypes": {k: v.dtype for k, v in stored.items()},
-            "resumed": resumed}
+    (folder / "record.json").write_text(json.dumps({
+        "first_checkpoints": [str(path) for path in first],
+        "stored_dtypes": {name: str(meta.dtype) for name, meta in stored.items()},
+        "resumed_stdout": resumed.stdout}))
+
+
+def layout_change_record(folder: Path) -> dict:
+    """bf16_layout_change_run's record of `folder`, with its run folder and paths as Paths and dtypes as torch's."""
+    import torch
+
+    record = json.loads((folder / "record.json").read_text())
+    return {"run_dir": folder / "run", "first_checkpoints": [Path(path) for path in record["first_checkpoints"]],
+            "stored_dtypes": {name: getattr(torch, dtype.removeprefix("torch."))
+                              for name, dtype in record["stored_dtypes"].items()},
+            "resumed_stdout": record["resumed_stdout"]}
