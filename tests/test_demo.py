@@ -1,15 +1,17 @@
 """`make demo`'s own pieces: `--seed` reaches the warm-up and the training runs (the default keeps the configs'
 seeds), the warm-up's stop is passed only by a model that copies, and each conversion's parity is reported once,
 with its figures."""
+import dataclasses
 import itertools
+import typing
 
 import pytest
 import torch
-import yaml
 
+from verl_mega.config.schema import TrainConfig, load_config
 from verl_mega.data.synthetic import make_task_rows, sft_pairs
-from verl_mega.demo import (EXAMPLES, WARMUP_TARGET, convert_and_verify, disjoint_copy_rows, mean_score,
-                            probe_answers, sft_warmup, training_seed)
+from verl_mega.demo import (EXAMPLES, SEEDED_KEYS, WARMUP_TARGET, convert_and_verify, disjoint_copy_rows, mean_score,
+                            probe_answers, sft_warmup, training_seeds)
 from verl_mega.models.tiny import make_tiny_hf_model
 
 
@@ -32,8 +34,19 @@ def test_warmup_seed_draws_the_start_and_repeats(tmp_path):
                                     "dpo_demo.yaml"])
 def test_default_seed_trains_at_the_configs_seed(config):
     """The figures the docs print were measured at the configs' seeds: `--seed 0` must not move them."""
-    seed = yaml.safe_load((EXAMPLES / config).read_text())["trainer"]["seed"]
-    assert training_seed(0) == f"trainer.seed={seed}"
+    loaded = load_config(EXAMPLES / config, ["model.hf_path=unused", "data.train_files=[unused]"])
+    at_default = [f"{key}={getattr(getattr(loaded, key.split('.')[0]), key.split('.')[1])}" for key in SEEDED_KEYS]
+    assert training_seeds(0) == at_default
+
+
+def test_a_seed_reaches_every_seed_of_the_config():
+    """`--seed 1` must draw other batches and other samples, not only reseed the ranks' RNGs: the demo sets every
+    `seed` field of the config's sections."""
+    sections = typing.get_type_hints(TrainConfig)
+    seeds = {f"{name}.seed" for name, section in sections.items() if dataclasses.is_dataclass(section)
+             and "seed" in {field.name for field in dataclasses.fields(section)}}
+    assert set(SEEDED_KEYS) == seeds
+    assert training_seeds(1) == [f"{key}=2" for key in SEEDED_KEYS]
 
 
 def _answers(rows: list[dict]) -> set[str]:
