@@ -33,7 +33,8 @@ def layout_grid(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bf16_layout_runs(tmp_path_factory):
     """algorithm -> the record of tests/trainer_runs.py's bf16 run resumed at another layout, each run at most once
-    per test run (built_once_per_run): tests/test_resume.py and tests/test_mixed_precision.py check the same ppo_gae run."""
+    per test run (built_once_per_run): tests/test_resume.py and tests/test_mixed_precision.py check the same
+    ppo_gae run."""
     from trainer_runs import bf16_layout_change_run, layout_change_record, make_inputs
 
     def get(algorithm: str) -> dict:

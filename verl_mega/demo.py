@@ -79,9 +79,11 @@ def main(argv=None) -> None:
             run(Path(args.workdir or tmp), args.steps, args.layout_steps, args.seed)
 
 
-def warm_start(workdir: Path, seed: int) -> tuple[Path, Path, list[dict], Path, list[str]]:
-    """The copy task's train and held-out files, the held-out rows, the warm model (warmed up from `seed`) and its
-    held-out replies. The rows are the same for every seed: seeds compare on one held-out set."""
+def warm_start(workdir: Path, seed: int,
+               target: float = WARMUP_TARGET) -> tuple[Path, Path, list[dict], Path, list[str]]:
+    """The copy task's train and held-out files, the held-out rows, the warm model (warmed up from `seed` until the
+    probe scores `target`) and its held-out replies. The rows are the same for every seed: seeds compare on one
+    held-out set."""
     workdir.mkdir(parents=True, exist_ok=True)
     train_rows, probe_rows, heldout_rows = disjoint_copy_rows()
     train_file = write_rows(train_rows, workdir / "copy_train.jsonl")
@@ -89,10 +91,10 @@ def warm_start(workdir: Path, seed: int) -> tuple[Path, Path, list[dict], Path, 
     hf = make_tiny_hf_model(workdir / "random", "qwen2", vocab_size=64)
     warm, steps = sft_warmup(hf, sft_pairs(train_rows), workdir / "warm", WARMUP_MAX_STEPS, seed=seed,
                              until=lambda model, tokenizer: copies_at_least(model, tokenizer, probe_rows,
-                                                                            WARMUP_TARGET))
+                                                                            target))
     before = greedy_replies(warm, heldout_rows)
     print(f"[demo] short supervised warm-up: {steps} steps, until greedy copies of {len(probe_rows)} untrained probe "
-          f"prompts score {WARMUP_TARGET}; held-out greedy copy score {mean_score(before, heldout_rows):.3f}; RL "
+          f"prompts score {target}; held-out greedy copy score {mean_score(before, heldout_rows):.3f}; RL "
           f"starts from this model", flush=True)
     return train_file, heldout_file, heldout_rows, warm, before
 
