@@ -332,8 +332,9 @@ def transition_rows(rows: list[dict]) -> list[tuple]:
     table = []
     for rollout_tp in ROLLOUT_TPS:
         ranks = [row for row in rows if row["rollout_tp"] == rollout_tp]
-        seconds, bound = max(r["seconds"] for r in ranks), max(r["bound_seconds"] for r in ranks)
         recv = max(r["recv_bytes"] for r in ranks)
+        # With nothing to receive the transport has no work: its timed call is a barrier's latency, not a bound.
+        seconds, bound = max(r["seconds"] for r in ranks), max(r["bound_seconds"] for r in ranks) if recv else 0.0
         peak, peak_bound = max(r["peak"] for r in ranks), max(r["peak_bound"] for r in ranks)
         ratio = seconds / bound if bound else float("inf")
         limit = ("transition: local layout copies, no bytes to receive" if not recv else

@@ -1,7 +1,7 @@
 """bench/limits.py's accounting: FLOPs and bytes of a tiny shape, computed by hand here (no timing)."""
 from bench.limits import (Shape, StepTokens, attention_flops, body_params, decode_bytes, decode_step_flops,
                           decode_steps, forward_flops, gemm_work, kv_bytes_per_position, outside_seconds,
-                          prefill_flops, step_tokens, update_flops, weight_bytes)
+                          prefill_flops, step_tokens, transition_rows, update_flops, weight_bytes)
 
 # head_dim 4; fused q/k/v out = (2 + 2 * 1) * 4 = 16
 SHAPE = Shape(hidden=8, layers=2, ffn=16, heads=2, kv_heads=1, vocab=10)
@@ -64,3 +64,16 @@ def test_step_tokens_split_the_counted_tokens_into_prompts_and_responses():
 
 def test_a_decode_step_multiplies_every_weight_once_per_sequence():
     assert decode_step_flops(SHAPE, sequences=2) == 2 * 2 * (1152 + 80)
+
+
+def test_a_transition_with_nothing_to_receive_has_no_byte_bound():
+    """At training TP = rollout TP the timed transport is a barrier: its latency is no bound to set a ratio
+    against, so the row says n/a and fails on the layout copies; a transition that receives bytes is judged."""
+    def rank(rollout_tp, recv, seconds, bound):
+        return dict(rank=0, rollout_tp=rollout_tp, recv_bytes=recv, seconds=seconds, bound_seconds=bound,
+                    peak=1, peak_bound=2)
+
+    gather, local = transition_rows([rank(1, 2 ** 20, 0.5, 0.45), rank(2, 0, 0.04, 1e-4)])
+    assert gather[4] == "1.11x" and gather[5] == "PASS"
+    assert local[2] == "0.000 s" and local[4] == "n/a"
+    assert local[5] == "FAIL: transition: local layout copies, no bytes to receive"
