@@ -47,8 +47,9 @@ TASK = "copy"
 # ('41', '01', '10', '44', '11') and GRPO from it stalled at 0.56. On the probe the score wanders between 0.1
 # and 0.4 for 100-300 steps before copying sets in, then rises within a few dozen steps (seed 3: 0.5 after 312
 # steps, 0.6 after 356, 0.7 after 366), hence the 600-step cap. At 0.5, seed 3's GRPO ended at 0.71, 0.75 and
-# 0.80 after 120, 160 and 200 steps; from 0.6, at 0.90 after 120; from 0.7, at 0.78: past the onset, how far
-# the warm-up goes matters less than the draws of the RL run.
+# 0.80 after 120, 160 and 200 steps; from 0.6, at 0.90 after 120; from 0.7, at 0.78 (all with the GRPO run's
+# draws of seed 1; from 0.6 with its own, 0.82): past the onset, the RL run's draws matter as much as how far
+# the warm-up goes.
 WARMUP_MAX_STEPS = 600
 WARMUP_TARGET = 0.6
 WARMUP_CHECK_EVERY = 2
