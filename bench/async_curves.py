@@ -60,6 +60,11 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="the actor's lr (min_lr a tenth of it)")
     parser.add_argument("--workdir", help="keep the runs here (default: a temp folder)")
     args = parser.parse_args(argv)
+    for flag, value, ok, wanted in (("--steps", args.steps, args.steps >= 1, ">= 1"),
+                                    ("--lr", args.lr, args.lr > 0, "> 0"),
+                                    ("--warm-target", args.warm_target, 0 < args.warm_target <= 1, "in (0, 1]")):
+        if not ok:
+            parser.error(f"{flag} must be {wanted}, got {value}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         train_file, heldout_file, _, warm, _ = warm_start(work, args.warm_seed, args.warm_target)
