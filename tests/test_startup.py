@@ -92,6 +92,29 @@ def test_exit_process_keeps_what_a_normal_exit_does(tmp_path):
     assert (tmp_path / "never_closed").read_text() == "buffered"
 
 
+@pytest.mark.parametrize("kept", [False, True])
+def test_exit_process_runs_the_objects_finalizers_only_when_a_library_asked(tmp_path, kept):
+    """The fast exit skips finalizers (what it saves); `keep_finalizers_at_exit` (vLLM's engine calls it) brings
+    them back, with the code kept either way."""
+    result = run_python(f"""
+        import sys
+        from pathlib import Path
+        from verl_mega.parallel import process_exit
+
+        class Resource:
+            # Bound now: when the interpreter finalizes __main__, its globals and builtins are gone.
+            def __del__(self, mark=Path(sys.argv[1], "finalized")):
+                mark.write_text("ran")
+
+        held = Resource()
+        if {kept}:
+            process_exit.keep_finalizers_at_exit("a test resource freed by its finalizer")
+        process_exit.exit_process(4)
+    """, str(tmp_path))
+    assert result.returncode == 4, result.stderr
+    assert (tmp_path / "finalized").exists() is kept
+
+
 def test_under_a_profiler_exit_process_is_a_normal_exit(tmp_path):
     """cProfile writes its file after the program returns: there exit_process must not cut the process short."""
     script = tmp_path / "rank.py"

@@ -14,7 +14,8 @@ never closed reaches its file, as the objects' finalizers would have done it), a
 static destructors. vLLM's CPU engine at rollout TP > 1 removes its `/dev/shm/*cpushm*` all-reduce segments only
 there, and a leaked segment makes every later engine on the machine fail to create its own
 (`create shm in SHMManager failed. errno: 17`): `tests/test_vllm_rollout.py` checks that a run leaves none.
-A process that imported vLLM takes the whole normal exit all the same (`exit_process` says why).
+A library whose resources are released by its Python objects' finalizers asks for the whole normal exit with
+`keep_finalizers_at_exit` (vLLM's engine does, as it starts), so this module names no library.
 """
 from __future__ import annotations
 
@@ -26,16 +27,21 @@ import sys
 import threading
 from typing import NoReturn
 
+# Why this process's objects must be finalized at exit, one entry per `keep_finalizers_at_exit` call.
+_FINALIZERS_NEEDED: list[str] = []
+
+
+def keep_finalizers_at_exit(reason: str) -> None:
+    """Make `exit_process` in this process exactly `sys.exit`, for a library whose resources are released by its
+    Python objects' finalizers (`reason` says which, and why)."""
+    _FINALIZERS_NEEDED.append(reason)
+
 
 def exit_process(code: int | None) -> NoReturn:
     """Exit with `code` as `sys.exit(code)` would (None is 0), minus freeing the interpreter's objects; under a
-    profiler, debugger or coverage tool, or in a process that imported vLLM, exactly `sys.exit(code)`.
-
-    vLLM's engine is released by its Python objects' finalizers: without them, its native exit handlers wait
-    (a one-process vLLM worker took 32.6 s against 26.0 s through sys.exit), and its CPU shared memory is freed
-    in the same teardown."""
+    profiler, debugger or coverage tool, or after `keep_finalizers_at_exit`, exactly `sys.exit(code)`."""
     # `python -m cProfile -o F -m verl_mega.trainer.main` writes F after the module returns.
-    if observed() or "vllm" in sys.modules:
+    if observed() or _FINALIZERS_NEEDED:
         sys.exit(code)
     code = 0 if code is None else code
     if type(code) is not int:  # sys.exit prints any other object and exits 1

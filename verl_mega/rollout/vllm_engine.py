@@ -38,6 +38,7 @@ import torch.distributed as dist
 from verl_mega.config.schema import RolloutConfig
 from verl_mega.models.families import load_hf_model_config
 from verl_mega.models.hf_config import HFModelConfig
+from verl_mega.parallel.process_exit import keep_finalizers_at_exit
 
 from .engine import Response, RolloutEngine, SamplingParams, WeightFeed
 
@@ -91,6 +92,9 @@ class VLLMEngine(RolloutEngine):
             # runs megatron's CPU shims the compiled model generated wrong tokens (measured; eager is right).
             platform = {"kv_cache_memory_bytes": kv_cache_bytes(hf_config, dtype, max_num_seqs * max_model_len),
                         "enforce_eager": True}
+        keep_finalizers_at_exit(
+            "vLLM's engine: its native exit handlers wait on objects left unfinalized (a one-process vLLM worker "
+            "exited in 32.6 s against 26.0 s through sys.exit), and its CPU shared memory is freed in their teardown")
         self.llm = vllm.LLM(
             model=str(hf_dir), tensor_parallel_size=feed.rollout_tp, distributed_executor_backend="external_launcher",
             enable_sleep_mode=self.sleeps, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
