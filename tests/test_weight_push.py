@@ -72,3 +72,25 @@ def test_a_rollout_rank_that_stays_silent_is_named_after_the_timeout(reports):
         f"rollout rank 2 (pid {reports[2]['pid']} on "), message
     assert f"did not answer within {HANG_TIMEOUT_S} s" in message and "\n" not in message
     assert HANG_TIMEOUT_S <= reports[0]["peer_hangs_after_s"] < TIMEOUT_S
+
+
+@pytest.mark.parametrize("bucket_mb", [1e-4, 1e9])
+def test_buckets_carry_the_stream_and_allocate_what_it_holds_whatever_the_bucket_size(bucket_mb):
+    """A bucket size of a petabyte (parallel.weight_push_bucket_mb is the user's) packs ~20 KiB of tensors into
+    buffers of at most twice that, where a buffer of the whole bucket size was allocated up front; a tiny one
+    still sends every tensor, a tensor larger than the bucket alone."""
+    import torch
+
+    from verl_mega.rollout.weight_push import _bucket_bytes, _buckets
+
+    generator = torch.Generator().manual_seed(0)
+    stream = [(f"t{i}", torch.randn(i + 1, 37, generator=generator, dtype=dtype))
+              for i, dtype in enumerate([torch.float32, torch.bfloat16] * 20)]
+    received, largest = [], 0
+    for bucket in _buckets(iter(stream), _bucket_bytes(bucket_mb)):
+        largest = max([largest, *(flat.untyped_storage().nbytes() for flat in bucket.flats)])
+        received += [(name, tensor.clone()) for name, tensor in bucket.tensors]
+    assert [name for name, _ in received] == [name for name, _ in stream]
+    assert all(torch.equal(got, sent) for (_, got), (_, sent) in zip(received, stream))
+    streamed = sum(tensor.numel() * tensor.element_size() for _, tensor in stream)
+    assert largest <= 2 * streamed

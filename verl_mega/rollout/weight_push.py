@@ -198,8 +198,11 @@ def _buckets(stream: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator
         dtype, start = tensor.dtype, used.get(tensor.dtype, 0)
         buffer = buffers.get(dtype)
         if buffer is None or buffer.numel() < start + tensor.numel() or buffer.device != tensor.device:
-            buffer = buffers[dtype] = _grown(buffer, max(limit // tensor.element_size(), start + tensor.numel()),
-                                             start, tensor)
+            # Doubling up to the bucket size, not the bucket size at once: a bucket size far beyond the weights
+            # (parallel.weight_push_bucket_mb is the user's) allocates only what the stream holds.
+            held = 0 if buffer is None else buffer.numel()
+            wanted = max(start + tensor.numel(), min(2 * held, limit // tensor.element_size()))
+            buffer = buffers[dtype] = _grown(buffer, wanted, start, tensor)
         view = buffer[start:start + tensor.numel()].view(tensor.shape)
         view.copy_(tensor)
         pending.append((name, view))
@@ -210,8 +213,8 @@ def _buckets(stream: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator
 
 
 def _grown(buffer: torch.Tensor | None, numel: int, keep: int, like: torch.Tensor) -> torch.Tensor:
-    """A buffer of `numel` elements holding the first `keep` of `buffer` (only a tensor larger than the bucket
-    size outgrows it, and it travels alone, so `keep` is 0 then)."""
+    """A buffer of `numel` elements holding the first `keep` of `buffer` (the bucket's tensors packed so far; the
+    views of them already taken keep the old buffer alive until the bucket is sent)."""
     grown = torch.empty(numel, dtype=like.dtype, device=like.device)
     if keep:
         grown[:keep].copy_(buffer[:keep])
