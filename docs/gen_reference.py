@@ -30,6 +30,7 @@ from verl_mega.algorithms import (
     LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
 )
 from verl_mega.config import schema
+from verl_mega.config.ranges import declared_ranges
 from verl_mega.data.prompts import TRUNCATION_SIDES
 from verl_mega.models.builder import DTYPES
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
@@ -146,7 +147,8 @@ def _default(value: object) -> str:
 
 
 def _key_row(key: ConfigKey) -> str:
-    choices = ", ".join(_code(str(c)) for c in key.choices) if key.choices else ""
+    bound = declared_ranges(key.owner).get(key.field)
+    choices = ", ".join(_code(str(c)) for c in key.choices) if key.choices else bound.describe() if bound else ""
     doc = key.doc.replace("|", "\\|")  # |A| in prose: an escaped pipe is text, a bare one ends the cell
     return f"| {_code(key.name)} | {_code(key.type)} | {_default(key.default)} | {choices} | {doc} |"
 
@@ -162,7 +164,7 @@ def render_config_reference() -> str:
              "Every key of a run's config, by the dotted name a YAML file nests or an override names "
              "(`verl-mega train --config FILE.yaml actor.optim.lr=1e-6`, or `config={\"actor.optim.lr\": 1e-6}` "
              "in the [Python API](../python-api.md)). *Allowed* lists the values the pre-flight check accepts, "
-             "read from the registries that hold them.", ""]
+             "read from the registries that hold them, or the range of a number (its class's `RANGES`).", ""]
     groups: dict[str, list[ConfigKey]] = {}
     for key in keys:
         groups.setdefault(key.name.split(".")[0] if "." in key.name else "", []).append(key)

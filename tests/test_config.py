@@ -58,7 +58,18 @@ def test_missing_required_key_is_named():
     ("trainer.checkpoint_mirror=bucket/prefix", 4, "trainer.checkpoint_mirror: 'bucket/prefix' must start with s3://"),
     ("trainer.checkpoint_mirror=s3://Bad_Bucket/x", 4, "trainer.checkpoint_mirror: 's3://Bad_Bucket/x': 'Bad_Bucket' "
      "is not an S3 bucket name"),
-    ("trainer.checkpoint_mirror_wait_s=-1", 4, "trainer.checkpoint_mirror_wait_s must be >= 0"),
+    ("trainer.checkpoint_mirror_wait_s=-1", 4, "trainer.checkpoint_mirror_wait_s must be in [0, 1000000000], got -1.0"),
+    # Values the sweep of every number found accepted, each of which crashed or misled a run:
+    ("actor.optim.adam_beta1=nan", 4, "actor.optim.adam_beta1 must be in [0, 1), got nan"),  # torch's traceback
+    ("actor.optim.clip_grad=nan", 4, "actor.optim.clip_grad must be a finite number (<= 0: no clipping), got nan"),
+    ("actor.optim.lr=inf", 4, "actor.optim.lr must be finite and >= 0, got inf"),
+    ("rollout.temperature=inf", 4, "rollout.temperature must be finite and >= 0, got inf"),  # uniform sampling
+    ("parallel.bridge_timeout_s=inf", 4, "parallel.bridge_timeout_s must be in (0, 1000000000] (seconds), got inf"),
+    ("data.seed=-1", 4, "data.seed must be in [0, 4294967295], got -1"),
+    ("actor.optim.min_lr=1", 4, "actor.optim.min_lr=1.0 must not exceed actor.optim.lr=1e-06"),  # megatron asserts
+    # The KV cache's room for the whole response was allocated at once: 51 TB here.
+    ("data.max_response_length=99999999999", 4, "data.max_prompt_length + data.max_response_length = 100000000063 "
+     "tokens exceed model.hf_path's context of 256"),
 ])
 def test_preflight_check_names_the_key(tiny_models, prompt_file, override, world, message):
     config = load_config(None, good_overrides(tiny_models, prompt_file) + [override])

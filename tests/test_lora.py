@@ -165,12 +165,12 @@ def test_scale_defaults_to_two():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"rank": -1}, "lora.rank=-1 must be >= 1"),
+    ({"rank": -1}, "lora.rank must be >= 0 (0: no adapters), got -1"),
     ({"targets": ["q_proj"]}, "lora.targets: q_proj unknown; known: linear_qkv"),
     ({"targets": []}, "lora.targets is empty"),
     ({"init": "xavier"}, "lora.init 'xavier' is unknown; known: kaiming, gaussian"),
-    ({"dropout": 1.0}, "lora.dropout=1.0 must be in [0, 1)"),
-    ({"alpha": 0.0}, "lora.alpha=0.0 must be a positive number"),
+    ({"dropout": 1.0}, "lora.dropout must be in [0, 1), got 1.0"),
+    ({"alpha": 0.0}, "lora.alpha must be > 0 (null: 2 x rank), got 0.0"),
 ])
 def test_bad_configs_fail_in_one_line(one_rank, fields, message):
     config = lora(**{"rank": 4, **fields})
@@ -326,7 +326,7 @@ def preflight_lines(inputs, family: str, *overrides: str) -> list[str]:
      "critic.lora.init 'xavier' is unknown; known: kaiming, gaussian"),
     (["actor.lora.rank=4", "actor.lora.targets=[linear_qkv,o_proj]"],
      "actor.lora.targets: o_proj unknown; known: linear_qkv, linear_proj, linear_fc1, linear_fc2"),
-    (["actor.lora.rank=-2"], "actor.lora.rank=-2 must be >= 1 (or 0: no adapters)"),
+    (["actor.lora.rank=-2"], "actor.lora.rank must be >= 0 (0: no adapters), got -2"),
 ])
 def test_the_preflight_check_names_each_bad_lora_key(preflight_inputs, overrides, expected):
     assert preflight_lines(preflight_inputs, "qwen2", *overrides) == [expected]

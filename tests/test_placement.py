@@ -107,9 +107,9 @@ def test_a_disaggregated_config_that_fits_passes_the_preflight(rl_overrides):
      "parallel.pp = 2 must divide the number of processes (3)"),
     (["parallel.rollout_ranks=4", "parallel.rollout_tp=4", "rollout.engine=vllm"], 6,
      "parallel.rollout_tp=4 must divide the training TP size parallel.tp=2"),
-    (["parallel.rollout_ranks=2", "parallel.bridge_timeout_s=0"], 4, "parallel.bridge_timeout_s=0.0 must be > 0"),
+    (["parallel.rollout_ranks=2", "parallel.bridge_timeout_s=0"], 4, "parallel.bridge_timeout_s must be in (0, 1000000000] (seconds), got 0.0"),
     (["parallel.rollout_ranks=2", "parallel.weight_push_bucket_mb=0"], 4,
-     "parallel.weight_push_bucket_mb=0 must be >= 1"),
+     "parallel.weight_push_bucket_mb must be >= 1, got 0"),
     (["parallel.rollout_ranks=2", "job=sft"], 4, "parallel.rollout_ranks=2: the sft job generates nothing"),
     (["parallel.rollout_ranks=2", "data.batch_size=3", "actor.mini_batch_size=3", "critic.mini_batch_size=3",
       "parallel.tp=1"], 4, "data.batch_size=3 must be divisible by the number of rollout replicas 2 "

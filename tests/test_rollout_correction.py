@@ -133,8 +133,8 @@ def prompt_file(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("weights=tokens", "algorithm.rollout_correction.weights 'tokens' is unknown; known: none, token, sequence"),
     ("reject=seq", "algorithm.rollout_correction.reject 'seq' is unknown"),
-    ("weight_cap=0", "algorithm.rollout_correction.weight_cap=0.0 must be > 0"),
-    ("reject_low=2", "algorithm.rollout_correction.reject_low=2.0 must be >= 0 and below "
+    ("weight_cap=0", "algorithm.rollout_correction.weight_cap must be > 0 (inf: no limit; 2 is usual), got 0.0"),
+    ("reject_low=2", "algorithm.rollout_correction.reject_low=2.0 must be below "
                      "algorithm.rollout_correction.reject_high=2.0"),
 ])
 def test_preflight_refuses_bad_modes_and_bounds_naming_the_key(tiny_models, prompt_file, override, message):

@@ -4,6 +4,7 @@ or returns a non-string) an error result of its category, never an exception; th
 refuses huge powers at once."""
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -265,12 +266,12 @@ def test_the_calculator_refuses_what_is_not_bounded_arithmetic_at_once(expressio
 
 
 @pytest.mark.parametrize("limits, message", [
-    ({"timeout_s": 0}, "tools.timeout_s must be > 0, got 0"),
-    ({"workers": 0}, "tools.workers must be an integer >= 1, got 0"),
-    ({"max_output_chars": 0}, "tools.max_output_chars must be an integer >= 1, got 0"),
+    ({"timeout_s": 0}, "tools.timeout_s must be in (0, 1000000000] (seconds), got 0"),
+    ({"workers": 0}, "tools.workers must be >= 1, got 0"),
+    ({"max_output_chars": 0}, "tools.max_output_chars must be >= 1, got 0"),
 ])
 def test_a_limit_out_of_range_is_refused_naming_its_key(limits, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         ToolSet(["calculator"], ToolsConfig(**limits))
 
 
@@ -278,5 +279,5 @@ def test_the_preflight_check_lists_every_tools_limit_out_of_range():
     config = load_config(None, ["model.hf_path=x", "tools.python.memory_mb=8", "tools.python.processes=0"])
     with pytest.raises(ConfigError) as caught:
         preflight_check(config, world_size=1, check_files=False)
-    assert "tools.python.memory_mb must be an integer >= 64, got 8" in str(caught.value)
-    assert "tools.python.processes must be an integer >= 1, got 0" in str(caught.value)
+    assert "tools.python.memory_mb must be >= 64, got 8" in str(caught.value)
+    assert "tools.python.processes must be >= 1, got 0" in str(caught.value)

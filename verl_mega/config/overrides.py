@@ -63,6 +63,24 @@ def typed_value(schema_class: type, key: str, text: str) -> Any:
     return _UNTYPED
 
 
+# OmegaConf reads any integer as a boolean (`critic.enable: 2` is true); only these spellings are taken here.
+BOOLEAN_WORDS = frozenset({"true", "false", "yes", "no", "on", "off", "y", "n", "1", "0"})
+
+
+def loose_booleans(schema_class: type, layer, prefix: str = "") -> list[str]:
+    """The dotted keys of the OmegaConf `layer` (a YAML file's, the overrides', the API's values) that set a
+    boolean field of `schema_class` to anything but true/false (or yes/no, on/off, 1/0), each with its value."""
+    found = []
+    for key, value in layer.items_ex(resolve=False) if OmegaConf.is_dict(layer) else ():
+        name = f"{prefix}{key}"
+        if OmegaConf.is_dict(value):
+            found += loose_booleans(schema_class, value, f"{name}.")
+        elif _unwrap_optional(field_type(schema_class, name) or object)[0] is bool and value is not None \
+                and not isinstance(value, bool) and str(value).strip().lower() not in BOOLEAN_WORDS:
+            found.append(f"{name}={value!r}")
+    return found
+
+
 def verbatim(text: str) -> str:
     """`text` as a string OmegaConf keeps as it is: `${` would be read as an interpolation."""
     return text.replace("${", "\\${")

@@ -7,19 +7,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from .errors import UserError
-from .overrides import override_layer, verbatim
+from .overrides import loose_booleans, override_layer, verbatim
+from .ranges import ANY, Range, above, at_least, within
+
+# Seconds a wait may last: larger ones overflow the timeouts of threads and process groups.
+LONGEST_WAIT_S = 1e9
+# A seed every generator takes (numpy's are 32-bit).
+SEED = within(0, 2**32 - 1)
 
 
 @dataclass
 class OptimConfig:
     """Adam settings and the LR schedule (constant, linear or cosine decay after a linear warmup)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "lr": at_least(0), "min_lr": at_least(0), "weight_decay": at_least(0),
+        "adam_beta1": within(0, 1, high_open=True), "adam_beta2": within(0, 1, high_open=True),
+        "adam_eps": at_least(0), "clip_grad": Range(note="<= 0: no clipping"), "lr_warmup_steps": at_least(0),
+        "lr_decay_steps": at_least(1, note="null: the run's optimizer steps")}
 
     lr: float = 1e-6
     """Peak learning rate (after the warmup)."""
@@ -51,6 +63,13 @@ class PolicyLossConfig:
 
     Every field from `clip_ratio` to `bypass_loss_type` is a knob of one or more policy losses, under verl's name; the
     actor passes them all (`knobs()`) and each loss reads its own (docs/jobs/policy-losses.md)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "clip_ratio": at_least(0), "clip_ratio_low": at_least(0), "clip_ratio_high": at_least(0),
+        "clip_ratio_c": above(1, note="dual-clip"), "clip_cov_ratio": within(0, 1, low_open=True),
+        "clip_cov_lb": ANY, "clip_cov_ub": ANY, "kl_cov_ratio": within(0, 1, low_open=True),
+        "ppo_kl_coef": at_least(0), "tau_pos": above(0), "tau_neg": above(0), "entropy_coeff": ANY,
+        "kl_loss_coef": at_least(0)}
 
     policy_loss: str = "vanilla"
     """The policy loss, a name registered in algorithms.POLICY_LOSSES (verl's names: vanilla, gspo, cispo,
@@ -116,6 +135,8 @@ POLICY_LOSS_KNOBS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ra
 class ValueLossConfig:
     """The critic's clipped value loss."""
 
+    RANGES: ClassVar[dict[str, Range]] = {"cliprange_value": at_least(0)}
+
     cliprange_value: float = 0.5
     """Clip range of the new values around the old ones."""
     loss_agg_mode: str = "token-mean"
@@ -150,6 +171,12 @@ class ModelConfig:
 class ParallelConfig:
     """The training layout; the data-parallel size is what the world size leaves."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "tp": at_least(1), "pp": at_least(1), "ep": at_least(1), "rollout_tp": at_least(1),
+        "rollout_ranks": at_least(0, note="0: colocated"),
+        "bridge_timeout_s": within(0, LONGEST_WAIT_S, low_open=True, note="seconds"),
+        "weight_push_bucket_mb": at_least(1)}
+
     tp: int = 1
     """Tensor-parallel size of training."""
     pp: int = 1
@@ -177,6 +204,10 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     """The training and held-out data, and how prompts are cut and batched."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_prompt_length": at_least(1), "max_response_length": at_least(1), "batch_size": at_least(1),
+        "seed": SEED, "length_group_batches": at_least(1)}
 
     train_files: list[str] = field(default_factory=list)
     """Parquet or jsonl files, or folders written by HF datasets' `save_to_disk` (one split each)."""
@@ -206,6 +237,9 @@ class DataConfig:
 class MultiTurnConfig:
     """Multi-turn rollouts with tools (verl's multi_turn / agent loop): the model calls tools between turns."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_turns": at_least(1), "max_tokens": at_least(0, note="0: data.max_response_length")}
+
     enable: bool = False
     """Each response is an episode: generate a turn, run its tool calls, append the results as the chat template
     renders `tool` messages, generate again (see the multi-turn page)."""
@@ -225,6 +259,11 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig:
     """Generation: the rollout engine and its sampling."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "n": at_least(1), "temperature": at_least(0), "top_p": within(0, 1, low_open=True),
+        "top_k": at_least(1, off=-1), "seed": SEED, "gpu_memory_utilization": within(0, 1, low_open=True),
+        "max_staleness": at_least(0, note="0: fresh data only"), "partial_chunk_tokens": at_least(1)}
 
     engine: str = "auto"
     """The rollout engine; auto takes vLLM on GPUs where it is installed, else the embedded one."""
@@ -274,6 +313,10 @@ class LoraConfig:
     """LoRA adapters on the role's linear layers: the base weights stay frozen in model.dtype, only the
     adapters train (gradients and optimizer state for them alone). rank 0 trains every parameter."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "rank": at_least(0, note="0: no adapters"), "alpha": above(0, note="null: 2 x rank"),
+        "dropout": within(0, 1, high_open=True)}
+
     rank: int = 0
     """The adapters' rank r (0: off, full-parameter training); at most the smallest in/out width of a targeted
     layer's shard at the run's layout. verl's lora_rank (megatron: lora.rank), PEFT's r."""
@@ -297,6 +340,10 @@ class LoraConfig:
 @dataclass
 class UpdateSchedule:
     """How a role's update walks the batch: epochs, mini-batches, micro-batches."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "ppo_epochs": at_least(1), "mini_batch_size": at_least(1), "micro_batch_size": at_least(1),
+        "max_tokens_per_micro_batch": at_least(0, note="0: off")}
 
     ppo_epochs: int = 1
     """Passes over each batch."""
@@ -343,6 +390,8 @@ class CriticConfig(UpdateSchedule):
 class KLControlConfig:
     """The coefficient of the KL penalty in the reward."""
 
+    RANGES: ClassVar[dict[str, Range]] = {"kl_coef": at_least(0), "target_kl": above(0), "horizon": at_least(1)}
+
     type: str = "fixed"
     """fixed: kl_coef throughout; adaptive: adjusted towards target_kl over horizon steps."""
     kl_coef: float = 0.0
@@ -357,6 +406,10 @@ class KLControlConfig:
 class RolloutCorrectionConfig:
     """What the actor's update does about the gap between the rollout engine's token probabilities and the
     trainer's (see docs/rollout-correction.md; the rollout_corr/ metrics are logged either way)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "weight_cap": above(0, infinite=True, note="2 is usual"), "reject_low": at_least(0),
+        "reject_high": above(0, infinite=True)}
 
     weights: str = "none"
     """Truncated importance weights min(ratio, weight_cap) on the policy-gradient term, ratio = π_train/π_rollout:
@@ -379,6 +432,8 @@ class FilterGroupsConfig:
     """DAPO's dynamic sampling (verl's `algorithm.filter_groups`): groups whose responses all score the same carry
     no group-relative signal; they are dropped and further prompt batches generated until the batch is full."""
 
+    RANGES: ClassVar[dict[str, Range]] = {"max_num_gen_batches": at_least(0, note="0: no bound")}
+
     enable: bool = False
     """Dynamic sampling: drop the groups (a prompt's rollout.n responses) that all score alike and draw further
     prompt batches until data.batch_size groups are kept; needs rollout.n >= 2."""
@@ -395,6 +450,11 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     """Advantages and the KL penalty (rl); the preference loss and its knobs (preference)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "gamma": within(0, 1), "lam": within(0, 1), "tir_is_threshold": above(0), "beta": above(0),
+        "label_smoothing": within(0, 0.5, high_open=True), "simpo_gamma": ANY, "kto_desirable_weight": above(0),
+        "kto_undesirable_weight": above(0)}
 
     adv_estimator: str = "gae"
     """Advantage estimator, a name registered in algorithms.ADV_ESTIMATORS (gae needs the critic; the docs' Advantage
@@ -444,6 +504,8 @@ class OverlongBufferConfig:
     """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`): a penalty on the score growing
     linearly over the last `len` tokens of data.max_response_length."""
 
+    RANGES: ClassVar[dict[str, Range]] = {"len": at_least(0), "penalty_factor": at_least(0)}
+
     enable: bool = False
     """Soft overlong punishment: add to each score a penalty falling linearly from 0 to -penalty_factor over the
     last `len` tokens of data.max_response_length."""
@@ -456,6 +518,9 @@ class OverlongBufferConfig:
 @dataclass
 class RewardConfig:
     """What scores a response (rl)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "timeout_s": within(0, LONGEST_WAIT_S, note="0: no limit"), "memory_limit_mb": at_least(0, note="0: no cap")}
 
     function: str = "exact_match"
     """A registered reward function's name (the rewards page lists them; `default` picks one by each row's
@@ -475,6 +540,10 @@ class RewardConfig:
 @dataclass
 class PythonSandboxConfig:
     """The `python` tool's sandbox: the limits of the fresh interpreter each call runs in (docs/tools.md)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "cpu_seconds": at_least(1), "memory_mb": at_least(64), "file_size_mb": at_least(1), "folder_mb": at_least(1),
+        "open_files": at_least(16), "processes": at_least(1)}
 
     cpu_seconds: int = 5
     """CPU seconds of the sandboxed code (RLIMIT_CPU, >= 1): past them it is killed (the call fails, `killed`)."""
@@ -502,6 +571,10 @@ class ToolsConfig:
     """The tools a multi-turn rollout may call (the names are listed by the rollout's multi-turn settings): the
     limits every call runs under, and the python tool's sandbox (docs/tools.md)."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "timeout_s": within(0, LONGEST_WAIT_S, low_open=True, note="seconds"), "max_output_chars": at_least(1),
+        "max_argument_chars": at_least(2), "workers": at_least(1)}
+
     timeout_s: float = 10.0
     """Wall-clock limit of one tool call, in seconds (> 0): a later result is replaced by an error (`timeout`)
     and the python sandbox is killed."""
@@ -518,6 +591,13 @@ class ToolsConfig:
 @dataclass
 class TrainerConfig:
     """The run: its folder, length, checkpoints, logging and profiling."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "total_steps": at_least(1), "seed": SEED, "save_every": at_least(0, note="0: only at the end"),
+        "keep_last": at_least(0), "checkpoint_mirror_wait_s": within(0, LONGEST_WAIT_S),
+        "health_port": within(0, 65535, note="0: no endpoint"),
+        "val_every": at_least(0, note="0: validate at the end only"),
+        "log_samples_every": at_least(0, note="0: no samples"), "log_samples": at_least(1)}
 
     run_dir: str = "runs/default"
     """The run folder: config, metrics, checkpoints, final weights (see the run folder's page)."""
@@ -616,6 +696,9 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
     try:
         layers.append(override_layer(TrainConfig, list(overrides)))
         layers.append(_dotted_layer(values or {}))
+        loose = [key for layer in layers[1:] for key in loose_booleans(TrainConfig, layer)]
+        if loose:
+            raise ConfigError(f"{loose[0]}: a boolean key takes true or false")
         merged = OmegaConf.merge(*layers)
         config = OmegaConf.to_object(merged)
     except UserError as err:

@@ -198,6 +198,18 @@ def _partial_rotary_factor(raw: dict[str, Any]) -> float:
     return float(nested if nested is not None else top if top is not None else 1.0)
 
 
+def context_length(config: HFModelConfig) -> int:
+    """Tokens a sequence of this model may hold, as vLLM derives its max_model_len: max_position_embeddings,
+    times the RoPE scaling factor for linear scaling, original_max_position_embeddings times it for yarn (whose
+    max_position_embeddings some configs already extend and some do not); llama3's is already extended."""
+    scaling = config.rope_scaling
+    if scaling["rope_type"] == "linear":
+        return int(config.max_position_embeddings * scaling["factor"])
+    if scaling["rope_type"] == "yarn":
+        return int(max(config.max_position_embeddings, scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return config.max_position_embeddings
+
+
 def rope_inv_freq(config: HFModelConfig):
     """The inverse frequencies HF uses for this config (default, linear and Llama-3 scaling).
 

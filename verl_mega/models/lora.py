@@ -34,6 +34,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from verl_mega.config.ranges import out_of_range
 from verl_mega.config.schema import LORA_INITS, LORA_TARGETS, LoraConfig
 
 from .builder import unwrap_model
@@ -70,9 +71,7 @@ def lora_scale(config: LoraConfig) -> float:
 
 def config_problems(config: LoraConfig, key: str) -> list[str]:
     """What is wrong with `config` on its own (the model's shapes aside), one line per problem naming `key`."""
-    problems = []
-    if config.rank < 0:
-        problems.append(f"{key}.rank={config.rank} must be >= 1 (or 0: no adapters)")
+    problems = list(out_of_range(config, f"{key}.").values())
     unknown = [target for target in config.targets if target not in LORA_TARGETS]
     if unknown:
         problems.append(f"{key}.targets: {', '.join(map(str, unknown))} unknown; known: {', '.join(LORA_TARGETS)}")
@@ -80,10 +79,6 @@ def config_problems(config: LoraConfig, key: str) -> list[str]:
         problems.append(f"{key}.targets is empty: name at least one of {', '.join(LORA_TARGETS)}")
     if config.init not in LORA_INITS:
         problems.append(f"{key}.init '{config.init}' is unknown; known: {', '.join(LORA_INITS)}")
-    if not 0 <= config.dropout < 1:
-        problems.append(f"{key}.dropout={config.dropout} must be in [0, 1)")
-    if config.alpha is not None and not (math.isfinite(config.alpha) and config.alpha > 0):
-        problems.append(f"{key}.alpha={config.alpha} must be a positive number (or null: 2 x rank)")
     return problems
 
 

@@ -25,6 +25,7 @@ from verl_mega.data.tables import read_rows
 from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.models.builder import DTYPES, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
+from verl_mega.models.hf_config import context_length
 from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout_placement
 from verl_mega.parallel.placement import placement_for, training_data_parallel_size
@@ -37,6 +38,7 @@ from verl_mega.rollout.factory import ENGINES, engine_records_routing
 from verl_mega.run.mirror import parse_mirror_url, require_boto3
 from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
+from verl_mega.config.ranges import out_of_range
 
 from .rl import check_estimator_config
 from .rollout_schedule import PARTIAL_POLICIES, ROLLOUT_MODES
@@ -67,18 +69,24 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
 
     p, d = config.parallel, config.data
     known("job", config.job, JOBS)
-    _check_counts(config, need)
-    _check_mirror(config, check, need)
-    placement = check(lambda: placement_for(0, world_size, p.rollout_ranks, p.rollout_tp, p.tp, PARALLEL_NAMES))
+    out_of_range_keys = out_of_range(config)
+    problems += out_of_range_keys.values()
+    # The layout arithmetic runs on sizes in range only: a zero size has its own line above.
+    layout_in_range = not any(key.startswith("parallel.") for key in out_of_range_keys)
+    _check_mirror(config, check)
+    placement = check(lambda: placement_for(0, world_size, p.rollout_ranks, p.rollout_tp, p.tp, PARALLEL_NAMES)
+                      ) if layout_in_range else None
     dp = placement and check(lambda: training_data_parallel_size(placement, p.tp, p.pp, p.ep, PARALLEL_NAMES))
     _check_bridge(config, need)
     known("data.truncation", d.truncation, TRUNCATION_SIDES)
     known("model.dtype", config.model.dtype, list(DTYPES))
     known("trainer.log_format", config.trainer.log_format, LOG_FORMATS)
     _check_profiling(config, world_size, need)
-    problems += limit_problems(config.tools)
     for role in lora_roles(config):
-        problems += lora_config_problems(getattr(config, role).lora, f"{role}.lora")
+        # Its ranges are the config's, already listed: the same lines, once.
+        problems += [line for line in lora_config_problems(getattr(config, role).lora, f"{role}.lora")
+                     if line not in problems]
+        _check_lr_schedule(getattr(config, role).optim, f"{role}.optim", need)
     for role in ("actor", "critic"):
         packing = str(getattr(config, role).use_packed_sequences).lower()
         known(f"{role}.use_packed_sequences", packing, PACKING_SETTINGS)
@@ -87,16 +95,18 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
              "to auto (packs where transformer-engine runs in bf16/fp16) or false")
     if config.job in ("sft", "preference"):
         need(reward_fn is None, f"reward_fn: the {config.job} job learns from its data, not from a reward function")
-        _check_offline(config, dp, check_files, check, need, known)
+        _check_offline(config, dp, check_files, check, need, known, layout_in_range)
     else:
-        _check_ppo(config, world_size, dp, check_files, check, need, known, reward_fn)
+        _check_ppo(config, world_size, dp, check_files, check, need, known, reward_fn, layout_in_range)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
 
-def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, check, need, known, reward_fn) -> None:
+def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, check, need, known, reward_fn,
+               layout_in_range: bool) -> None:
     p, a, c, alg = config.parallel, config.actor, config.critic, config.algorithm
-    rollout_tp_fits = check(lambda: check_rollout_tp(p.tp, p.rollout_tp, PARALLEL_NAMES) or True)
+    rollout_tp_fits = layout_in_range and bool(
+        check(lambda: check_rollout_tp(p.tp, p.rollout_tp, PARALLEL_NAMES) or True))
     if dp is not None and rollout_tp_fits:
         _check_batch_sizes(config, p.rollout_ranks or world_size, dp, need)
     known("rollout.engine", config.rollout.engine, ENGINES)
@@ -115,7 +125,8 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     if alg.adv_estimator in ADV_ESTIMATORS:
         check_estimator_config(config, need)
     known("actor.loss.policy_loss", a.loss.policy_loss, POLICY_LOSSES.names())
-    _check_policy_loss_knobs(a.loss, check, need, known)
+    known("actor.loss.bypass_loss_type", a.loss.bypass_loss_type, BYPASS_LOSS_TYPES)
+    check(a.loss.knobs)
     for key, value in (("actor.loss.loss_agg_mode", a.loss.loss_agg_mode),
                        ("critic.loss.loss_agg_mode", c.loss.loss_agg_mode)):
         known(key, value, LOSS_AGG_MODES.names())
@@ -138,22 +149,16 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     else:
         check(lambda: get_reward_fn(reward_fn or config.reward.function), "reward.function: ")
         need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
-        need(config.reward.timeout_s >= 0, f"reward.timeout_s={config.reward.timeout_s} must be >= 0 (0: no limit)")
-        need(config.reward.memory_limit_mb >= 0,
-             f"reward.memory_limit_mb={config.reward.memory_limit_mb} must be >= 0 (0: no cap)")
     if check_files:
-        _check_files(config, check, need)
+        _check_files(config, check, need, layout_in_range)
 
 
 def _check_rollout_correction(correction, known, need) -> None:
     key = "algorithm.rollout_correction"
     known(f"{key}.weights", correction.weights, CORRECTION_MODES)
     known(f"{key}.reject", correction.reject, CORRECTION_MODES)
-    need(correction.weight_cap > 0, f"{key}.weight_cap={correction.weight_cap} must be > 0 (the importance "
-         "weights' cap C; 2 is usual)")
-    need(0 <= correction.reject_low < correction.reject_high,
-         f"{key}.reject_low={correction.reject_low} must be >= 0 and below {key}.reject_high="
-         f"{correction.reject_high}")
+    need(correction.reject_low < correction.reject_high,
+         f"{key}.reject_low={correction.reject_low} must be below {key}.reject_high={correction.reject_high}")
 
 
 def _check_dapo(config: TrainConfig, need, known) -> None:
@@ -164,8 +169,6 @@ def _check_dapo(config: TrainConfig, need, known) -> None:
     if groups.enable:
         need(config.rollout.n >= 2, f"algorithm.filter_groups.enable with rollout.n={config.rollout.n}: a group of "
              "one response is never dropped; set rollout.n >= 2 or disable the filter")
-        need(groups.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches must be >= 0 (0: no "
-             f"bound), got {groups.max_num_gen_batches}")
         need(bool(groups.metric), "algorithm.filter_groups.metric is empty: set it to score or a dict reward's field")
         known("algorithm.filter_groups.on_exhausted", groups.on_exhausted, EXHAUSTED_POLICIES)
         rows = config.data.batch_size * config.rollout.n
@@ -176,8 +179,6 @@ def _check_dapo(config: TrainConfig, need, known) -> None:
     if buffer.enable:
         need(1 <= buffer.len <= budget, f"reward.overlong_buffer.len={buffer.len} must be in [1, "
              f"data.max_response_length={budget}] (the penalty grows over the budget's last len tokens)")
-        need(buffer.penalty_factor >= 0, f"reward.overlong_buffer.penalty_factor must be >= 0, got "
-             f"{buffer.penalty_factor}")
 
 
 def _check_rollout_mode(config: TrainConfig, need, known) -> None:
@@ -187,8 +188,6 @@ def _check_rollout_mode(config: TrainConfig, need, known) -> None:
     r = config.rollout
     known("rollout.mode", r.mode, ROLLOUT_MODES)
     known("rollout.partial", r.partial, PARTIAL_POLICIES)
-    need(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0 (0: fresh data only), got {r.max_staleness}")
-    need(r.partial_chunk_tokens >= 1, f"rollout.partial_chunk_tokens must be >= 1, got {r.partial_chunk_tokens}")
     if r.mode != "async":
         for key in ASYNC_KNOBS:
             need(getattr(r, key) == getattr(RolloutConfig, key), f"rollout.{key}={getattr(r, key)} applies to "
@@ -223,8 +222,7 @@ def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known
     """rollout.multi_turn: its counts, its budget within data.max_response_length, its tools, and (with the model
     folder at hand) a chat template that renders tool messages in a known tool-call format."""
     mt, key = config.rollout.multi_turn, "rollout.multi_turn"
-    need(mt.max_turns >= 1, f"{key}.max_turns must be >= 1, got {mt.max_turns}")
-    need(0 <= mt.max_tokens <= config.data.max_response_length, f"{key}.max_tokens={mt.max_tokens} must be in [0, "
+    need(mt.max_tokens <= config.data.max_response_length, f"{key}.max_tokens={mt.max_tokens} must be in [0, "
          f"data.max_response_length={config.data.max_response_length}] (0: the whole response length)")
     known(f"{key}.tool_call_format", mt.tool_call_format, TOOL_CALL_FORMATS)
     need(config.actor.router_replay != "rollout", f"{key}.enable with actor.router_replay=rollout: the agent loop "
@@ -239,7 +237,7 @@ def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known
             check(lambda: check_tool_template(tokenizer, mt.tool_call_format), f"{key} with model.hf_path's tokenizer: ")
 
 
-def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, known) -> None:
+def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, known, layout_in_range: bool) -> None:
     """SFT and preference jobs: no rollout, reward or critic; the data rows are checked one by one."""
     if dp is not None:
         _check_offline_batch_sizes(config, dp, need)
@@ -250,46 +248,16 @@ def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, know
     if config.job == "preference":
         _check_preference_knobs(config, known, need)
     if check_files:
-        _check_offline_files(config, check, need)
+        _check_offline_files(config, check, need, layout_in_range)
 
 
-def _check_counts(config: TrainConfig, need) -> None:
-    """Counts, sizes and ranges: a zero or negative one would train nothing, divide by zero or hang."""
-    d, r, t, alg = config.data, config.rollout, config.trainer, config.algorithm
-    at_least_one = {"trainer.total_steps": t.total_steps, "rollout.n": r.n, "data.batch_size": d.batch_size,
-                    "data.max_prompt_length": d.max_prompt_length, "data.max_response_length": d.max_response_length,
-                    "algorithm.kl_ctrl.horizon": alg.kl_ctrl.horizon}
-    for role, section in (("actor", config.actor), ("critic", config.critic)):
-        at_least_one.update({f"{role}.{key}": getattr(section, key) for key in ("ppo_epochs", "mini_batch_size")})
-    for key, value in at_least_one.items():
-        need(value >= 1, f"{key} must be >= 1, got {value}")
-    need(t.val_every >= 0, f"trainer.val_every must be >= 0 (0: validate at the end only), got {t.val_every}")
-    need(t.log_samples_every >= 0, f"trainer.log_samples_every must be >= 0 (0: no samples), got {t.log_samples_every}")
-    need(t.log_samples >= 1, f"trainer.log_samples must be >= 1 (rows per logged step), got {t.log_samples}")
-    non_negative = {"trainer.save_every": t.save_every, "trainer.keep_last": t.keep_last,
-                    "rollout.temperature": r.temperature, "algorithm.kl_ctrl.kl_coef": alg.kl_ctrl.kl_coef,
-                    "actor.optim.lr": config.actor.optim.lr, "critic.optim.lr": config.critic.optim.lr}
-    for key, value in non_negative.items():
-        need(value >= 0, f"{key} must be >= 0, got {value}")
-    need(0 <= t.health_port <= 65535,
-         f"trainer.health_port must be a TCP port in 0..65535 (0: no endpoint), got {t.health_port}")
-    need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    need(0 < r.gpu_memory_utilization <= 1,
-         f"rollout.gpu_memory_utilization must be in (0, 1], got {r.gpu_memory_utilization}")
-    need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
-    for key in ("gamma", "lam"):
-        need(0 <= getattr(alg, key) <= 1, f"algorithm.{key} must be in [0, 1], got {getattr(alg, key)}")
-
-
-def _check_policy_loss_knobs(loss, check, need, known) -> None:
-    """The knobs' ranges, which the losses would otherwise refuse at the first micro-batch."""
-    need(loss.clip_ratio_c > 1, f"actor.loss.clip_ratio_c must be > 1 (dual-clip), got {loss.clip_ratio_c}")
-    for key in ("clip_cov_ratio", "kl_cov_ratio"):
-        need(0 < getattr(loss, key) <= 1, f"actor.loss.{key} must be in (0, 1], got {getattr(loss, key)}")
-    for key in ("tau_pos", "tau_neg"):
-        need(getattr(loss, key) > 0, f"actor.loss.{key} must be > 0, got {getattr(loss, key)}")
-    known("actor.loss.bypass_loss_type", loss.bypass_loss_type, BYPASS_LOSS_TYPES)
-    check(loss.knobs)
+def _check_lr_schedule(optim, key: str, need) -> None:
+    """What megatron's OptimizerParamScheduler asserts, as lines naming the keys."""
+    need(optim.min_lr <= optim.lr, f"{key}.min_lr={optim.min_lr} must not exceed {key}.lr={optim.lr} (the decay ends "
+         "at min_lr)")
+    need(optim.lr_decay_steps is None or optim.lr_warmup_steps < optim.lr_decay_steps,
+         f"{key}.lr_warmup_steps={optim.lr_warmup_steps} must be below {key}.lr_decay_steps={optim.lr_decay_steps} "
+         "(the decay follows the warmup), or leave lr_decay_steps null")
 
 
 def _check_profiling(config: TrainConfig, world_size: int, need) -> None:
@@ -301,20 +269,16 @@ def _check_profiling(config: TrainConfig, world_size: int, need) -> None:
     need(not ranks, f"trainer.profile_ranks {ranks}: ranks are 0..{world_size - 1} in a world of {world_size}")
 
 
-def _check_mirror(config: TrainConfig, check, need) -> None:
+def _check_mirror(config: TrainConfig, check) -> None:
     t = config.trainer
     if t.checkpoint_mirror:
         check(lambda: parse_mirror_url(t.checkpoint_mirror), "trainer.checkpoint_mirror: ")
         check(require_boto3, "trainer.checkpoint_mirror: ")
-    need(t.checkpoint_mirror_wait_s >= 0,
-         f"trainer.checkpoint_mirror_wait_s must be >= 0, got {t.checkpoint_mirror_wait_s}")
 
 
 def _check_bridge(config: TrainConfig, need) -> None:
-    """The disaggregated placement's transport: its limits, and a job that has rollout ranks to feed."""
+    """A job that has rollout ranks to feed (the transport's limits are ranges)."""
     p = config.parallel
-    need(p.bridge_timeout_s > 0, f"parallel.bridge_timeout_s={p.bridge_timeout_s} must be > 0 (seconds)")
-    need(p.weight_push_bucket_mb >= 1, f"parallel.weight_push_bucket_mb={p.weight_push_bucket_mb} must be >= 1")
     need(p.rollout_ranks == 0 or config.job == "rl",
          f"parallel.rollout_ranks={p.rollout_ranks}: the {config.job} job generates nothing; set it to 0")
 
@@ -324,7 +288,6 @@ def _check_batch_sizes(config: TrainConfig, rollout_world: int, dp: int, need) -
     d = config.data
     sequences = d.batch_size * config.rollout.n
     for role, section in (("actor", config.actor), ("critic", config.critic)):
-        need(section.micro_batch_size >= 1, f"{role}.micro_batch_size must be >= 1")
         need(section.mini_batch_size % (dp * max(section.micro_batch_size, 1)) == 0,
              f"{role}.mini_batch_size={section.mini_batch_size} must be divisible by data-parallel size {dp} x "
              f"{role}.micro_batch_size={section.micro_batch_size}")
@@ -345,22 +308,16 @@ def _check_batch_sizes(config: TrainConfig, rollout_world: int, dp: int, need) -
 def _check_offline_batch_sizes(config: TrainConfig, dp: int, need) -> None:
     """SFT / preference: `data.batch_size` and the actor's batch sizes count examples (a pair is one)."""
     d, a = config.data, config.actor
-    need(a.micro_batch_size >= 1, "actor.micro_batch_size must be >= 1")
     need(a.mini_batch_size % (dp * max(a.micro_batch_size, 1)) == 0,
          f"actor.mini_batch_size={a.mini_batch_size} must be divisible by data-parallel size {dp} x "
          f"actor.micro_batch_size={a.micro_batch_size}")
     need(d.batch_size % max(a.mini_batch_size, 1) == 0,
          f"data.batch_size={d.batch_size} must be divisible by actor.mini_batch_size={a.mini_batch_size}")
-    need(d.length_group_batches >= 1, "data.length_group_batches must be >= 1")
 
 
 def _check_preference_knobs(config: TrainConfig, known, need) -> None:
     alg = config.algorithm
     known("algorithm.loss", alg.loss, PREFERENCE_LOSSES.names())
-    need(alg.beta > 0, f"algorithm.beta must be > 0, got {alg.beta}")
-    need(0 <= alg.label_smoothing < 0.5, f"algorithm.label_smoothing must be in [0, 0.5), got {alg.label_smoothing}")
-    need(alg.kto_desirable_weight > 0 and alg.kto_undesirable_weight > 0,
-         "algorithm.kto_desirable_weight and algorithm.kto_undesirable_weight must be > 0")
     need(not alg.cache_reference_logprobs or alg.loss not in REFERENCE_FREE_LOSSES | UNPAIRED_LOSSES,
          f"algorithm.cache_reference_logprobs: algorithm.loss={alg.loss} "
          + ("needs no reference" if alg.loss in REFERENCE_FREE_LOSSES else
@@ -368,12 +325,12 @@ def _check_preference_knobs(config: TrainConfig, known, need) -> None:
          + "; unset it")
 
 
-def _check_offline_files(config: TrainConfig, check, need) -> None:
+def _check_offline_files(config: TrainConfig, check, need, layout_in_range: bool) -> None:
     """Every row of the SFT / preference files is tokenized and checked now, so a bad one (no assistant turn,
     an empty response, chosen identical to rejected, too long a prompt under truncation=error) is refused
     before start-up, naming the file and the row."""
     d = config.data
-    has_model = _check_model(config, check, need)
+    has_model = _check_model(config, check, need, layout_in_range)
     need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file or datasets folder")
     if not has_model:
         return
@@ -396,8 +353,9 @@ def _check_offline_files(config: TrainConfig, check, need) -> None:
                  f"cannot fill one batch of data.batch_size={d.batch_size}")
 
 
-def _check_model(config: TrainConfig, check, need) -> bool:
-    """The model folder, the given checkpoints, and the layout against the model; whether the folder exists."""
+def _check_model(config: TrainConfig, check, need, layout_in_range: bool) -> bool:
+    """The model folder, the given checkpoints, the sequence length and the layout against the model; whether
+    the folder exists."""
     m, p = config.model, config.parallel
     has_model = Path(m.hf_path, "config.json").is_file()
     need(has_model, f"model.hf_path: {m.hf_path}/config.json does not exist; point it at an HF model folder")
@@ -412,7 +370,12 @@ def _check_model(config: TrainConfig, check, need) -> bool:
         loaded = check(lambda: load_hf_model_config(m.hf_path, m.family_spec or None), "model.hf_path: ")
         model = loaded[0] if loaded is not None else None
         if model is not None:
-            check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+            if layout_in_range:
+                check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+            longest, context = config.data.max_prompt_length + config.data.max_response_length, context_length(model)
+            need(longest <= context, f"data.max_prompt_length + data.max_response_length = {longest} tokens exceed "
+                 f"model.hf_path's context of {context} (max_position_embeddings in its config.json, scaled as vLLM "
+                 "scales it by rope_scaling): lower them")
             _check_lora_fit(config, model, loaded[1], need)
             need(config.actor.router_replay != "rollout" or model.num_experts is not None,
                  f"actor.router_replay=rollout replays the routing of MoE layers and model.hf_path {m.hf_path} is a "
@@ -458,9 +421,9 @@ def check_actor_checkpoint(ckpt: str, model: HFModelConfig, config: TrainConfig)
 _ARCHITECTURE_FIELDS = [field.name for field in dataclasses.fields(HFModelConfig) if field.compare]
 
 
-def _check_files(config: TrainConfig, check, need) -> None:
+def _check_files(config: TrainConfig, check, need, layout_in_range: bool) -> None:
     d = config.data
-    has_model = _check_model(config, check, need)
+    has_model = _check_model(config, check, need, layout_in_range)
     need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file or datasets folder")
     prompt_files = {"data.train_files": d.train_files, "data.val_files": d.val_files}
     readable = {key: files for key, files in prompt_files.items() if files and all([

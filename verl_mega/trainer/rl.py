@@ -87,8 +87,6 @@ def check_estimator_config(config: TrainConfig, need: Callable[[bool, str], None
     """need(ok, problem) for each reason the configured advantage estimator cannot run under `config`: one line
     naming the key and the fix (the pre-flight check's)."""
     name = config.algorithm.adv_estimator
-    need(config.algorithm.tir_is_threshold > 0,
-         f"algorithm.tir_is_threshold must be > 0, got {config.algorithm.tir_is_threshold}")
     for input_name in estimator_inputs(name):
         missing, fix = ESTIMATOR_INPUT_GAPS.get(input_name, (lambda _: False, ""))
         need(not missing(config), f"algorithm.adv_estimator={name} {fix}")
