@@ -67,6 +67,7 @@ def test_missing_required_key_is_named():
     ("parallel.bridge_timeout_s=inf", 4, "parallel.bridge_timeout_s must be in (0, 1000000000] (seconds), got inf"),
     ("data.seed=-1", 4, "data.seed must be in [0, 4294967295], got -1"),
     ("actor.optim.min_lr=1", 4, "actor.optim.min_lr=1.0 must not exceed actor.optim.lr=1e-06"),  # megatron asserts
+    ("model.sha256=abc123", 4, "model.sha256='abc123' is not a sha256 (64 hexadecimal digits"),
     # The KV cache's room for the whole response was allocated at once: 51 TB here.
     ("data.max_response_length=99999999999", 4, "data.max_prompt_length + data.max_response_length = 100000000063 "
      "tokens exceed model.hf_path's context of 256"),
@@ -243,3 +244,10 @@ def test_preflight_refuses_policy_loss_knobs_out_of_range(tiny_models, prompt_fi
     with pytest.raises(ConfigError) as err:
         preflight_check(config, world_size=4)
     assert message in str(err.value)
+
+
+def test_a_wandb_project_wandb_would_refuse_is_named_before_the_run(tiny_models, prompt_file):
+    config = load_config(None, good_overrides(tiny_models, prompt_file) + ["trainer.wandb_project=my runs #1"])
+    with pytest.raises(ConfigError) as err:
+        preflight_check(config, world_size=4)
+    assert "trainer.wandb_project='my runs #1': wandb project names may not hold #" in str(err.value)

@@ -88,3 +88,20 @@ def test_the_schedule_megatron_asserts_on_is_refused_naming_both_keys():
         preflight_check(config, world_size=1, check_files=False)
     assert "critic.optim.lr_warmup_steps=5 must be below critic.optim.lr_decay_steps=5" in str(caught.value)
     assert "critic.optim.min_lr=0.001 must not exceed critic.optim.lr=1e-05" in str(caught.value)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.run_dir=   ", "trainer.run_dir"), ("model.conversion_cache= ", "model.conversion_cache"),
+    ("data.train_files=[a.jsonl, '  ']", "data.train_files"),
+])
+def test_a_string_of_blanks_is_refused_where_an_empty_one_means_off(override, key):
+    """A folder named '   ' was made and written into; '' keeps its meaning (off, or refused where required)."""
+    problems = out_of_range(load_config(None, ["model.hf_path=x", override]))
+    assert list(problems) == [key] and problems[key].endswith("is blank: leave it empty or give a value")
+    assert out_of_range(load_config(None, ["model.hf_path=x", "model.conversion_cache="])) == {}
+
+
+def test_an_empty_run_folder_is_refused_before_the_run_writes_into_the_current_folder():
+    config = load_config(None, ["model.hf_path=x", "trainer.run_dir="])
+    with pytest.raises(ConfigError, match="trainer.run_dir is empty, which would write the run into the current"):
+        preflight_check(config, world_size=1, check_files=False)

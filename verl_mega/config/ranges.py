@@ -4,7 +4,7 @@ Each schema dataclass with int or float fields declares `RANGES`, a class-level 
 `Range`, next to the fields it bounds. A float must also be finite unless its range admits infinity: a NaN
 passes every comparison a later check would make and reaches the weights, and an infinite rate or temperature
 turns a step into noise. `tests/test_config_ranges.py` fails when a number of the schema has no range, so a
-field added later cannot skip it.
+field added later cannot skip it. The same walk refuses a string (or a list's string) made of blanks only.
 """
 from __future__ import annotations
 
@@ -72,13 +72,16 @@ ANY = Range()  # any finite number (a signed coefficient, a threshold that may b
 
 def out_of_range(section: Any, prefix: str = "") -> dict[str, str]:
     """{dotted key: message} for every number of the dataclass instance `section` (and the dataclasses it holds)
-    outside the range its class declares; None (an unset optional) passes."""
+    outside the range its class declares, and every string made of blanks only (a path or name that reads as
+    set and names nothing: `trainer.run_dir='  '` made a folder of spaces); None (an unset optional) passes."""
     problems: dict[str, str] = {}
     ranges = declared_ranges(type(section))
     for field in dataclasses.fields(section):
         value, key = getattr(section, field.name), f"{prefix}{field.name}"
         if dataclasses.is_dataclass(value):
             problems.update(out_of_range(value, f"{key}."))
+        elif _blank(value) or isinstance(value, list) and any(map(_blank, value)):
+            problems[key] = f"{key}={value!r} is blank: leave it empty or give a value"
         elif field.name in ranges and value is not None and not isinstance(value, bool):
             bound = ranges[field.name]
             if not isinstance(value, (int, float)):
@@ -89,6 +92,10 @@ def out_of_range(section: Any, prefix: str = "") -> dict[str, str]:
                 finite = "finite and " if half_open and math.isinf(value) and not bound.admits(math.inf) else ""
                 problems[key] = f"{key} must be {finite}{bound.describe()}, got {value!r}"
     return problems
+
+
+def _blank(value) -> bool:
+    return isinstance(value, str) and value != "" and not value.strip()
 
 
 def declared_ranges(schema_class: type) -> dict[str, Range]:

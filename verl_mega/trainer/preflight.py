@@ -7,6 +7,8 @@ owners (registries, the rollout factory, the prompt dataset, the model builder) 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -69,11 +71,14 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
 
     p, d = config.parallel, config.data
     known("job", config.job, JOBS)
+    need(config.trainer.run_dir != "", "trainer.run_dir is empty, which would write the run into the current folder: "
+         "name the run folder")
     out_of_range_keys = out_of_range(config)
     problems += out_of_range_keys.values()
     # The layout arithmetic runs on sizes in range only: a zero size has its own line above.
     layout_in_range = not any(key.startswith("parallel.") for key in out_of_range_keys)
     _check_mirror(config, check)
+    _check_run_identity(config, need)
     placement = check(lambda: placement_for(0, world_size, p.rollout_ranks, p.rollout_tp, p.tp, PARALLEL_NAMES)
                       ) if layout_in_range else None
     dp = placement and check(lambda: training_data_parallel_size(placement, p.tp, p.pp, p.ep, PARALLEL_NAMES))
@@ -274,6 +279,22 @@ def _check_mirror(config: TrainConfig, check) -> None:
     if t.checkpoint_mirror:
         check(lambda: parse_mirror_url(t.checkpoint_mirror), "trainer.checkpoint_mirror: ")
         check(require_boto3, "trainer.checkpoint_mirror: ")
+
+
+# wandb refuses a project name holding any of these (its own message comes at the run's start, after conversion).
+WANDB_FORBIDDEN = "/\\#?%:"
+
+
+def _check_run_identity(config: TrainConfig, need) -> None:
+    """What a run is checked against or logged under, refused now rather than once the run has started."""
+    sha, project = config.model.sha256, config.trainer.wandb_project
+    need(not sha or re.fullmatch("[0-9a-fA-F]{64}", sha) is not None,
+         f"model.sha256={sha!r} is not a sha256 (64 hexadecimal digits, as RUN/provenance.json records it)")
+    if project:
+        need(importlib.util.find_spec("wandb") is not None,
+             "trainer.wandb_project is set and wandb is not installed: pip install wandb, or leave it empty")
+        bad = sorted(set(project) & set(WANDB_FORBIDDEN))
+        need(not bad, f"trainer.wandb_project={project!r}: wandb project names may not hold {' '.join(bad)}")
 
 
 def _check_bridge(config: TrainConfig, need) -> None:
