@@ -23,6 +23,7 @@ from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint, open_hf_checkpoint
 from verl_mega.models.builder import DTYPES, uses_transformer_engine
 from verl_mega.models import HFModelConfig, load_hf_model_config
+from verl_mega.models.hf_config import context_length
 from verl_mega.parallel.spawn import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.process_exit import exit_process
@@ -30,6 +31,9 @@ from verl_mega.parallel.state import destroy_parallel, init_parallel
 
 from .hf_to_mcore import check_hf_tensors
 from .parity import Parity, fp32_gemms_run_tf32, logit_parity
+
+# Tokens a parity check runs: their logits are held in fp32 on both sides (8192 x a 152k vocabulary: 5 GB each).
+LARGEST_CHECK_TOKENS = 8192
 
 
 def verify_checkpoint(hf_dir: str | Path, ckpt_dir: str | Path, **kwargs) -> Parity:
@@ -55,6 +59,12 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
     for name, size in (("--seq-len", seq_len), ("--batch", batch)):
         if type(size) is not int or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    context = context_length(load_hf_model_config(pairs[0][0], family_spec)[0])
+    if seq_len > context:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens")
+    if seq_len * batch > LARGEST_CHECK_TOKENS:  # logits of every token in fp32 on both sides
+        raise ValueError(f"--batch x --seq-len = {seq_len * batch} tokens; a parity check takes at most "
+                         f"{LARGEST_CHECK_TOKENS}")
     if in_distributed_job():
         return _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec)
     with tempfile.TemporaryDirectory() as tmp:

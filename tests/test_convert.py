@@ -1,4 +1,5 @@
 """HF <-> Megatron converters: bit-exact round trips, logit parity with transformers, refusals."""
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -267,3 +268,17 @@ def test_layout_mismatch_on_load_is_refused(tiny_models, tmp_path):
     )
     assert run.returncode != 0
     assert "was written for tp=2, pp=1, ep=1 but this job runs tp=1, pp=1, ep=1" in run.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tolerance", "nan"], "argument --tolerance: must be a finite number >= 0, got 'nan'"),  # failed every check
+    (["--tolerance", "inf"], "argument --tolerance: must be a finite number >= 0, got 'inf'"),  # passed every one
+    (["--seq-len", "99999999999"], "--seq-len 99999999999 exceeds the model's context of 256 tokens"),
+    (["--batch", "99999999999"], "a parity check takes at most 8192"),  # the ranks' allocation failed
+])
+def test_verify_refuses_sizes_and_tolerances_it_cannot_check_with(tiny_models, tmp_path, capsys, flags, message):
+    ckpt = tmp_path / "ckpt"
+    convert_hf_to_mcore(tiny_models["qwen2"], ckpt)
+    with pytest.raises(SystemExit) if flags[0] == "--tolerance" else contextlib.nullcontext():
+        assert cli(["convert", "verify", "--hf", str(tiny_models["qwen2"]), "--ckpt", str(ckpt), *flags]) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage lines come first

@@ -34,6 +34,7 @@ def test_tied_embedding_counted_once(tiny_models):
     ((4, 1, 1, 1), "num_key_value_heads=2"),
     ((1, 3, 1, 1), "num_hidden_layers=4"),
     ((1, 1, 0, 1), "--dp must be >= 1"),
+    ((1, 1, 99999999999, 1), "= 99999999999 ranks; a plan lists each rank, up to 65536"),  # still running after 300 s
 ])
 def test_impossible_layouts_refused(tiny_models, layout, reason):
     with pytest.raises(ValueError, match=reason):
@@ -56,3 +57,10 @@ def test_training_bytes_include_the_tied_output_copy(tiny_models):
     # Both stages hold the (padded) table, as embedding and as output layer; the last also the final norm.
     assert last.train_bytes - first.train_bytes == 64 * 4
     assert first.train_bytes > 384 * 64 * 4
+
+
+def test_a_lora_rank_training_would_refuse_is_refused_by_the_plan_too(tiny_models):
+    with pytest.raises(ValueError, match="^lora.rank=99999 does not fit"):
+        plan(tiny_models["llama"], 1, 1, 1, 1, lora_rank=99999, lora_targets=["linear_qkv"])
+    with pytest.raises(ValueError, match="^lora.targets: q_proj unknown"):
+        plan(tiny_models["llama"], 1, 1, 1, 1, lora_rank=2, lora_targets=["q_proj"])

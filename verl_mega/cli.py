@@ -15,6 +15,7 @@ from importlib.metadata import version
 
 from verl_mega.checkpoint.manifest import FORMATS
 from verl_mega.checkpoint.roles import ROLES
+from verl_mega.config.ranges import at_least
 from verl_mega.converters.export import export_role
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
@@ -64,7 +65,7 @@ def _add_convert(subparsers) -> None:
     to_mcore.add_argument("--overwrite", action="store_true")
     _add_keep_remote_code(to_mcore)
     to_mcore.add_argument("--verify", action="store_true", help="check logit parity against transformers after")
-    to_mcore.add_argument("--tolerance", type=float,
+    to_mcore.add_argument("--tolerance", type=tolerance,
                           help="with --verify: fail above this max |Δ logit| (default: the checkpoint dtype's rule)")
     to_mcore.add_argument("--family-spec", help=FAMILY_SPEC_HELP)
 
@@ -81,7 +82,7 @@ def _add_convert(subparsers) -> None:
     verify.add_argument("--ckpt", required=True)
     verify.add_argument("--seq-len", type=int, default=16)
     verify.add_argument("--batch", type=int, default=2)
-    verify.add_argument("--tolerance", type=float,
+    verify.add_argument("--tolerance", type=tolerance,
                         help="fail above this max |Δ logit| (default: the checkpoint dtype's rule)")
     verify.add_argument("--family-spec", help=FAMILY_SPEC_OVERRIDE_HELP)
 
@@ -132,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(subparsers)
     _add_delegated(subparsers)
     return parser
+
+
+def tolerance(text: str) -> float:
+    """--tolerance: a finite bound >= 0 on max |Δ logit| (NaN passed no comparison, so it failed every check;
+    infinity passes every one)."""
+    value = float(text)
+    if not at_least(0).admits(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def _check_parity(hf_dir: str, ckpt_dir: str, tolerance: float | None, **kwargs) -> int:

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from verl_mega.config.schema import LoraConfig
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, padded_vocab_size
 from verl_mega.models.expected_shapes import expected_hf_shapes, mcore_shard_shape
+from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
 from verl_mega.models.sharding import rank_slots
 from verl_mega.parallel.layout import (
     RankCoordinates, check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates,
@@ -70,6 +72,9 @@ class Plan:
         return "\n".join(lines)
 
 
+LARGEST_PLANNED_WORLD = 65536
+
+
 def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: int, *, ep: int = 1,
          dtype: str = "fp32", make_vocab_size_divisible_by: int = 128, family_spec: str | None = None,
          lora_rank: int = 0, lora_targets: Sequence[str] = ()) -> Plan:
@@ -83,10 +88,19 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
         raise ValueError(f"--lora-rank must be a whole number >= 0, got {lora_rank!r}")
     check_sizes({"tp": train_tp, "pp": train_pp, "ep": ep, "dp": dp, "rollout_tp": rollout_tp}, names)
     world_size = train_tp * train_pp * dp
+    if world_size > LARGEST_PLANNED_WORLD:  # every rank is planned and listed: 1e11 of them still ran after 300 s
+        raise ValueError(f"--train-tp x --train-pp x --dp = {world_size} ranks; a plan lists each rank, up to "
+                         f"{LARGEST_PLANNED_WORLD}")
     data_parallel_size(world_size, train_tp, train_pp, ep, names)
     check_rollout_tp(train_tp, rollout_tp, names)
     hf_config, family = load_hf_model_config(hf_dir, family_spec)
     check_model_fit(hf_config, train_tp, train_pp, ep, names)
+    if lora_rank:  # the refusals training makes (a rank wider than a shard, unknown targets), planned or not
+        adapters = LoraConfig(rank=lora_rank, targets=list(lora_targets))
+        problems = lora_config_problems(adapters, "lora") + lora_model_problems(adapters, "lora", hf_config, family,
+                                                                                train_tp)
+        if problems:
+            raise ValueError(problems[0])
     placements = [rollout_placement(rank, world_size, train_tp, rollout_tp) for rank in range(world_size)]
     hf_shapes = expected_hf_shapes(hf_config, family)
     padded_vocab = padded_vocab_size(hf_config.vocab_size, train_tp, make_vocab_size_divisible_by)
