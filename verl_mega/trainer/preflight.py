@@ -20,6 +20,7 @@ from verl_mega.algorithms import (
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
+from verl_mega.config.ranges import out_of_range
 from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES, RolloutConfig
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
@@ -40,7 +41,6 @@ from verl_mega.rollout.factory import ENGINES, engine_records_routing
 from verl_mega.run.mirror import parse_mirror_url, require_boto3
 from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
-from verl_mega.config.ranges import out_of_range
 
 from .rl import check_estimator_config
 from .rollout_schedule import PARTIAL_POLICIES, ROLLOUT_MODES
