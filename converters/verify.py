@@ -59,7 +59,8 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
     for name, size in (("--seq-len", seq_len), ("--batch", batch)):
         if type(size) is not int or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
-    context = context_length(load_hf_model_config(pairs[0][0], family_spec)[0])
+    # The checkpoint's own config: the HF folder may be the architecture a plugin family mirrors (check_pair).
+    context = context_length(HFModelConfig.from_dict(first.hf_config))
     if seq_len > context:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens")
     if seq_len * batch > LARGEST_CHECK_TOKENS:  # logits of every token in fp32 on both sides
