@@ -23,7 +23,7 @@ from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint, open_hf_checkpoint
 from verl_mega.models.builder import DTYPES, uses_transformer_engine
 from verl_mega.models import HFModelConfig, load_hf_model_config
-from verl_mega.models.hf_config import context_length
+from verl_mega.models.families import family_for, sequence_limit
 from verl_mega.parallel.spawn import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.process_exit import exit_process
@@ -60,9 +60,11 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
         if type(size) is not int or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
     # The checkpoint's own config: the HF folder may be the architecture a plugin family mirrors (check_pair).
-    context = context_length(HFModelConfig.from_dict(first.hf_config))
-    if seq_len > context:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens")
+    stored = HFModelConfig.from_dict(first.hf_config)
+    family = family_for(stored, family_spec or first.family_spec, recorded=family_spec is None)
+    limit, why = sequence_limit(stored, family)
+    if seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's {why}")
     if seq_len * batch > LARGEST_CHECK_TOKENS:  # logits of every token in fp32 on both sides
         raise ValueError(f"--batch x --seq-len = {seq_len * batch} tokens; a parity check takes at most "
                          f"{LARGEST_CHECK_TOKENS}")

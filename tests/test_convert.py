@@ -273,7 +273,7 @@ def test_layout_mismatch_on_load_is_refused(tiny_models, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--tolerance", "nan"], "argument --tolerance: must be a finite number >= 0, got 'nan'"),  # failed every check
     (["--tolerance", "inf"], "argument --tolerance: must be a finite number >= 0, got 'inf'"),  # passed every one
-    (["--seq-len", "99999999999"], "--seq-len 99999999999 exceeds the model's context of 256 tokens"),
+    (["--seq-len", "99999999999"], "--seq-len 99999999999 exceeds the model's context of 256 (max_position_embeddings"),
     (["--batch", "99999999999"], "a parity check takes at most 8192"),  # the ranks' allocation failed
 ])
 def test_verify_refuses_sizes_and_tolerances_it_cannot_check_with(tiny_models, tmp_path, capsys, flags, message):

@@ -10,7 +10,7 @@ import torch
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
 from verl_mega.models import HFModelConfig
-from verl_mega.models.families import gemma2
+from verl_mega.models.families import family_for, gemma2
 from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.parallel.spawn import run_torchrun
 
@@ -38,10 +38,13 @@ def test_sliding_layers_follow_transformers_layer_types():
     assert overrides["window_size"] == (2, 0) and overrides["window_attn_skip_freq"] == [1, 0, 1, 0]
 
 
-def test_unsupported_activation_is_refused():
-    cfg = HFModelConfig.from_dict({**BASE, "hidden_activation": "relu"})
-    with pytest.raises(ValueError, match="hidden_activation 'relu' is not supported"):
-        gemma2.transformer_overrides(cfg)
+def test_unsupported_activation_bidirectional_attention_and_a_broken_window_are_refused():
+    for extra, message in (({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported for gemma2"),
+                           ({"use_bidirectional_attention": True}, "'use_bidirectional_attention' must be false"),
+                           ({"sliding_window": "5"}, "needs 'sliding_window' as a positive integer")):
+        with pytest.raises(ValueError, match=message):
+            family_for(HFModelConfig.from_dict({**BASE, **extra}))
+    assert family_for(HFModelConfig.from_dict({**BASE, "hidden_act": "gelu_pytorch_tanh"})) is gemma2.SPEC
 
 
 @pytest.mark.parametrize("name, wrong, implied", [

@@ -73,6 +73,10 @@ CONFIG_CASES = [
     ("untied-qwen2-without-lm-head", "qwen2", _set(tie_word_embeddings=False), ("lm_head.weight", "missing")),
     ("tied-llama-with-its-own-lm-head", "llama", _set(tie_word_embeddings=True), ("lm_head.weight", "differs")),
     ("phi3-heads-vs-fused-qkv", "phi3", _set(num_key_value_heads=4), ("qkv_proj",)),
+    # Keys that change the math and were read by nobody: megatron ran SiLU (parity: 30 % of the logits' RMS off).
+    ("hidden-act-gelu", "llama", _set(hidden_act="gelu"), ("hidden_act 'gelu' is not supported for llama",)),
+    ("phi3-window-string", "phi3", _set(sliding_window="2047"), ("sliding_window", "positive integer or null")),
+    ("qwen2-window-zero", "qwen2", _set(use_sliding_window=True, sliding_window=0, layer_types=None), ("sliding_window",)),
 ]
 
 

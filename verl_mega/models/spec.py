@@ -260,6 +260,12 @@ class FamilySpec:
     conditions: Callable[[HFModelConfig], dict[str, bool]] | None = None
     # Refuses, with a one-line ValueError, a config the family's megatron mapping cannot reproduce.
     check_config: Callable[[HFModelConfig], None] | None = None
+    # transformers' activation names (`hidden_act`; Gemma's `hidden_activation`) the mapping runs; the first is the
+    # one transformers assumes when config.json names none.
+    activations: tuple[str, ...] = ("silu",)
+    # The sliding window transformers (and vLLM) apply to a config's layers where the megatron model here attends in
+    # full: sequences must stay within it. None: the family has no such window (or, like Gemma-2, models it).
+    unmodelled_window: Callable[[HFModelConfig], int | None] | None = None
 
     def has_qkv_bias(self, hf_config: HFModelConfig) -> bool:
         return self.qkv_bias or hf_config.attention_bias
@@ -347,7 +353,8 @@ def _mixtral_moe_rules() -> tuple[TensorRule, ...]:
 
 
 def dense_family(name: str, model_types: tuple[str, ...], hf_architecture: str, *, qkv_bias: bool = False,
-                 qk_norm: bool = False, fused: bool = False) -> FamilySpec:
+                 qk_norm: bool = False, fused: bool = False,
+                 window: Callable[[HFModelConfig], int | None] | None = None) -> FamilySpec:
     return FamilySpec(
         name=name,
         model_types=model_types,
@@ -355,17 +362,40 @@ def dense_family(name: str, model_types: tuple[str, ...], hf_architecture: str, 
         rules=_embedding_rules() + _attention_rules(fused_qkv=fused, qk_norm=qk_norm) + _dense_mlp_rules(fused),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
+        unmodelled_window=window,
     )
 
 
-def moe_family(name: str, model_types: tuple[str, ...], hf_architecture: str) -> FamilySpec:
+def moe_family(name: str, model_types: tuple[str, ...], hf_architecture: str,
+               window: Callable[[HFModelConfig], int | None] | None = None) -> FamilySpec:
     return FamilySpec(
         name=name,
         model_types=model_types,
         hf_architecture=hf_architecture,
         rules=_embedding_rules() + _attention_rules() + _mixtral_moe_rules(),
         moe=True,
+        unmodelled_window=window,
     )
+
+
+def sliding_window(*, switch: str | None = None, per_layer: bool = False,
+                   default: int | None = None) -> Callable[[HFModelConfig], int | None]:
+    """How transformers reads a family's sliding window from config.json: none while `switch` (Qwen's
+    `use_sliding_window`) is not true; for `per_layer` families none when `layer_types` names no sliding layer (a
+    config without the key, from transformers 4.x, is taken to slide somewhere); else `sliding_window`, `default`
+    where the key is absent (Mistral's 4096) and none where it is null."""
+    def window(hf_config: HFModelConfig) -> int | None:
+        raw = hf_config.raw
+        if switch is not None and raw.get(switch) is not True:
+            return None
+        layer_types = raw.get("layer_types")
+        if per_layer and isinstance(layer_types, list) and "sliding_attention" not in layer_types:
+            return None
+        value = raw.get("sliding_window", default)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"config.json: 'sliding_window' must be a positive integer or null, got {value!r}")
+        return value
+    return window
 
 
 def config_size(hf_config: HFModelConfig, key: str) -> int:

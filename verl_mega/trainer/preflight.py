@@ -26,9 +26,9 @@ from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
 from verl_mega.models import HFModelConfig, load_hf_model_config
+from verl_mega.models.families import sequence_limit
 from verl_mega.models.builder import DTYPES, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
-from verl_mega.models.hf_config import context_length
 from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout_placement
 from verl_mega.parallel.placement import placement_for, training_data_parallel_size
@@ -393,10 +393,10 @@ def _check_model(config: TrainConfig, check, need, layout_in_range: bool) -> boo
         if model is not None:
             if layout_in_range:
                 check(lambda: check_model_fit(model, p.tp, p.pp, p.ep, PARALLEL_NAMES))
-            longest, context = config.data.max_prompt_length + config.data.max_response_length, context_length(model)
-            need(longest <= context, f"data.max_prompt_length + data.max_response_length = {longest} tokens exceed "
-                 f"model.hf_path's context of {context} (max_position_embeddings in its config.json, scaled as vLLM "
-                 "scales it by rope_scaling): lower them")
+            longest, (limit, why) = config.data.max_prompt_length + config.data.max_response_length, \
+                sequence_limit(*loaded)
+            need(longest <= limit, f"data.max_prompt_length + data.max_response_length = {longest} tokens exceed "
+                 f"model.hf_path's {why}: lower them")
             _check_lora_fit(config, model, loaded[1], need)
             need(config.actor.router_replay != "rollout" or model.num_experts is not None,
                  f"actor.router_replay=rollout replays the routing of MoE layers and model.hf_path {m.hf_path} is a "

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..external_families import HOW_TO_DECLARE, import_family_spec, plugin_family, recorded_family_spec
-from ..hf_config import HFModelConfig, check_decoder_only
+from ..hf_config import HFModelConfig, check_decoder_only, context_length
 from ..spec import FamilySpec
 from . import deepseek_v3, gemma2, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 
@@ -43,9 +43,33 @@ def family_for(config: HFModelConfig | dict, family_spec: str | None = None,
     if config.rope_scaling["rope_type"] == "yarn" and not spec.mla:
         raise ValueError(f"rope type 'yarn' is not supported for {spec.name}, only for the "
                          "multi-latent attention families (deepseek_v3)")
+    _check_activation(raw, spec)
+    if spec.unmodelled_window is not None:
+        spec.unmodelled_window(config)  # a window that is not a positive integer or null is refused here
     if spec.check_config is not None:
         spec.check_config(config)
     return spec
+
+
+def _check_activation(raw: dict, spec: FamilySpec) -> None:
+    """The MLP's activation: megatron would run the family's own whatever config.json names."""
+    key = next((key for key in ("hidden_activation", "hidden_act") if raw.get(key) is not None), None)
+    if key is not None and raw[key] not in spec.activations:
+        raise ValueError(f"config.json: {key} {raw[key]!r} is not supported for {spec.name} (supported: "
+                         f"{', '.join(spec.activations)})")
+
+
+def sequence_limit(config: HFModelConfig, family: FamilySpec) -> tuple[int, str]:
+    """The most tokens a sequence of this model may hold here, and what in config.json sets it: its context as vLLM
+    derives it, or a sliding window narrower than that which transformers and vLLM apply and megatron here does
+    not (past it the two would score different models)."""
+    context = context_length(config)
+    window = family.unmodelled_window(config) if family.unmodelled_window is not None else None
+    if window is not None and window < context:
+        return window, (f"sliding window of {window} (sliding_window in its config.json: transformers and vLLM attend "
+                        f"over that many keys, this project's {family.name} model attends in full)")
+    return context, (f"context of {context} (max_position_embeddings in its config.json, scaled as vLLM scales it by "
+                     "rope_scaling)")
 
 
 def load_hf_model_config(hf_dir, family_spec: str | None = None) -> tuple[HFModelConfig, FamilySpec]:

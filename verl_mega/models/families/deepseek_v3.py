@@ -143,8 +143,6 @@ def check_config(hf_config: HFModelConfig) -> None:
         _refuse("attention_bias", "must be false: megatron's MLA projections have no bias")
     if raw.get("scoring_func", "sigmoid") != "sigmoid":
         _refuse("scoring_func", f"is {raw['scoring_func']!r}; only 'sigmoid' (DeepSeek-V3's) is supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        _refuse("hidden_act", f"is {raw['hidden_act']!r}; only 'silu' is supported")
     top_k = hf_config.moe_top_k
     if type(top_k) is not int or top_k < 2 or raw.get("norm_topk_prob") is not True:
         _refuse("norm_topk_prob", "must be true with num_experts_per_tok >= 2: megatron's sigmoid router always "

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..gemma2_layers import cap_final_logits, gemma2_block_spec, scale_embeddings
 from ..hf_config import HFModelConfig
-from ..spec import FamilySpec, gemma2_rules
+from ..spec import FamilySpec, config_size, gemma2_rules
 
 
 def sliding_layers(hf_config: HFModelConfig) -> list[bool]:
@@ -17,11 +17,16 @@ def sliding_layers(hf_config: HFModelConfig) -> list[bool]:
     return [kind == "sliding_attention" for kind in layer_types]
 
 
+def check_config(hf_config: HFModelConfig) -> None:
+    """Gemma-2's keys the mapping reads beyond the common ones, refused up front where it cannot run them."""
+    if hf_config.raw.get("use_bidirectional_attention"):
+        raise ValueError("config.json: gemma2 'use_bidirectional_attention' must be false: the decoder here is causal")
+    if any(sliding_layers(hf_config)):
+        config_size(hf_config, "sliding_window")
+
+
 def transformer_overrides(hf_config: HFModelConfig) -> dict:
     raw = hf_config.raw
-    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
-    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"gemma2 config: hidden_activation '{activation}' is not supported (gelu_pytorch_tanh is)")
     sliding = sliding_layers(hf_config)
     return dict(
         activation_func=functools.partial(F.gelu, approximate="tanh"),
@@ -52,4 +57,6 @@ SPEC = FamilySpec(
     transformer_overrides=transformer_overrides,
     block_spec=block_spec,
     finish_model=finish_model,
+    check_config=check_config,
+    activations=("gelu_pytorch_tanh", "gelu_tanh"),  # the tanh GELU that `transformer_overrides` runs
 )

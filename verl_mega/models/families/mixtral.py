@@ -1,4 +1,5 @@
-"""Mixtral: sparse MoE; router `gate`, experts w1 (gate), w3 (up), w2 (down)."""
-from ..spec import moe_family
+"""Mixtral: sparse MoE; router `gate`, experts w1 (gate), w3 (up), w2 (down); every layer slides over
+`sliding_window` keys where it is set."""
+from ..spec import moe_family, sliding_window
 
-SPEC = moe_family("mixtral", ("mixtral",), "MixtralForCausalLM")
+SPEC = moe_family("mixtral", ("mixtral",), "MixtralForCausalLM", window=sliding_window())

@@ -1,7 +1,7 @@
 """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): routed experts beside a shared expert with a sigmoid gate;
 dense layers where `mlp_only_layers` or `decoder_sparse_step` say so; always q/k/v biases."""
 from ..hf_config import HFModelConfig
-from ..spec import FamilySpec, config_size, qwen2_moe_rules, qwen_expert_stacks
+from ..spec import FamilySpec, config_size, qwen2_moe_rules, qwen_expert_stacks, sliding_window
 
 
 def moe_layers(hf_config: HFModelConfig) -> list[bool]:
@@ -39,4 +39,5 @@ SPEC = FamilySpec(
     moe_layers=moe_layers,
     transformer_overrides=transformer_overrides,
     expert_stacks=qwen_expert_stacks(),
+    unmodelled_window=sliding_window(switch="use_sliding_window", per_layer=True, default=4096),
 )

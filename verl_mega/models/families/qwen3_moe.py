@@ -3,7 +3,7 @@ head_dim apart from hidden/heads) with routed experts only (no shared expert), a
 weights renormalised where `norm_topk_prob` says so, and dense layers where `mlp_only_layers` or
 `decoder_sparse_step` say so. Checkpoints name the experts one by one (transformers 4.x and 5.x's
 `save_pretrained`) or stacked per layer (transformers 5's in-memory spelling); both are read."""
-from ..spec import FamilySpec, qwen3_moe_rules, qwen_expert_stacks
+from ..spec import FamilySpec, qwen3_moe_rules, qwen_expert_stacks, sliding_window
 from .qwen2_moe import moe_layers, routed_expert_overrides
 
 
@@ -17,4 +17,5 @@ SPEC = FamilySpec(
     moe_layers=moe_layers,
     transformer_overrides=routed_expert_overrides,  # no shared expert
     expert_stacks=qwen_expert_stacks(),
+    unmodelled_window=sliding_window(switch="use_sliding_window", default=4096),  # on every layer
 )
