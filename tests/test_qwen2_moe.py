@@ -8,7 +8,7 @@ from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
 from verl_mega.converters.verify import verify_checkpoints
 from verl_mega.models import HFModelConfig
-from verl_mega.models.families import qwen2_moe
+from verl_mega.models.families import load_hf_model_config, qwen2_moe
 from verl_mega.models.tiny import make_tiny_hf_model
 
 from .faults.convert_tools import assert_wrong_shape_refused, edit_json
@@ -44,6 +44,26 @@ def test_norm_topk_prob_selects_megatron_routing():
         overrides = qwen2_moe.transformer_overrides(HFModelConfig.from_dict({**base, "norm_topk_prob": norm_topk_prob}))
         assert overrides["moe_router_pre_softmax"] is not norm_topk_prob
         assert overrides["moe_shared_expert_gate"] is True
+
+
+@pytest.mark.parametrize("family, extra", [("qwen2_moe", dict(norm_topk_prob=True)), ("qwen3_moe", {}),
+                                           ("mixtral", {})])
+def test_renormalised_top_1_is_refused_and_plain_top_1_runs(tmp_path, family, extra):
+    # Renormalised, transformers weighs the one expert by 1; megatron runs top-1 only from the softmax over all.
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", family, num_experts_per_tok=1, **extra)
+    with pytest.raises(ValueError, match="num_experts_per_tok=1 with renormalised top-k weights is not supported"):
+        load_hf_model_config(hf_dir)
+    edit_json(hf_dir / "config.json", lambda config: config.update(norm_topk_prob=False))
+    if family != "mixtral":  # Mixtral always renormalises
+        load_hf_model_config(hf_dir)  # megatron's pre-softmax top-1: parity below
+
+
+@pytest.mark.slow
+def test_top_1_routing_without_renormalising_has_parity(tmp_path):
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen2_moe", num_experts_per_tok=1, norm_topk_prob=False)
+    convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", pp=2)
+    [parity] = verify_checkpoints([(hf_dir, tmp_path / "ckpt")])
+    assert parity.passed, parity.describe()
 
 
 @pytest.mark.slow

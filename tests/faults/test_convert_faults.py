@@ -75,6 +75,8 @@ CONFIG_CASES = [
     ("phi3-heads-vs-fused-qkv", "phi3", _set(num_key_value_heads=4), ("qkv_proj",)),
     # Keys that change the math and were read by nobody: megatron ran SiLU (parity: 30 % of the logits' RMS off).
     ("hidden-act-gelu", "llama", _set(hidden_act="gelu"), ("hidden_act 'gelu' is not supported for llama",)),
+    # transformers biases o_proj too, which megatron cannot take alone; before, the bias tensors were "not part of" it.
+    ("attention-bias-on-llama", "llama", _set(attention_bias=True), ("llama 'attention_bias' must be false", "o_proj")),
     ("phi3-window-string", "phi3", _set(sliding_window="2047"), ("sliding_window", "positive integer or null")),
     ("qwen2-window-zero", "qwen2", _set(use_sliding_window=True, sliding_window=0, layer_types=None), ("sliding_window",)),
 ]

@@ -38,7 +38,7 @@ def architecture(hf_config: HFModelConfig, family: FamilySpec) -> dict:
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=family.has_qkv_bias(hf_config),
+        add_qkv_bias=family.qkv_bias,
         qk_layernorm=family.qk_norm,
     )
     if family.moe:

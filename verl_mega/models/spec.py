@@ -238,7 +238,7 @@ class FamilySpec:
     model_types: tuple[str, ...]
     hf_architecture: str
     rules: tuple[TensorRule, ...]
-    qkv_bias: bool = False  # always (Qwen2); otherwise from config `attention_bias`
+    qkv_bias: bool = False  # always (Qwen2); `attention_bias` elsewhere also biases o_proj, which is refused
     qk_norm: bool = False
     moe: bool = False
     # Which layers are MoE when the family mixes dense and MoE layers; None: all of them when `moe`.
@@ -267,9 +267,6 @@ class FamilySpec:
     # full: sequences must stay within it. None: the family has no such window (or, like Gemma-2, models it).
     unmodelled_window: Callable[[HFModelConfig], int | None] | None = None
 
-    def has_qkv_bias(self, hf_config: HFModelConfig) -> bool:
-        return self.qkv_bias or hf_config.attention_bias
-
     def moe_layer_pattern(self, hf_config: HFModelConfig) -> list[bool]:
         if self.moe_layers is not None:
             return self.moe_layers(hf_config)
@@ -284,7 +281,7 @@ class FamilySpec:
                      head_rules: Sequence[TensorRule] | None = None) -> list[TensorRule]:
         """The rules of the tensors `hf_config` has; `head_rules` replace the LM head (None: keep it). Rules conditioned
         on a layer's kind are kept (see `rule_in_layer`)."""
-        conditions = {"qkv_bias": self.has_qkv_bias(hf_config), "untied": not hf_config.tie_word_embeddings,
+        conditions = {"qkv_bias": self.qkv_bias, "untied": not hf_config.tie_word_embeddings,
                       **(self.conditions(hf_config) if self.conditions is not None else {})}
         rules = [r for r in self.rules if r.when is None or r.when in LAYER_CONDITIONS or conditions[r.when]]
         if head_rules is None:
@@ -367,7 +364,8 @@ def dense_family(name: str, model_types: tuple[str, ...], hf_architecture: str, 
 
 
 def moe_family(name: str, model_types: tuple[str, ...], hf_architecture: str,
-               window: Callable[[HFModelConfig], int | None] | None = None) -> FamilySpec:
+               window: Callable[[HFModelConfig], int | None] | None = None,
+               check_config: Callable[[HFModelConfig], None] | None = None) -> FamilySpec:
     return FamilySpec(
         name=name,
         model_types=model_types,
@@ -375,6 +373,7 @@ def moe_family(name: str, model_types: tuple[str, ...], hf_architecture: str,
         rules=_embedding_rules() + _attention_rules() + _mixtral_moe_rules(),
         moe=True,
         unmodelled_window=window,
+        check_config=check_config,
     )
 
 
@@ -396,6 +395,15 @@ def sliding_window(*, switch: str | None = None, per_layer: bool = False,
             raise ValueError(f"config.json: 'sliding_window' must be a positive integer or null, got {value!r}")
         return value
     return window
+
+
+def refuse_renormalised_top1(hf_config: HFModelConfig) -> None:
+    """transformers renormalises the top-k weights, so one expert gets weight 1; megatron runs top-1 only from a
+    softmax over all experts, which weighs it by its probability."""
+    if hf_config.moe_top_k == 1:
+        raise ValueError(f"config.json: {hf_config.model_type} num_experts_per_tok=1 with renormalised top-k weights "
+                         "is not supported: transformers weighs the one expert by 1, megatron's top-1 router by its "
+                         "softmax probability")
 
 
 def config_size(hf_config: HFModelConfig, key: str) -> int:

@@ -44,6 +44,10 @@ def family_for(config: HFModelConfig | dict, family_spec: str | None = None,
         raise ValueError(f"rope type 'yarn' is not supported for {spec.name}, only for the "
                          "multi-latent attention families (deepseek_v3)")
     _check_activation(raw, spec)
+    if config.attention_bias and not spec.qkv_bias:  # Qwen2's q/k/v biases are its own; transformers reads no key
+        raise ValueError(f"config.json: {spec.name} 'attention_bias' must be false: in transformers it biases o_proj "
+                         "as well as q/k/v, and megatron's attention output projection takes a bias only with the "
+                         "MLP's")
     if spec.unmodelled_window is not None:
         spec.unmodelled_window(config)  # a window that is not a positive integer or null is refused here
     if spec.check_config is not None:

@@ -139,8 +139,6 @@ def check_config(hf_config: HFModelConfig) -> None:
     if hf_config.num_kv_heads != hf_config.num_heads:
         _refuse("num_key_value_heads", f"={hf_config.num_kv_heads} must equal num_attention_heads={hf_config.num_heads} "
                 "(multi-latent attention expands keys and values for every head)")
-    if hf_config.attention_bias:
-        _refuse("attention_bias", "must be false: megatron's MLA projections have no bias")
     if raw.get("scoring_func", "sigmoid") != "sigmoid":
         _refuse("scoring_func", f"is {raw['scoring_func']!r}; only 'sigmoid' (DeepSeek-V3's) is supported")
     top_k = hf_config.moe_top_k

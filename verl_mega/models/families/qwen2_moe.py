@@ -1,7 +1,8 @@
 """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): routed experts beside a shared expert with a sigmoid gate;
 dense layers where `mlp_only_layers` or `decoder_sparse_step` say so; always q/k/v biases."""
 from ..hf_config import HFModelConfig
-from ..spec import FamilySpec, config_size, qwen2_moe_rules, qwen_expert_stacks, sliding_window
+from ..spec import (FamilySpec, config_size, qwen2_moe_rules, qwen_expert_stacks, refuse_renormalised_top1,
+                    sliding_window)
 
 
 def moe_layers(hf_config: HFModelConfig) -> list[bool]:
@@ -21,6 +22,12 @@ def routed_expert_overrides(hf_config: HFModelConfig) -> dict:
     )
 
 
+def check_config(hf_config: HFModelConfig) -> None:
+    """Qwen2-MoE's and Qwen3-MoE's: top-1 routing runs where transformers does not renormalise it."""
+    if hf_config.raw.get("norm_topk_prob", False):
+        refuse_renormalised_top1(hf_config)
+
+
 def transformer_overrides(hf_config: HFModelConfig) -> dict:
     return dict(
         routed_expert_overrides(hf_config),
@@ -38,6 +45,7 @@ SPEC = FamilySpec(
     moe=True,
     moe_layers=moe_layers,
     transformer_overrides=transformer_overrides,
+    check_config=check_config,
     expert_stacks=qwen_expert_stacks(),
     unmodelled_window=sliding_window(switch="use_sliding_window", per_layer=True, default=4096),
 )

@@ -4,7 +4,7 @@ weights renormalised where `norm_topk_prob` says so, and dense layers where `mlp
 `decoder_sparse_step` say so. Checkpoints name the experts one by one (transformers 4.x and 5.x's
 `save_pretrained`) or stacked per layer (transformers 5's in-memory spelling); both are read."""
 from ..spec import FamilySpec, qwen3_moe_rules, qwen_expert_stacks, sliding_window
-from .qwen2_moe import moe_layers, routed_expert_overrides
+from .qwen2_moe import check_config, moe_layers, routed_expert_overrides
 
 
 SPEC = FamilySpec(
@@ -16,6 +16,7 @@ SPEC = FamilySpec(
     moe=True,
     moe_layers=moe_layers,
     transformer_overrides=routed_expert_overrides,  # no shared expert
+    check_config=check_config,
     expert_stacks=qwen_expert_stacks(),
     unmodelled_window=sliding_window(switch="use_sliding_window", default=4096),  # on every layer
 )
