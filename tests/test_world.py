@@ -71,6 +71,26 @@ def test_without_a_launcher_a_single_process_on_this_machine():
         sock.bind(("127.0.0.1", world.master_port))
 
 
+def test_free_ports_lie_below_the_ephemeral_range_whatever_random_is_seeded_with(monkeypatch, tmp_path):
+    import random
+
+    from verl_mega.parallel import spawn
+
+    low = spawn._ephemeral_low()
+    random.seed(0)
+    first = spawn.free_port()
+    random.seed(0)  # two seeded jobs side by side drew the same port from `random`
+    ports = {first} | {spawn.free_port() for _ in range(7)}
+    assert len(ports) > 1
+    if low > spawn.LOWEST_PICKED_PORT:  # any outgoing connection may take a port of the kernel's range meanwhile
+        assert all(spawn.LOWEST_PICKED_PORT <= port < low for port in ports), (ports, low)
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text("1024\t60999\n")  # no room below the range: the kernel's choice, still free now
+    monkeypatch.setattr(spawn, "_EPHEMERAL_RANGE", range_file)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", spawn.free_port()))
+
+
 @pytest.mark.parametrize("env, words", [
     ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
     ({"WORLD_SIZE": "2", "RANK": "2"}, "rank 2 is outside a world of 2"),

@@ -2,15 +2,47 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
+from pathlib import Path
+
+# The lowest port `free_port` picks: above the registered services most machines run.
+LOWEST_PICKED_PORT = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now on 127.0.0.1, for a rendezvous bound a moment later. Picked below the kernel's ephemeral range
+    where there is room: a port the kernel hands out may be taken meanwhile by any outgoing connection (gloo opens
+    many), which failed a CI run with EADDRINUSE. Drawn from the OS's randomness, not `random`'s state, which a
+    seeded job shares with its neighbours."""
+    draw, low = random.SystemRandom(), _ephemeral_low()
+    for _ in range(64 if low > LOWEST_PICKED_PORT else 0):
+        port = draw.randrange(LOWEST_PICKED_PORT, low)
+        if _bindable(port):
+            return port
+    with socket.socket() as sock:  # no room below the range (or no Linux range to read): the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range; LOWEST_PICKED_PORT where it cannot be read."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LOWEST_PICKED_PORT
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def in_distributed_job() -> bool:
