@@ -38,8 +38,8 @@ def test_moe_layers_are_the_ones_transformers_builds(sparsity, expected):
 
 
 def test_norm_topk_prob_selects_megatron_routing():
-    base = dict(model_type="qwen2_moe", hidden_size=16, num_attention_heads=2, num_hidden_layers=2, vocab_size=32,
-                intermediate_size=32, moe_intermediate_size=8, shared_expert_intermediate_size=16, num_experts=2)
+    base = dict(model_type="qwen2_moe", hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                num_hidden_layers=2, vocab_size=32, intermediate_size=32, moe_intermediate_size=8, shared_expert_intermediate_size=16, num_experts=2)
     for norm_topk_prob in (False, True):
         overrides = qwen2_moe.transformer_overrides(HFModelConfig.from_dict({**base, "norm_topk_prob": norm_topk_prob}))
         assert overrides["moe_router_pre_softmax"] is not norm_topk_prob
@@ -98,10 +98,9 @@ def test_shared_expert_and_experts_are_checked_against_config(tmp_path, name, wr
     assert_wrong_shape_refused(make_tiny_hf_model(tmp_path / "hf", "qwen2_moe"), tmp_path / "ckpt", name, wrong, implied)
 
 
-def test_missing_moe_size_is_a_config_error(tmp_path):
-    hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen2_moe")
-    edit_json(hf_dir / "config.json", lambda config: {key: value for key, value in config.items()
-                                                      if key != "shared_expert_intermediate_size"})
+def test_a_null_moe_size_is_a_config_error(tmp_path):
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen2_moe")  # (left out, it reads as transformers' 5632)
+    edit_json(hf_dir / "config.json", lambda config: config.update(shared_expert_intermediate_size=None))
     with pytest.raises(ValueError) as err:
         convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
     assert str(err.value) == (f"{hf_dir / 'config.json'}: model_type 'qwen2_moe' needs "

@@ -181,11 +181,15 @@ def test_bad_sparsity_keys_are_config_errors(tmp_path, key, value, message):
     assert str(err.value) == f"{hf_dir / 'config.json'}: {message}"
 
 
-def test_missing_moe_size_is_a_config_error(tmp_path):
+def test_a_moe_size_left_out_reads_as_transformers_reads_it_and_a_null_one_is_a_config_error(tmp_path):
     hf_dir = make_tiny_hf_model(tmp_path / "hf", "qwen3_moe", tokenizer=False)
     raw = json.loads((hf_dir / "config.json").read_text())
-    del raw["moe_intermediate_size"]
+    del raw["moe_intermediate_size"]  # transformers' Qwen3MoeConfig then has 768, which the tensors are not
     (hf_dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"experts.0.gate_proj.weight' has shape \[32, 64\], config.json implies "
+                                         r"\[768, 64\]"):
+        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
+    (hf_dir / "config.json").write_text(json.dumps({**raw, "moe_intermediate_size": None}))
     with pytest.raises(ValueError) as err:
         convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
     assert str(err.value) == (f"{hf_dir / 'config.json'}: model_type 'qwen3_moe' needs 'moe_intermediate_size' as a "

@@ -2,9 +2,15 @@
 
 5.x writes `rope_parameters` (theta, type, scaling fields); 4.x wrote top-level `rope_theta` and
 `rope_scaling`. Checkpoints in the wild carry both forms, so every reader goes through `HFModelConfig`.
+A key config.json leaves out reads as transformers' own config class has it (`transformers_defaults`): 4.x's
+`save_pretrained` left out values equal to its base class's, so Gemma-2's checkpoints carry no
+`tie_word_embeddings` and tie all the same.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -43,6 +49,7 @@ class HFModelConfig:
         model_type = raw.get("model_type")
         if not model_type or not isinstance(model_type, str):
             raise ValueError("config.json has no 'model_type' string")
+        raw = _with_transformers_defaults(raw, model_type)
         text = raw.get("text_config")
         if isinstance(text, dict) and "num_hidden_layers" not in raw:
             raise ValueError(
@@ -90,6 +97,55 @@ class HFModelConfig:
             return json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from None
+
+
+# Keys transformers' defaults never fill: sizes a config.json must give, token ids, and RoPE's, which has two
+# spellings a default must not disagree with (`_with_transformers_defaults` fills its theta alone).
+_NOT_DEFAULTED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "pad_token_id",
+                  "bos_token_id", "eos_token_id"}
+
+
+def _with_transformers_defaults(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    defaults, theta, aliases = transformers_defaults(model_type)
+    given = set(raw) | {aliases[key] for key in raw if key in aliases}  # DeepSeek's num_local_experts, ...
+    filled = {**{key: value for key, value in defaults.items() if key not in given}, **raw}
+    params = raw.get("rope_parameters")
+    if theta is not None and "rope_theta" not in raw and not (isinstance(params, dict) and "rope_theta" in params):
+        filled["rope_theta"] = theta
+    return filled
+
+
+@functools.cache
+def transformers_defaults(model_type: str) -> tuple[dict[str, Any], float | None, dict[str, str]]:
+    """What transformers' config class for `model_type` gives the keys a config.json may leave out: its own declared
+    scalar defaults (not its base class's; None ones are derived from other keys after reading), RoPE's theta, and
+    the other names its keys answer to. Nothing for a model type transformers does not know (a plugin family's)."""
+    try:
+        from transformers import CONFIG_MAPPING, PretrainedConfig
+
+        config_class = CONFIG_MAPPING[model_type]
+    except (ImportError, KeyError):
+        return {}, None, {}
+    base = _declared_defaults(PretrainedConfig)
+    defaults = {key: value for key, value in _declared_defaults(config_class).items()
+                if key not in base and key not in _NOT_DEFAULTED and isinstance(value, (bool, int, float, str))}
+    return defaults, _default_theta(config_class), dict(getattr(config_class, "attribute_map", {}))
+
+
+def _declared_defaults(config_class) -> dict[str, Any]:
+    """A config class's defaults: its dataclass fields (transformers 5), else its __init__'s keywords (4.x)."""
+    if dataclasses.is_dataclass(config_class):
+        return {f.name: f.default for f in dataclasses.fields(config_class) if f.default is not dataclasses.MISSING}
+    return {name: p.default for name, p in inspect.signature(config_class.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def _default_theta(config_class) -> float | None:
+    config = config_class()
+    params = getattr(config, "rope_parameters", None)
+    theta = params.get("rope_theta") if isinstance(params, dict) else getattr(config, "rope_theta", None)
+    return float(theta) if type(theta) in (int, float) else None
 
 
 # Sizes every reader divides or allocates by; a string, a bool, zero or a negative number is a broken config.

@@ -377,12 +377,11 @@ def moe_family(name: str, model_types: tuple[str, ...], hf_architecture: str,
     )
 
 
-def sliding_window(*, switch: str | None = None, per_layer: bool = False,
-                   default: int | None = None) -> Callable[[HFModelConfig], int | None]:
+def sliding_window(*, switch: str | None = None, per_layer: bool = False) -> Callable[[HFModelConfig], int | None]:
     """How transformers reads a family's sliding window from config.json: none while `switch` (Qwen's
     `use_sliding_window`) is not true; for `per_layer` families none when `layer_types` names no sliding layer (a
-    config without the key, from transformers 4.x, is taken to slide somewhere); else `sliding_window`, `default`
-    where the key is absent (Mistral's 4096) and none where it is null."""
+    config without the key, from transformers 4.x, is taken to slide somewhere); else `sliding_window` (where the key
+    is left out, transformers' default: Mistral's 4096), none where it is null."""
     def window(hf_config: HFModelConfig) -> int | None:
         raw = hf_config.raw
         if switch is not None and raw.get(switch) is not True:
@@ -390,7 +389,7 @@ def sliding_window(*, switch: str | None = None, per_layer: bool = False,
         layer_types = raw.get("layer_types")
         if per_layer and isinstance(layer_types, list) and "sliding_attention" not in layer_types:
             return None
-        value = raw.get("sliding_window", default)
+        value = raw.get("sliding_window")
         if value is not None and (type(value) is not int or value < 1):
             raise ValueError(f"config.json: 'sliding_window' must be a positive integer or null, got {value!r}")
         return value

@@ -3,4 +3,4 @@
 from ..spec import dense_family, sliding_window
 
 SPEC = dense_family("qwen2", ("qwen2",), "Qwen2ForCausalLM", qkv_bias=True,
-                    window=sliding_window(switch="use_sliding_window", per_layer=True, default=4096))
+                    window=sliding_window(switch="use_sliding_window", per_layer=True))

@@ -47,5 +47,5 @@ SPEC = FamilySpec(
     transformer_overrides=transformer_overrides,
     check_config=check_config,
     expert_stacks=qwen_expert_stacks(),
-    unmodelled_window=sliding_window(switch="use_sliding_window", per_layer=True, default=4096),
+    unmodelled_window=sliding_window(switch="use_sliding_window", per_layer=True),
 )

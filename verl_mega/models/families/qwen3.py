@@ -3,4 +3,4 @@
 from ..spec import dense_family, sliding_window
 
 SPEC = dense_family("qwen3", ("qwen3",), "Qwen3ForCausalLM", qk_norm=True,
-                    window=sliding_window(switch="use_sliding_window", per_layer=True, default=4096))
+                    window=sliding_window(switch="use_sliding_window", per_layer=True))

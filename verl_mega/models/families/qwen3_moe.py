@@ -18,5 +18,5 @@ SPEC = FamilySpec(
     transformer_overrides=routed_expert_overrides,  # no shared expert
     check_config=check_config,
     expert_stacks=qwen_expert_stacks(),
-    unmodelled_window=sliding_window(switch="use_sliding_window", default=4096),  # on every layer
+    unmodelled_window=sliding_window(switch="use_sliding_window"),  # on every layer
 )
