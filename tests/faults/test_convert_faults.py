@@ -77,6 +77,10 @@ CONFIG_CASES = [
     ("hidden-act-gelu", "llama", _set(hidden_act="gelu"), ("hidden_act 'gelu' is not supported for llama",)),
     # transformers biases o_proj too, which megatron cannot take alone; before, the bias tensors were "not part of" it.
     ("attention-bias-on-llama", "llama", _set(attention_bias=True), ("llama 'attention_bias' must be false", "o_proj")),
+    # DeepSeek-V3's own checkpoints: float8 weights beside their block scales (`weight_scale_inv`).
+    ("fp8-quantized", "llama", _set(quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                          "weight_block_size": [128, 128]}),
+     ("quantization_config (fp8)", "dequantize")),
     ("phi3-window-string", "phi3", _set(sliding_window="2047"), ("sliding_window", "positive integer or null")),
     ("qwen2-window-zero", "qwen2", _set(use_sliding_window=True, sliding_window=0, layer_types=None), ("sliding_window",)),
 ]

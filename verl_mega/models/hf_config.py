@@ -325,3 +325,14 @@ def check_decoder_only(raw: dict[str, Any]) -> None:
     if reason:
         raise ValueError(f"model_type '{model_type}' is {reason}; only decoder-only language models are supported, "
                          "whatever a family spec declares")
+
+
+def check_not_quantized(raw: dict[str, Any]) -> None:
+    """Refuse quantized weights (FP8 with block scales, GPTQ, AWQ, ...): read as they are, their values are not the
+    model's, and RL trains and rolls out the full-precision model."""
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(f"config.json has a quantization_config ({method or 'of unknown method'}): quantized "
+                         "checkpoints are not supported; convert from the bf16 or fp32 weights (dequantize these "
+                         "first)")

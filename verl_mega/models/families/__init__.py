@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..external_families import HOW_TO_DECLARE, import_family_spec, plugin_family, recorded_family_spec
-from ..hf_config import HFModelConfig, check_decoder_only, context_length
+from ..hf_config import HFModelConfig, check_decoder_only, check_not_quantized, context_length
 from ..spec import FamilySpec
 from . import deepseek_v3, gemma2, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 
@@ -35,6 +35,7 @@ def family_for(config: HFModelConfig | dict, family_spec: str | None = None,
         raise ValueError(f"family spec '{family_spec}' declares model types {', '.join(spec.model_types)}, but "
                          f"config.json says model_type '{model_type}'")
     check_decoder_only(raw)
+    check_not_quantized(raw)
     if isinstance(config, dict):
         return spec
     if spec.moe != bool(config.num_experts):
