@@ -68,6 +68,9 @@ def test_expert_bias_and_rope_layout_change_the_tiny_models_logits(tiny_hf):
     (dict(num_key_value_heads=2), "'num_key_value_heads' =2 must equal num_attention_heads=4"),
     (dict(attention_bias=True), "'attention_bias' must be false"),
     (dict(scoring_func="softmax"), "'scoring_func' is 'softmax'"),
+    # Read as they were, each ended in a TypeError's traceback.
+    (dict(first_k_dense_replace={"a": 1}), "'first_k_dense_replace' ={'a': 1} must be an integer in [0, "),
+    (dict(routed_scaling_factor="2.5"), "'routed_scaling_factor' ='2.5' must be a positive number"),
 ])
 def test_configs_megatron_cannot_reproduce_are_refused(tiny_hf, tmp_path, edit, says):
     hf_dir = tmp_path / "hf"

@@ -41,7 +41,11 @@ def test_sliding_layers_follow_transformers_layer_types():
 def test_unsupported_activation_bidirectional_attention_and_a_broken_window_are_refused():
     for extra, message in (({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported for gemma2"),
                            ({"use_bidirectional_attention": True}, "'use_bidirectional_attention' must be false"),
-                           ({"sliding_window": "5"}, "needs 'sliding_window' as a positive integer")):
+                           ({"sliding_window": "5"}, "needs 'sliding_window' as a positive integer"),
+                           ({"query_pre_attn_scalar": 0}, "'query_pre_attn_scalar' must be a positive number, got 0"),
+                           ({"final_logit_softcapping": "30"}, "'final_logit_softcapping' must be a positive number "
+                                                               "or null"),
+                           ({"layer_types": "sliding"}, "'layer_types' must list an attention kind")):
         with pytest.raises(ValueError, match=message):
             family_for(HFModelConfig.from_dict({**BASE, **extra}))
     assert family_for(HFModelConfig.from_dict({**BASE, "hidden_act": "gelu_pytorch_tanh"})) is gemma2.SPEC

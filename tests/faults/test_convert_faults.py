@@ -36,6 +36,14 @@ CONFIG_CASES = [
     ("hidden-size-string", "llama", _set(hidden_size="64"), ("hidden_size", "positive integer")),
     ("hidden-size-zero", "llama", _set(hidden_size=0), ("hidden_size",)),
     ("layers-negative", "llama", _set(num_hidden_layers=-1), ("num_hidden_layers",)),
+    # A per-layer list was built from it before any tensor was read: MemoryError.
+    ("layers-beyond-any-model", "llama", _set(num_hidden_layers=99999999999), ("num_hidden_layers", "at most 65536")),
+    # Each of these ended in a TypeError's or an allocator's traceback (a sweep of every key the readers take).
+    ("heads-null", "llama", _set(num_attention_heads=None), ("num_attention_heads", "positive integer")),
+    ("architectures-not-a-list", "llama", _set(architectures="LlamaForCausalLM"), ("'architectures'", "list")),
+    ("model-type-an-object", "llama", _set(model_type={"a": 1}), ("'model_type'", "string")),
+    ("partial-rotary-huge", "llama", _set(partial_rotary_factor=99999999999), ("partial_rotary_factor", "(0, 1]")),
+    ("vocab-beyond-any-model", "llama", _set(vocab_size=2 ** 40), ("vocab_size", "at most 2147483647")),
     ("vocab-float", "llama", _set(vocab_size=300.5), ("vocab_size",)),
     ("heads-bool", "llama", _set(num_attention_heads=True), ("num_attention_heads",)),
     ("kv-heads-not-dividing", "llama", _set(num_key_value_heads=3), ("num_key_value_heads",)),

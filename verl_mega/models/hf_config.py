@@ -153,13 +153,27 @@ _POSITIVE_INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                       "intermediate_size", "vocab_size", "max_position_embeddings", "num_local_experts",
                       "num_experts", "n_routed_experts", "num_experts_per_tok")
 _NUMBER_KEYS = ("rms_norm_eps", "partial_rotary_factor")  # rope_theta: `_check_rope`, wherever it is given
+# Beyond any model's, far: a per-layer or per-expert list of a size a config names is built before any tensor is
+# read (99999999999 layers: MemoryError). Other sizes only shape tensors, which the checkpoint's must then match.
+_LARGEST_COUNT = 2 ** 16
+_LARGEST_SIZE = 2 ** 31 - 1
+_COUNT_KEYS = ("num_hidden_layers", "num_local_experts", "num_experts", "n_routed_experts")
+# Null means "derive it" for the other sizes (head_dim, num_key_value_heads, ...), as in transformers; not for these.
+_NEVER_NULL = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+               "max_position_embeddings")
 
 
 def _check_sizes(raw: dict[str, Any]) -> None:
     for key in _POSITIVE_INT_KEYS:
-        value = raw.get(key)
-        if value is not None and (type(value) is not int or value < 1):
-            raise ValueError(f"config.json: '{key}' must be a positive integer, got {value!r}")
+        value, largest = raw.get(key), _LARGEST_COUNT if key in _COUNT_KEYS else _LARGEST_SIZE
+        if (key in raw and key in _NEVER_NULL or value is not None) and \
+                (type(value) is not int or not 1 <= value <= largest):
+            raise ValueError(f"config.json: '{key}' must be a positive integer of at most {largest}, got {value!r}")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != raw["num_hidden_layers"]
+                                    or not all(isinstance(kind, str) for kind in layer_types)):
+        raise ValueError(f"config.json: 'layer_types' must list an attention kind (a string) for each of the "
+                         f"num_hidden_layers={raw['num_hidden_layers']} layers, got {layer_types!r:.80}")
     for key in _NUMBER_KEYS:
         value = raw.get(key)
         if value is not None and (type(value) not in (int, float) or not 0 < value < math.inf):
@@ -251,7 +265,10 @@ def _partial_rotary_factor(raw: dict[str, Any]) -> float:
     if nested is not None and top is not None and nested != top:
         raise ValueError(f"config.json: partial_rotary_factor is given twice and the two disagree (rope_parameters "
                          f"gives {nested!r}; the top level gives {top!r}); keep one spelling")
-    return float(nested if nested is not None else top if top is not None else 1.0)
+    factor = nested if nested is not None else top if top is not None else 1.0
+    if type(factor) not in (int, float) or not 0 < factor <= 1:  # the rotated share of each head's dims
+        raise ValueError(f"config.json: 'partial_rotary_factor' must be a number in (0, 1], got {factor!r}")
+    return float(factor)
 
 
 def context_length(config: HFModelConfig) -> int:
@@ -311,6 +328,8 @@ _MULTIMODAL_KEYS = ("text_config", "vision_config", "audio_config", "encoder", "
 def check_decoder_only(raw: dict[str, Any]) -> None:
     """Refuse encoders, encoder-decoders and vision-language models, whatever family spec claims them."""
     model_type = raw.get("model_type")
+    if not isinstance(raw.get("architectures") or [], list):
+        raise ValueError(f"config.json: 'architectures' must be a list of class names, got {raw['architectures']!r}")
     architectures = [a for a in raw.get("architectures") or [] if isinstance(a, str)]
     reason = None
     if model_type in _NOT_DECODER_ONLY_TYPES:

@@ -22,6 +22,8 @@ def family_for(config: HFModelConfig | dict, family_spec: str | None = None,
     are refused up front. `data_dir` is the folder the config came from; no spec is imported from it."""
     raw = config if isinstance(config, dict) else config.raw
     model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"config.json: 'model_type' must name a model type (a string), got {model_type!r}")
     if family_spec is not None:
         spec = (recorded_family_spec if recorded else import_family_spec)(family_spec, data_dir)
     else:

@@ -11,6 +11,8 @@ megatron's MLA de-interleaves them before rotating, so the weights map as they a
 layout is refused (its permutation would not commute with megatron's contiguous TP split of the kv
 down-projection, whose last rows hold the rope part).
 """
+import math
+
 from ..hf_config import HFModelConfig
 from ..mla_layers import mla_block_spec
 from ..spec import (_H, _L, FamilySpec, TensorRule, GATE_UP, _dense_mlp_rules, _embedding_rules, config_size,
@@ -153,6 +155,12 @@ def check_config(hf_config: HFModelConfig) -> None:
     if topk_group < n_group and top_k // topk_group != 2:
         _refuse("topk_group", f"={topk_group}: megatron ranks groups by their top num_experts_per_tok // topk_group "
                 "scores, transformers by their top 2, so num_experts_per_tok must be 2 x topk_group")
+    first_dense, scale = raw.get("first_k_dense_replace", 0), raw.get("routed_scaling_factor", 1.0)
+    if type(first_dense) is not int or not 0 <= first_dense <= hf_config.num_layers:
+        _refuse("first_k_dense_replace", f"={first_dense!r} must be an integer in [0, num_hidden_layers="
+                f"{hf_config.num_layers}]")
+    if type(scale) not in (int, float) or not 0 < scale < math.inf:
+        _refuse("routed_scaling_factor", f"={scale!r} must be a positive number")
     if hf_config.rope_scaling["rope_type"] not in ("default", "yarn"):
         _refuse("rope_scaling", f"type {hf_config.rope_scaling['rope_type']!r}: only default and yarn are supported")
     if sizes["qk_rope_head_dim"] % 2:

@@ -2,6 +2,7 @@
 `query_pre_attn_scalar`, sandwich norms with x·(1+w), GeGLU (tanh GELU), embeddings × √hidden, tied
 embeddings, head_dim ≠ hidden/heads. Its decoder block is `gemma2_layers.gemma2_block_spec`."""
 import functools
+import math
 
 import torch.nn.functional as F
 
@@ -23,6 +24,12 @@ def check_config(hf_config: HFModelConfig) -> None:
         raise ValueError("config.json: gemma2 'use_bidirectional_attention' must be false: the decoder here is causal")
     if any(sliding_layers(hf_config)):
         config_size(hf_config, "sliding_window")
+    for key, nullable in (("query_pre_attn_scalar", False), ("attn_logit_softcapping", True),
+                          ("final_logit_softcapping", True)):
+        value = hf_config.raw.get(key)
+        if not (nullable and value is None) and (type(value) not in (int, float) or not 0 < value < math.inf):
+            raise ValueError(f"config.json: gemma2 '{key}' must be a positive number{' or null' * nullable}, "
+                             f"got {value!r}")
 
 
 def transformer_overrides(hf_config: HFModelConfig) -> dict:
