@@ -8,6 +8,7 @@ from typing import Any, get_origin, get_type_hints
 
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES
+from verl_mega.parallel.layout import LARGEST_WORLD
 
 from .roles import check_role
 
@@ -85,6 +86,9 @@ def _checked_fields(data, ckpt_dir: Path, spec_named_by_user: bool = False) -> d
     for name in ("tp", "pp", "ep", "padded_vocab_size"):
         if data[name] < 1:
             raise ValueError(f"key '{name}' must be >= 1, got {data[name]}")
+    if data["tp"] * data["pp"] * data["ep"] > LARGEST_WORLD:  # its shards are looked up rank by rank: 2**40 hung
+        raise ValueError(f"keys 'tp' x 'pp' x 'ep' = {data['tp'] * data['pp'] * data['ep']} ranks wrote it; a "
+                         f"checkpoint holds the shards of at most {LARGEST_WORLD}")
     if data.get("iteration", 0) < 0:
         raise ValueError(f"key 'iteration' must be >= 0, got {data['iteration']}")
     try:

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Ranks a layout may hold, far beyond any job's: code that walks every rank of a layout a file or a flag names
+# (a plan lists each; a checkpoint's shards are looked up one by one) ran on for minutes past it.
+LARGEST_WORLD = 65536
+
 
 def _name(names: dict[str, str] | None, size: str) -> str:
     return (names or {}).get(size, size)

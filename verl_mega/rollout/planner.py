@@ -24,7 +24,7 @@ from verl_mega.models.expected_shapes import expected_hf_shapes, mcore_shard_sha
 from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
 from verl_mega.models.sharding import rank_slots
 from verl_mega.parallel.layout import (
-    RankCoordinates, check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates,
+    LARGEST_WORLD, RankCoordinates, check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates,
     rollout_placement, rollout_vocab_rows,
 )
 
@@ -72,9 +72,6 @@ class Plan:
         return "\n".join(lines)
 
 
-LARGEST_PLANNED_WORLD = 65536
-
-
 def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: int, *, ep: int = 1,
          dtype: str = "fp32", make_vocab_size_divisible_by: int = 128, family_spec: str | None = None,
          lora_rank: int = 0, lora_targets: Sequence[str] = ()) -> Plan:
@@ -88,9 +85,9 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
         raise ValueError(f"--lora-rank must be a whole number >= 0, got {lora_rank!r}")
     check_sizes({"tp": train_tp, "pp": train_pp, "ep": ep, "dp": dp, "rollout_tp": rollout_tp}, names)
     world_size = train_tp * train_pp * dp
-    if world_size > LARGEST_PLANNED_WORLD:  # every rank is planned and listed: 1e11 of them still ran after 300 s
+    if world_size > LARGEST_WORLD:  # every rank is planned and listed: 1e11 of them still ran after 300 s
         raise ValueError(f"--train-tp x --train-pp x --dp = {world_size} ranks; a plan lists each rank, up to "
-                         f"{LARGEST_PLANNED_WORLD}")
+                         f"{LARGEST_WORLD}")
     data_parallel_size(world_size, train_tp, train_pp, ep, names)
     check_rollout_tp(train_tp, rollout_tp, names)
     hf_config, family = load_hf_model_config(hf_dir, family_spec)
