@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from verl_mega.algorithms import ADV_ESTIMATORS, PREFERENCE_LOSSES
 from verl_mega.config import ConfigError, TrainConfig, load_config
 from verl_mega.config.errors import UserError
 from verl_mega.converters.export import export_role
 from verl_mega.data.prompts import as_messages, encode_chat
+from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.rewards.registry import RewardFn, reward_fn_name
 from verl_mega.run.folder import RunFolder
 from verl_mega.trainer.main import run
@@ -140,4 +141,4 @@ def load_policy(path: str | os.PathLike, *, step: int | None = None, dtype: str 
 
 def _load_hf(folder: Path, device) -> Policy:
     model = AutoModelForCausalLM.from_pretrained(folder).to(device)
-    return Policy(model, AutoTokenizer.from_pretrained(folder))
+    return Policy(model, load_tokenizer(folder))

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from verl_mega.cli import main as cli
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
@@ -31,6 +31,7 @@ from verl_mega.converters.verify import verify_checkpoints
 from verl_mega.data.prompts import as_messages, encode_chat
 from verl_mega.data.synthetic import make_task_rows, preference_pairs, sft_conversations, sft_pairs
 from verl_mega.data.tables import write_rows
+from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.parallel.spawn import run_torchrun
 from verl_mega.rewards.registry import get_reward_fn
@@ -269,7 +270,7 @@ def sft_warmup(hf_dir: Path, pairs: list[dict], out: Path, steps: int = 50, lr: 
     initial weights and the batches. Stops after `steps` steps, or earlier once `until(model, tokenizer)` holds
     (asked every WARMUP_CHECK_EVERY steps). The saved folder and the steps taken."""
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     # The tiny test model's weights are deliberately wild; start from a standard init (biases at zero: q/k biases
     # of one drown the attention scores and the model takes many times longer to learn to copy).
@@ -313,7 +314,7 @@ def copies_at_least(model, tokenizer, rows: list[dict], target: float) -> bool:
 
 def greedy_replies(hf_dir: Path, rows: list[dict]) -> list[str]:
     """transformers' greedy replies to `rows`, from the HF folder `hf_dir`."""
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     return [greedy_reply(model, tokenizer, row) for row in rows]
 

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from verl_mega.cli import main as cli
 from verl_mega.config import ToolsConfig
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.data.tables import write_rows
 from verl_mega.data.tiny_tokenizer import build_tiny_tokenizer
+from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.demo import EXAMPLES, reward_curve, train
 from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.rollout.agent_loop import AgentLoop, ChatRenderer
@@ -118,7 +119,7 @@ def save_tokenizer(hf_dir: Path):
     tokenizer.save_pretrained(hf_dir)
     # As the trainer loads it: beside a qwen2 config.json transformers loads it as Qwen2Tokenizer, whose
     # pre-tokenizer drops the spaces, so the warm-up must see the same ids the rollouts will.
-    return AutoTokenizer.from_pretrained(hf_dir)
+    return load_tokenizer(hf_dir)
 
 
 def tool_call(expression: str) -> str:
@@ -177,7 +178,7 @@ def sft_warmup(hf_dir: Path, renderer: ChatRenderer, rows: list[dict], out: Path
 def greedy_episode(hf_dir: Path, row: dict) -> list[dict]:
     """The held-out row's greedy episode from the HF folder: the embedded engine and the agent loop the
     trainer validates with."""
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
     engine = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(hf_dir).config.to_dict(), device="cpu")
     engine.load_weights(load_file(str(hf_dir / "model.safetensors")).items())
     with ToolSet(["calculator"], ToolsConfig()) as tools:

@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 from verl_mega.config.errors import UserError
 from verl_mega.config.schema import RewardConfig
 from verl_mega.data.prompts import as_messages, encode_chat
+from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.rewards.registry import RewardFn, get_reward_fn, needs_time_limit, reward_fn_name
 from verl_mega.rewards.results import Scored, Stopped, Verdict, as_number, call_reward
 from verl_mega.rewards.worker import ScoringWorker
@@ -179,7 +180,7 @@ class HFRewardModel:
 
     def __init__(self, model_dir: str, device: str | torch.device | None = None):
         self.device = torch.device(device) if device is not None else default_device()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         if self.tokenizer.pad_token_id is None:
             raise UserError(f"the reward model tokenizer in {model_dir} has no pad token to batch with")
         self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(self.device).eval()

@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from transformers import AutoTokenizer
-
 from verl_mega.config import TrainConfig
 from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.data.supervised import Limits, LoadedRows
+from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.roles.actor import Actor
 
 from .job import TrainingJob
@@ -33,7 +32,7 @@ class OfflineJob(TrainingJob):
         """The examples (checked up front), their length-grouped sampler and the actor."""
         config = self.config
         self.actor_ckpt = Path(actor_ckpt)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
+        self.tokenizer = load_tokenizer(config.model.hf_path)
         data = config.data
         train = self.load_examples(data.train_files)
         self.train_examples = train.examples

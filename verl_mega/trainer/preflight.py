@@ -12,8 +12,6 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from transformers import AutoTokenizer
-
 from verl_mega.algorithms import (
     ADV_ESTIMATORS, BYPASS_LOSS_TYPES, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS,
     LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, estimator_inputs,
@@ -25,6 +23,7 @@ from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES, RolloutConf
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
+from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.models.families import sequence_limit
 from verl_mega.models.builder import DTYPES, transformer_engine_available
@@ -237,7 +236,7 @@ def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known
     if mt.tools and not limit_problems(config.tools):  # bad tools.* limits have their own line
         check(lambda: ToolSet(mt.tools, config.tools).close(), f"{key}.tools: ")
     if check_files and Path(config.model.hf_path, "config.json").is_file() and mt.tool_call_format in TOOL_CALL_FORMATS:
-        tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
+        tokenizer = check(lambda: load_tokenizer(config.model.hf_path), "model.hf_path: ")
         if tokenizer is not None:
             check(lambda: check_tool_template(tokenizer, mt.tool_call_format), f"{key} with model.hf_path's tokenizer: ")
 
@@ -355,7 +354,7 @@ def _check_offline_files(config: TrainConfig, check, need, layout_in_range: bool
     need(bool(d.train_files), "data.train_files is empty: list at least one parquet or jsonl file or datasets folder")
     if not has_model:
         return
-    tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
+    tokenizer = check(lambda: load_tokenizer(config.model.hf_path), "model.hf_path: ")
     if tokenizer is None:
         return
     limits = Limits(d.max_prompt_length, d.max_response_length, d.truncation)
@@ -450,10 +449,10 @@ def _check_files(config: TrainConfig, check, need, layout_in_range: bool) -> Non
     readable = {key: files for key, files in prompt_files.items() if files and all([
         check(lambda: check_prompt_column(read_rows(file), d.prompt_key, file) or True, f"{key}: ")
         for file in files])}
-    if has_model and d.truncation == "error" and d.max_prompt_length >= 1 and readable:
+    # The tokenizer the job loads first thing, loaded now: its files may be what is broken.
+    tokenizer = check(lambda: load_tokenizer(config.model.hf_path), "model.hf_path: ") if has_model else None
+    if tokenizer is not None and d.truncation == "error" and d.max_prompt_length >= 1:
         # Every prompt's length, now rather than at the step that happens to sample a long one.
-        tokenizer = check(lambda: AutoTokenizer.from_pretrained(config.model.hf_path), "model.hf_path: ")
         for key, files in readable.items():
-            if tokenizer is not None:
-                check(lambda: PromptDataset(files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation),
-                      f"{key}: ")
+            check(lambda: PromptDataset(files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation),
+                  f"{key}: ")

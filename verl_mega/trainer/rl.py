@@ -22,7 +22,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from verl_mega.algorithms import (
     BatchNotFilled, GroupFilter, RunningMeanStd, apply_kl_penalty, compute_kl, estimator_inputs, estimator_knobs,
@@ -34,6 +33,7 @@ from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError, UserError
 from verl_mega.data.prompts import PromptDataset, as_messages
 from verl_mega.data.sampler import ResumableBatchSampler
+from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.agree import all_finite
 from verl_mega.parallel.bridge import Bridge
@@ -127,7 +127,7 @@ class RLJob(TrainingJob):
         `reward.function` (the Python API's)."""
         config = self.config
         self.actor_ckpt = Path(actor_ckpt)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
+        self.tokenizer = load_tokenizer(config.model.hf_path)
         try:
             self.dataset = PromptDataset(config.data.train_files, self.tokenizer, config.data.max_prompt_length,
                                          config.data.prompt_key, config.data.truncation)
