@@ -47,3 +47,20 @@ def test_every_hostile_value_is_a_value_error_naming_the_folder(tiny_models, tmp
             except Exception as err:  # noqa: BLE001 - what is collected here is the failure
                 tracebacks.append(f"{key}={value!r}: {type(err).__name__}: {err}")
     assert not tracebacks, f"{len(tracebacks)} tracebacks, e.g. " + "; ".join(tracebacks[:5])
+
+
+@pytest.mark.parametrize("template, says", [
+    ("{% for %}", "Expected an expression"),  # jinja's syntax error
+    ("{{ raise_exception('System role not supported') }}", "System role not supported"),  # Gemma's, on a system turn
+])
+def test_a_chat_template_that_cannot_render_is_one_line_before_the_run(tiny_models, prompt_file, tmp_path,  # noqa: F811
+                                                                       template, says):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["qwen2"], model)
+    (model / "chat_template.jinja").write_text(template)
+    with pytest.raises(ConfigError) as err:
+        preflight_check(load_config(None, good_overrides(tiny_models, prompt_file) + [f"model.hf_path={model}"]),
+                        world_size=4)
+    line = next(line for line in str(err.value).splitlines() if "chat template" in line)
+    assert line.startswith("  - data.train_files: row 0: the tokenizer's chat template failed on these messages: ")
+    assert says in line

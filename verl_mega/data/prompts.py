@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+from jinja2 import TemplateError
 from torch.utils.data import Dataset
 
 from verl_mega.data.tables import read_rows
@@ -72,7 +73,10 @@ class PromptDataset(Dataset):
 
     def _encode(self, prompt: str | list[dict], index: int) -> list[int]:
         if self.tokenizer.chat_template:
-            return encode_chat(self.tokenizer, as_messages(prompt), add_generation_prompt=True)
+            try:
+                return encode_chat(self.tokenizer, as_messages(prompt), add_generation_prompt=True)
+            except ValueError as err:
+                raise ValueError(f"row {index}: {err}") from None
         if not isinstance(prompt, str):
             raise ValueError(
                 f"row {index}: prompt is a list of chat messages but the tokenizer has no chat_template "
@@ -100,8 +104,18 @@ def as_messages(prompt: str | list[dict]) -> list[dict]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
 
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, **template_inputs) -> str:
+    """The tokenizer's chat template over `messages`. What the template raises (a syntax error; Gemma's "System role
+    not supported" for a system message) is a ValueError naming the template."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **template_inputs)
+    except TemplateError as err:
+        raise ValueError(f"the tokenizer's chat template failed on these messages: {err}") from None
+
+
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    text = render_chat(tokenizer, messages, add_generation_prompt)
     # The template already renders BOS and any other special tokens; letting the tokenizer add its own
     # on top would double them (the Qwen2/Llama-Instruct pitfall).
     return tokenizer(text, add_special_tokens=False)["input_ids"]

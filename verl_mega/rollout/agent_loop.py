@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from verl_mega.data.prompts import render_chat
 from verl_mega.tools import ToolCall, ToolResult, ToolSet
 
 from .engine import EpisodeInfo, Response, RolloutEngine, SamplingParams
@@ -102,8 +103,7 @@ class ChatRenderer:
         self.schemas = list(schemas)
 
     def text(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.schemas or None, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools=self.schemas or None)
 
     def ids(self, text: str) -> list[int]:
         # The template renders its special tokens itself: none are added on top.

@@ -451,8 +451,11 @@ def _check_files(config: TrainConfig, check, need, layout_in_range: bool) -> Non
         for file in files])}
     # The tokenizer the job loads first thing, loaded now: its files may be what is broken.
     tokenizer = check(lambda: load_tokenizer(config.model.hf_path), "model.hf_path: ") if has_model else None
-    if tokenizer is not None and d.truncation == "error" and d.max_prompt_length >= 1:
-        # Every prompt's length, now rather than at the step that happens to sample a long one.
-        for key, files in readable.items():
+    for key, files in readable.items() if tokenizer is not None else ():
+        if d.truncation == "error" and d.max_prompt_length >= 1:
+            # Every prompt's length, now rather than at the step that happens to sample a long one.
             check(lambda: PromptDataset(files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation),
+                  f"{key}: ")
+        else:  # the chat template on a first prompt: a template that cannot render stops the run at its first step
+            check(lambda: PromptDataset(files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation)[0],
                   f"{key}: ")
