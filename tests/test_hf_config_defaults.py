@@ -61,6 +61,14 @@ def test_a_key_left_out_reads_as_transformers_reads_it(tiny_models, model_type, 
     assert ours == _reading(theirs)
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_config_transformers_5_wrote_gets_nothing_added(tiny_models, model_type):
+    # Not even a key under another of its names (Qwen3-MoE writes num_local_experts, declares num_experts), which
+    # an export would write beside it for transformers to read over the model's own.
+    raw = json.loads((tiny_models[model_type] / "config.json").read_text())
+    assert HFModelConfig.from_dict(raw).raw == raw
+
+
 def test_defaults_come_from_transformers_and_a_plugins_type_has_none():
     gemma2, _, _ = transformers_defaults("gemma2")
     assert gemma2["tie_word_embeddings"] is True and gemma2["head_dim"] == 256

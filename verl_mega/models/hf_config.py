@@ -108,7 +108,10 @@ _NOT_DEFAULTED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_
 
 def _with_transformers_defaults(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     defaults, theta, aliases = transformers_defaults(model_type)
-    given = set(raw) | {aliases[key] for key in raw if key in aliases}  # DeepSeek's num_local_experts, ...
+    # A key given under another of its names is given (Qwen3-MoE's num_local_experts for num_experts, DeepSeek's
+    # num_nextn_predict_layers for num_mtp_layers): either way round of transformers' attribute_map.
+    given = set(raw) | {aliases[key] for key in raw if key in aliases} | {alias for alias, key in aliases.items()
+                                                                           if key in raw}
     filled = {**{key: value for key, value in defaults.items() if key not in given}, **raw}
     params = raw.get("rope_parameters")
     if theta is not None and "rope_theta" not in raw and not (isinstance(params, dict) and "rope_theta" in params):
