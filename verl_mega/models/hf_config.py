@@ -145,7 +145,10 @@ def _declared_defaults(config_class) -> dict[str, Any]:
 
 
 def _default_theta(config_class) -> float | None:
-    config = config_class()
+    try:
+        config = config_class()
+    except Exception:  # noqa: BLE001 - a class that will not build from its own defaults has no default to give
+        return None
     params = getattr(config, "rope_parameters", None)
     theta = params.get("rope_theta") if isinstance(params, dict) else getattr(config, "rope_theta", None)
     return float(theta) if type(theta) in (int, float) else None

@@ -25,9 +25,9 @@ from verl_mega.data.supervised import Limits, load_preference_examples, load_sft
 from verl_mega.data.tables import read_rows
 from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.models import HFModelConfig, load_hf_model_config
-from verl_mega.models.families import sequence_limit
 from verl_mega.models.builder import DTYPES, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
+from verl_mega.models.families import sequence_limit
 from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout_placement
 from verl_mega.parallel.placement import placement_for, training_data_parallel_size
