@@ -19,7 +19,7 @@ LOOKED_FOR = ("hidden_act", "hidden_activation", "sliding_window", "use_sliding_
               "tie_word_embeddings", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
               "q_lora_rank", "n_group", "topk_group", "first_k_dense_replace", "num_nextn_predict_layers",
               "routed_scaling_factor", "moe_intermediate_size", "shared_expert_intermediate_size", "max_window_layers",
-              "text_config", "architectures")
+              "text_config", "architectures", "bos_token_id", "eos_token_id", "pad_token_id")
 HOSTILE = (None, -1, 0, 2 ** 40, 99999999999, "x", "", 1.5, True, [], {}, [1, "a"], {"a": 1}, float("nan"),
            float("inf"), -0.5)
 

@@ -43,6 +43,8 @@ CONFIG_CASES = [
     ("architectures-not-a-list", "llama", _set(architectures="LlamaForCausalLM"), ("'architectures'", "list")),
     ("model-type-an-object", "llama", _set(model_type={"a": 1}), ("'model_type'", "string")),
     ("partial-rotary-huge", "llama", _set(partial_rotary_factor=99999999999), ("partial_rotary_factor", "(0, 1]")),
+    # Read only mid-run, where the stop set is built from it: sorted([1, "a"]) raised there.
+    ("eos-a-list-with-a-string", "llama", _set(eos_token_id=[1, "a"]), ("'eos_token_id' must be a token id",)),
     ("vocab-beyond-any-model", "llama", _set(vocab_size=2 ** 40), ("vocab_size", "at most 2147483647")),
     ("vocab-float", "llama", _set(vocab_size=300.5), ("vocab_size",)),
     ("heads-bool", "llama", _set(num_attention_heads=True), ("num_attention_heads",)),

@@ -175,6 +175,12 @@ def _check_sizes(raw: dict[str, Any]) -> None:
         if (key in raw and key in _NEVER_NULL or value is not None) and \
                 (type(value) is not int or not 1 <= value <= largest):
             raise ValueError(f"config.json: '{key}' must be a positive integer of at most {largest}, got {value!r}")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the stop set is built from them mid-run
+        ids = raw.get(key)
+        listed = ids if key == "eos_token_id" and isinstance(ids, list) else [ids]
+        if ids is not None and not all(type(token) is int and token >= 0 for token in listed):
+            either = ", a list of them" * (key == "eos_token_id")
+            raise ValueError(f"config.json: '{key}' must be a token id (an integer >= 0){either} or null, got {ids!r:.80}")
     layer_types = raw.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != raw["num_hidden_layers"]
                                     or not all(isinstance(kind, str) for kind in layer_types)):
