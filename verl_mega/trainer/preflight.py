@@ -144,7 +144,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     _check_dapo(config, need, known)
     _check_rollout_mode(config, need, known)
     if config.rollout.multi_turn.enable:
-        _check_multi_turn(config, check_files, check, need, known)
+        _check_multi_turn(config, check, need, known)
     need(config.rollout.engine != "embedded" or p.rollout_tp == 1,
          f"parallel.rollout_tp={p.rollout_tp} needs rollout.engine vllm (the embedded engine runs at rollout TP 1)")
     if config.reward.reward_model:
@@ -222,9 +222,9 @@ def _check_rollout_ranks(config: TrainConfig, need) -> None:
          "agent loop; set parallel.rollout_ranks=0")
 
 
-def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known) -> None:
-    """rollout.multi_turn: its counts, its budget within data.max_response_length, its tools, and (with the model
-    folder at hand) a chat template that renders tool messages in a known tool-call format."""
+def _check_multi_turn(config: TrainConfig, check, need, known) -> None:
+    """rollout.multi_turn: its counts, its budget within data.max_response_length and its tools (its chat template:
+    `_check_files`, with the model folder's tokenizer)."""
     mt, key = config.rollout.multi_turn, "rollout.multi_turn"
     need(mt.max_tokens <= config.data.max_response_length, f"{key}.max_tokens={mt.max_tokens} must be in [0, "
          f"data.max_response_length={config.data.max_response_length}] (0: the whole response length)")
@@ -235,10 +235,6 @@ def _check_multi_turn(config: TrainConfig, check_files: bool, check, need, known
          "module:function)")
     if mt.tools and not limit_problems(config.tools):  # bad tools.* limits have their own line
         check(lambda: ToolSet(mt.tools, config.tools).close(), f"{key}.tools: ")
-    if check_files and Path(config.model.hf_path, "config.json").is_file() and mt.tool_call_format in TOOL_CALL_FORMATS:
-        tokenizer = check(lambda: load_tokenizer(config.model.hf_path), "model.hf_path: ")
-        if tokenizer is not None:
-            check(lambda: check_tool_template(tokenizer, mt.tool_call_format), f"{key} with model.hf_path's tokenizer: ")
 
 
 def _check_offline(config: TrainConfig, dp, check_files: bool, check, need, known, layout_in_range: bool) -> None:
@@ -451,6 +447,11 @@ def _check_files(config: TrainConfig, check, need, layout_in_range: bool) -> Non
         for file in files])}
     # The tokenizer the job loads first thing, loaded now: its files may be what is broken.
     tokenizer = check(lambda: load_tokenizer(config.model.hf_path), "model.hf_path: ") if has_model else None
+    mt = config.rollout.multi_turn
+    if tokenizer is not None and mt.enable and mt.tool_call_format in TOOL_CALL_FORMATS:
+        # A chat template that renders tool messages in the tool-call format the agent loop parses.
+        check(lambda: check_tool_template(tokenizer, mt.tool_call_format),
+              "rollout.multi_turn with model.hf_path's tokenizer: ")
     for key, files in readable.items() if tokenizer is not None else ():
         if d.truncation == "error" and d.max_prompt_length >= 1:
             # Every prompt's length, now rather than at the step that happens to sample a long one.
