@@ -39,7 +39,7 @@ from verl_mega.rewards.registry import REWARD_FUNCTIONS
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.agent_loop import TOOL_CALL_FORMATS
 from verl_mega.rollout.factory import ENGINES
-from verl_mega.trainer.rollout_schedule import PARTIAL_POLICIES, ROLLOUT_MODES
+from verl_mega.trainer.rl.schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 CONFIG_PAGE = "config.md"

@@ -69,3 +69,14 @@ def prompt_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": f"copy: {i}"}) for i in range(8)))
     return path
+
+
+@pytest.fixture(scope="module")
+def one_rank_world(tmp_path_factory):
+    """A gloo world of this process alone, for the parts that gather or agree over the ranks (a module's tests)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('world') / 'store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """The layout grids' shared launches: tests/test_layout_invariance.py (actor, reference and critic, fp32 and bf16)
 and tests/test_offline_layout_invariance.py (SFT and DPO updates) compare results computed at several (TP, PP, DP)
 layouts. A layout's world size fixes its launch, so both grids ride on the same three torchrun launches (1, 2
-and 8 processes) of tests/layout_grid_worker.py, each process running every case of its world size in turn:
+and 8 processes) of tests/workers/layout_grid_worker.py, each process running every case of its world size in turn:
 three start-ups of megatron-core per session instead of nine. Two other files' worker runs on the role grid's
 model and checkpoints ride along (SHARED_CASES). Each test reads its cases from the folder.
 """
@@ -16,7 +16,7 @@ DENSE, MOE, QWEN3_MOE, MLA = "qwen2", "mixtral", "qwen3_moe", "deepseek_v3"
 # processes -> (TP, PP) layouts of the role grid, run in each of ROLE_DTYPES; DP = processes / (TP·PP).
 ROLE_LAUNCHES = {1: ["1,1"], 2: ["2,1", "1,2", "1,1"], 8: ["2,2"]}
 ROLE_DTYPES = ("fp32", "bf16")
-# processes -> the offline grid's cases (MODEL:DTYPE:TP,PP,EP[:replay], see tests/offline_roles_worker.py).
+# processes -> the offline grid's cases (MODEL:DTYPE:TP,PP,EP[:replay], see tests/workers/offline_roles_worker.py).
 OFFLINE_LAUNCHES = {
     1: [f"{DENSE}:fp32:1,1,1", f"{MOE}:fp32:1,1,1", f"{DENSE}:bf16:1,1,1", f"{MOE}:fp32:1,1,1:replay",
         f"{QWEN3_MOE}:fp32:1,1,1", f"{MLA}:fp32:1,1,1"],
@@ -27,10 +27,10 @@ OFFLINE_LAUNCHES = {
 }
 
 
-# processes -> other test files' cases on the role grid's checkpoints: tests/update_passes_worker.py's updates
-# (into ROOT/passes) and tests/training_state_worker.py's save at (TP, PP) = (2, 2) (into ROOT/state; its
+# processes -> other test files' cases on the role grid's checkpoints: tests/workers/update_passes_worker.py's updates
+# (into ROOT/passes) and tests/workers/training_state_worker.py's save at (TP, PP) = (2, 2) (into ROOT/state; its
 # resume phase needs fresh processes, so tests/test_training_state.py launches it).
-# processes -> tests/lora_worker.py's updates (MODEL:TP,PP,EP[:bf16], into ROOT/lora): a LoRA actor and critic at
+# processes -> tests/workers/lora_worker.py's updates (MODEL:TP,PP,EP[:bf16], into ROOT/lora): a LoRA actor and critic at
 # every role-grid layout on its checkpoints, in bf16 at TP 1 and TP 2, and on the offline grid's MoE model at EP 1
 # and 2 (its experts' adapters).
 LORA_LAUNCHES = {1: [f"{DENSE}:1,1,1", f"{MOE}:1,1,1", f"{DENSE}:1,1,1:bf16"],
@@ -75,7 +75,8 @@ def run_layout_grid(root: Path) -> Path:
         (root / folder).mkdir()
     tests_dir = str(Path(__file__).parent)
     # The workers live next to this file; the rest of PYTHONPATH keeps this checkout's verl_mega first.
-    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
+    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, str(Path(tests_dir).parent),
+                                                      *os.environ.get("PYTHONPATH", "").split(":")]))}
     for nproc in sorted({*ROLE_LAUNCHES, *OFFLINE_LAUNCHES, *SHARED_CASES}):
-        run_torchrun(nproc, "layout_grid_worker", [str(root), *launch_cases(nproc)], env=env)
+        run_torchrun(nproc, "tests.workers.layout_grid_worker", [str(root), *launch_cases(nproc)], env=env)
     return root

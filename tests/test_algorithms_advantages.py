@@ -307,7 +307,8 @@ def test_preflight_accepts_each_new_estimator_with_groups(estimator):
 
 
 # The trainer runs of the tests below (name -> overrides of GRPO's demo recipe at a small size), all in one
-# process of tests/advantages_worker.py.
+# process of tests/workers/rl_cases_worker.py. What each stage does with its inputs is tested in process
+# (tests/test_rl_learning.py, tests/test_rl_generation.py); these check the whole job's metrics.
 ADVANTAGE_RUNS = {
     "remax": ["algorithm.adv_estimator=remax"],
     "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
@@ -317,8 +318,8 @@ ADVANTAGE_RUNS = {
 
 @pytest.fixture(scope="module")
 def advantage_runs(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
-    """name -> (the worker's record: exit code, error and stage calls; the metrics) of two steps of each of ADVANTAGE_RUNS (4 prompts x 2
-    samples, one on-policy update each), one process for all."""
+    """name -> (the worker's record: exit code and error; the metrics) of two steps of each of ADVANTAGE_RUNS
+    (4 prompts x 2 samples), one process for all."""
     import json
     import os
     import subprocess
@@ -335,75 +336,54 @@ def advantage_runs(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
     common = ["--config", str(EXAMPLES / "grpo_demo.yaml"), f"model.hf_path={hf}", f"data.train_files=[{train}]",
               "trainer.total_steps=2", "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8",
               "actor.micro_batch_size=4", "actor.ppo_epochs=1", "trainer.tensorboard=false",
-              "reward.function=tests.advantages_worker:length_reward"]
+              "reward.function=tests.workers.rl_cases_worker:length_reward"]
     cases = [arg for name, overrides in ADVANTAGE_RUNS.items()
              for arg in ["--case", name, *common, f"trainer.run_dir={root / name}", *overrides]]
-    out = root / "calls.json"
-    result = subprocess.run([sys.executable, "-m", "tests.advantages_worker", str(out), *cases], capture_output=True,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    out = root / "results.json"
+    result = subprocess.run([sys.executable, "-m", "tests.workers.rl_cases_worker", str(out), *cases],
+                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = {}
     for name, run in json.loads(out.read_text()).items():
         metrics = root / name / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-        runs[name] = ({**run, "stderr": result.stderr[-3000:]}, records)
+        runs[name] = ({**run, "stderr": result.stderr[-3000:]}, [r for r in records if r.get("step", 0) > 0])
     return runs
 
 
-def advantage_run(runs: dict, name: str) -> tuple[list[dict], list[dict]]:
-    """That run's stage calls and metrics; fails naming the run (with its error) where it did not finish."""
+def advantage_run(runs: dict, name: str) -> list[dict]:
+    """That run's step metrics; fails naming the run (with its error) where it did not finish."""
     run, records = runs[name]
     assert run["code"] == 0, f"run {name}: exit {run['code']}\n{run['error'] or run['stderr']}"
-    return run["calls"], records
+    assert len(records) == 2, records
+    return records
 
 
 @pytest.mark.slow
-def test_remax_run_takes_one_greedy_baseline_per_prompt_and_subtracts_it(advantage_runs):
-    """Each step generates the samples and then one greedy response per prompt, in the same awake window, and
-    the advantages are the reward minus the greedy response's reward on every response token."""
-    n = 2
-    calls, records = advantage_run(advantage_runs, "remax")
-    generations = [(c["prompts"], c["responses"], c["temperature"]) for c in calls if c["stage"] == "generate"]
-    assert generations == [(4, 4 * n, 1.0), (4, 4, 0.0)] * 2, generations
-    steps = [c for c in calls if c["stage"] == "advantages"]
-    assert len(steps) == 2
-    for step in steps:
-        baselines = torch.tensor(step["reward_baselines"])
-        assert torch.equal(baselines.view(-1, n), baselines.view(-1, n)[:, :1].expand(-1, n))  # one per prompt
-        mask = torch.tensor(step["response_mask"]).float()
-        expected = (torch.tensor(step["scores"]) - baselines).unsqueeze(-1) * mask
-        torch.testing.assert_close(torch.tensor(step["advantages"]), expected)
-        assert expected.abs().sum() > 0  # the length reward tells samples from the greedy response
-    for record, step in zip(records, steps):
-        assert record["timing/remax_baseline"] > 0
-        assert record["remax/baseline_mean"] == pytest.approx(sum(step["reward_baselines"]) / len(step["scores"]))
+def test_remax_run_scores_a_greedy_baseline_every_step(advantage_runs):
+    """Each step generates and scores ReMax's greedy baseline (timed on its own) and the advantages take it:
+    with the length reward, the samples' advantages are not all zero."""
+    for record in advantage_run(advantage_runs, "remax"):
+        assert record["timing/remax_baseline"] > 0 and "remax/baseline_mean" in record
+        assert record["critic/advantages/max"] > record["critic/advantages/min"]
 
 
 @pytest.mark.slow
-def test_optimal_token_baseline_run_takes_sum_pi_squared_from_the_old_log_prob_pass(advantage_runs):
-    """The update is on-policy (which skips the old-log-prob pass), yet the estimator's old log-probs and
-    sum pi^2 are computed, and the advantages are the estimator's on them."""
-    calls, records = advantage_run(advantage_runs, "optimal_token_baseline")
-    steps = [c for c in calls if c["stage"] == "advantages"]
-    assert len(steps) == 2 and all("timing/old_log_prob" in record for record in records)
-    for step in steps:
-        mask = torch.tensor(step["response_mask"]).float()
-        sum_pi_squared = torch.tensor(step["sum_pi_squared"])
-        assert ((sum_pi_squared > 0) & (sum_pi_squared <= 1)).all()
-        expected, returns = get_adv_estimator("optimal_token_baseline")(
-            torch.tensor(step["token_scores"]), mask, step["uids"], torch.tensor(step["old_log_probs"]), sum_pi_squared)
-        torch.testing.assert_close(torch.tensor(step["advantages"]), expected)
-        assert not torch.allclose(expected, returns)  # the baseline is not zero
+def test_optimal_token_baseline_run_takes_the_old_log_prob_pass(advantage_runs):
+    """The update is on-policy (which skips the old-log-prob pass), yet the estimator's old log-probs and sum pi^2
+    are computed every step, and its baseline is not zero (the returns are not the advantages)."""
+    for record in advantage_run(advantage_runs, "optimal_token_baseline"):
+        assert "timing/old_log_prob" in record
+        assert (record["critic/advantages/mean"], record["critic/advantages/max"]) != (
+            record["critic/returns/mean"], record["critic/returns/max"])
 
 
 @pytest.mark.slow
 def test_bypass_mode_run_trains_two_epochs_without_the_old_log_prob_pass(advantage_runs):
     """verl's bypass mode in the trainer: two epochs per batch (off-policy), yet no old-log-prob pass runs; the
     loss takes the rollout engine's log-probs as the old ones."""
-    calls, records = advantage_run(advantage_runs, "bypass_mode")
-    steps = [c for c in calls if c["stage"] == "advantages"]
-    assert len(steps) == 2 and all("old_log_probs" not in step for step in steps)
-    assert all("timing/old_log_prob" not in record and "actor/pg_loss" in record for record in records)
+    for record in advantage_run(advantage_runs, "bypass_mode"):
+        assert "timing/old_log_prob" not in record and "actor/pg_loss" in record
 
 
 def test_every_verl_estimator_name_is_registered_and_the_vectorized_ones_are_the_same_math():

@@ -9,7 +9,8 @@ from verl_mega.config import load_config
 from verl_mega.demo import EXAMPLES
 from verl_mega.roles.reward import RewardOutput
 from verl_mega.trainer.preflight import preflight_check
-from verl_mega.trainer.rl import concat_rows, rollout_seed, take_rows
+from verl_mega.trainer.rl.generation import rollout_seed
+from verl_mega.trainer.rl.rows import concat_rows, take_rows
 
 
 def test_rollout_seeds_are_a_pure_function_of_step_round_and_replica():

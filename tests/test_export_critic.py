@@ -62,8 +62,9 @@ def exported(tmp_path_factory):
         convert_hf_to_mcore(hf_dir, root / "ckpt" / family, tp=TP, pp=PP)
         ckpts.append(root / "ckpt" / family)
     tests_dir = str(Path(__file__).parent)
-    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
-    run_torchrun(TP * PP, "critic_export_worker", [str(TP), str(PP), str(root / "out"), *map(str, ckpts)], env=env)
+    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, str(Path(tests_dir).parent),
+                                                      *os.environ.get("PYTHONPATH", "").split(":")]))}
+    run_torchrun(TP * PP, "tests.workers.critic_export_worker", [str(TP), str(PP), str(root / "out"), *map(str, ckpts)], env=env)
     result = {"out": root / "out"}
     for family in FAMILIES:
         out = root / "out" / family

@@ -65,7 +65,7 @@ def test_hybrid_engine_transition_and_greedy_rollout_equal_transformers(tiny_mod
     hf_dir = tiny_models["gemma2"]
     convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", tp=2, pp=2)
     exported = convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "export")
-    run_torchrun(4, "tests.hybrid_worker", ["--tp", "2", "--pp", "2", "--case", f"gemma2,{hf_dir},{tmp_path / 'ckpt'},1",
+    run_torchrun(4, "tests.workers.hybrid_worker", ["--tp", "2", "--pp", "2", "--case", f"gemma2,{hf_dir},{tmp_path / 'ckpt'},1",
                                             "--greedy", f"gemma2={exported}"])
 
 
@@ -79,8 +79,9 @@ def test_ppo_update_is_layout_invariant_and_log_probs_match_hf(tmp_path):
         convert_hf_to_mcore(hf_dir, tmp_path / "ckpt" / f"tp{tp}pp{pp}", tp=tp, pp=pp)
     (tmp_path / "out").mkdir()
     tests_dir = str(Path(__file__).parent)
-    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
-    run_torchrun(2, "roles_worker", [str(tmp_path / "ckpt"), str(hf_dir), str(tmp_path / "out"), "fp32",
+    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, str(Path(tests_dir).parent),
+                                                      *os.environ.get("PYTHONPATH", "").split(":")]))}
+    run_torchrun(2, "tests.workers.roles_worker", [str(tmp_path / "ckpt"), str(hf_dir), str(tmp_path / "out"), "fp32",
                                      *(f"{tp},{pp}" for tp, pp in layouts)], env=env)
 
     def result(tp, pp):

@@ -2,7 +2,7 @@
 rollout TP size, fresh weights after a training step, measured peak within the planner's figure, and greedy
 generation of the embedded engine equal to transformers on the exported weights.
 
-The layouts of one world size (and the expert-parallel case) share one torchrun launch of tests/hybrid_worker.py,
+The layouts of one world size (and the expert-parallel case) share one torchrun launch of tests/workers/hybrid_worker.py,
 checked in turn; a failed case fails the tests of its launch with the worker's message, which names the case."""
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def outcomes(hybrid_models, tmp_path_factory) -> dict:
     """(TP, PP, DP) of each of LAYOUTS, and EP_LAYOUT -> None where its layout group passed, else why not: the end
     of its launch's output for the group the launch failed in (the worker's message names the case), "not run"
     for the groups after it. One launch per world size runs that size's groups in turn (`--next` between them)."""
-    from hybrid_worker import GROUP_DONE
+    from tests.workers.hybrid_worker import GROUP_DONE
 
     root = tmp_path_factory.mktemp("hybrid")
     launches: dict[int, list[tuple]] = {}
@@ -90,7 +90,7 @@ def outcomes(hybrid_models, tmp_path_factory) -> dict:
     for world, groups in launches.items():
         args = [arg for index, (_, group) in enumerate(groups) for arg in [*(["--next"] if index else []), *group]]
         try:
-            run_torchrun(world, "tests.hybrid_worker", args, capture_output=True)
+            run_torchrun(world, "tests.workers.hybrid_worker", args, capture_output=True)
             output, failure = None, None
         except subprocess.CalledProcessError as failed:
             output = failed.stdout or ""

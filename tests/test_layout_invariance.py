@@ -14,7 +14,7 @@ import torch
 
 from verl_mega.converters.parity import ROUNDING_SITES
 
-from roles_worker import CORRECTION_CASES, POLICY_LOSS_CASES
+from tests.workers.roles_worker import CORRECTION_CASES, POLICY_LOSS_CASES
 
 pytestmark = pytest.mark.slow
 

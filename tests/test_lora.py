@@ -15,7 +15,7 @@ from verl_mega.models.lora import (
     merged_weight,
 )
 
-from lora_worker import ALPHA, DROPOUT, HIDDEN, JOB_STEPS, QKV, RANK, TwoLinears, full_tensors
+from tests.workers.lora_worker import ALPHA, DROPOUT, HIDDEN, JOB_STEPS, QKV, RANK, TwoLinears, full_tensors
 from test_layout_invariance import LAYOUTS, LOGPROB_ATOL, REL_TOL, assert_within_bf16_rounding, rel_diff
 
 
@@ -204,7 +204,7 @@ def tiny_ckpt(tmp_path_factory):
 
 
 def tiny_batch(vocab_size: int = 300) -> dict:
-    from roles_worker import fixed_batch
+    from tests.workers.roles_worker import fixed_batch
 
     batch = fixed_batch(vocab_size, pad_id=0)
     generator = torch.Generator().manual_seed(3)
@@ -341,7 +341,7 @@ def test_the_preflight_check_refuses_a_target_the_family_lacks(preflight_inputs)
         "actor.lora.targets: linear_qkv: the deepseek_v3 family has no such layer; drop it from the targets"]
 
 
-# --- at TP 2 and at every layout (the layout grids' launches, tests/lora_worker.py) ---------------------------
+# --- at TP 2 and at every layout (the layout grids' launches, tests/workers/lora_worker.py) ---------------------------
 
 def tp2_layers(grid, name: str) -> list[dict]:
     return [torch.load(grid / "lora" / f"layers_tp{rank}.pt")[name] for rank in range(2)]

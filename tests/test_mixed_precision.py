@@ -20,7 +20,7 @@ DP = 2
 
 @pytest.fixture(scope="module")
 def state_round_trip(tmp_path_factory):
-    """'{dtype}_{kind}' -> the worker's record (see tests/mixed_precision_worker.py); one launch of 2 processes."""
+    """'{dtype}_{kind}' -> the worker's record (see tests/workers/mixed_precision_worker.py); one launch of 2 processes."""
     from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
     from verl_mega.models.tiny import make_tiny_hf_model
 
@@ -30,8 +30,9 @@ def state_round_trip(tmp_path_factory):
     out = root / "out"
     out.mkdir()
     tests_dir = str(Path(__file__).parent)
-    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
-    run_torchrun(DP, "mixed_precision_worker", [str(root / "ckpt"), str(out)], env=env)
+    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, str(Path(tests_dir).parent),
+                                                      *os.environ.get("PYTHONPATH", "").split(":")]))}
+    run_torchrun(DP, "tests.workers.mixed_precision_worker", [str(root / "ckpt"), str(out)], env=env)
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from layout_grid import DENSE, MLA, MOE, QWEN3_MOE
-from offline_roles_worker import case_name
+from tests.workers.offline_roles_worker import case_name
 
 from .test_layout_invariance import BF16_AGGREGATE_TOL, REL_TOL, bf16_weight_tol, rel_diff
 

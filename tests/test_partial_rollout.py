@@ -139,7 +139,7 @@ def test_an_engine_failing_mid_step_leaves_the_rollout_as_it_was(engine, models)
 
 def test_sampling_is_reproducible_for_a_seed_and_the_samples_of_a_prompt_differ(engine, models):
     """The same seed and chunk size give the same responses; another seed others; and the two samples of a
-    prompt differ (tests/vllm_worker.py checks the same on vLLM, whose requests of a call are seeded alike)."""
+    prompt differ (tests/workers/vllm_worker.py checks the same on vLLM, whose requests of a call are seeded alike)."""
     _, eos = models
 
     def sample(seed: int) -> dict:
@@ -304,22 +304,11 @@ def test_the_batch_keeps_each_tokens_version_padded_with_minus_one():
 
 # --- the trainer's schedule of partial rollouts (colocated, one process) ------------------------------------
 
-@pytest.fixture(scope="module")
-def one_rank_world(tmp_path_factory):
-    """A gloo world of this process alone: LocalChunks gathers each chunk's responses over it."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('world') / 'store'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def partial_schedule(engine, eos: int, staleness: int, policy: str):
     """PartialSchedule over LocalChunks on the tiny engine: rounds of 2 prompts (drawn by round number, as a
     sampler's position would), 2 samples each, one-token chunks."""
     from verl_mega.parallel.layout import rollout_placement
-    from verl_mega.trainer.partial_schedule import LocalChunks, PartialSchedule
+    from verl_mega.trainer.rl.partial_schedule import LocalChunks, PartialSchedule
 
     params = SamplingParams(max_new_tokens=4, n=2, seed=5, logprobs=True)
     chunks = LocalChunks(engine, params, 1, policy, [eos], rollout_placement(0, 1, 1, 1), 1)

@@ -9,7 +9,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.rollout.engine import Response
 from verl_mega.trainer.preflight import preflight_check
 from verl_mega.trainer.metrics import StageTimer
-from verl_mega.trainer.rollout_schedule import GeneratedRound, Pending, RolloutSchedule
+from verl_mega.trainer.rl.schedule import GeneratedRound, Pending, RolloutSchedule
 
 N = 2  # responses per prompt
 BATCH = 2  # prompts per round

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from verl_mega.parallel import bridge
 from verl_mega.parallel.placement import placement_for
-from verl_mega.trainer.rollout_service import replica_bounds, replica_leaders, replica_messages
+from verl_mega.trainer.rl.rollout_service import replica_bounds, replica_leaders, replica_messages
 
 
 def test_every_rank_of_a_replica_gets_its_replicas_share_and_only_its_first_rank_answers():

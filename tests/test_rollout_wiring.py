@@ -1,6 +1,6 @@
 """The seam between the HybridEngine and the rollout engines, without vLLM: which engine the factory picks,
 and the `WeightFeed` arithmetic the engines read the stream by. (That the feed describes the real stream at
-every rollout TP is checked on the stream itself in tests/hybrid_worker.py.)"""
+every rollout TP is checked on the stream itself in tests/workers/hybrid_worker.py.)"""
 from __future__ import annotations
 
 import pytest

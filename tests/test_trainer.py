@@ -72,7 +72,7 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
     # exported tensors, and generates greedily what transformers generates from the exported folder.
     from verl_mega.parallel.spawn import run_torchrun
 
-    run_torchrun(1, "tests.hybrid_worker", ["--tp", "1", "--pp", "1", "--case",
+    run_torchrun(1, "tests.workers.hybrid_worker", ["--tp", "1", "--pp", "1", "--case",
                                             f"qwen2,{exported},{run_dir / 'final_actor'},1", "--greedy",
                                             f"qwen2={exported}"])
     assert cli(["export", "--ckpt", str(run_dir), "--role", "critic", "--out", str(tmp_path / "critic")]) == 0
@@ -80,7 +80,7 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
 
 def test_lr_schedule_spans_every_optimizer_step_of_the_run():
     from verl_mega.config import load_config
-    from verl_mega.trainer.rl import optimizer_steps
+    from verl_mega.trainer.rl.needs import optimizer_steps
 
     config = load_config(None, ["model.hf_path=x", "trainer.total_steps=10", "data.batch_size=8", "rollout.n=4",
                                 "actor.mini_batch_size=16", "actor.ppo_epochs=2"])

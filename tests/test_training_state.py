@@ -44,9 +44,10 @@ def runs(layout_grid):
     assert "state_save:{},{}".format(*SAVE_LAYOUT) in SHARED_CASES[8], "the grid saves at SAVE_LAYOUT"
     assert all((ckpt_root / f"tp{tp}pp{pp}").is_dir() for tp, pp in OTHER_LAYOUTS), "the role grid converts them"
     tests_dir = str(Path(__file__).parent)
-    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, *os.environ.get("PYTHONPATH", "").split(":")]))}
+    env = {"PYTHONPATH": ":".join(filter(None, [tests_dir, str(Path(tests_dir).parent),
+                                                      *os.environ.get("PYTHONPATH", "").split(":")]))}
     layouts = [f"{tp},{pp}" for tp, pp in [SAVE_LAYOUT, *OTHER_LAYOUTS]]
-    run_torchrun(8, "training_state_worker", ["resume", str(ckpt_root), str(out), *layouts], env=env)
+    run_torchrun(8, "tests.workers.training_state_worker", ["resume", str(ckpt_root), str(out), *layouts], env=env)
     results = {"uninterrupted": {kind: merged_stages(out, f"uninterrupted_{kind}", SAVE_LAYOUT[1]) for kind in KINDS},
                **{name: torch.load(out / f"{name}.pt")
                   for name in ("wrong_model_refusal", "distributed_kind_refusal", "lora_kind_refusal")}}

@@ -1,5 +1,5 @@
 """The actor's update does not depend on which passes computed its inputs, nor on how rows are grouped into
-micro-batches (tests/update_passes_worker.py under torchrun, 2 processes, tiny Qwen2, fp32: a case of the layout
+micro-batches (tests/workers/update_passes_worker.py under torchrun, 2 processes, tiny Qwen2, fp32: a case of the layout
 grids' 2-process launch, tests/layout_grid.py, on the role grid's model and checkpoints).
 
 - The reference pass runs only when a KL term can be non-zero (fast, config only).
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from verl_mega.config import TrainConfig
-from verl_mega.trainer.rl import uses_reference
+from verl_mega.trainer.rl.needs import uses_reference
 
 from layout_grid import SHARED_CASES
 

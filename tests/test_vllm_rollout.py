@@ -79,7 +79,7 @@ def test_greedy_equals_transformers_and_the_embedded_engine(qwen2, tmp_path):
     against the megatron forward of the same fp32 weights, within fp32 rounding of each other (vLLM's CPU
     kernels: ratios within 1e-3 of 1, KL ~1e-7; the embedded engine, transformers' fp32 forward, tighter)."""
     measured = tmp_path / "mismatch.json"
-    run_torchrun(1, "tests.vllm_worker", ["parity", "--ckpt", str(qwen2 / "tp1"), "--hf", str(qwen2 / "hf"),
+    run_torchrun(1, "tests.workers.vllm_worker", ["parity", "--ckpt", str(qwen2 / "tp1"), "--hf", str(qwen2 / "hf"),
                                           "--mismatch", str(measured)])
     metrics = json.loads(measured.read_text())
     print(f"rollout_corr metrics, fp32 weights: {metrics}")
@@ -93,7 +93,7 @@ def test_a_plain_process_builds_vllm_after_init_parallel(qwen2):
     """One process without torchrun (the image's train.sh default, a script): vLLM's external launcher reads
     RANK and LOCAL_RANK, which `init_parallel` exports; the engine then generates as under torchrun."""
     plain = {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
-    subprocess.run([sys.executable, "-m", "tests.vllm_worker", "parity", "--ckpt", str(qwen2 / "tp1"),
+    subprocess.run([sys.executable, "-m", "tests.workers.vllm_worker", "parity", "--ckpt", str(qwen2 / "tp1"),
                     "--hf", str(qwen2 / "hf")], check=True, cwd=REPO, env={**plain, "OMP_NUM_THREADS": "1"})
 
 
@@ -101,7 +101,7 @@ def test_a_plain_process_builds_vllm_after_init_parallel(qwen2):
 def test_gpu_memory_utilization_reaches_the_engine(qwen2):
     """`rollout.gpu_memory_utilization` through the rollout factory into vLLM's engine arguments: what the engine
     was built with (0.37, not the default)."""
-    run_torchrun(1, "tests.vllm_worker", ["built", "--hf", str(qwen2 / "hf"), "--gpu-memory-utilization", "0.37"])
+    run_torchrun(1, "tests.workers.vllm_worker", ["built", "--hf", str(qwen2 / "hf"), "--gpu-memory-utilization", "0.37"])
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def memorized(tmp_path_factory):
 def test_presliced_load_at_rollout_tp2_holds_what_a_whole_load_holds(qwen2, memorized):
     """...and the agent loop runs a multi-turn episode on vLLM at rollout TP 2 (the same launch)."""
     needs_devices(2)
-    run_torchrun(2, "tests.vllm_worker", ["presliced", "--ckpt", str(qwen2 / "tp2"), "--hf", str(qwen2 / "hf"),
+    run_torchrun(2, "tests.workers.vllm_worker", ["presliced", "--ckpt", str(qwen2 / "tp2"), "--hf", str(qwen2 / "hf"),
                                           "--agent-ckpt", str(memorized / "tp2"), "--agent-hf", str(memorized / "hf"),
                                           "--agent-row", str(memorized / "row.json")])
 
@@ -133,7 +133,7 @@ def test_presliced_moe_load_at_rollout_tp2_holds_what_a_whole_load_holds(moe):
     """vLLM's fused-MoE loaders cut their TP rank's part out of each expert tensor themselves: the pre-sliced
     stream's expert slices must be taken as they are, like the linear layers' (not cut a second time)."""
     needs_devices(2)
-    run_torchrun(2, "tests.vllm_worker", ["presliced", "--ckpt", str(moe / "tp2"), "--hf", str(moe / "hf")])
+    run_torchrun(2, "tests.workers.vllm_worker", ["presliced", "--ckpt", str(moe / "tp2"), "--hf", str(moe / "hf")])
 
 
 @pytest.mark.slow
@@ -178,7 +178,7 @@ def test_ppo_run_at_tp2_pp2_with_vllm_rollout(qwen2, tmp_path, rollout_tp, examp
         exported = tmp_path / "trained_hf"
         assert cli(["export", "--ckpt", str(run_dir), "--out", str(exported)]) == 0
         convert_hf_to_mcore(exported, tmp_path / "trained_tp1", tp=1, pp=1)
-        run_torchrun(1, "tests.vllm_worker", [
+        run_torchrun(1, "tests.workers.vllm_worker", [
             "parity", "--ckpt", str(qwen2 / "tp1"), "--hf", str(qwen2 / "hf"),
             "--after-ckpt", str(tmp_path / "trained_tp1"), "--after-hf", str(exported)])
 

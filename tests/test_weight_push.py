@@ -1,6 +1,6 @@
 """Weight push over the bridge, under real gloo processes: training TP 2 on ranks 0-1, two rollout-only ranks 2-3.
 
-One torchrun launch of tests/weight_push_worker.py runs every case in turn (see its docstring): at rollout TP 1
+One torchrun launch of tests/workers/weight_push_worker.py runs every case in turn (see its docstring): at rollout TP 1
 (two replicas, each loading an embedded engine from the push) and at rollout TP 2 (one replica) every rollout
 rank holds bit for bit what the colocated HybridEngine stream gives at its rollout TP rank; a flipped byte is
 named by verify on both sides; a rollout rank that exits mid-push is named by the training rank it served, and
@@ -31,7 +31,7 @@ def reports(tmp_path_factory) -> dict[int, dict]:
     out = root / "out"
     out.mkdir()
     try:
-        run_torchrun(4, "tests.weight_push_worker",
+        run_torchrun(4, "tests.workers.weight_push_worker",
                      [str(hf_dir), str(ckpt), str(out), str(TIMEOUT_S), str(HANG_TIMEOUT_S)], capture_output=True)
     except subprocess.CalledProcessError as failed:
         pytest.fail(f"the weight push launch failed:\n{(failed.stdout or '')[-3000:]}\n{(failed.stderr or '')[-6000:]}")

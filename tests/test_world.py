@@ -122,7 +122,7 @@ def test_srun_tasks_without_torchrun_form_one_group(tmp_path):
     group lives (vLLM reads them) and taken back after."""
     job_id = free_slurm_job_id()
     plain = {key: value for key, value in os.environ.items() if key not in TORCHRUN and not key.startswith("SLURM_")}
-    tasks = [subprocess.Popen([sys.executable, "-m", "tests.world_worker", str(tmp_path)], cwd=REPO, env={
+    tasks = [subprocess.Popen([sys.executable, "-m", "tests.workers.world_worker", str(tmp_path)], cwd=REPO, env={
         **plain, "OMP_NUM_THREADS": "1", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
         "SLURM_NODELIST": "localhost,gpu[02-03]", "SLURM_JOB_ID": str(job_id)}) for rank in range(2)]
     assert [task.wait(timeout=600) for task in tasks] == [0, 0]

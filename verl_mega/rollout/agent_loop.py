@@ -31,7 +31,7 @@ from verl_mega.tools import ToolCall, ToolResult, ToolSet
 from .engine import EpisodeInfo, Response, RolloutEngine, SamplingParams
 
 TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json")
-# Above any step's seed offsets and the generation rounds' 2**31 stride (trainer.rl.rollout_seed).
+# Above any step's seed offsets and the generation rounds' 2**31 stride (trainer.rl.generation.rollout_seed).
 TURN_SEED_STRIDE = 2**36
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 LLAMA_PYTHON_TAG = "<|python_tag|>"

@@ -39,8 +39,9 @@ from .metrics import print_note
 from .preemption import StopRequest, requeue_slurm_job
 from .preference import PreferenceJob
 from .preflight import preflight_check
-from .rl import RLJob, uses_critic
-from .rollout_service import RolloutService
+from .rl import RLJob
+from .rl.needs import uses_critic
+from .rl.rollout_service import RolloutService
 from .sft import SFTJob
 
 PEER_FAILED_EXIT_CODE = 3  # a rank of the other role (disaggregated placement) died or hung

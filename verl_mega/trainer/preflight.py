@@ -41,8 +41,8 @@ from verl_mega.run.mirror import parse_mirror_url, require_boto3
 from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
 
-from .rl import check_estimator_config
-from .rollout_schedule import PARTIAL_POLICIES, ROLLOUT_MODES
+from .rl.needs import check_estimator_config
+from .rl.schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
 ASYNC_KNOBS = ("max_staleness", "partial", "partial_chunk_tokens")  # rollout.* keys that only async reads
 PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp", "rollout_ranks")}

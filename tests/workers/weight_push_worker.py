@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.hybrid_worker import expected_rollout_slice
+from tests.workers.hybrid_worker import expected_rollout_slice
 from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader

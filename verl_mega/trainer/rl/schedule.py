@@ -27,7 +27,7 @@ resumes exactly.
 Every schedule answers the trainer with the same calls (`Schedule`): `fill(timer, version)` at a step's start,
 `take(step, gen_round, timer, version)` for each of its rounds, `ahead(timer, version)` once they are taken and
 `settle()` at its end. Where the data comes from is the schedule's own, given when it is made: whole rounds from
-a `Generate` callable here, chunks of partial rollouts in `trainer.partial_schedule`.
+a `Generate` callable here, chunks of partial rollouts in `trainer.rl.partial_schedule`.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from verl_mega.rollout.engine import Response
 from verl_mega.rollout.plain_state import count, entry
 from verl_mega.rollout.trajectory_buffer import Group, TrajectoryBuffer
 
-from .metrics import StageTimer
+from ..metrics import StageTimer
 
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
 PARTIAL_POLICIES = ("off", "finish", "abort")

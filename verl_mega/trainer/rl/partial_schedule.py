@@ -24,7 +24,7 @@ take slots of their own here); shorter chunks re-prefill and seed each chunk's c
 `rollout.partial`), so they sample other tokens.
 
 Where the partial rollouts live depends on the placement: `LocalChunks` (on the training ranks, colocated, here)
-or `trainer.rollout_service.RemoteChunks` (on the rollout ranks). Both answer `chunk()` with every replica's
+or `trainer.rl.remote.RemoteChunks` (on the rollout ranks). Both answer `chunk()` with every replica's
 finished responses, in replica order, on every training rank. The job state holds the buffer, the prompts in
 flight and every replica's partial rollout, so a checkpoint taken with sequences in flight resumes exactly.
 """
@@ -42,8 +42,8 @@ from verl_mega.rollout.partial import PartialRollout
 from verl_mega.rollout.plain_state import entry, ints
 from verl_mega.rollout.trajectory_buffer import PendingGroups
 
-from .metrics import StageTimer
-from .rollout_schedule import BufferedSchedule, GeneratedRound, as_round
+from ..metrics import StageTimer
+from .schedule import BufferedSchedule, GeneratedRound, as_round
 
 Draw = Callable[[], tuple[list[int], list[list[int]]]]  # the next round: sampler indices and prompt token ids
 Seeds = Callable[[int, int], list[int]]  # slot (step, round) -> each replica's seed of its first chunk

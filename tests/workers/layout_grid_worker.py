@@ -1,17 +1,17 @@
-"""torchrun worker for the layout grids: one launch runs, in turn, the role cases of tests/roles_worker.py and the
-SFT / preference cases of tests/offline_roles_worker.py, so that each process pays megatron-core's start-up once
+"""torchrun worker for the layout grids: one launch runs, in turn, the role cases of tests/workers/roles_worker.py and the
+SFT / preference cases of tests/workers/offline_roles_worker.py, so that each process pays megatron-core's start-up once
 for both grids (tests/layout_grid.py launches it).
 
     layout_grid_worker ROOT CASE [CASE ...]
 
 a CASE being `roles:DTYPE:TP,PP` (ROOT/roles/ckpt/tp{TP}pp{PP}, results in ROOT/roles/out_{DTYPE}),
 `offline:MODEL:DTYPE:TP,PP,EP` (ROOT/offline/ckpt/MODEL/tp{TP}pp{PP}ep{EP}, results in ROOT/offline/out),
-`update_passes` (tests/update_passes_worker.py on the role grid's checkpoints, into ROOT/passes) or
-`state_save:TP,PP` (tests/training_state_worker.py's save phase on them, into ROOT/state), `lora:MODEL:TP,PP,EP`
+`update_passes` (tests/workers/update_passes_worker.py on the role grid's checkpoints, into ROOT/passes) or
+`state_save:TP,PP` (tests/workers/training_state_worker.py's save phase on them, into ROOT/state), `lora:MODEL:TP,PP,EP`
 or `lora:MODEL:TP,PP,EP:bf16` (a LoRA actor and critic update, in fp32 or bf16, on the role grid's qwen2
 checkpoint or the offline grid's MODEL, into ROOT/lora), `lora_layers` (adapted linears at TP 2, into
 ROOT/lora) or `lora_jobs` (the SFT and DPO jobs with LoRA on 2 ranks, into ROOT/lora/jobs; all three
-tests/lora_worker.py). A case that raises stops the launch with an error naming that case.
+tests/workers/lora_worker.py). A case that raises stops the launch with an error naming that case.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from pathlib import Path
 
 from verl_mega.parallel.process_exit import exit_process
 
-import lora_worker
-import offline_roles_worker
-import roles_worker
-import training_state_worker
-import update_passes_worker
+import tests.workers.lora_worker as lora_worker
+import tests.workers.offline_roles_worker as offline_roles_worker
+import tests.workers.roles_worker as roles_worker
+import tests.workers.training_state_worker as training_state_worker
+import tests.workers.update_passes_worker as update_passes_worker
 
 
 def run_case(root: Path, case: str) -> None:

@@ -1,4 +1,4 @@
-"""LoRA cases of the layout grids' launches (tests/layout_grid_worker.py runs them; tests/test_lora.py compares):
+"""LoRA cases of the layout grids' launches (tests/workers/layout_grid_worker.py runs them; tests/test_lora.py compares):
 
 - `layers`: at TP 2, a column- and a row-parallel linear with adapters, forward and backward on known full
   weights, without and with dropout; each rank saves its shards (and the RNG states its masks came from), the test
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from roles_worker import MICRO_BATCH, MINI_BATCH, fixed_batch, gather_hf_weights
+from tests.workers.roles_worker import MICRO_BATCH, MINI_BATCH, fixed_batch, gather_hf_weights
 
 HIDDEN, QKV, RANK, ALPHA = 12, 20, 4, 6.0
 

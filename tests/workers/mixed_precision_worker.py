@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from verl_mega.parallel.process_exit import exit_process
 
-from training_state_worker import MICRO_BATCH, MINI_BATCH, OPTIMIZER_KINDS, training_batch
+from tests.workers.training_state_worker import MICRO_BATCH, MINI_BATCH, OPTIMIZER_KINDS, training_batch
 
 DTYPES = ("bf16", "fp16")
 

@@ -1,4 +1,4 @@
-"""The SFT / preference layout tests' cases, run inside tests/layout_grid_worker.py's torchrun launches: at each
+"""The SFT / preference layout tests' cases, run inside tests/workers/layout_grid_worker.py's torchrun launches: at each
 case, one SFT update, one DPO update and one on-policy PPO update of the actor on fixed batches; saves the metrics
 and the updated weights (full, HF-named).
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from roles_worker import BATCH, MICRO_BATCH, fixed_batch, gather_hf_weights
+from tests.workers.roles_worker import BATCH, MICRO_BATCH, fixed_batch, gather_hf_weights
 
 
 def sft_batch(vocab_size: int) -> dict[str, torch.Tensor]:

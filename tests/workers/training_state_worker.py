@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from verl_mega.parallel.process_exit import exit_process
 
-from roles_worker import MINI_BATCH, fixed_batch, gather_hf_weights
+from tests.workers.roles_worker import MINI_BATCH, fixed_batch, gather_hf_weights
 
 OPTIMIZER_KINDS = {"plain": False, "distributed": True, "lora": True}
 LORA_RANK = 4

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from verl_mega.parallel.process_exit import exit_process
 
-from roles_worker import MICRO_BATCH, fixed_batch
+from tests.workers.roles_worker import MICRO_BATCH, fixed_batch
 
 
 def train_and_save_critic(ckpt: Path, out: Path) -> None:

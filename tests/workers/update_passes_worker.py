@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from verl_mega.parallel.process_exit import exit_process
 
-from roles_worker import BATCH, MICRO_BATCH, MINI_BATCH, fixed_batch, gather_hf_weights
+from tests.workers.roles_worker import BATCH, MICRO_BATCH, MINI_BATCH, fixed_batch, gather_hf_weights
 
 OPTIM = dict(lr=1e-2, weight_decay=0.01, clip_grad=1.0, adam_eps=1e-2)
 # Between one and two full-width rows (11 tokens): over the whole batch, 3 micro-batches on DP rank 0 and 4 on
@@ -107,7 +107,7 @@ def skip_old_pass(ckpt_root: Path, out_dir: Path) -> None:
 
 
 def temperature(ckpt_root: Path, hf_dir: Path, out_dir: Path) -> None:
-    from roles_worker import hf_response_logprobs
+    from tests.workers.roles_worker import hf_response_logprobs
 
     from verl_mega.parallel.state import current_layout, init_parallel
     from verl_mega.roles.reference import make_reference
@@ -184,7 +184,7 @@ def fused_weight_gradients(ckpt_root: Path, out_dir: Path) -> None:
 
 
 def run_passes(ckpt_root: Path, hf_dir: Path, out_dir: Path) -> None:
-    """Every run above, in turn (also a case of tests/layout_grid_worker.py)."""
+    """Every run above, in turn (also a case of tests/workers/layout_grid_worker.py)."""
     skip_old_pass(ckpt_root, out_dir)
     temperature(ckpt_root, hf_dir, out_dir)
     token_budget(ckpt_root, out_dir)

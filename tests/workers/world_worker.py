@@ -2,7 +2,7 @@
 joins the process group through `init_parallel` and writes to OUT/rank{RANK}.json what it became and what it
 exported, during the group's life and after `destroy_parallel`.
 
-    python -m tests.world_worker OUT
+    python -m tests.workers.world_worker OUT
 """
 import json
 import os

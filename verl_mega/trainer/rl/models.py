@@ -1,0 +1,56 @@
+"""The models an RL step runs: the actor, and the reference and critic where the config uses them, built from
+their checkpoints in the actor's dtype."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from verl_mega.config import TrainConfig
+from verl_mega.roles.actor import Actor, sampling_temperature
+from verl_mega.roles.critic import Critic
+from verl_mega.roles.reference import make_reference
+
+from .needs import optimizer_steps, uses_critic, uses_reference
+
+
+@dataclasses.dataclass
+class Models:
+    actor: Actor
+    actor_ckpt: Path
+    reference: object | None = None  # a Reference, or the actor's own frozen base (LoRA): compute_ref_log_prob
+    critic: Critic | None = None
+    critic_ckpt: Path | None = None
+
+    def trainables(self) -> dict:
+        """name -> TrainableModel saved in step checkpoints."""
+        trainables = {"actor": self.actor.trainable}
+        if self.critic is not None:
+            trainables["critic"] = self.critic.trainable
+        return trainables
+
+    def final_weights(self) -> list[tuple]:
+        """(model, source checkpoint, role) of each role published for `verl-mega export`."""
+        weights = [(self.actor.model, self.actor_ckpt, "actor")]
+        if self.critic is not None:
+            weights.append((self.critic.model, self.critic_ckpt, "critic"))
+        return weights
+
+
+def build_models(config: TrainConfig, actor_ckpt: Path, critic_ckpt: Path | None = None) -> Models:
+    """The critic and the reference run in the actor's dtype, whatever their checkpoints were saved in; the
+    log-probs of the update and of the KL term are the sampling distribution's (logits / temperature)."""
+    dtype, packed, replay = config.model.dtype, config.actor.use_packed_sequences, config.actor.router_replay
+    temperature = sampling_temperature(config.rollout.temperature)
+    actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
+                  schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed,
+                  temperature=temperature, correction=config.algorithm.rollout_correction, router_replay=replay,
+                  lora=config.actor.lora)
+    models = Models(actor, Path(actor_ckpt))
+    models.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), actor=actor, dtype=dtype,
+                                      packed_sequences=packed, temperature=temperature, router_replay=replay)
+    if uses_critic(config):
+        models.critic_ckpt = Path(critic_ckpt or actor_ckpt)
+        models.critic = Critic(models.critic_ckpt, config.critic.optim, config.critic.loss, dtype=dtype,
+                               packed_sequences=config.critic.use_packed_sequences,
+                               schedule_steps=optimizer_steps(config, config.critic), lora=config.critic.lora)
+    return models

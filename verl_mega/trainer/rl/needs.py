@@ -1,0 +1,54 @@
+"""What an RL config needs, read from the config alone: the roles it runs (critic, reference), whether its
+advantage estimator can run, and the LR schedules' length. The pre-flight check and the job both ask here, so
+neither imports the other."""
+from __future__ import annotations
+
+from typing import Callable
+
+from verl_mega.algorithms import estimator_inputs
+from verl_mega.config import TrainConfig
+from verl_mega.roles.actor import uses_kl_loss
+
+# What a step lacks for an estimator input, by config: (the input is missing, the fix). The other inputs
+# (rewards, scores, mask, uids, old log-probs, sum pi^2, ReMax's greedy baseline) are computed on demand, and
+# both rollout engines return their log-probs with every response (rollout_log_probs).
+ESTIMATOR_INPUT_GAPS = {
+    "values": (lambda config: not config.critic.enable, "takes the critic's values: set critic.enable=true"),
+}
+# Estimators whose every prompt group needs two responses or more (verl refuses fewer).
+MIN_GROUP_SIZE = {"grpo_passk": 2}
+
+
+def uses_critic(config: TrainConfig) -> bool:
+    return config.job == "rl" and config.algorithm.adv_estimator == "gae" and config.critic.enable
+
+
+def uses_reference(config: TrainConfig) -> bool:
+    """Whether a KL term can be non-zero: in the loss or in the reward, with a non-zero coefficient (the adaptive
+    controller scales its coefficient, so one that starts at 0 stays 0). Otherwise the reference pass, and the
+    reference's memory, is skipped; so is the `actor/kl` metric, which needs the reference."""
+    kl_reward = config.algorithm.use_kl_in_reward and config.algorithm.kl_ctrl.kl_coef != 0
+    return uses_kl_loss(config.actor.loss) or kl_reward
+
+
+def uses_greedy_baseline(config: TrainConfig) -> bool:
+    """Whether the estimator takes ReMax's baseline: a greedy response per prompt, scored like the samples."""
+    return "reward_baselines" in estimator_inputs(config.algorithm.adv_estimator)
+
+
+def check_estimator_config(config: TrainConfig, need: Callable[[bool, str], None]) -> None:
+    """need(ok, problem) for each reason the configured advantage estimator cannot run under `config`: one line
+    naming the key and the fix (the pre-flight check's)."""
+    name = config.algorithm.adv_estimator
+    for input_name in estimator_inputs(name):
+        missing, fix = ESTIMATOR_INPUT_GAPS.get(input_name, (lambda _: False, ""))
+        need(not missing(config), f"algorithm.adv_estimator={name} {fix}")
+    least = MIN_GROUP_SIZE.get(name, 1)
+    need(config.rollout.n >= least, f"algorithm.adv_estimator={name} compares the responses to each prompt: set "
+         f"rollout.n >= {least}, got rollout.n={config.rollout.n}")
+
+
+def optimizer_steps(config: TrainConfig, role) -> int:
+    """Optimizer steps a role takes over the run: the LR schedule's length (it steps once per mini-batch)."""
+    sequences = config.data.batch_size * config.rollout.n
+    return config.trainer.total_steps * role.ppo_epochs * (sequences // role.mini_batch_size)
