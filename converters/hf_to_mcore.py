@@ -10,6 +10,7 @@ from verl_mega.checkpoint.hf_assets import copy_hf_assets, without_remote_code
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.checkpoint.model_io import hf_rank_shard_plan, open_hf_checkpoint
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+from verl_mega.checkpoint.unread_tensors import is_carried, write_unread_tensors
 from verl_mega.files.atomic import atomic_output_dir
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, architecture, padded_vocab_size
@@ -28,13 +29,14 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
     hf_config, family = load_hf_model_config(hf_dir, family_spec)
     check_model_fit(hf_config, tp, pp, ep, names={"tp": "--tp", "pp": "--pp", "ep": "--ep"})
     reader = open_hf_checkpoint(hf_dir, hf_config, family)
-    check_hf_tensors(reader, hf_config, family)
+    carried = check_hf_tensors(reader, hf_config, family)
     padded_vocab = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
     manifest = Manifest(
         family=family.name, hf_config=hf_config.raw if keep_remote_code else without_remote_code(hf_config.raw),
         format=fmt,
         tp=tp, pp=pp, ep=ep, dtype=dtype,
         tied_embeddings=hf_config.tie_word_embeddings, padded_vocab_size=padded_vocab, family_spec=family.origin,
+        unread_tensors=carried,
     )
     with atomic_output_dir(out_dir, overwrite, sources=(hf_dir,)) as tmp:
         if fmt == "megatron_legacy":
@@ -44,6 +46,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
         else:
             raise ValueError(f"--format must be megatron_legacy or torch_dist, got '{fmt}'")
         copy_hf_assets(hf_dir, tmp / HF_ASSETS_DIR, keep_remote_code=keep_remote_code)
+        write_unread_tensors(reader, carried, tmp / HF_ASSETS_DIR)
         manifest.write(tmp)
     return manifest
 
@@ -81,16 +84,19 @@ def megatron_args(hf_config, family, manifest: Manifest) -> dict:
     )
 
 
-def check_hf_tensors(reader: SafetensorsReader, hf_config, family) -> None:
-    """Refuse, before anything is written, a checkpoint whose tensors are not those its config.json implies."""
+def check_hf_tensors(reader: SafetensorsReader, hf_config, family) -> list[str]:
+    """Refuse, before anything is written, a checkpoint whose tensors are not those its config.json implies; returns
+    the names of those it carries that the model does not read and the export writes back (`unread_tensors`)."""
     expected = expected_hf_shapes(hf_config, family)
+    unread = [name for name in reader.names() if name not in expected]
+    carried = sorted(name for name in unread if is_carried(name, hf_config, family))
     problems = [f"tensor '{name}' is missing" for name in expected if name not in reader]
     problems += [f"tensor '{name}' has shape {list(reader.shape(name))}, config.json implies {list(shape)}"
                  for name, shape in expected.items() if name in reader and tuple(reader.shape(name)) != shape]
     problems += [f"tensor '{name}' has dtype {reader.dtype(name)}, not a floating-point type"
                  for name in expected if name in reader and not reader.dtype(name).is_floating_point]
     problems += [f"tensor '{name}' is not part of a {family.name} model with this config"
-                 for name in reader.names() if name not in expected and not _unread_extra(name, hf_config)]
+                 for name in unread if name not in carried and not _tied_head(name, hf_config)]
     if hf_config.tie_word_embeddings and "lm_head.weight" in reader and "model.embed_tokens.weight" in expected \
             and reader.shape("lm_head.weight") == reader.shape("model.embed_tokens.weight") \
             and not torch.equal(reader.read("lm_head.weight"), reader.read("model.embed_tokens.weight")):
@@ -99,17 +105,9 @@ def check_hf_tensors(reader: SafetensorsReader, hf_config, family) -> None:
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise ValueError(f"the checkpoint at {reader.dir} does not match its config.json: {problems[0]}{more}")
+    return carried
 
 
-def _unread_extra(name: str, hf_config) -> bool:
-    """Tensors some HF checkpoints carry that the model does not read: a tied LM head stored anyway, the RoPE
-    frequencies older transformers versions saved as a buffer (recomputed from the config here), and DeepSeek-V3's
-    multi-token-prediction layers after the last one (`num_nextn_predict_layers`; transformers skips them too)."""
-    return (hf_config.tie_word_embeddings and name == "lm_head.weight") or name.endswith(".rotary_emb.inv_freq") \
-        or _prediction_layer(name, hf_config)
-
-
-def _prediction_layer(name: str, hf_config) -> bool:
-    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
-    extra = hf_config.raw.get("num_nextn_predict_layers") if hf_config.model_type == "deepseek_v3" else None
-    return layer.isdigit() and type(extra) is int and 0 <= int(layer) - hf_config.num_layers < extra
+def _tied_head(name: str, hf_config) -> bool:
+    """A tied LM head stored anyway: the embedding (checked above), neither read nor carried."""
+    return hf_config.tie_word_embeddings and name == "lm_head.weight"

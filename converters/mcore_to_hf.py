@@ -18,6 +18,7 @@ from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.checkpoint.roles import head_rules, hf_architecture
 from verl_mega.checkpoint.safetensors_io import SafetensorsWriter
 from verl_mega.checkpoint.torch_dist import DIST_DIR, iter_torch_dist_hf_tensors
+from verl_mega.checkpoint.unread_tensors import open_unread_tensors
 from verl_mega.files.atomic import atomic_output_dir
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES
@@ -47,17 +48,22 @@ def iter_checkpoint_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iter
 def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, assets: Path,
                    out_dir: str | Path, *, sources: tuple[str | Path, ...], dtype: str | None = None,
                    overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3, keep_remote_code: bool = False) -> Path:
-    """Write an HF folder from (HF name, tensor) pairs (read lazily, inside the temp folder's lifetime)."""
+    """Write an HF folder from (HF name, tensor) pairs (read lazily, inside the temp folder's lifetime), and the
+    tensors the model does not read that `assets` carries, as they are."""
     dtype = dtype or manifest.dtype
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
     hf_config = HFModelConfig.from_dict(manifest.hf_config)
-    kept_fp32 = fp32_hf_names(hf_config, family_for(hf_config, manifest.family_spec, recorded=True))
+    family = family_for(hf_config, manifest.family_spec, recorded=True)
+    kept_fp32 = fp32_hf_names(hf_config, family)
+    carried = open_unread_tensors(assets, manifest, hf_config, family)
     with atomic_output_dir(out_dir, overwrite, sources=sources) as tmp:
         writer = SafetensorsWriter(tmp, max_shard_bytes)
         for name, tensor in tensors:
             written = tensor.to(torch.float32 if name in kept_fp32 else DTYPES[dtype])
             writer.add(name, _finite(name, tensor, written, dtype))
+        for name in carried.names() if carried is not None else ():
+            writer.add(name, carried.read(name))
         writer.close()
         _write_hf_files(assets, manifest, tmp, dtype, keep_remote_code)
     return Path(out_dir)

@@ -2,8 +2,9 @@
 
 Round trips and parity at (1,1), (2,1), (1,2), (2,2) in fp32, bf16 and fp16 run with the other families in
 test_convert.py, and at TP2 x EP2 with the VARIANTS below (q_proj without a q LoRA rank, plain RoPE, one expert
-group) in test_qwen2_moe.py's launch; here: the refusals of what megatron cannot reproduce, and that the tiny
-model's parity would see a lost expert bias or a wrong RoPE layout.
+group) in test_qwen2_moe.py's launch; here: the refusals of what megatron cannot reproduce, that the tiny
+model's parity would see a lost expert bias or a wrong RoPE layout, and that the multi-token-prediction layers,
+which nothing here trains, come back out of an export bit for bit.
 """
 import pytest
 import torch
@@ -117,9 +118,103 @@ def test_vllm_on_cpu_is_refused_naming_the_engine(tiny_hf):
         VLLMEngine(tiny_hf, WeightFeed(1, 0, 384, 300), max_model_len=64)
 
 
-@pytest.mark.parametrize("layer, converts", [(4, True), (5, False)])
-def test_multi_token_prediction_layers_are_skipped(tiny_hf, tmp_path, layer, converts):
-    """DeepSeek-V3's checkpoints carry `num_nextn_predict_layers` (here 1) layers after the last: not converted."""
+def _with_prediction_layer(tiny_hf, hf_dir, stacked: bool = False):
+    """The tiny model plus the 44 tensors of one multi-token-prediction layer as DeepSeek-V3's checkpoints carry it
+    (layer 4, after the last): an MoE layer's (new values) and the layer's own norms, projection, embedding and head,
+    those in bf16 beside the model's fp32 so that a changed dtype shows. `stacked`: its experts in transformers 5's
+    stacked spelling."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_hf, hf_dir)
+    tensors = load_file(hf_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    layer = {name.replace("model.layers.3.", "model.layers.4."): torch.randn(tensor.shape, generator=generator)
+             for name, tensor in tensors.items() if name.startswith("model.layers.3.")}
+    own = {"enorm.weight": (64,), "hnorm.weight": (64,), "eh_proj.weight": (64, 128), "shared_head.norm.weight": (64,),
+           "shared_head.head.weight": (300, 64), "embed_tokens.weight": (300, 64)}
+    layer.update({f"model.layers.4.{name}": torch.randn(shape, generator=generator).bfloat16()
+                  for name, shape in own.items()})
+    assert len(layer) == 44
+    if stacked:
+        expert = "model.layers.4.mlp.experts.{}.{}_proj.weight"
+        layer["model.layers.4.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([layer.pop(expert.format(e, "gate")), layer.pop(expert.format(e, "up"))]) for e in range(8)])
+        layer["model.layers.4.mlp.experts.down_proj"] = torch.stack([layer.pop(expert.format(e, "down")) for e in range(8)])
+    save_file({**tensors, **layer}, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    return hf_dir
+
+
+@pytest.mark.parametrize("fmt, stacked", [("megatron_legacy", False), ("torch_dist", True)])
+def test_multi_token_prediction_layers_round_trip_bit_exact(tiny_hf, tmp_path, fmt, stacked):
+    """Not trained, carried beside the checkpoint and written back: every tensor comes out with its name, dtype and
+    bytes (the stacked experts one tensor per expert, as the model's layers are written)."""
+    import json
+
+    from verl_mega.checkpoint.model_io import open_hf_checkpoint
+    from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+    from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
+    from verl_mega.models import load_hf_model_config
+
+    hf_dir = _with_prediction_layer(tiny_hf, tmp_path / "hf", stacked)
+    convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", tp=2, fmt=fmt)
+    exported = SafetensorsReader(convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "out"))
+    original = open_hf_checkpoint(hf_dir, *load_hf_model_config(hf_dir))
+    assert sorted(exported.names()) == sorted(original.names())
+    assert sum(name.startswith("model.layers.4.") for name in exported.names()) == 44
+    for name in original.names():
+        got, want = exported.read(name), original.read(name)
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_an_export_that_would_lose_prediction_layers_is_refused(tiny_hf, tmp_path):
+    """Carried tensors gone from the checkpoint, or a checkpoint converted before they were carried while its
+    config declares them: one line naming them and the file, nothing written."""
+    import json
+    import shutil
+
+    from verl_mega.checkpoint.manifest import MANIFEST_NAME
+    from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
+
+    convert_hf_to_mcore(_with_prediction_layer(tiny_hf, tmp_path / "hf"), tmp_path / "ckpt")
+    carried = tmp_path / "ckpt" / "hf_assets" / "unread_tensors"
+    kept = tmp_path / "kept"
+    shutil.move(carried, kept)
+    with pytest.raises(ValueError) as err:
+        convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "out")
+    assert str(err.value).startswith(f"{carried} is missing or unreadable") and "'model.layers.4." in str(err.value)
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+    manifest = tmp_path / "ckpt" / MANIFEST_NAME
+    data = json.loads(manifest.read_text())
+    del data["unread_tensors"]  # as written before they were carried
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"^{manifest} predates carrying the tensors the model does not read, and "
+                                         r"its config declares 1 layer\(s\) after the last \(model.layers.4.\*\)"):
+        convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_runs_final_weights_export_carries_them(tiny_hf, tmp_path):
+    """`verl-mega export --ckpt RUN` reads RUN/final_actor, which keeps the hf_assets folder of the checkpoint the
+    actor started from (`save_role_weights` copies it whole)."""
+    import shutil
+
+    from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+    from verl_mega.converters.export import export_role
+
+    convert_hf_to_mcore(_with_prediction_layer(tiny_hf, tmp_path / "hf"), tmp_path / "ckpt")
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "run" / "final_actor")
+    export_role(tmp_path / "run", tmp_path / "out")
+    original = SafetensorsReader(tmp_path / "hf")
+    exported = SafetensorsReader(tmp_path / "out")
+    assert torch.equal(exported.read("model.layers.4.eh_proj.weight"), original.read("model.layers.4.eh_proj.weight"))
+
+
+@pytest.mark.parametrize("layer", [4, 5])
+def test_only_the_declared_prediction_layers_are_carried(tiny_hf, tmp_path, layer):
+    """`num_nextn_predict_layers` (here 1) layers after the last are carried; a tensor of a layer past them is refused."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -129,8 +224,8 @@ def test_multi_token_prediction_layers_are_skipped(tiny_hf, tmp_path, layer, con
     tensors = load_file(hf_dir / "model.safetensors")
     tensors[f"model.layers.{layer}.eh_proj.weight"] = torch.zeros(64, 128)
     save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
-    if converts:
-        convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
+    if layer == 4:
+        assert convert_hf_to_mcore(hf_dir, tmp_path / "ckpt").unread_tensors == ["model.layers.4.eh_proj.weight"]
     else:
         with pytest.raises(ValueError, match=f"tensor 'model.layers.{layer}.eh_proj.weight' is not part of a deepseek_v3"):
             convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")

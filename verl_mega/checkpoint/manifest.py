@@ -32,6 +32,8 @@ class Manifest:
     role: str = "actor"  # "critic": a value head instead of the LM head; absent from older manifests
     family_spec: str | None = None  # "package.module:SPEC" of a family declared outside verl_mega
     extra: dict[str, Any] = field(default_factory=dict)
+    # HF tensors the model does not read, carried in hf_assets/ (`unread_tensors`); None: converted before they were.
+    unread_tensors: list[str] | None = None
 
     def write(self, ckpt_dir: str | Path) -> None:
         (Path(ckpt_dir) / MANIFEST_NAME).write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
@@ -58,6 +60,10 @@ class Manifest:
             raise ValueError(f"{path}: {err}") from None
 
 
+# Keys that may be null: a "package.module:SPEC" string, the carried tensors' names.
+_OPTIONAL = {"family_spec": str, "unread_tensors": list}
+
+
 def _checked_fields(data, ckpt_dir: Path, spec_named_by_user: bool = False) -> dict[str, Any]:
     """The manifest's fields, each of the type and range the loaders rely on; anything else is refused by name.
     The family spec it records is imported only if the user or an installed plugin names it too, unless
@@ -74,10 +80,12 @@ def _checked_fields(data, ckpt_dir: Path, spec_named_by_user: bool = False) -> d
     hints = get_type_hints(Manifest)
     for name, value in data.items():
         wanted = get_origin(hints[name]) or hints[name]
-        if name == "family_spec":  # optional: absent, null, or a "package.module:SPEC" string
-            wanted = str if value is not None else type(None)
+        if name in _OPTIONAL:  # absent, null, or of the type named
+            wanted = _OPTIONAL[name] if value is not None else type(None)
         if type(value) is not wanted:
             raise ValueError(f"key '{name}' must be of type {wanted.__name__}, got {value!r}")
+    if not all(isinstance(name, str) for name in data.get("unread_tensors") or []):
+        raise ValueError(f"key 'unread_tensors' must list tensor names, got {data['unread_tensors']!r}")
     if data["format"] not in FORMATS:
         raise ValueError(f"unknown format {data['format']!r}; expected one of {FORMATS}")
     if data["dtype"] not in DTYPES:

@@ -24,9 +24,12 @@ from .torch_dist import load_torch_dist
 def open_hf_checkpoint(hf_dir: str | Path, hf_config: HFModelConfig, family: FamilySpec) -> SafetensorsReader:
     """A reader of an HF checkpoint under the names the family's rules use, whichever spelling the files use for
     the experts: one tensor per expert (transformers 4.x, and 5.x's `save_pretrained`) or the family's expert
-    stacks (transformers 5's in-memory spelling), split into per-expert tensors without reading them."""
+    stacks (transformers 5's in-memory spelling), split into per-expert tensors without reading them. The layers
+    after the last that the model does not read (`FamilySpec.unread_layers`) are split alike, so that an export
+    writes every layer in one spelling."""
     reader = SafetensorsReader(hf_dir)
-    for layer, is_moe in enumerate(family.moe_layer_pattern(hf_config)):
+    unread = [True] * family.unread_layer_count(hf_config)
+    for layer, is_moe in enumerate(family.moe_layer_pattern(hf_config) + unread):
         for stack in family.expert_stacks if is_moe else ():
             stacked = stack.stacked.replace(LAYER, str(layer))
             if stacked not in reader:

@@ -266,6 +266,13 @@ class FamilySpec:
     # The sliding window transformers (and vLLM) apply to a config's layers where the megatron model here attends in
     # full: sequences must stay within it. None: the family has no such window (or, like Gemma-2, models it).
     unmodelled_window: Callable[[HFModelConfig], int | None] | None = None
+    # How many layers after the last the family's checkpoints carry for something the model does not run
+    # (DeepSeek-V3's multi-token-prediction layers): config -> count. None: none. Their tensors are carried beside a
+    # converted checkpoint as they are and written back on export (`checkpoint.unread_tensors`).
+    unread_layers: Callable[[HFModelConfig], int] | None = None
+
+    def unread_layer_count(self, hf_config: HFModelConfig) -> int:
+        return self.unread_layers(hf_config) if self.unread_layers is not None else 0
 
     def moe_layer_pattern(self, hf_config: HFModelConfig) -> list[bool]:
         if self.moe_layers is not None:

@@ -167,6 +167,13 @@ def check_config(hf_config: HFModelConfig) -> None:
         _refuse("qk_rope_head_dim", "must be even")
 
 
+def prediction_layers(hf_config: HFModelConfig) -> int:
+    """The multi-token-prediction layers checkpoints carry after the last (`num_nextn_predict_layers`): transformers
+    and the megatron model here do not run them, speculative decoding does."""
+    count = hf_config.raw.get("num_nextn_predict_layers")
+    return count if type(count) is int and count > 0 else 0
+
+
 def block_spec(hf_config: HFModelConfig, config, use_transformer_engine: bool):
     return mla_block_spec(config, use_transformer_engine)
 
@@ -185,4 +192,5 @@ SPEC = FamilySpec(
     conditions=conditions,
     check_config=check_config,
     expert_stacks=qwen_expert_stacks(),  # transformers 5 stacks the routed experts as it does Qwen2-MoE's
+    unread_layers=prediction_layers,
 )
