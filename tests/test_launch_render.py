@@ -104,6 +104,7 @@ def test_bad_input_is_refused_and_writes_nothing(capsys, tmp_path, argv, message
 
 FAKE_SRUN = """#!/bin/bash
 trap 'echo USR1 > "$FAKE_DIR/forwarded"; exit 0' USR1
+echo "${PYTHONSAFEPATH:-}" > "$FAKE_DIR/safe_path"
 touch "$FAKE_DIR/started"
 [ -z "${FAKE_SRUN_EXIT:-}" ] || exit "$FAKE_SRUN_EXIT"
 while :; do sleep 0.05; done
@@ -143,6 +144,13 @@ def test_batch_script_forwards_the_warning_signal_to_the_step(capsys, tmp_path):
 def test_batch_script_exits_with_the_step_status(capsys, tmp_path):
     batch = start_batch_script(capsys, tmp_path, {"FAKE_SRUN_EXIT": "3"})
     assert batch.wait(timeout=20) == 3
+
+
+def test_batch_script_keeps_the_working_folder_off_the_ranks_import_path(capsys, tmp_path):
+    """srun hands its environment to torchrun and the ranks: PYTHONSAFEPATH=1 (verl_mega.parallel.safe_path)."""
+    batch = start_batch_script(capsys, tmp_path, {"FAKE_SRUN_EXIT": "0"})
+    assert batch.wait(timeout=20) == 0
+    assert (tmp_path / "safe_path").read_text() == "1\n"
 
 
 def test_submit_names_the_missing_sbatch(monkeypatch, tmp_path):

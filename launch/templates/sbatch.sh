@@ -29,6 +29,8 @@ set -euo pipefail
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# torchrun and every rank import nothing from the folder the job starts in (verl_mega.parallel.safe_path).
+export PYTHONSAFEPATH=1
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # Derived from the job id so that two jobs sharing a first node do not collide; export MASTER_PORT to pin it.

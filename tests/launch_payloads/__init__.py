@@ -6,5 +6,7 @@ _TESTS = Path(__file__).parent.parent
 
 
 def pythonpath() -> str:
-    """PYTHONPATH under which the ranks import these payloads as well as the project itself."""
-    return os.pathsep.join([str(_TESTS.parent), str(_TESTS), os.environ.get("PYTHONPATH", "")])
+    """PYTHONPATH under which the ranks import these payloads as well as the project itself (no empty entry,
+    which would name the working folder)."""
+    inherited = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    return os.pathsep.join([str(_TESTS.parent), str(_TESTS), *inherited])

@@ -22,6 +22,8 @@ import sys
 import weakref
 from multiprocessing.connection import Connection, Pipe
 
+from verl_mega.parallel.safe_path import SAFE_PATH_ENV
+
 from .registry import get_reward_fn
 from .results import Stopped, Verdict, call_reward, from_wire, to_wire
 
@@ -74,7 +76,7 @@ class ScoringWorker:
             return
         parent, child = Pipe()
         command = [sys.executable, "-m", "verl_mega.rewards.worker", str(child.fileno()), str(os.getpid())]
-        self.process = subprocess.Popen(command, pass_fds=(child.fileno(),))
+        self.process = subprocess.Popen(command, pass_fds=(child.fileno(),), env={**os.environ, **SAFE_PATH_ENV})
         child.close()
         self._conn = parent
         self._finalizer = weakref.finalize(self, _kill, self.process, parent)  # at exit too
