@@ -26,8 +26,8 @@ from typing import Iterator
 
 from verl_mega import cli
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, BYPASS_LOSS_TYPES, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS,
-    LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES,
+    ADV_ESTIMATORS, BYPASS_LOSS_TYPES, EXHAUSTED_POLICIES, IS_LEVELS, KL_CONTROLLERS, KL_ESTIMATORS,
+    LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, RS_OPTIONS,
 )
 from verl_mega.config import schema
 from verl_mega.config.ranges import declared_ranges
@@ -71,8 +71,8 @@ CHOICES = {
     (schema.AlgorithmConfig, "adv_estimator"): ADV_ESTIMATORS.names(),
     (schema.AlgorithmConfig, "kl_penalty"): KL_ESTIMATORS.names(),
     (schema.AlgorithmConfig, "loss"): PREFERENCE_LOSSES.names(),
-    (schema.RolloutCorrectionConfig, "weights"): CORRECTION_MODES,
-    (schema.RolloutCorrectionConfig, "reject"): CORRECTION_MODES,
+    (schema.RolloutCorrectionConfig, "rollout_is"): IS_LEVELS,
+    (schema.RolloutCorrectionConfig, "rollout_rs"): RS_OPTIONS,
     (schema.RewardConfig, "function"): [*sorted(REWARD_FUNCTIONS), "module:function"],
     (schema.FilterGroupsConfig, "on_exhausted"): EXHAUSTED_POLICIES,
     (schema.TrainerConfig, "nonfinite"): schema.NONFINITE_POLICIES,

@@ -53,12 +53,12 @@ def test_a_range_admits_its_values_and_no_others(bound, admitted, refused):
 
 def test_each_key_out_of_range_gets_one_line_naming_it():
     config = load_config(None, ["model.hf_path=x", "rollout.top_k=0", "critic.optim.adam_eps=-1",
-                                "algorithm.rollout_correction.reject_high=-inf", "actor.lora.alpha=nan"])
+                                "algorithm.rollout_correction.rollout_is_threshold=-inf", "actor.lora.alpha=nan"])
     assert out_of_range(config) == {
         "rollout.top_k": "rollout.top_k must be -1 (off) or >= 1, got 0",
         "critic.optim.adam_eps": "critic.optim.adam_eps must be >= 0, got -1.0",
-        "algorithm.rollout_correction.reject_high":
-            "algorithm.rollout_correction.reject_high must be > 0 (inf: no limit), got -inf",
+        "algorithm.rollout_correction.rollout_is_threshold":
+            "algorithm.rollout_correction.rollout_is_threshold must be > 0 (inf: no limit; 2 is usual), got -inf",
         "actor.lora.alpha": "actor.lora.alpha must be > 0 (null: 2 x rank), got nan",
     }
 

@@ -32,11 +32,11 @@ POLICY_LOSS_CASES = {
     "gpg": dict(loss_agg_mode="seq-mean-token-sum-norm"),
 }
 # The rollout correction on the vanilla loss, at the same layouts: token-level TIS capped at 1.1 and IcePop's
-# token band [0.8, 1.25], against rollout log-probs that are the old ones with noise, so the cap truncates and
+# token band [0.8, 1.25] (k1 bounds 0.8_1.25: ρ in [1/1.25, 1/0.8]), against rollout log-probs that are the old ones with noise, so the cap truncates and
 # the band rejects some tokens of this batch.
 CORRECTION_CASES = {
-    "vanilla+rollout_correction": dict(weights="token", weight_cap=1.1, reject="token", reject_low=0.8,
-                                       reject_high=1.25),
+    "vanilla+rollout_correction": dict(rollout_is="token", rollout_is_threshold=1.1, rollout_rs="token_k1",
+                                       rollout_rs_threshold="0.8_1.25"),
 }
 ROLLOUT_NOISE = 0.2
 # At (2,2,2) gpg's micro-batches are grouped by a token budget of one full row instead: one row each, trimmed to

@@ -69,7 +69,7 @@ def skip_old_pass(ckpt_root: Path, out_dir: Path) -> None:
     cfg, family = load(ckpt)
     batch = training_batch(ckpt, cfg)
     result = {}
-    tis = RolloutCorrectionConfig(weights="token", weight_cap=1.2)
+    tis = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.2)
     for name, separate_pass, planted, correction in (
             ("separate_pass", True, False, None), ("first_forward", False, False, None),
             ("rollout_log_probs", False, True, None), ("token_tis", False, True, tis)):
@@ -137,8 +137,8 @@ def token_budget(ckpt_root: Path, out_dir: Path) -> None:
     batch["old_log_probs"] = -torch.rand(batch["responses"].shape, generator=noise)
     batch["rollout_log_probs"] = batch["old_log_probs"] + 0.3 * torch.randn(batch["responses"].shape, generator=noise)
     # Both corrections acting: some weights truncated, some tokens rejected.
-    corrected = RolloutCorrectionConfig(weights="token", weight_cap=1.1, reject="token", reject_low=0.8,
-                                        reject_high=1.25)
+    corrected = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.1, rollout_rs="token_k1",
+                                        rollout_rs_threshold="0.8_1.25")
     result = {}
     for name, max_tokens, correction in (("fixed", 0, None), ("budget", MAX_TOKENS, None),
                                          ("corrected_fixed", 0, corrected),

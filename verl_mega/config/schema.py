@@ -405,26 +405,42 @@ class KLControlConfig:
 @dataclass
 class RolloutCorrectionConfig:
     """What the actor's update does about the gap between the rollout engine's token probabilities and the
-    trainer's (see docs/rollout-correction.md; the rollout_corr/ metrics are logged either way)."""
+    trainer's, under verl's keys with verl's meaning (see docs/rollout-correction.md; the rollout_corr/ metrics
+    are logged either way). ρ = π_train/π_rollout per token."""
 
-    RANGES: ClassVar[dict[str, Range]] = {
-        "weight_cap": above(0, infinite=True, note="2 is usual"), "reject_low": at_least(0),
-        "reject_high": above(0, infinite=True)}
+    RANGES: ClassVar[dict[str, Range]] = {"rollout_is_threshold": above(0, infinite=True, note="2 is usual")}
 
-    weights: str = "none"
-    """Truncated importance weights min(ratio, weight_cap) on the policy-gradient term, ratio = π_train/π_rollout:
-    none, token (each token's ratio: TIS), sequence (the response's product of ratios) or geometric (their
-    geometric mean). verl's rollout_is; slime's --use-tis."""
-    weight_cap: float = 2.0
-    """C, the cap of the importance weights (> 0). verl's rollout_is_threshold; slime's --tis-clip."""
-    reject: str = "none"
-    """Rejection: take out of the policy-gradient loss (weight 0, still counted in its mean) the tokens (token) or
-    whole responses (sequence: product of ratios; geometric: their geometric mean) whose ratio leaves
-    [reject_low, reject_high], as IcePop / MIS do: none, token, sequence or geometric. verl's rollout_rs."""
-    reject_low: float = 0.5
-    """Lowest ratio a token or response keeps (>= 0, < reject_high). verl's rollout_rs_threshold_lower."""
-    reject_high: float = 2.0
-    """Highest ratio a token or response keeps. verl's rollout_rs_threshold."""
+    rollout_is: str | None = None
+    """Truncated importance weights min(weight, rollout_is_threshold) on the policy-gradient term: null (off), token
+    (each token's ρ: TIS), sequence (the response's product of ρ) or geometric (their geometric mean; not in
+    verl). verl's rollout_is; slime's --use-tis."""
+    rollout_is_threshold: float = 2.0
+    """The cap of the importance weights (> 0). verl's rollout_is_threshold; slime's --tis-clip."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated weights by their mean over the step's batch (over tokens at token level, over
+    responses otherwise), so they average 1. verl's rollout_is_batch_normalize."""
+    rollout_rs: str | None = None
+    """Rejection: take out of the policy-gradient loss (weight 0, still counted in its mean) the tokens or whole
+    responses that fail any of these comma-separated options <aggregation>_<divergence>: token, seq_sum, seq_mean
+    or seq_max (not with k1) of k1 = -log ρ, k2 = (log ρ)²/2 or k3 = ρ - 1 - log ρ. null: off. verl's
+    rollout_rs."""
+    rollout_rs_threshold: str | None = None
+    """The bounds of rollout_rs, one shared or one per option, comma-separated: a k1 option takes lower_upper
+    and keeps log(lower) <= k1 <= log(upper), that is ρ (or the product, or the geometric mean) in
+    [1/upper, 1/lower] (one number: the upper, lower = 1/upper); k2 and k3 take the largest divergence kept.
+    verl's rollout_rs_threshold."""
+
+
+# algorithm.rollout_correction's keys before it took verl's: key -> (the value it had by default, which a saved
+# config.yaml holds and which is read as absent; what to write instead of any other value).
+_RATIO_BAND = "rollout_rs_threshold (a band [LOW, HIGH] on the ratio is rollout_rs_threshold=<1/HIGH>_<1/LOW>)"
+RETIRED_ROLLOUT_CORRECTION_KEYS = {
+    "weights": ("none", "rollout_is (the same levels; null: off)"),
+    "weight_cap": (2.0, "rollout_is_threshold"),
+    "reject": ("none", "rollout_rs (token: token_k1, sequence: seq_sum_k1, geometric: seq_mean_k1)"),
+    "reject_low": (0.5, _RATIO_BAND),
+    "reject_high": (2.0, _RATIO_BAND),
+}
 
 
 @dataclass
@@ -696,6 +712,8 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
     try:
         layers.append(override_layer(TrainConfig, list(overrides)))
         layers.append(_dotted_layer(values or {}))
+        for layer in layers[1:]:
+            _drop_retired_keys(layer)
         loose = [key for layer in layers[1:] for key in loose_booleans(TrainConfig, layer)]
         if loose:
             raise ConfigError(f"{loose[0]}: a boolean key takes true or false")
@@ -711,6 +729,32 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
         raise ConfigError(f"config key '{key}' is required: set it in the YAML file or as {key}=...") from None
     config.job = JOB_ALIASES.get(config.job, config.job)
     return config
+
+
+def _drop_retired_keys(layer) -> None:
+    """Drop from a config layer the retired algorithm.rollout_correction keys at their old defaults (the
+    config.yaml of a run folder written before verl's keys holds them, and they did nothing); refuse any other
+    value of them, naming what replaces it."""
+    section = OmegaConf.select(layer, "algorithm.rollout_correction", default=None)
+    if not OmegaConf.is_dict(section):
+        return
+    for key, (default, instead) in RETIRED_ROLLOUT_CORRECTION_KEYS.items():
+        if key not in section:
+            continue
+        value = section[key]
+        if not _same_value(value, default):
+            raise ConfigError(f"algorithm.rollout_correction.{key}={value} is retired (the section takes verl's "
+                              f"keys with verl's meaning): set algorithm.rollout_correction.{instead}")
+        del section[key]
+
+
+def _same_value(value, default) -> bool:
+    if isinstance(default, float):
+        try:
+            return float(value) == default
+        except (TypeError, ValueError):
+            return False
+    return str(value) == default
 
 
 def _dotted_layer(values: dict[str, Any]):

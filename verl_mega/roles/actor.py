@@ -5,14 +5,15 @@ Batches follow `roles.batching` (every rank passes the same global batch; result
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from verl_mega.algorithms import (
-    CORRECTION_OFF, agg_loss, compute_kl, get_policy_loss_fn, old_log_probs_from_rollout, policy_loss_metric_names,
-    rollout_correction,
+    agg_loss, compute_kl, get_policy_loss_fn, is_batch_mean, old_log_probs_from_rollout, policy_loss_metric_names,
+    rollout_correction, rollout_correction_from_config,
 )
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
 from verl_mega.config import LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
@@ -112,6 +113,11 @@ class Actor:
         self._old_from_rollout = old_log_probs_from_rollout(self.loss.policy_loss)
         self.temperature = temperature
         self.correction = correction or RolloutCorrectionConfig()
+        if self._old_from_rollout and self.loss.bypass_loss_type == "ppo_clip":
+            # PPO's clip in bypass mode already bounds the ratio to the rollout: only the rejection applies.
+            self.correction = replace(self.correction, rollout_is=None, rollout_is_batch_normalize=False)
+        # The update's rollout_is_batch_normalize divisor: the mean weight over its whole batch (None: off).
+        self._is_batch_mean: torch.Tensor | None = None
         # The on-policy update's first-forward log-probs: per micro-batch (row indices, [b, r]) while it runs,
         # then [B, R] for the whole batch on every rank (None where the batch brought its old log-probs).
         self._first_forward: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -179,6 +185,12 @@ class Actor:
             names.append("kl_loss")
         # Only the mismatch metrics read them, and only a batch with rollout log-probs has those.
         # Off-policy (bypass mode), a later mini-batch's first forward no longer sees the rollout's weights.
+        pass_log_probs = None
+        if self._normalises_weights(batch):
+            if "old_log_probs" not in batch:  # on-policy: the mean needs every row's weight before any step
+                pass_log_probs = self.compute_log_prob(batch, micro_batch_size, max_tokens=max_tokens)["log_probs"]
+                batch = {**batch, "old_log_probs": pass_log_probs}
+            self._is_batch_mean = self._batch_mean_weight(batch)
         keeps_first_forward = "old_log_probs" not in batch and "rollout_log_probs" in batch and on_policy
         self.first_forward_log_probs = None
         self._first_forward = [] if keeps_first_forward else None
@@ -193,7 +205,26 @@ class Actor:
             metrics["router_mismatch"] = mismatch
         if keeps_first_forward:
             self.first_forward_log_probs = self._gathered_first_forward(tuple(batch["responses"].shape))
+        if pass_log_probs is not None:
+            self.first_forward_log_probs = pass_log_probs
+        self._is_batch_mean = None
         return metrics
+
+    def _normalises_weights(self, batch: Batch) -> bool:
+        config = self.correction
+        return config.rollout_is is not None and config.rollout_is_batch_normalize and "rollout_log_probs" in batch
+
+    def _batch_mean_weight(self, batch: Batch) -> torch.Tensor:
+        """The mean truncated importance weight over the whole batch, which rollout_is_batch_normalize divides
+        every micro-batch's weights by (the same at every layout and micro-batch size)."""
+        if self._old_from_rollout:
+            raise ValueError("rollout_is_batch_normalize in bypass mode: the weights use the policy being updated, "
+                             "whose batch mean is known only after the update")
+        mask = batch["response_mask"]
+        weights = rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"], mask,
+                                     rollout_is=self.correction.rollout_is,
+                                     rollout_is_threshold=self.correction.rollout_is_threshold).loss_weights
+        return is_batch_mean(weights, mask, self.correction.rollout_is)
 
     def _gathered_first_forward(self, shape: tuple[int, int]) -> torch.Tensor:
         """Collective: the first forward's log-probs kept by the last pipeline stages of every DP rank, as [B, R]
@@ -269,16 +300,12 @@ class Actor:
     def _rollout_is_weights(self, train_log_prob: torch.Tensor, micro_batch: Batch, mask: torch.Tensor
                             ) -> torch.Tensor | None:
         """The rollout correction's weights of each token's policy-gradient loss, from the ratio of the trainer's
-        log-probs (π_train: the old ones, or the current ones in bypass mode) to the rollout's; None (no
-        weighting) when it is off or the batch has no rollout log-probs. In bypass mode with PPO's clip, the clip
-        already bounds the ratio to the rollout, so only the rejection applies."""
+        log-probs (π_train: the old ones, or the current ones in bypass mode) to the rollout's, normalised by the
+        whole batch's mean weight where asked; None (no weighting) when it is off or the batch has no rollout
+        log-probs."""
         config = self.correction
-        weights = config.weights
-        if self._old_from_rollout and self.loss.bypass_loss_type == "ppo_clip":
-            weights = CORRECTION_OFF
-        if "rollout_log_probs" not in micro_batch or weights == config.reject == CORRECTION_OFF:
+        if "rollout_log_probs" not in micro_batch or config.rollout_is is config.rollout_rs is None:
             return None
-        return rollout_correction(
-            train_log_prob, micro_batch["rollout_log_probs"].to(train_log_prob.device), mask, weights=weights,
-            weight_cap=config.weight_cap, reject=config.reject, reject_low=config.reject_low,
-            reject_high=config.reject_high).loss_weights
+        rollout_log_prob = micro_batch["rollout_log_probs"].to(train_log_prob.device)
+        return rollout_correction_from_config(train_log_prob, rollout_log_prob, mask, config,
+                                              batch_mean=self._is_batch_mean).loss_weights

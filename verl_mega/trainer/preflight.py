@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, BYPASS_LOSS_TYPES, CORRECTION_MODES, EXHAUSTED_POLICIES, KL_CONTROLLERS, KL_ESTIMATORS,
+    ADV_ESTIMATORS, BYPASS_LOSS_TYPES, EXHAUSTED_POLICIES, IS_LEVELS, KL_CONTROLLERS, KL_ESTIMATORS,
     LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, estimator_inputs,
+    old_log_probs_from_rollout, parse_rejection,
 )
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
@@ -137,7 +138,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     for key, value in (("algorithm.kl_penalty", alg.kl_penalty), ("actor.loss.kl_loss_type", a.loss.kl_loss_type)):
         known(key, value, KL_ESTIMATORS.names())
     known("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CONTROLLERS)
-    _check_rollout_correction(alg.rollout_correction, known, need)
+    _check_rollout_correction(alg.rollout_correction, a.loss, check, need)
     for role in ("actor", "critic"):
         known(f"{role}.optim.lr_decay_style", getattr(config, role).optim.lr_decay_style, LR_DECAY_STYLES)
     known("trainer.nonfinite", config.trainer.nonfinite, NONFINITE_POLICIES)
@@ -157,12 +158,19 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         _check_files(config, check, need, layout_in_range)
 
 
-def _check_rollout_correction(correction, known, need) -> None:
+def _check_rollout_correction(correction, loss, check, need) -> None:
     key = "algorithm.rollout_correction"
-    known(f"{key}.weights", correction.weights, CORRECTION_MODES)
-    known(f"{key}.reject", correction.reject, CORRECTION_MODES)
-    need(correction.reject_low < correction.reject_high,
-         f"{key}.reject_low={correction.reject_low} must be below {key}.reject_high={correction.reject_high}")
+    need(correction.rollout_is is None or correction.rollout_is in IS_LEVELS,
+         f"{key}.rollout_is '{correction.rollout_is}' is unknown; known: {', '.join(IS_LEVELS)} (null: off)")
+    if correction.rollout_rs is not None:
+        check(lambda: parse_rejection(correction.rollout_rs, correction.rollout_rs_threshold), f"{key}.")
+    if correction.rollout_is_batch_normalize:
+        need(correction.rollout_is is not None,
+             f"{key}.rollout_is_batch_normalize normalises the importance weights, and {key}.rollout_is is null")
+        # Bypass mode weighs by the policy being updated: its batch mean is not known before the update.
+        need(not (old_log_probs_from_rollout(loss.policy_loss) and loss.bypass_loss_type == "reinforce"),
+             f"{key}.rollout_is_batch_normalize with actor.loss.policy_loss={loss.policy_loss} (reinforce): the "
+             "weights use the policy being updated, whose batch mean is known only after the update; turn it off")
 
 
 def _check_dapo(config: TrainConfig, need, known) -> None:
