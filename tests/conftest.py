@@ -3,10 +3,16 @@ import fcntl
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The processes the tests start import this checkout and the tests' helpers (`tests.workers.*`, `trainer_runs`) by
+# PYTHONPATH: the project starts its children without the working folder on their path (parallel.safe_path).
+_ROOT = Path(__file__).resolve().parent.parent
+os.environ["PYTHONPATH"] = os.pathsep.join([str(_ROOT), str(_ROOT / "tests"),
+                                            *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "gemma2", "qwen3_moe", "deepseek_v3")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from verl_mega.algorithms import mismatch_metrics_by_source, rollout_correction
+from verl_mega.algorithms import mismatch_metrics_by_source, rollout_correction_from_config
 from verl_mega.config import TrainConfig
 from verl_mega.roles.actor import Actor
 from verl_mega.roles.reward import RewardOutput
@@ -62,10 +62,7 @@ class Mismatch:
         if "rollout_log_probs" not in batch or train is None:
             return
         rollout, mask = batch["rollout_log_probs"], batch["response_mask"]
-        config = self.config.algorithm.rollout_correction
-        correction = rollout_correction(train, rollout, mask, weights=config.weights, weight_cap=config.weight_cap,
-                                        reject=config.reject, reject_low=config.reject_low,
-                                        reject_high=config.reject_high)
+        correction = rollout_correction_from_config(train, rollout, mask, self.config.algorithm.rollout_correction)
         sources = [None if source is None else str(source) for source in step.rows["data_source"]]
         step.metrics.update({f"rollout_corr/{name}": value for name, value
                              in mismatch_metrics_by_source(train, rollout, mask, correction, sources).items()})
