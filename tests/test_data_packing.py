@@ -96,7 +96,7 @@ def varlen_causal_mask(cu_seqlens_padded):
 @pytest.mark.parametrize("multiple_of", [1, 4])
 def test_packed_per_token_results_equal_the_padded_path(multiple_of):
     input_ids, attention_mask, response_mask = rollout_rows()
-    embedding = torch.randn(32, 8)
+    embedding = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
     hidden = embedding[input_ids].requires_grad_()
     padded_out = causal_attention(hidden, position_ids(attention_mask), causal_padding_mask(attention_mask))
 
@@ -110,7 +110,9 @@ def test_packed_per_token_results_equal_the_padded_path(multiple_of):
     # The per-token losses (a response-masked sum here) and their gradients agree too.
     (padded_grad,) = torch.autograd.grad((padded_out.sum(-1) * response_mask).sum(), hidden)
     (packed_grad,) = torch.autograd.grad((back.sum(-1) * response_mask).sum(), hidden)
-    torch.testing.assert_close(packed_grad, padded_grad)
+    # Sums of ~10 summed in another order: fp32 agrees to a few ulps of the sum, not of each term (rtol 1e-5; a
+    # wrong mask moves a gradient by O(1)).
+    torch.testing.assert_close(packed_grad, padded_grad, rtol=1e-5, atol=1e-5)
 
 
 def test_packing_setting_without_transformer_engine_layers():
