@@ -188,3 +188,23 @@ def test_the_checks_catch_an_upward_import_and_a_cycle(edge, expected):
     graph = {module: set(targets) for module, targets in edge.items()}
     if len(edge) == 2 and all(edge.values()):
         assert cycles(graph) == [sorted(edge)]
+
+
+# Inside `trainer`: the RL job's parts (trainer.rl) build on the modules every job shares (the base job, metrics,
+# the rollout batch); those never import the RL package, and of the rest only the entry point (main) builds the
+# job, while the pre-flight check asks the config's needs and the schedule's names, never the job.
+RL_PACKAGE = "verl_mega.trainer.rl"
+RL_IMPORTERS = {"verl_mega.trainer.main": None, "verl_mega.trainer.preflight": {"verl_mega.trainer.rl.needs",
+                                                                                  "verl_mega.trainer.rl.schedule"}}
+
+
+def test_the_rl_package_sits_above_the_jobs_shared_modules():
+    problems = []
+    for module, targets in import_graph().items():
+        if module.startswith(RL_PACKAGE) or not module.startswith("verl_mega.trainer"):
+            continue
+        into_rl = {target for target in targets if target == RL_PACKAGE or target.startswith(RL_PACKAGE + ".")}
+        allowed = RL_IMPORTERS.get(module, set())
+        if into_rl and allowed is not None and not into_rl <= allowed:
+            problems.append(f"{module} imports {sorted(into_rl - allowed)}")
+    assert not problems, problems
