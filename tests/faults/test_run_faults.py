@@ -499,6 +499,7 @@ def _damaged_copy(saved_run: Path, tmp_path: Path, damage: str) -> tuple[Path, P
     return run_dir, harm(RunFolder(run_dir).step(1)), words
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_step_checkpoint_is_refused_at_export_naming_the_file(saved_run, tmp_path, capsys, damage):
     from .convert_tools import assert_refused
