@@ -3,7 +3,8 @@
 X may be a verl_mega checkpoint (converted, or a role's final weights), a run folder (its final weights, or
 with --step N that step's), a step checkpoint (RUN/checkpoints/step_N) or a role's folder inside one. A step
 checkpoint holds each role's training state, model and optimizer, as a megatron dist checkpoint: its model
-weights are exported, the optimizer is not read. The model's config, vocabulary and tokenizer files come from
+weights are exported, the optimizer is not read; its files are first checked against the digests it recorded
+(`run.checkpoint_digests`). The model's config, vocabulary and tokenizer files come from
 the checkpoint the role started from (named in the step's config.yaml, or converted into the run folder).
 
 A LoRA run's step checkpoint (`actor.lora.rank > 0` in its config.yaml) holds the adapters, not the base: it
@@ -20,6 +21,7 @@ import yaml
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, MANIFEST_NAME, Manifest
 from verl_mega.checkpoint.torch_dist import iter_torch_dist_hf_tensors, read_adapter_tensors
 from verl_mega.models import HFModelConfig, family_for
+from verl_mega.run.checkpoint_digests import verify_digests
 from verl_mega.run.checkpoints import STATE_FILE, complete_checkpoints
 from verl_mega.run.folder import CONFIG_FILE, RunFolder, checkpoint_step, layout_name
 
@@ -45,6 +47,10 @@ def export_role(ckpt: str | Path, out: str | Path, *, role: str = "actor", step:
         convert_mcore_to_hf(weights, out, family_spec=family_spec, **options)
         return weights
     state_dir = _training_state_dir(ckpt, role, step)
+    try:
+        verify_digests(state_dir.parent)
+    except ValueError as err:
+        raise ValueError(f"{err}; export another of the run's step checkpoints (--step N)") from None
     config = _step_config(state_dir.parent)
     source = _starting_checkpoint(state_dir.parent, role, config)
     started = Manifest.read(source, family_spec)

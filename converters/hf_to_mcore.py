@@ -15,6 +15,7 @@ from verl_mega.files.atomic import atomic_output_dir
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, architecture, padded_vocab_size
 from verl_mega.models.expected_shapes import expected_hf_shapes
+from verl_mega.models.spec import HF_EMBEDDING, HF_LM_HEAD
 from verl_mega.parallel.layout import check_model_fit
 
 from .torch_dist import write_torch_dist
@@ -96,18 +97,14 @@ def check_hf_tensors(reader: SafetensorsReader, hf_config, family) -> list[str]:
     problems += [f"tensor '{name}' has dtype {reader.dtype(name)}, not a floating-point type"
                  for name in expected if name in reader and not reader.dtype(name).is_floating_point]
     problems += [f"tensor '{name}' is not part of a {family.name} model with this config"
-                 for name in unread if name not in carried and not _tied_head(name, hf_config)]
-    if hf_config.tie_word_embeddings and "lm_head.weight" in reader and "model.embed_tokens.weight" in expected \
-            and reader.shape("lm_head.weight") == reader.shape("model.embed_tokens.weight") \
-            and not torch.equal(reader.read("lm_head.weight"), reader.read("model.embed_tokens.weight")):
+                 for name in unread if name not in carried]
+    if HF_LM_HEAD in carried and HF_EMBEDDING in expected \
+            and reader.shape(HF_LM_HEAD) == reader.shape(HF_EMBEDDING) \
+            and not torch.equal(reader.read(HF_LM_HEAD), reader.read(HF_EMBEDDING)):
         problems.append("tensor 'lm_head.weight' differs from the embedding, but config.json says "
-                        "tie_word_embeddings=true (the LM head would be dropped)")
+                        "tie_word_embeddings=true (the LM head would be replaced by the embedding)")
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise ValueError(f"the checkpoint at {reader.dir} does not match its config.json: {problems[0]}{more}")
     return carried
 
-
-def _tied_head(name: str, hf_config) -> bool:
-    """A tied LM head stored anyway: the embedding (checked above), neither read nor carried."""
-    return hf_config.tie_word_embeddings and name == "lm_head.weight"

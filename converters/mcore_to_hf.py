@@ -24,6 +24,7 @@ from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.builder import DTYPES
 from verl_mega.models.expected_shapes import mcore_shard_shape
 from verl_mega.models.sharding import fp32_hf_names, rank_slots, split_mcore_to_hf, strip_vocab_padding
+from verl_mega.models.spec import HF_EMBEDDING, HF_LM_HEAD
 
 HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -57,11 +58,15 @@ def write_hf_model(tensors: Iterator[tuple[str, torch.Tensor]], manifest: Manife
     family = family_for(hf_config, manifest.family_spec, recorded=True)
     kept_fp32 = fp32_hf_names(hf_config, family)
     carried = open_unread_tensors(assets, manifest, hf_config, family)
+    # A tied LM head the source stored is the embedding: written as the exported one, where the export has the head.
+    tied_head = manifest.tied_embeddings and HF_LM_HEAD in (manifest.unread_tensors or ())
     with atomic_output_dir(out_dir, overwrite, sources=sources) as tmp:
         writer = SafetensorsWriter(tmp, max_shard_bytes)
         for name, tensor in tensors:
-            written = tensor.to(torch.float32 if name in kept_fp32 else DTYPES[dtype])
-            writer.add(name, _finite(name, tensor, written, dtype))
+            written = _finite(name, tensor, tensor.to(torch.float32 if name in kept_fp32 else DTYPES[dtype]), dtype)
+            writer.add(name, written)
+            if tied_head and name == HF_EMBEDDING:
+                writer.add(HF_LM_HEAD, written.clone())  # safetensors stores no shared tensors
         for name in carried.names() if carried is not None else ():
             writer.add(name, carried.read(name))
         writer.close()

@@ -83,6 +83,24 @@ def test_round_trip_from_sharded_checkpoint_with_index(tiny_models, tmp_path):
     assert_same_tensors(tiny_models["llama"], tmp_path / "hf")
 
 
+def test_tensors_the_model_does_not_read_round_trip(tiny_models, tmp_path):
+    """A tied LM head stored anyway (written back as the embedding: the trained one after training) and the RoPE
+    frequencies older transformers saved (as they were, in their own dtype) come back out of the export."""
+    from safetensors.torch import save_file
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_models["qwen2"], hf_dir)
+    tensors = hf_tensors(hf_dir)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.rand(8, dtype=torch.float64)
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    convert_hf_to_mcore(hf_dir, tmp_path / "ckpt", tp=2)
+    assert not (tmp_path / "ckpt" / "hf_assets" / "unread_tensors" / "model.safetensors").read_bytes().count(
+        b"lm_head"), "the tied head's bytes are the embedding's: not stored twice"
+    convert_mcore_to_hf(tmp_path / "ckpt", tmp_path / "out")
+    assert_same_tensors(hf_dir, tmp_path / "out")
+
+
 def test_export_is_loadable_by_transformers_with_tokenizer_and_tie_flag(tiny_models, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

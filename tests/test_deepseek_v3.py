@@ -72,6 +72,8 @@ def test_expert_bias_and_rope_layout_change_the_tiny_models_logits(tiny_hf):
     # Read as they were, each ended in a TypeError's traceback.
     (dict(first_k_dense_replace={"a": 1}), "'first_k_dense_replace' ={'a': 1} must be an integer in [0, "),
     (dict(routed_scaling_factor="2.5"), "'routed_scaling_factor' ='2.5' must be a positive number"),
+    # A count of layers whose expert stacks are looked up one by one: 2**40 would never finish.
+    (dict(num_nextn_predict_layers=2 ** 40), "'num_nextn_predict_layers' =1099511627776 must be an integer in [0, 65536]"),
 ])
 def test_configs_megatron_cannot_reproduce_are_refused(tiny_hf, tmp_path, edit, says):
     hf_dir = tmp_path / "hf"

@@ -455,3 +455,89 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resumes(inputs,
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert (run_dir / "final_actor" / "verl_mega_manifest.json").is_file()
+
+
+# --- step checkpoints' digests: damaged files refused at resume and at export --------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_run(inputs, tmp_path_factory):
+    """A one-step run that saved its step checkpoint, with the digests of its files."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    result = world_of_one(inputs, run_dir, "trainer.save_every=1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir
+
+
+def _weights_file(step: Path) -> Path:
+    return max((step / "actor").glob("*.distcp"), key=lambda path: path.stat().st_size)
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+# damage -> (what it does to a step checkpoint, returning the file to be named; words of the refusal)
+DAMAGES = {
+    "flipped-byte": (lambda step: (_flip_a_byte(_weights_file(step)), _weights_file(step))[1],
+                     "does not match the sha256 recorded"),
+    "truncated": (lambda step: (_weights_file(step).write_bytes(_weights_file(step).read_bytes()[:-100]),
+                                _weights_file(step))[1], "(truncated or overwritten)"),
+    "missing": (lambda step: (path := _weights_file(step), path.unlink())[0], "is missing"),
+    "record-deleted": (lambda step: (step / "digests.json", (step / "digests.json").unlink())[0], "is missing"),
+}
+
+
+def _damaged_copy(saved_run: Path, tmp_path: Path, damage: str) -> tuple[Path, Path, str]:
+    """A copy of the saved run with its step checkpoint damaged: (run folder, the file to be named, words)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run, run_dir, ignore=shutil.ignore_patterns(".lock"))
+    harm, words = DAMAGES[damage]
+    return run_dir, harm(RunFolder(run_dir).step(1)), words
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_step_checkpoint_is_refused_at_export_naming_the_file(saved_run, tmp_path, capsys, damage):
+    from .convert_tools import assert_refused
+
+    run_dir, named, words = _damaged_copy(saved_run, tmp_path, damage)
+    out = tmp_path / "out"
+    line = assert_refused(["export", "--ckpt", run_dir, "--step", "1", "--out", out], capsys, (words, "--step N"), out,
+                          (run_dir,))
+    assert line.startswith(f"verl-mega export: error: {named} "), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flipped-byte", "truncated", "missing"])
+def test_a_damaged_step_checkpoint_is_refused_at_resume_naming_the_file(inputs, saved_run, tmp_path, damage):
+    """Without digests a flipped byte resumed silently, and a missing or truncated file ended in a traceback."""
+    run_dir, named, words = _damaged_copy(saved_run, tmp_path, damage)
+    result = world_of_one(inputs, run_dir, "trainer.total_steps=2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"{named} " in errors[0] and words in errors[0] and "remove checkpoint" in errors[0], errors[0]
+    assert not RunFolder(run_dir).step(2).exists()
+
+
+@pytest.mark.slow
+def test_a_step_checkpoint_written_before_digests_still_resumes(inputs, saved_run, tmp_path):
+    """A checkpoint as the code before digests wrote it (no record, none named in its trainer state) resumes; the
+    next checkpoint records its digests."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run, run_dir, ignore=shutil.ignore_patterns(".lock"))
+    step = RunFolder(run_dir).step(1)
+    (step / "digests.json").unlink()
+    state = json.loads((step / run_checkpoints.STATE_FILE).read_text())
+    del state["digests"]
+    (step / run_checkpoints.STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
+    result = world_of_one(inputs, run_dir, "trainer.total_steps=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resumed from" in result.stdout
+    assert (RunFolder(run_dir).step(2) / "digests.json").is_file()

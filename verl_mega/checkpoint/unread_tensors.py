@@ -5,10 +5,13 @@ by every export as they came: same names, dtypes and bytes.
 
 They are the layers after the last that the family declares (`FamilySpec.unread_layers`: DeepSeek-V3's
 multi-token-prediction layers, which speculative decoding serves) and the RoPE frequencies older transformers
-versions saved as a buffer. None of them trains, so what comes back out is what went in. The manifest records their
-names (`Manifest.unread_tensors`); a checkpoint converted before they were carried records nothing, and its export
-is refused where its config declares such layers, as is one whose carried files lack a recorded tensor. A tied LM
-head stored anyway is not carried: it is the embedding, which transformers ties back on load and drops on save.
+versions saved as a buffer. None of them trains, so what comes back out is what went in. The one exception is a
+tied LM head stored anyway: it is the embedding (conversion checks it equals it), so the export writes the exported
+embedding under its name, the trained one after training, and nothing where the export has no LM head (a critic).
+
+The manifest records their names (`Manifest.unread_tensors`); a checkpoint converted before they were carried
+records nothing, and its export is refused where its config declares such layers, as is one whose carried files
+lack a recorded tensor.
 
 They live in hf_assets/ so that they travel wherever the model's config and tokenizer files do (a run's final
 weights copy that folder from the checkpoint the role started from).
@@ -18,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from verl_mega.models import HFModelConfig
-from verl_mega.models.spec import FamilySpec
+from verl_mega.models.spec import HF_LM_HEAD, FamilySpec
 
 from .manifest import MANIFEST_NAME, Manifest
 from .safetensors_io import SafetensorsReader, SafetensorsWriter
@@ -27,14 +30,23 @@ UNREAD_DIR = "unread_tensors"
 
 
 def is_carried(name: str, hf_config: HFModelConfig, family: FamilySpec) -> bool:
-    """Whether HF tensor `name` (not one the model reads) is carried: an unread layer's, or RoPE's frequencies."""
+    """Whether HF tensor `name` (not one the model reads) is carried: an unread layer's, RoPE's frequencies, or a
+    tied LM head."""
     layer = name.split(".")[2] if name.startswith("model.layers.") else ""
     unread_layer = layer.isdigit() and 0 <= int(layer) - hf_config.num_layers < family.unread_layer_count(hf_config)
-    return unread_layer or name.endswith(".rotary_emb.inv_freq")
+    tied_head = hf_config.tie_word_embeddings and name == HF_LM_HEAD
+    return unread_layer or tied_head or name.endswith(".rotary_emb.inv_freq")
+
+
+def _stored(name: str) -> bool:
+    """Whether a carried tensor's bytes are kept (all but a tied LM head's: the embedding's, written from it)."""
+    return name != HF_LM_HEAD
 
 
 def write_unread_tensors(reader: SafetensorsReader, names: list[str], assets: Path) -> None:
-    """Copy the tensors `names` of `reader` as they are into `assets`' unread-tensor folder (none: no folder)."""
+    """Copy the tensors `names` of `reader` that are kept as they are into `assets`' unread-tensor folder (none: no
+    folder)."""
+    names = list(filter(_stored, names))
     if not names:
         return
     folder = assets / UNREAD_DIR
@@ -48,9 +60,9 @@ def write_unread_tensors(reader: SafetensorsReader, names: list[str], assets: Pa
 def open_unread_tensors(assets: Path, manifest: Manifest, hf_config: HFModelConfig,
                         family: FamilySpec) -> SafetensorsReader | None:
     """The carried tensors of the checkpoint whose hf_assets folder is `assets`, exactly the ones its manifest
-    records; None where it records none. What would lose a tensor is refused in one line naming it and the file."""
-    recorded = manifest.unread_tensors
-    if recorded is None:
+    records as kept; None where it keeps none. What would lose a tensor is refused in one line naming it and the
+    file."""
+    if manifest.unread_tensors is None:
         count, first = family.unread_layer_count(hf_config), hf_config.num_layers
         if count:
             raise ValueError(
@@ -59,6 +71,7 @@ def open_unread_tensors(assets: Path, manifest: Manifest, hf_config: HFModelConf
                 f"{'' if count == 1 else f' to model.layers.{first + count - 1}.*'}) that the export would lose: "
                 f"convert its HF folder again (`verl-mega convert hf-to-mcore --overwrite --out {assets.parent}`)")
         return None
+    recorded = list(filter(_stored, manifest.unread_tensors))
     if not recorded:
         return None
     folder = assets / UNREAD_DIR

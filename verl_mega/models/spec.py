@@ -27,6 +27,8 @@ LAYER_CONDITIONS = ("moe_layer", "dense_layer")
 
 LM_HEAD = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
+HF_LM_HEAD = "lm_head.weight"
+HF_EMBEDDING = "model.embed_tokens.weight"
 
 
 # transformer-engine fuses the pre-attention and (dense) pre-MLP norms into the following linear layer;
@@ -304,9 +306,9 @@ _H = "model.layers.{layer}."
 
 def _embedding_rules() -> tuple[TensorRule, ...]:
     return (
-        TensorRule(EMBEDDING, ("model.embed_tokens.weight",), tp_dim=0, vocab=True),
+        TensorRule(EMBEDDING, (HF_EMBEDDING,), tp_dim=0, vocab=True),
         TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-        TensorRule(LM_HEAD, ("lm_head.weight",), tp_dim=0, vocab=True, when="untied"),
+        TensorRule(LM_HEAD, (HF_LM_HEAD,), tp_dim=0, vocab=True, when="untied"),
     )
 
 

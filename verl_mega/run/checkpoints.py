@@ -6,6 +6,8 @@
         trainer_state.json       step, sampler position, KL controller, reward normaliser, model fingerprint,
                                  the sha256 of each role's base (HF folder) when given
         config.yaml              the resolved config of the run that wrote it
+        digests.json             every other file's size and sha256, checked before the checkpoint is read
+                                 (`checkpoint_digests`; absent from checkpoints written before it existed)
 
 A checkpoint is written into `.step_000012.tmp` and renamed when every rank is done (`collective_output_dir`),
 so a folder named `step_*` is complete; a kill during a save leaves the previous checkpoints untouched.
@@ -31,10 +33,10 @@ from verl_mega.config.errors import UserError
 from verl_mega.files.atomic import collective_output_dir
 from verl_mega.models.lora import has_lora
 
-from .folder import CONFIG_FILE, RunFolder, checkpoint_step
+from .checkpoint_digests import DIGESTS_FILE, DIGESTS_KEY, record_digests, verify_digests
+from .folder import CONFIG_FILE, STATE_FILE, RunFolder, checkpoint_step
 from .training_state import load_training_state, save_training_state
 
-STATE_FILE = "trainer_state.json"
 BASES_KEY = "base_sha256"  # trainer_state.json: role -> sha256 of the HF folder the role started from
 _TRACKER_PREFIX = "model_parallel/"
 # Config fields that define the model's shapes; a checkpoint of another model is refused on them.
@@ -118,8 +120,9 @@ def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state
     """Collective. `trainables`: name -> TrainableModel (actor, critic). `base_checksums`: role -> sha256 of the
     HF folder it started from (the critic's defaults to the actor's), recorded. Returns the checkpoint folder."""
     final = RunFolder(run_dir).step(step)
+    trainer_state = {**trainer_state, DIGESTS_KEY: DIGESTS_FILE}
     if base_checksums:
-        trainer_state = {**trainer_state, BASES_KEY: {role: _base_of(base_checksums, role) for role in trainables}}
+        trainer_state[BASES_KEY] = {role: _base_of(base_checksums, role) for role in trainables}
     with collective_output_dir(final, rank) as tmp:
         for name, trainable in trainables.items():
             (tmp / name).mkdir(exist_ok=True)
@@ -129,6 +132,7 @@ def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state
         if rank == 0:
             (tmp / CONFIG_FILE).write_text(config_yaml)
             (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+        record_digests(tmp, rank, torch.distributed.get_world_size())
     if rank == 0:
         for old in complete_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
@@ -143,6 +147,10 @@ def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int
     if not state_file.is_file():
         raise UserError(f"checkpoint {ckpt} is incomplete ({STATE_FILE} missing); remove it to resume from an "
                         "earlier one")
+    try:
+        verify_digests(ckpt, rank, world_size)
+    except ValueError as err:
+        raise UserError(f"{err}; remove checkpoint {ckpt} to resume from an earlier one") from None
     try:
         state = json.loads(state_file.read_text())
         if not isinstance(state, dict) or not isinstance(state.get("step"), int) or state["step"] < 0:

@@ -25,6 +25,7 @@ from pathlib import Path, PurePath
 from verl_mega.checkpoint.roles import check_role
 
 CONFIG_FILE = "config.yaml"
+STATE_FILE = "trainer_state.json"  # a step checkpoint's trainer state (step, sampler, ...): export looks for it
 _STEP_NAME = re.compile(r"^step_(\d{6,})$")
 
 

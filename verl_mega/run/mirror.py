@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 
 from verl_mega.config.errors import UserError
 from verl_mega.files.atomic import atomic_output_dir
-from verl_mega.files.digest import file_sha256
+from verl_mega.files.digest import check_relative_path, file_entries
 
 from .folder import RunFolder, checkpoint_step, step_name
 
@@ -92,15 +92,6 @@ def s3_client():
 
 
 # --- writing ---------------------------------------------------------------------------------------------
-
-def file_entries(ckpt: Path) -> list[dict]:
-    """path (relative, posix), size and sha256 of every file under `ckpt`, sorted by path."""
-    entries = []
-    for path in sorted(p for p in ckpt.rglob("*") if p.is_file()):
-        entries.append({"path": path.relative_to(ckpt).as_posix(), "size": path.stat().st_size,
-                        "sha256": file_sha256(path)})
-    return entries
-
 
 def upload_checkpoint(client, location: MirrorLocation, ckpt: Path) -> None:
     """Upload every file of the checkpoint folder `ckpt`, check the objects' sizes, then write the marker. A
@@ -312,7 +303,7 @@ def _checked_entries(marker, step: int) -> list[dict]:
             raise ValueError(f"size {size!r} is not a byte count")
         if not (isinstance(sha, str) and _SHA256.match(sha)):
             raise ValueError(f"sha256 {sha!r} is not a hex digest")
-        _check_relative_path(path)
+        check_relative_path(path)
         if path in seen or path == MARKER_NAME:
             raise ValueError(f"'{path}' is listed twice or names the marker")
         seen.add(path)
@@ -321,14 +312,6 @@ def _checked_entries(marker, step: int) -> list[dict]:
         if child.startswith(parent + "/"):
             raise ValueError(f"'{parent}' is both a file and a folder")
     return entries
-
-
-def _check_relative_path(path) -> None:
-    """A path that stays inside the checkpoint folder on every OS: relative, no '..', '.', empty parts."""
-    if not isinstance(path, str) or not path or len(path) > 1024 or "\\" in path or "\0" in path:
-        raise ValueError(f"path {path!r} is not a plain relative path")
-    if path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
-        raise ValueError(f"path {path!r} leaves the checkpoint folder")
 
 
 def _link_or_copy(source: str, target: str) -> None:

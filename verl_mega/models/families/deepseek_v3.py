@@ -128,6 +128,10 @@ def transformer_overrides(hf_config: HFModelConfig) -> dict:
     )
 
 
+# Layers are looked up one by one (their expert stacks): as many as a config may have layers at all.
+_LARGEST_PREDICTION_LAYERS = 2 ** 16
+
+
 def _refuse(key: str, why: str) -> None:
     raise ValueError(f"config.json: deepseek_v3 '{key}' {why}")
 
@@ -165,13 +169,16 @@ def check_config(hf_config: HFModelConfig) -> None:
         _refuse("rope_scaling", f"type {hf_config.rope_scaling['rope_type']!r}: only default and yarn are supported")
     if sizes["qk_rope_head_dim"] % 2:
         _refuse("qk_rope_head_dim", "must be even")
+    prediction_layers(hf_config)
 
 
 def prediction_layers(hf_config: HFModelConfig) -> int:
-    """The multi-token-prediction layers checkpoints carry after the last (`num_nextn_predict_layers`): transformers
-    and the megatron model here do not run them, speculative decoding does."""
+    """The multi-token-prediction layers checkpoints carry after the last (`num_nextn_predict_layers`, null: none):
+    transformers and the megatron model here do not run them, speculative decoding does."""
     count = hf_config.raw.get("num_nextn_predict_layers")
-    return count if type(count) is int and count > 0 else 0
+    if count is not None and (type(count) is not int or not 0 <= count <= _LARGEST_PREDICTION_LAYERS):
+        _refuse("num_nextn_predict_layers", f"={count!r} must be an integer in [0, {_LARGEST_PREDICTION_LAYERS}] or null")
+    return count or 0
 
 
 def block_spec(hf_config: HFModelConfig, config, use_transformer_engine: bool):
