@@ -126,8 +126,9 @@ def _step_config(step_folder: Path) -> dict:
         config = yaml.safe_load(config_file.read_text())
         if not isinstance(config, dict):
             raise TypeError("it holds no mapping")
-    except (OSError, yaml.YAMLError, TypeError) as err:
-        raise ValueError(f"{config_file} is missing or unreadable ({err}): the step's model is unknown") from None
+    except (OSError, yaml.YAMLError, ValueError, TypeError) as err:  # ValueError: not UTF-8 text
+        raise ValueError(f"{config_file} is missing or unreadable ({' '.join(str(err).split())}): the step's model "
+                         "is unknown") from None
     return config
 
 

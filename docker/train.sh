@@ -29,6 +29,9 @@ fail() {
 [[ -f "$RL_CONFIG" ]] || fail "RL_CONFIG=$RL_CONFIG is not a file"
 NPROC=${NPROC:-1}
 PYTHON=${PYTHON:-python}
+# Every Python process below (and torchrun's ranks, the reward worker) imports nothing from the folder the
+# container starts in (verl_mega.parallel.safe_path).
+export PYTHONSAFEPATH=1
 [[ "$NPROC" =~ ^[1-9][0-9]{0,3}$ ]] || fail "NPROC=$NPROC must be a number of processes (1 or more)"
 if [[ -z "${RUN_DIR:-}" ]]; then
     # The config's own trainer.run_dir wins over this default (read as YAML, as the trainer reads the file).

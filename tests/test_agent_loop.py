@@ -7,7 +7,9 @@ an engine is only `generate`, and a replayed policy is what lets a test know eve
 real engines run the same loop in test_agent_engines.py)."""
 from __future__ import annotations
 
+import gc
 import json
+import time
 from typing import Iterable, Sequence
 
 import pytest
@@ -191,6 +193,62 @@ def test_tool_failures_are_results_and_the_episode_goes_on(qwen, toolset):
     assert [r["ok"] for r in results] == [False, False] and results[0]["error"] == "bad_json"
     assert results[1]["error"] == "unknown_tool" and not response.episode.truncated
     assert final_answer(response.episode) == ANSWER
+
+
+def deep_call(depth: int, closed: bool) -> str:
+    """A Hermes call whose arguments nest `depth` lists deep (closed again or not)."""
+    return '<tool_call>{"name": "calculator", "arguments": ' + "[" * depth + ("]" * depth + "}" if closed else "") \
+        + "</tool_call>"
+
+
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_call_nested_deep_is_a_bad_json_result_in_every_format(depth, closed):
+    (hermes,) = parse_tool_calls(deep_call(depth, closed), "hermes")
+    (llama,) = parse_tool_calls(deep_call(depth, closed).removeprefix("<tool_call>").removesuffix("</tool_call>"),
+                                "llama3_json")
+    assert hermes == llama == f"the tool call is not accepted: the JSON nests {depth + 1} levels deep, more than " \
+                              "the 64 allowed"
+
+
+@pytest.mark.parametrize("depth", [900, 1_000])  # parsed without, and RecursionError, on Python's default limit
+def test_arguments_nested_deep_as_json_text_are_a_bad_json_result(toolset, depth):
+    result = toolset.call(ToolCall("calculator", '{"a": ' * depth + "1" + "}" * depth))
+    assert (result.ok, result.error) == (False, "bad_json")
+    assert f"nests {depth} levels deep" in result.text
+
+
+def test_a_deeply_nested_call_is_an_error_result_and_the_episode_goes_on(qwen, toolset):
+    (response,), _ = run_loop(qwen, toolset, [[turn(qwen, deep_call(1_000, True))], [turn(qwen, ANSWER)]],
+                              budget=4096)
+    [result] = response.episode.tool_results
+    assert result["error"] == "bad_json" and "nests 1001 levels deep" in result["text"]
+    assert final_answer(response.episode) == ANSWER
+
+
+def best_parse_seconds(text: str, tool_call_format: str) -> float:
+    """The fastest of seven parses of `text`: the least disturbed by the other processes on the machine (and
+    none of them by a collection of the earlier tests' garbage)."""
+    times = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(7):
+            start = time.perf_counter()
+            parse_tool_calls(text, tool_call_format)
+            times.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return min(times)
+
+
+@pytest.mark.parametrize("text, tool_call_format", [("<tool_call>{", "hermes"), ("[", "llama3_json")])
+def test_a_turn_of_repeated_unclosed_tags_parses_in_time_linear_in_its_length(text, tool_call_format):
+    """16k and 100k repeats (`<tool_call>` is one token of Qwen's): 6.25x the length may take 6.25x the time
+    and some noise, not the 39x a parse that rescans the rest of the turn from each tag takes."""
+    head = "{" if tool_call_format == "llama3_json" else ""
+    short, long = (best_parse_seconds(head + text * repeats, tool_call_format) for repeats in (16_000, 100_000))
+    assert long / short < 20, (short, long)
 
 
 def test_max_turns_and_the_token_budget_truncate(qwen, toolset):

@@ -236,6 +236,26 @@ def test_step_export_finds_the_critic_s_own_conversion(tmp_path):
     assert _starting_checkpoint(step, "critic", _step_config(step)).name == "initial_actor_tp1_pp1_ep1"
 
 
+@pytest.mark.parametrize("content, problem", [(b"model: \xff\xfe\n", "'utf-8' codec can't decode byte 0xff"),
+                                             (b"model: [1\n", "while parsing a flow sequence")])
+def test_a_garbled_step_config_is_one_line_naming_it(tmp_path, content, problem):
+    from verl_mega.converters.export import _step_config
+
+    (tmp_path / "config.yaml").write_bytes(content)
+    with pytest.raises(ValueError, match=f"^{tmp_path}/config.yaml is missing or unreadable \\({problem}") as error:
+        _step_config(tmp_path)
+    assert "\n" not in str(error.value)
+
+
+def test_a_garbled_run_config_is_one_line_naming_it(tmp_path):
+    from verl_mega.run.continuity import check_continuation
+
+    (tmp_path / "config.yaml").write_bytes(b"trainer:\n  total_steps: \xff\n")
+    with pytest.raises(UserError, match=f"^{tmp_path}/config.yaml cannot be read back \\(config file "
+                                        f"{tmp_path}/config.yaml is not UTF-8 text"):
+        check_continuation(tmp_path / "config.yaml", load_config(None, ["model.hf_path=x"]))
+
+
 def test_the_commit_comes_from_the_image_else_from_git(monkeypatch):
     from verl_mega.run.provenance import package_commit
 

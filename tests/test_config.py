@@ -170,11 +170,31 @@ def test_reward_function_is_checked(tiny_models, prompt_file, function, message)
         preflight_check(config, world_size=4)
 
 
-def test_invalid_yaml_is_refused_with_the_file_named(tmp_path):
+def test_invalid_yaml_is_refused_with_the_file_named_in_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("actor: {lr: 1}\nactor: {lr: 2}\n")
-    with pytest.raises(ConfigError, match=f"config file {bad} is not valid YAML"):
+    with pytest.raises(ConfigError, match=f"config file {bad} is not valid YAML") as error:
         load_config(bad)
+    assert "\n" not in str(error.value)
+
+
+def test_a_file_that_is_not_utf8_is_refused_with_the_file_named(tmp_path):
+    garbled = tmp_path / "config.yaml"
+    garbled.write_bytes(b"trainer:\n  total_steps: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=f"^config file {garbled} is not UTF-8 text \\(byte 0xff at offset 24\\)"):
+        load_config(garbled)
+
+
+def test_every_key_of_a_verl_config_the_schema_lacks_is_named_at_once(tmp_path):
+    verl = tmp_path / "verl.yaml"
+    verl.write_text("data: {train_batch_size: 8, max_prompt_length: 64}\nactor_rollout_ref: {model: {path: m}}\n"
+                    "algorithm: {adv_estimator: grpo}\ncustom_reward_function: {path: r.py}\n"
+                    "trainer: {n_gpus_per_node: 8}\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(verl)
+    assert str(error.value) == (f"config file {verl}: data.train_batch_size (batch_size?), actor_rollout_ref, "
+                                "custom_reward_function, trainer.n_gpus_per_node are not keys of verl_mega's config "
+                                "(docs/reference/config.md lists them, with verl's names where they differ)")
 
 
 # --- overrides are typed by the key they set, never re-read as YAML -------------------------------------------

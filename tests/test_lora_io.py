@@ -9,6 +9,7 @@ merged folder must both give that policy's logits within the parity rule.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -208,6 +209,40 @@ def test_lora_state_of_another_rank_is_refused(one_rank, converted, tmp_path):
     with pytest.raises(ValueError, match=r"holds LoRA adapters of rank 4 on linear_fc1,linear_fc2,linear_proj,"
                                          r"linear_qkv, this job has rank 2 .*: resume with actor.lora.rank=4"):
         load_training_state(lora_actor(converted["llama"], rank=2).trainable, saved / "actor")
+
+
+def test_lora_state_that_holds_nan_is_refused_naming_the_tensor(one_rank, converted, tmp_path):
+    """Not resumed to fail a step later as an overflow blamed on the learning rate."""
+    from verl_mega.config.errors import UserError
+    from verl_mega.models.lora import lora_parameters
+    from verl_mega.run.checkpoints import load_checkpoint
+
+    actor = lora_actor(converted["llama"])
+    name, param = next(lora_parameters(actor.model))
+    with torch.no_grad():
+        param[0, 0] = float("nan")
+    saved = save_step(tmp_path, actor, base="aa" * 32)
+    with pytest.raises(UserError, match=rf"^checkpoint {saved}: {saved / 'actor'}: 'model\.{re.escape(name)}' holds "
+                                        "NaN/inf; the run that saved it had diverged: resume from an earlier checkpoint$"):
+        load_checkpoint(saved, trainables={"actor": lora_actor(converted["llama"]).trainable}, fingerprint="tiny",
+                        rank=0, world_size=1, base_checksums={"actor": "aa" * 32})
+
+
+def test_adapters_of_a_model_with_fewer_layers_are_refused_naming_the_tensor(one_rank, converted, tmp_path):
+    """The manifest's model has more layers than the step's adapters: a ValueError naming the stored tensor, not
+    an IndexError out of the stacked layers."""
+    from dataclasses import replace
+
+    from verl_mega.checkpoint.manifest import Manifest
+    from verl_mega.checkpoint.torch_dist import read_adapter_tensors
+
+    saved = save_step(tmp_path, lora_actor(converted["llama"]), base="aa" * 32)
+    manifest = Manifest.read(converted["llama"])
+    layers = manifest.hf_config["num_hidden_layers"]
+    deeper = replace(manifest, hf_config={**manifest.hf_config, "num_hidden_layers": layers + 1})
+    with pytest.raises(ValueError, match=rf"^tensor '\S+\.lora_a' in {saved / 'actor'} is \[{layers}, \d+, \d+\]: "
+                                         rf"it has no entry \[{layers}\] for decoder\.layers\.{layers}\."):
+        read_adapter_tensors(saved / "actor", deeper)
 
 
 def test_a_lora_step_exports_as_peft_and_merged_with_the_actors_logits(one_rank, tiny_models, converted, tmp_path):

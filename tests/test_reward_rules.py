@@ -2,6 +2,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from verl_mega.config.errors import UserError
 from verl_mega.data.synthetic import make_task_rows
 from verl_mega.data.tiny_tokenizer import save_tiny_tokenizer
 from verl_mega.rewards.registry import get_reward_fn
@@ -200,6 +201,34 @@ def test_a_dict_without_a_numeric_score_is_one_line_naming_function_and_row(tmp_
     message = str(error.value)
     assert message.startswith("reward.function 'tests.test_reward_rules:test_a_dict_without_a_numeric_score_is_")
     assert "on response 1 (data_source 'b'): " + words in message and "\n" not in message
+
+
+@pytest.mark.parametrize("value, words", [
+    (10**400, "returned int '1" + "0" * 39 + "', outside a float32 score's range (magnitude at most 3.4e+38)"),
+    (10**5000, "returned int '(too many digits to print)', outside a float32 score's range"),
+    (1e300, "returned float '1e+300', outside a float32 score's range"),
+    ({"score": -10**400}, "returned dict whose 'score' is int '-1000"),
+    ({"score": 1.0, "acc": 10**400}, "returned dict whose 'acc' is int '1000"),
+], ids=["10**400", "10**5000", "1e300", "dict score", "dict field"])
+def test_a_number_out_of_a_float32_scores_range_is_one_line_naming_function_and_row(tmp_path, value, words):
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
+    responses, mask = encode_responses(tokenizer, ["1", "2"], length=3)
+
+    def huge_on_second_row(data_source, solution_str, ground_truth, extra_info):
+        return value if solution_str == "2" else 1.0
+
+    with pytest.raises(UserError) as error:
+        RuleReward(tokenizer, huge_on_second_row)(responses, mask, ["1", "2"], ["a", "b"])
+    message = str(error.value)
+    assert "on response 1 (data_source 'b'): " + words in message and "\n" not in message
+
+
+def test_a_function_that_calls_sys_exit_is_one_line_naming_it(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
+    responses, mask = encode_responses(tokenizer, ["1"], length=3)
+    with pytest.raises(UserError, match=r"^reward.function 'tests.faults.rewards:exiting_reward' on response 0 "
+                                        r"\(data_source None\): called sys.exit\(3\)$"):
+        RuleReward(tokenizer, "tests.faults.rewards:exiting_reward", timeout_s=0)(responses, mask, ["1"])
 
 
 def test_a_dict_score_that_is_nan_reaches_the_trainer_as_such(tmp_path):

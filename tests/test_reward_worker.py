@@ -2,6 +2,7 @@
 reward.timeout_s plus a margin, is counted, the worker is replaced and the next answers score normally; an
 answer that allocates past reward.memory_limit_mb likewise; no worker process outlives close(). The tests that
 start a worker are slow (a child process importing sympy: about half a second each on an idle machine)."""
+import re
 import subprocess
 import sys
 import time
@@ -9,10 +10,11 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
+from verl_mega.config.errors import UserError
 from verl_mega.data.tiny_tokenizer import save_tiny_tokenizer
 from verl_mega.rewards.results import Scored, Stopped
 from verl_mega.rewards.worker import ScoringWorker
-from verl_mega.roles.reward import RuleReward
+from verl_mega.roles.reward import RewardOutput, RuleReward
 
 from .faults.processes import survivors_after
 from .test_reward_rules import encode_responses
@@ -84,6 +86,39 @@ def test_rule_reward_counts_the_stopped_answers_and_close_ends_its_worker(tmp_pa
     finally:
         reward.close()
     assert survivors_after([pid], 5.0) == []
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_is_counted_apart_and_the_next_answers_score(tmp_path, caplog):
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
+    responses, mask = encode_responses(tokenizer, ["1", "9", "1"], length=3)
+    reward = RuleReward(tokenizer, "tests.faults.rewards:dies_on_nine", timeout_s=30.0)
+    try:
+        output = reward(responses, mask, ["1", "9", "1"], ["m"] * 3)
+    finally:
+        reward.close()
+    assert output.scores.tolist() == [1.0, 0.0, 1.0]
+    assert output.worker_deaths == {1: "the scoring worker died on it (exit code 9)"} and output.timeouts == {}
+    assert output.take([1, 2]).worker_deaths == {0: "the scoring worker died on it (exit code 9)"}
+    assert RewardOutput.concat([output, output]).worker_deaths.keys() == {1, 4}
+    assert "reward.function 'tests.faults.rewards:dies_on_nine': the scoring worker died on it (exit code 9) " \
+           "(response 1, data_source 'm')" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("function, words", [("huge_int_reward", "returned int '1000"),
+                                             ("exiting_reward", "called sys.exit(3)")])
+def test_a_bad_return_or_exit_in_the_worker_is_one_line_naming_the_function(tmp_path, function, words):
+    """Not a death nor a timeout: the worker reads the value (or catches the exit) as the trainer would."""
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path))
+    responses, mask = encode_responses(tokenizer, ["1"], length=3)
+    reward = RuleReward(tokenizer, f"tests.faults.rewards:{function}", timeout_s=30.0)
+    try:
+        with pytest.raises(UserError, match=f"^reward.function 'tests.faults.rewards:{function}' on response 0 "
+                                            f"\\(data_source 'm'\\): {re.escape(words)}"):
+            reward(responses, mask, ["1"], ["m"])
+    finally:
+        reward.close()
 
 
 def test_linear_time_rules_and_callables_run_without_a_worker(tmp_path):

@@ -52,11 +52,12 @@ def test_the_image_bakes_the_commit_in_and_enters_through_train_sh():
     assert ":" in base and not base.endswith(":latest"), base
 
 
-def run_train_sh(env: dict, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_train_sh(env: dict, *overrides: str, timeout: int = 600,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
     full_env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1",
                 "PYTHON": sys.executable, **env}
     return subprocess.run(["bash", str(TRAIN_SH), *overrides], env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +108,11 @@ exec "{python}" "$@"
 """
 
 
-def _printed_config(tmp_path, env: dict, *overrides: str) -> dict:
+def _printed_config(tmp_path, env: dict, *overrides: str, cwd: Path | None = None) -> dict:
     printer = tmp_path / "python"
     printer.write_text(CONFIG_PRINTER.format(python=sys.executable))
     printer.chmod(0o755)
-    done = run_train_sh({**env, "PYTHON": str(printer)}, *overrides)
+    done = run_train_sh({**env, "PYTHON": str(printer)}, *overrides, cwd=cwd)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -137,6 +138,18 @@ def test_the_configs_own_run_dir_is_kept_when_run_dir_is_not_set(inputs, tmp_pat
     config.write_text(TINY_GRPO.replace("trainer: {", f"trainer: {{run_dir: '{tmp_path / 'mine'}', "))
     env = {key: value for key, value in inputs.items() if key != "RUN_DIR"}
     assert _printed_config(tmp_path, {**env, "RL_CONFIG": str(config)})["run_dir"] == str(tmp_path / "mine")
+
+
+def test_no_python_process_of_train_sh_imports_from_the_working_folder(inputs, tmp_path):
+    """A yaml.py and json.py where the container starts (the run folder's reader and the trainer import them)
+    never run: each would leave a proof file."""
+    folder = tmp_path / "start"
+    folder.mkdir()
+    for module in ("yaml", "json"):
+        (folder / f"{module}.py").write_text(f"open({str(folder / module)!r} + '.ran', 'w')\n")
+    env = {key: value for key, value in inputs.items() if key != "RUN_DIR"}
+    assert _printed_config(tmp_path, env, cwd=folder)["hf_path"] == inputs["MODEL_ID"]
+    assert sorted(path.name for path in folder.iterdir()) == ["json.py", "yaml.py"]
 
 
 @pytest.mark.slow

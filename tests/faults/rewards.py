@@ -65,3 +65,23 @@ def late_twice(data_source, solution_str, ground_truth, extra_info=None):
     if late:
         time.sleep(60)
     return 1.0
+
+
+def huge_int_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """An int no float holds: float() overflows on it."""
+    return 10**400
+
+
+def exiting_reward(data_source, solution_str, ground_truth, extra_info=None):
+    import sys
+
+    sys.exit(3)
+
+
+def dies_on_nine(data_source, solution_str, ground_truth, extra_info=None):
+    """1, except that an answer "9" ends the process scoring it at once (a crash in C code, the OOM killer)."""
+    import os
+
+    if solution_str.strip() == "9":
+        os._exit(9)
+    return 1.0

@@ -61,7 +61,7 @@ def _stacked_hf_tensors(path: str, manifest: Manifest) -> Iterator[tuple[str, to
         key, index = _dist_key(slot, metadata)
         if key != current_key:
             current_key, stacked = key, _load_whole(key, metadata[key], path)
-        tensor = stacked[index] if index else stacked
+        tensor = _entry(stacked, index, key, slot.global_name, path)
         _check_dist_tensor(slot, hf_config, tensor, path)
         for name, hf_tensor in split_mcore_to_hf(slot, hf_config, [tensor]):
             yield name, strip_vocab_padding(slot.rule, hf_tensor, hf_config.vocab_size)
@@ -92,7 +92,7 @@ def read_adapter_tensors(dist_dir: str | Path, manifest: Manifest) -> dict[str, 
                     continue  # a linear without adapters (or not a linear)
                 if key not in stacks:
                     stacks[key] = _load_whole(key, metadata[key], path)
-                adapters[adapter.global_name] = stacks[key][index] if index else stacks[key]
+                adapters[adapter.global_name] = _entry(stacks[key], index, key, adapter.global_name, path)
     return adapters
 
 
@@ -102,6 +102,17 @@ def _load_whole(key: str, meta, path: str) -> torch.Tensor:
 
     request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))}
     return dist_checkpointing.load(request, path)[key]
+
+
+def _entry(stored: torch.Tensor, index: tuple[int, ...], key: str, name: str, path: str) -> torch.Tensor:
+    """The layer (and expert) entry `index` of a stored tensor (all of it for no index); ValueError naming the
+    tensor where it has no such entry (fewer layers or dimensions than the manifest's model), not IndexError."""
+    if not index:
+        return stored
+    if stored.dim() <= len(index) or any(i >= size for i, size in zip(index, stored.shape)):
+        raise ValueError(f"tensor '{key}' in {path} is {list(stored.shape)}: it has no entry {list(index)} for "
+                         f"{name}; it was written for another model than the manifest's")
+    return stored[index]
 
 
 def _check_dist_tensor(slot, hf_config, tensor: torch.Tensor, path: str) -> None:

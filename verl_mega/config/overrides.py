@@ -14,6 +14,7 @@ it is typed by the field it sets, not by YAML's reading of it:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any, get_args, get_origin, get_type_hints
@@ -78,6 +79,25 @@ def loose_booleans(schema_class: type, layer, prefix: str = "") -> list[str]:
         elif _unwrap_optional(field_type(schema_class, name) or object)[0] is bool and value is not None \
                 and not isinstance(value, bool) and str(value).strip().lower() not in BOOLEAN_WORDS:
             found.append(f"{name}={value!r}")
+    return found
+
+
+def unknown_keys(schema_class: type, layer, prefix: str = "") -> list[str]:
+    """Every dotted key of the OmegaConf `layer` that `schema_class` lacks, each with the closest field of its
+    level where one is close ("data.train_batch_size (batch_size?)"): merging would name only the first, and a
+    config written for another toolkit (verl's) has many."""
+    found = []
+    fields = {f.name: f for f in dataclasses.fields(schema_class)}
+    hints = get_type_hints(schema_class)
+    for key, value in layer.items_ex(resolve=False) if OmegaConf.is_dict(layer) else ():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            found.append(f"{name} ({close[0]}?)" if close else name)
+            continue
+        nested = _unwrap_optional(hints[key])[0]
+        if OmegaConf.is_dict(value) and isinstance(nested, type) and dataclasses.is_dataclass(nested):
+            found += unknown_keys(nested, value, f"{name}.")
     return found
 
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from .errors import UserError
-from .overrides import loose_booleans, override_layer, verbatim
+from .overrides import loose_booleans, override_layer, unknown_keys, verbatim
 from .ranges import ANY, Range, above, at_least, within
 
 # Seconds a wait may last: larger ones overflow the timeouts of threads and process groups.
@@ -702,10 +702,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} does not exist")
-        try:
-            layers.append(OmegaConf.load(path))
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        layers.append(_file_layer(Path(path)))
     for item in overrides:
         if "=" not in item or not item.partition("=")[0]:
             raise ConfigError(f"override '{item}' must look like key.sub=value")
@@ -755,6 +752,25 @@ def _same_value(value, default) -> bool:
         except (TypeError, ValueError):
             return False
     return str(value) == default
+
+
+def _file_layer(path: Path):
+    """The YAML file's layer; ConfigError, in one line, for a file that is not UTF-8 YAML or names keys the
+    schema lacks (all of them: a config written for verl names several)."""
+    try:
+        layer = OmegaConf.load(path)
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                          f"{err.start}): it is damaged or not a config") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from None
+    _drop_retired_keys(layer)
+    unknown = unknown_keys(TrainConfig, layer)
+    if unknown:
+        raise ConfigError(f"config file {path}: {', '.join(unknown[:12])}{' and more' if len(unknown) > 12 else ''} "
+                          f"{'is not a key' if len(unknown) == 1 else 'are not keys'} of verl_mega's config (docs/"
+                          "reference/config.md lists them, with verl's names where they differ)")
+    return layer
 
 
 def _dotted_layer(values: dict[str, Any]):

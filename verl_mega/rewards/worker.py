@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection, Pipe
 from verl_mega.parallel.safe_path import SAFE_PATH_ENV
 
 from .registry import get_reward_fn
-from .results import Stopped, Verdict, call_reward, from_wire, to_wire
+from .results import Died, Stopped, Verdict, call_reward, from_wire, to_wire
 
 STARTUP_TIMEOUT_S = 120.0  # importing the function (sympy, math-verify: ~1 s) on a loaded node
 READY = b"ready"
@@ -43,7 +43,7 @@ class ScoringWorker:
         self._finalizer = None
 
     def score(self, rows: list[tuple]) -> list[Verdict]:
-        """One verdict per row, in order; the rows a limit stopped are `Stopped`."""
+        """One verdict per row, in order; the rows a limit stopped are `Stopped`, those it died on `Died`."""
         verdicts: list[Verdict] = []
         while len(verdicts) < len(rows):
             self._start()
@@ -53,11 +53,12 @@ class ScoringWorker:
         return verdicts
 
     def _collect(self, count: int) -> list[Verdict]:
-        """Up to `count` verdicts as they come, ending early (the child killed) at the first stopped answer."""
+        """Up to `count` verdicts as they come, ending early (the child killed) at the first stopped answer or
+        the child's death."""
         verdicts = []
         for _ in range(count):
             verdicts.append(self._next_verdict())
-            if isinstance(verdicts[-1], Stopped):
+            if isinstance(verdicts[-1], (Stopped, Died)):
                 self.close()
                 break
         return verdicts
@@ -68,7 +69,7 @@ class ScoringWorker:
         try:
             return from_wire(self._conn.recv_bytes())
         except EOFError:
-            return Stopped(f"the scoring worker died on it (exit code {self.process.wait()})")
+            return Died(f"the scoring worker died on it (exit code {self.process.wait()})")
 
     def _start(self) -> None:
         """A running child that has imported the function (the time limit counts from here)."""

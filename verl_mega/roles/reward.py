@@ -13,6 +13,7 @@ episode in `extra_info` (`episode_fields`: messages, tool calls and results, tur
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -23,8 +24,10 @@ from verl_mega.config.schema import RewardConfig
 from verl_mega.data.prompts import as_messages, encode_chat
 from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.rewards.registry import RewardFn, get_reward_fn, needs_time_limit, reward_fn_name
-from verl_mega.rewards.results import Scored, Stopped, Verdict, as_number, call_reward
+from verl_mega.rewards.results import Died, OutOfRange, Scored, Stopped, Verdict, as_number, call_reward, described
 from verl_mega.rewards.worker import ScoringWorker
+
+logger = logging.getLogger(__name__)
 
 
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -46,16 +49,17 @@ class RewardOutput(NamedTuple):
     extras: dict[str, torch.Tensor] = {}  # a dict reward's numeric fields, [B] each (NaN where a row lacks one)
     sample_fields: tuple[dict, ...] = ()  # per row: its non-numeric fields, for the logged samples
     timeouts: dict[int, str] = {}  # rows a scoring-worker limit stopped (scored 0) -> why
+    worker_deaths: dict[int, str] = {}  # rows the scoring worker died on (scored 0) -> its exit code
 
     def take(self, rows: Sequence[int]) -> RewardOutput:
-        """The reward of `rows` only, in that order (the timeouts' rows renumbered)."""
+        """The reward of `rows` only, in that order (the timeouts' and deaths' rows renumbered)."""
         rows = list(rows)
         index = torch.as_tensor(rows, dtype=torch.long)
         position = {row: i for i, row in enumerate(rows)}
         return RewardOutput(self.scores[index], self.token_level_rewards[index],
                             {name: values[index] for name, values in self.extras.items()},
                             tuple(self.sample_fields[row] for row in rows) if self.sample_fields else (),
-                            {position[row]: why for row, why in self.timeouts.items() if row in position})
+                            _renumbered(self.timeouts, position), _renumbered(self.worker_deaths, position))
 
     @staticmethod
     def concat(parts: Sequence[RewardOutput]) -> RewardOutput:
@@ -69,8 +73,15 @@ class RewardOutput(NamedTuple):
         sample_fields = tuple(fields for part, size in zip(parts, sizes)
                               for fields in (part.sample_fields or ({},) * size)) if with_fields else ()
         timeouts = {offset + row: why for part, offset in zip(parts, offsets) for row, why in part.timeouts.items()}
+        deaths = {offset + row: why for part, offset in zip(parts, offsets) for row, why in part.worker_deaths.items()}
         return RewardOutput(torch.cat([part.scores for part in parts]),
-                            torch.cat([part.token_level_rewards for part in parts]), extras, sample_fields, timeouts)
+                            torch.cat([part.token_level_rewards for part in parts]), extras, sample_fields, timeouts,
+                            deaths)
+
+
+def _renumbered(reasons: dict[int, str], position: dict[int, int]) -> dict[int, str]:
+    """`reasons` of the rows kept, under their new numbers."""
+    return {position[row]: why for row, why in reasons.items() if row in position}
 
 
 class RuleReward:
@@ -107,6 +118,12 @@ class RuleReward:
         rows = list(zip(data_sources, texts, ground_truths, extra_infos, strict=True))
         verdicts = self.worker.score(rows) if self.worker else [call_reward(self.reward_fn, row) for row in rows]
         timeouts = {row: verdict.reason for row, verdict in enumerate(verdicts) if isinstance(verdict, Stopped)}
+        deaths = {row: verdict.reason for row, verdict in enumerate(verdicts) if isinstance(verdict, Died)}
+        if deaths:  # rare and never the answer's fault alone: said at once, not only counted
+            row, reason = next(iter(deaths.items()))
+            logger.warning("reward.function %r: %s (response %d, data_source %r), and on %d more in this batch; "
+                           "scored 0, counted in reward/worker_deaths", self.name, reason, row, data_sources[row],
+                           len(deaths) - 1)
         scored = [self._scored(row, verdict, source) for row, (verdict, source) in enumerate(zip(verdicts,
                                                                                                 data_sources))]
         # NaN/inf pass through: the trainer stops or skips the batch (trainer.nonfinite) and names the rows.
@@ -115,7 +132,7 @@ class RuleReward:
         if episodes is not None:
             token_rewards += self._turn_rewards(scored, episodes, token_rewards.shape)
         return RewardOutput(scores, token_rewards, numeric_fields(scored), tuple(result.fields for result in scored),
-                            timeouts)
+                            timeouts, deaths)
 
     def _turn_rewards(self, scored: Sequence[Scored], episodes: Sequence, shape) -> torch.Tensor:
         """[B, R] a dict reward's `turn_scores` (one number per assistant turn), each at its turn's last sampled
@@ -125,19 +142,20 @@ class RuleReward:
             turn_scores = result.fields.get("turn_scores")
             if turn_scores is None:
                 continue
-            numbers = [as_number(value) for value in turn_scores] if isinstance(turn_scores, list) else [None]
+            numbers = _turn_numbers(turn_scores)
             if None in numbers or len(numbers) != len(episode.turn_ends):
                 raise UserError(f"reward.function {self.name!r} on response {row}: turn_scores must be a list of "
-                                f"{len(episode.turn_ends)} numbers (one per assistant turn), got "
-                                f"{str(turn_scores)[:80]!r}")
+                                f"{len(episode.turn_ends)} numbers within a float32 score's range (one per "
+                                f"assistant turn), got {described(turn_scores)}")
             for end, value in zip(episode.turn_ends, numbers):
                 if end < shape[1]:
                     rewards[row, end] += value
         return rewards
 
     def _scored(self, row: int, verdict: Verdict, source) -> Scored:
-        """A stopped answer scores 0; a function that raised or returned a non-score is the user's to fix."""
-        if isinstance(verdict, Stopped):
+        """A stopped answer, or one the worker died on, scores 0; a function that raised, exited or returned a
+        non-score is the user's to fix."""
+        if isinstance(verdict, (Stopped, Died)):
             return Scored(0.0, {}, {})
         if isinstance(verdict, Scored):
             return verdict
@@ -147,6 +165,19 @@ class RuleReward:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+
+def _turn_numbers(turn_scores) -> list[float | None]:
+    """Each turn score as a number, None for one that is not a number or is out of a float32 score's range."""
+    if not isinstance(turn_scores, list):
+        return [None]
+    numbers = []
+    for value in turn_scores:
+        try:
+            numbers.append(as_number(value))
+        except OutOfRange:
+            numbers.append(None)
+    return numbers
 
 
 def final_answer(episode) -> str:

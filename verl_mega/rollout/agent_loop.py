@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from verl_mega.data.prompts import render_chat
 from verl_mega.tools import ToolCall, ToolResult, ToolSet
+from verl_mega.tools.arguments import too_deep
 
 from .engine import EpisodeInfo, Response, RolloutEngine, SamplingParams
 
 TOOL_CALL_FORMATS = ("auto", "hermes", "llama3_json")
 # Above any step's seed offsets and the generation rounds' 2**31 stride (trainer.rl.generation.rollout_seed).
 TURN_SEED_STRIDE = 2**36
-HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 LLAMA_PYTHON_TAG = "<|python_tag|>"
 PROBE = "verl_mega probe 7391"  # a message's content while the chat template is probed
 
@@ -76,14 +76,32 @@ def check_tool_template(tokenizer, tool_call_format: str) -> str:
 def parse_tool_calls(text: str, tool_call_format: str) -> list[ToolCall | str]:
     """The tool calls in an assistant turn's text, in order; a call that cannot be read is the reason why."""
     if tool_call_format == "hermes":
-        return [_read_call(block.strip()) for block in HERMES_CALL.findall(text)]
+        return [_read_call(block.strip()) for block in _hermes_blocks(text)]
     body = text.strip().removeprefix(LLAMA_PYTHON_TAG).strip()
     return [_read_call(body, arguments_key="parameters")] if body.startswith("{") else []
 
 
+def _hermes_blocks(text: str) -> list[str]:
+    """What each `<tool_call>` holds up to the next `</tool_call>` (an unclosed one holds nothing), in one pass
+    over the text: a regex's lazy match rescans the rest of the text from every unclosed tag, quadratic in a turn
+    of repeated tags."""
+    blocks, start = [], text.find(HERMES_OPEN)
+    while start != -1:
+        end = text.find(HERMES_CLOSE, start + len(HERMES_OPEN))
+        if end == -1:  # no close after this tag, so none after any later one
+            break
+        blocks.append(text[start + len(HERMES_OPEN):end])
+        start = text.find(HERMES_OPEN, end + len(HERMES_CLOSE))
+    return blocks
+
+
 def _read_call(body: str, arguments_key: str = "arguments") -> ToolCall | str:
     """A JSON object {"name": ..., arguments_key: object or JSON text} as a ToolCall (the ToolSet checks the
-    name and the arguments), else the problem."""
+    name and the arguments), else the problem. Nesting is bounded before parsing: deep enough, json.loads raises
+    RecursionError, and any later json.dumps of a call parsed just below that limit would."""
+    problem = too_deep(body)
+    if problem:
+        return f"the tool call is not accepted: {problem}"
     try:
         value = json.loads(body)
     except ValueError as err:

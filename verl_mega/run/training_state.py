@@ -78,6 +78,7 @@ def load_training_state(trainable, directory: str | Path) -> None:
         request = _sharded_state(trainable, is_loading=True)
         _check_matches_checkpoint(request, directory)
         loaded = dist_checkpointing.load(request, str(directory))
+        _check_finite(loaded, directory)
         _load_model_state(trainable.model.module, loaded["model"])
         for optimizer, state in zip(_sub_optimizers(trainable.optimizer), loaded["optimizer"]):
             _load_optimizer_state(optimizer, state)
@@ -162,6 +163,32 @@ def _load_model_state(module, state: dict) -> None:
         raise ValueError(f"the LoRA state holds '{result.unexpected_keys[0]}', which this model lacks")
     if missing:
         raise ValueError(f"the LoRA state lacks '{missing[0]}', which this model trains")
+
+
+def _check_finite(loaded: dict, directory: Path) -> None:
+    """Raise on every rank, before anything is applied, if a loaded weight or optimizer moment holds NaN/inf: the
+    run that saved it had diverged, and resuming would only fail later with the blame on the learning rate."""
+    weights_first = {"model": loaded["model"], "optimizer": loaded["optimizer"]}  # the clearer name to give
+    problem = next((f"'{name}' holds NaN/inf" for name, tensor in _nested_tensors(weights_first)
+                    if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, problem)
+    problems = [rank_problem for rank_problem in gathered if rank_problem]
+    if problems:
+        raise ValueError(f"{directory}: {problems[0]}; the run that saved it had diverged: resume from an earlier "
+                         "checkpoint")
+
+
+def _nested_tensors(value, name: str = ""):
+    """(dotted path, tensor) of every tensor in nested dicts and lists."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _nested_tensors(item, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, (list, tuple)):
+        for position, item in enumerate(value):
+            yield from _nested_tensors(item, f"{name}.{position}" if name else str(position))
 
 
 def _sub_optimizers(optimizer) -> list:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+# The deepest JSON a tool call may nest: far above any real arguments, far below the recursion limit, so that
+# neither json.loads nor any later json.dumps of the episode's calls can raise RecursionError.
+MAX_JSON_DEPTH = 64
 # A schema's JSON type -> the Python values json.loads gives for it (bool is an int in Python: kept apart).
 JSON_TYPES = {
     "string": lambda value: isinstance(value, str),
@@ -14,6 +17,34 @@ JSON_TYPES = {
     "object": lambda value: isinstance(value, dict),
     "null": lambda value: value is None,
 }
+
+
+def json_depth(text: str) -> int:
+    """How deep the brackets of JSON text nest (those in strings not counted), in one pass: the check that
+    comes before parsing text a model wrote."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = char == "\\", char != '"'
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def too_deep(text: str) -> str | None:
+    """Why JSON text is refused unparsed for its nesting, else None."""
+    depth = json_depth(text)
+    if depth <= MAX_JSON_DEPTH:
+        return None
+    return f"the JSON nests {depth} levels deep, more than the {MAX_JSON_DEPTH} allowed"
 
 
 class ArgumentError(Exception):
@@ -35,9 +66,12 @@ def parse_arguments(raw: str | dict, max_chars: int) -> dict:
     if len(raw) > max_chars:
         raise ArgumentError("arguments_too_long", f"the arguments are {len(raw)} characters, more than the "
                                                   f"{max_chars} allowed")
+    problem = too_deep(raw)
+    if problem:
+        raise ArgumentError("bad_json", f"the arguments are not accepted: {problem}")
     try:
         parsed = json.loads(raw) if raw.strip() else {}
-    except (ValueError, RecursionError) as error:  # RecursionError: thousands of nested brackets
+    except ValueError as error:
         raise ArgumentError("bad_json", f"the arguments are not valid JSON: {str(error)[:200]}") from None
     if not isinstance(parsed, dict):
         raise ArgumentError("bad_arguments", f"arguments must be a JSON object, got {type(parsed).__name__}")
