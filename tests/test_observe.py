@@ -155,10 +155,12 @@ def test_short_ppo_run_validates_logs_samples_profiles_and_prints_json(tmp_path)
     assert sorted(validated) == [0, 2, 3]
     assert "reward/mean" not in records[0]  # step 0 is the baseline, before any rollout
     for record in records[1:]:  # the dict reward's numeric field, a mean of characters decoded
-        assert 0 <= record["reward/length"] <= record["response/length_max"] and record["reward/timeouts"] == 0
+        assert 0 <= record["reward/length"] <= record["response/length_max"]
+        assert record["reward/timeouts"] == record["reward/worker_deaths"] == 0
     for record in validated.values():
-        assert {"val/reward_mean/copy", "val/reward_mean/add", "val/response_length_mean", "val/reward/length",
-                "val/reward/timeouts"} <= set(record)
+        assert {"val/reward_mean/copy", "val/reward_mean/add", "val/response_length_mean", "val/reward/length"} <= \
+            set(record)
+        assert record["val/reward/timeouts"] == record["val/reward/worker_deaths"] == 0
         assert record["val/reward_mean"] == pytest.approx(
             (3 * record["val/reward_mean/copy"] + 2 * record["val/reward_mean/add"]) / 5)
 

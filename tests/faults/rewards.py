@@ -85,3 +85,17 @@ def dies_on_nine(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str.strip() == "9":
         os._exit(9)
     return 1.0
+
+
+def dies_once(data_source, solution_str, ground_truth, extra_info=None):
+    """The run's first answer ends the process scoring it at once; the others score 1. Each call appends the
+    pid of the process scoring it to $DYING_REWARD_LOG (one line per answer)."""
+    import os
+
+    log = os.environ["DYING_REWARD_LOG"]
+    first = not os.path.exists(log)
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    if first:
+        os._exit(9)
+    return 1.0

@@ -390,6 +390,19 @@ def test_non_finite_rewards_can_be_skipped_and_counted(inputs, tmp_path):
 
 
 @pytest.mark.slow
+def test_an_answer_the_worker_dies_on_scores_0_and_is_counted(inputs, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "answers.log"
+    result = world_of_one(inputs, run_dir, f"reward.function={REWARDS}:dies_once", "trainer.total_steps=2",
+                          env={"DYING_REWARD_LOG": str(log)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/worker_deaths"] for r in records] == [1, 0]
+    assert [r["reward/timeouts"] for r in records] == [0, 0]
+    assert [r["reward/mean"] for r in records] == [7 / 8, 1.0]
+    assert "the scoring worker died on it (exit code 9)" in result.stdout + result.stderr
+
+
+@pytest.mark.slow
 def test_late_answers_score_0_are_counted_logged_once_and_leave_no_worker(inputs, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "answers.log"
     result = world_of_one(inputs, run_dir, f"reward.function={REWARDS}:late_twice", "reward.timeout_s=1",

@@ -91,7 +91,9 @@ class Sampling:
                     self.schedule.take(step.index, groups.rounds, timer, step.index), step)
                 generated.append({"scores": reward.scores, "responses": batch["responses"],
                                   "response_tokens": response_tokens(batch),
-                                  "timeouts": torch.tensor([row in reward.timeouts for row in range(len(responses))])})
+                                  "timeouts": torch.tensor([row in reward.timeouts for row in range(len(responses))]),
+                                  "worker_deaths": torch.tensor([row in reward.worker_deaths
+                                                                 for row in range(len(responses))])})
                 keep = groups.keep(self.filter_metric(reward)).repeat_interleave(n).nonzero().flatten().tolist()
                 kept.append((take_rows(rows, keep), take_rows(responses, keep), reward.take(keep)))
             self.schedule.ahead(timer, step.index)
@@ -113,14 +115,15 @@ class Sampling:
                                                   step.batch["response_mask"]))
 
     def sampling_metrics(self, generated: dict, rows: dict, groups: GroupFilter) -> dict[str, float]:
-        """Overlong shares, dynamic sampling's counts and scores, the worker's timeouts (over every generated
-        response, dropped ones too) and the agent's episodes (trained on)."""
+        """Overlong shares, dynamic sampling's counts and scores, the worker's timeouts and deaths (over every
+        generated response, dropped ones too) and the agent's episodes (trained on)."""
         metrics = self.scoring.overlong_metrics(generated, self.generation.eos_token_ids)
         if self.config.algorithm.filter_groups.enable:
             metrics.update(groups.metrics())
             metrics["filter_groups/generated_score_mean"] = generated["scores"].mean().item()
         if self.scoring.counts_timeouts:
             metrics["reward/timeouts"] = int(generated["timeouts"].sum())
+            metrics["reward/worker_deaths"] = int(generated["worker_deaths"].sum())
         if self.generation.agent is not None:
             metrics.update(episode_metrics(rows["episode"]))
         return metrics

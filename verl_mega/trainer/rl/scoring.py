@@ -45,7 +45,8 @@ class Scoring:
 
     @property
     def counts_timeouts(self) -> bool:
-        """Whether answers can be stopped by the scoring worker's limits (reward/timeouts is logged)."""
+        """Whether answers can be stopped by the scoring worker's limits or death (reward/timeouts and
+        reward/worker_deaths are logged)."""
         return self.rule.worker is not None
 
     def score(self, batch: dict, rows: dict, step_number: int) -> RewardOutput:

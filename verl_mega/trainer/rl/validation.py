@@ -37,7 +37,8 @@ class Validation:
             leads = placement.leads_replica
         greedy = SamplingParams(temperature=0.0, max_new_tokens=config.data.max_response_length,
                                 seed=config.rollout.seed)
-        sums: dict[str | None, list[float]] = {}  # data_source -> [reward sum, rows, response tokens, timeouts]
+        # data_source -> [reward sum, rows, response tokens, timeouts, worker deaths]
+        sums: dict[str | None, list[float]] = {}
         field_sums: dict[str, list[float]] = {}  # a dict reward's numeric field -> [sum, rows with it]
         with generation.awake(StageTimer(), version):
             for start in range(0, len(mine), config.data.batch_size):
@@ -53,15 +54,16 @@ class Validation:
                 lengths = response_tokens(batch).sum(dim=-1)
                 for row, (source, score, length) in enumerate(zip(rows["data_source"], reward.scores.tolist(),
                                                                    lengths.tolist())):
-                    entry = sums.setdefault(None if source is None else str(source), [0.0, 0, 0, 0])
+                    entry = sums.setdefault(None if source is None else str(source), [0.0, 0, 0, 0, 0])
                     entry[0], entry[1], entry[2] = entry[0] + score, entry[1] + 1, entry[2] + length
                     entry[3] += row in reward.timeouts
+                    entry[4] += row in reward.worker_deaths
                 add_field_sums(field_sums, reward.extras)
         return self.metrics(sum_over_ranks(sums, layout.world_size),
                             sum_over_ranks(field_sums, layout.world_size))
 
     def metrics(self, totals: dict, field_totals: dict) -> dict[str, float]:
-        reward_sum, count, tokens, timeouts = (sum(values[i] for values in totals.values()) for i in range(4))
+        reward_sum, count, tokens, timeouts, deaths = (sum(values[i] for values in totals.values()) for i in range(5))
         metrics = {"reward_mean": reward_sum / count, "response_length_mean": tokens / count}
         for source in sorted(name for name in totals if name is not None):
             metrics[f"reward_mean/{source}"] = totals[source][0] / totals[source][1]
@@ -69,6 +71,7 @@ class Validation:
             metrics[f"reward/{name}"] = total / rows_with_it if rows_with_it else float("nan")
         if self.scoring.counts_timeouts:
             metrics["reward/timeouts"] = timeouts
+            metrics["reward/worker_deaths"] = deaths
         return metrics
 
     def responses(self, rows: dict, greedy: SamplingParams) -> list[Response]:
