@@ -293,6 +293,21 @@ def _checkpoint_of(run_dir: Path, fingerprint, text=None) -> Path:
     return step
 
 
+def test_a_flipped_byte_of_the_fingerprint_is_damage_not_another_model(tmp_path):
+    from verl_mega.files.digest import file_entry
+    from verl_mega.run.checkpoint_digests import DIGESTS_FILE, DIGESTS_KEY
+
+    step = _checkpoint_of(tmp_path, "mine", json.dumps({"step": 2, "model_fingerprint": "mine",
+                                                         DIGESTS_KEY: DIGESTS_FILE}))
+    state = step / run_checkpoints.STATE_FILE
+    (step / DIGESTS_FILE).write_text(json.dumps({"format": 1, "files": [file_entry(step, state)]}))
+    assert ownership_problem(tmp_path, "mine") is None
+    state.write_text(state.read_text().replace("mine", "mind"))
+    assert ownership_problem(tmp_path, "mine") == (
+        f"{state} does not match the sha256 recorded when it was written (its bytes changed); remove {step} to "
+        "resume from an earlier checkpoint")
+
+
 @pytest.mark.parametrize("text, words", [
     (None, "was written for another model (checkpoint step_000002 differs)"),
     ("{not json", "trainer_state.json is unreadable; remove"),

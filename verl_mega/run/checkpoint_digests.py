@@ -64,6 +64,19 @@ def verify_digests(ckpt: Path, rank: int = 0, world_size: int = 1) -> None:
         raise ValueError(problem)
 
 
+def verify_file_digest(ckpt: Path, name: str) -> None:
+    """`verify_digests` for the one file `name` of checkpoint `ckpt` (what is read of a checkpoint before it is
+    resumed from: its trainer_state.json, by the run folder's ownership check)."""
+    entries = _recorded_entries(ckpt)
+    if entries is None:
+        return
+    entry = next((entry for entry in entries if entry["path"] == name), None)
+    problem = f"{ckpt / name} is not listed in {ckpt / DIGESTS_FILE}: it was not written by the save" \
+        if entry is None else _file_problem(ckpt / name, entry)
+    if problem:
+        raise ValueError(problem)
+
+
 def _file_problem(path: Path, entry: dict) -> str | None:
     if not path.is_file():
         return f"{path} is missing"

@@ -20,6 +20,7 @@ from verl_mega.checkpoint.manifest import Manifest
 from verl_mega.config.errors import UserError
 
 from . import checkpoints
+from .checkpoint_digests import verify_file_digest
 from .folder import RunFolder
 
 
@@ -66,6 +67,9 @@ def _read_holder(fd: int) -> str:
         return "host and pid not recorded yet"
 
 
+_ANOTHER_MODEL = "; point trainer.run_dir elsewhere, or model.hf_path at that run's model"
+
+
 def ownership_problem(run_dir: Path, fingerprint: str, family_spec: str | None = None) -> str | None:
     """Why `run_dir` belongs to another model than the one with `fingerprint`, or None if it does not
     (`family_spec`: model.family_spec, read in place of the one the initial checkpoints record)."""
@@ -75,16 +79,20 @@ def ownership_problem(run_dir: Path, fingerprint: str, family_spec: str | None =
         except (OSError, ValueError) as err:
             return f"{initial} is unreadable ({err}); remove it to convert the model again"
         if checkpoints.model_fingerprint(hf_config) != fingerprint:
-            return f"{run_dir} was written for another model ({initial.name} differs)"
+            return f"{run_dir} was written for another model ({initial.name} differs){_ANOTHER_MODEL}"
     found = checkpoints.complete_checkpoints(run_dir)
     if found:
         state_file = found[-1] / checkpoints.STATE_FILE
+        try:  # its bytes first: a flipped byte of the fingerprint is damage, not another model
+            verify_file_digest(found[-1], checkpoints.STATE_FILE)
+        except ValueError as err:
+            return f"{err}; remove {found[-1]} to resume from an earlier checkpoint"
         try:
             written_for = json.loads(state_file.read_text()).get("model_fingerprint")
         except (OSError, ValueError, AttributeError):
             return f"{state_file} is unreadable; remove {found[-1]} to resume from an earlier checkpoint"
         if written_for != fingerprint:
-            return f"{run_dir} was written for another model (checkpoint {found[-1].name} differs)"
+            return f"{run_dir} was written for another model (checkpoint {found[-1].name} differs){_ANOTHER_MODEL}"
     return None
 
 
@@ -97,8 +105,6 @@ def claim_run_folder(run_dir: Path, fingerprint: str, rank: int,
         try:
             lock = RunFolderLock(run_dir)
             problem = ownership_problem(run_dir, fingerprint, family_spec)
-            if problem is not None:
-                problem += "; point trainer.run_dir elsewhere, or model.hf_path at that run's model"
         except UserError as err:
             problem = str(err)
     verdict = [problem]
