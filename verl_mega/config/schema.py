@@ -183,6 +183,10 @@ class ParallelConfig:
     """Pipeline-parallel size of training."""
     ep: int = 1
     """Expert-parallel size of training (MoE models)."""
+    sequence_parallel: bool | None = None
+    """Megatron's sequence parallelism: the activations outside attention and the MLP (norms, dropout,
+    residuals) split along the sequence over the TP ranks instead of held whole by each. null: on when tp > 1,
+    as megatron recommends; it changes no result."""
     rollout_tp: int = 1
     """Tensor-parallel size of each rollout replica (the HybridEngine regroups the training shards into it)."""
     rollout_ranks: int = 0
@@ -360,11 +364,35 @@ class UpdateSchedule:
     transformer-engine) or false."""
 
 
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recompute (megatron's recompute_granularity / recompute_method / recompute_num_layers): what
+    the forward keeps for the backward, traded against running parts of it again."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"num_layers": at_least(1)}
+
+    granularity: str = "none"
+    """none (keep every activation), selective (recompute the attention core: its softmax and dropout, the
+    activations that grow with the sequence length squared) or full (keep only each recomputed layer's input,
+    run the layer again in the backward)."""
+    method: str = "uniform"
+    """With full: uniform (the layers in chunks of num_layers, each chunk's input kept) or block (the first
+    num_layers layers of each pipeline stage recomputed, the others keep everything)."""
+    num_layers: int = 1
+    """With full: the chunk size (uniform) or the recomputed layers per pipeline stage (block)."""
+
+
 @dataclass
 class ActorConfig(UpdateSchedule):
     """The policy: its update schedule, optimizer and loss."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """The actor's, and the reference's (it follows the actor)."""
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     router_replay: str = "off"
@@ -382,6 +410,7 @@ class CriticConfig(UpdateSchedule):
     enable: bool = True
     """Train a critic; GAE needs one, the outcome estimators (grpo, rloo, ...) run without."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 

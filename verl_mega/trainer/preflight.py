@@ -20,7 +20,9 @@ from verl_mega.algorithms import (
 from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
 from verl_mega.config import JOBS, ConfigError, TrainConfig
 from verl_mega.config.ranges import out_of_range
-from verl_mega.config.schema import LOG_FORMATS, NONFINITE_POLICIES, RolloutConfig
+from verl_mega.config.schema import (
+    LOG_FORMATS, NONFINITE_POLICIES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RolloutConfig,
+)
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
@@ -93,6 +95,8 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
                      if line not in problems]
         _check_lr_schedule(getattr(config, role).optim, f"{role}.optim", need)
     for role in ("actor", "critic"):
+        known(f"{role}.recompute.granularity", getattr(config, role).recompute.granularity, RECOMPUTE_GRANULARITIES)
+        known(f"{role}.recompute.method", getattr(config, role).recompute.method, RECOMPUTE_METHODS)
         packing = str(getattr(config, role).use_packed_sequences).lower()
         known(f"{role}.use_packed_sequences", packing, PACKING_SETTINGS)
         need(packing != "true" or transformer_engine_available(),
