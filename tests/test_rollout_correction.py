@@ -178,10 +178,43 @@ def test_mismatch_metrics_by_hand():
         "rollout_is_seq_fraction_high": 1 / 2, "rollout_is_seq_fraction_low": 0.0,  # 2.5 > 1.5
         "rollout_rs_seq_masked_fraction": 1.0, "rollout_rs_token_k1_masked_fraction": 2 / 5,
         "rollout_rs_token_k1_seq_masked_fraction": 1.0,
+        # token_k1's statistic -log ρ: -ln2, ln2, 0 | -ln4, 0 against the band [log 0.4, log 1.7]; the rows' means
+        # 0 and -ln2; the spread of the statistic clipped to the band
+        "rollout_rs_token_k1_mean": -ln4 / 5, "rollout_rs_token_k1_max": ln2, "rollout_rs_token_k1_min": -ln4,
+        "rollout_rs_token_k1_fraction_high": 1 / 5, "rollout_rs_token_k1_fraction_low": 1 / 5,
+        "rollout_rs_token_k1_std": _spread([-ln2, math.log(1.7), 0, math.log(0.4), 0]),
+        "rollout_rs_token_k1_seq_mean": -ln2 / 2, "rollout_rs_token_k1_seq_std": ln2 / math.sqrt(2),
+        "rollout_rs_token_k1_seq_max": 0.0, "rollout_rs_token_k1_seq_min": -ln2,
+        "rollout_rs_token_k1_seq_max_deviation": ln2, "rollout_rs_token_k1_seq_fraction_high": 0.0,
+        "rollout_rs_token_k1_seq_fraction_low": 0.0,
     }
     assert metrics.keys() == expected.keys()
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+
+
+def _spread(values):
+    mean = sum(values) / len(values)
+    return math.sqrt(sum(v * v for v in values) / len(values) - mean**2)
+
+
+def test_a_row_options_statistic_is_counted_over_responses():
+    """seq_mean_k2: the rows' mean ½(log ρ)², ln²2/3 and ln²4/4, against 0.3: the second row is out."""
+    correction = corrected(rollout_rs="seq_mean_k2", rollout_rs_threshold="0.3")
+    metrics = mismatch_metrics(TRAIN, ROLLOUT, MASK, correction)
+    ln2 = math.log(2)
+    rows = [ln2**2 / 3, 4 * ln2**2 / 4]
+    assert {key: metrics[key] for key in metrics if key.startswith("rollout_rs_seq_mean_k2_")} == pytest.approx({
+        "rollout_rs_seq_mean_k2_mean": (3 * rows[0] + 2 * rows[1]) / 5,  # the row value on each of its tokens
+        "rollout_rs_seq_mean_k2_max": rows[1], "rollout_rs_seq_mean_k2_min": rows[0],
+        "rollout_rs_seq_mean_k2_fraction_high": 1 / 2, "rollout_rs_seq_mean_k2_fraction_low": 0.0,
+        "rollout_rs_seq_mean_k2_std": _spread([rows[0]] * 3 + [0.3] * 2),
+        "rollout_rs_seq_mean_k2_seq_mean": sum(rows) / 2,
+        "rollout_rs_seq_mean_k2_seq_std": abs(rows[1] - rows[0]) / math.sqrt(2),
+        "rollout_rs_seq_mean_k2_seq_max": rows[1], "rollout_rs_seq_mean_k2_seq_min": rows[0],
+        "rollout_rs_seq_mean_k2_seq_max_deviation": rows[1], "rollout_rs_seq_mean_k2_seq_fraction_high": 1 / 2,
+        "rollout_rs_seq_mean_k2_masked_fraction": 2 / 5, "rollout_rs_seq_mean_k2_seq_masked_fraction": 1 / 2,
+    }, rel=1e-6)
 
 
 def test_effective_sample_size_is_one_for_equal_weights_and_falls_with_their_spread():

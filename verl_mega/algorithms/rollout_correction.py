@@ -176,13 +176,24 @@ def batch_normalized(weights: torch.Tensor, mean: torch.Tensor | float) -> torch
     return weights / mean if float(mean) > _MIN_BATCH_MEAN else weights
 
 
+def rejection_statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor, bound: RejectionBound) -> torch.Tensor:
+    """[B, R]: `bound`'s option's divergence per token, or its row's aggregate repeated on each token."""
+    return AGGREGATIONS.get(bound.aggregation)(DIVERGENCES.get(bound.divergence)(log_ratio), response_mask)
+
+
 def rejection_keeps(log_ratio: torch.Tensor, response_mask: torch.Tensor, bound: RejectionBound) -> torch.Tensor:
     """Which tokens (bool [B, R]) `bound`'s option keeps: its statistic inside the band (a row statistic keeps
     or drops the whole row)."""
-    statistic = AGGREGATIONS.get(bound.aggregation)(DIVERGENCES.get(bound.divergence)(log_ratio), response_mask)
+    statistic = rejection_statistic(log_ratio, response_mask, bound)
+    low, high = band(bound)
+    return statistic <= high if bound.lower is None else (statistic >= low) & (statistic <= high)
+
+
+def band(bound: RejectionBound) -> tuple[float, float]:
+    """The statistic's band: k1's on the log scale; k2 and k3 from 0 (they are never negative)."""
     if bound.lower is None:
-        return statistic <= bound.upper
-    return (statistic >= math.log(bound.lower)) & (statistic <= math.log(bound.upper))
+        return 0.0, bound.upper
+    return math.log(bound.lower), math.log(bound.upper)
 
 
 @dataclass(frozen=True)
@@ -201,6 +212,7 @@ class Correction:
     batch_mean: float | None = None  # the divisor of rollout_is_batch_normalize, where it is on
     # option -> [B, R] bool: response tokens that option rejected
     rejected_by: dict[str, torch.Tensor] = field(default_factory=dict)
+    bounds: tuple[RejectionBound, ...] = ()  # the rejection's options, in the order given
 
     def rows(self, rows: torch.Tensor) -> "Correction":
         """The same correction restricted to `rows` (for per-data-source metrics)."""
@@ -237,12 +249,14 @@ def rollout_correction(train_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
                              raw_weights=raw, level=rollout_is, cap=rollout_is_threshold,
                              batch_mean=float(batch_mean) if rollout_is_batch_normalize else None)
     if rollout_rs is not None:
+        bounds = tuple(parse_rejection(rollout_rs, rollout_rs_threshold))
         rejected_by = {bound.option: in_response & ~rejection_keeps(log_ratio, response_mask, bound)
-                       for bound in parse_rejection(rollout_rs, rollout_rs_threshold)}
+                       for bound in bounds}
         rejected = torch.stack(list(rejected_by.values())).any(dim=0)
         kept = (~rejected).to(log_ratio.dtype) * response_mask
         loss_weights = kept if correction.loss_weights is None else correction.loss_weights * kept
-        correction = replace(correction, loss_weights=loss_weights, rejected=rejected, rejected_by=rejected_by)
+        correction = replace(correction, loss_weights=loss_weights, rejected=rejected, rejected_by=rejected_by,
+                             bounds=bounds)
     return correction
 
 
@@ -285,6 +299,9 @@ def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
         metrics.update(_is_metrics(correction, mask, rows))
     if correction.rejected_by:
         metrics.update(_rejection_metrics(correction, mask, rows))
+        if rows.any():
+            for bound in correction.bounds:
+                metrics.update(_statistic_metrics(log_ratio, mask, rows, bound))
     return metrics
 
 
@@ -350,6 +367,38 @@ def _rejection_metrics(correction: Correction, mask, rows) -> dict[str, float]:
     for option, rejected in correction.rejected_by.items():
         metrics[f"rollout_rs_{option}_masked_fraction"] = masked_mean(rejected.double(), mask).item()
         metrics[f"rollout_rs_{option}_seq_masked_fraction"] = responses_hit(rejected)
+    return metrics
+
+
+def _statistic_metrics(log_ratio, mask, rows, bound: RejectionBound) -> dict[str, float]:
+    """Where `bound`'s statistic lies, as verl's compute_rs_metrics reports it (rollout_rs_<option>_*): its token
+    mean; its extremes and the shares beyond the band over tokens (token options) or responses (row options);
+    the spread of the statistic clipped to the band; and over the responses' values (a token option's row mean)
+    their mean, spread (unbiased), extremes, largest absolute value and shares beyond the band. The share below
+    exists for k1 only, whose band has a lower end."""
+    statistic = rejection_statistic(log_ratio, mask, bound)
+    low, high = band(bound)
+    signed = bound.lower is not None
+    in_response = mask.bool()
+    per_row = (statistic[:, 0] if bound.aggregation != "token" else masked_mean(statistic, mask, dim=-1))[rows]
+    values = statistic[in_response] if bound.aggregation == "token" else per_row
+    clipped = statistic.clamp(low, high)
+    variance = masked_mean(clipped.square(), mask) - masked_mean(clipped, mask).square()
+    name = f"rollout_rs_{bound.option}"
+    metrics = {
+        f"{name}_mean": masked_mean(statistic, mask).item(),
+        f"{name}_max": values.max().item(), f"{name}_min": values.min().item(),
+        f"{name}_fraction_high": (values > high).double().mean().item(),
+        f"{name}_fraction_low": (values < low).double().mean().item() if signed else 0.0,
+        f"{name}_std": variance.clamp_min(0).sqrt().item() if mask.sum() > 1 else 0.0,
+        f"{name}_seq_mean": per_row.mean().item(),
+        f"{name}_seq_std": per_row.std().item() if len(per_row) > 1 else 0.0,
+        f"{name}_seq_max": per_row.max().item(), f"{name}_seq_min": per_row.min().item(),
+        f"{name}_seq_max_deviation": per_row.abs().max().item(),
+        f"{name}_seq_fraction_high": (per_row > high).double().mean().item(),
+    }
+    if signed:
+        metrics[f"{name}_seq_fraction_low"] = (per_row < low).double().mean().item()
     return metrics
 
 
