@@ -53,15 +53,6 @@ def test_a_sampler_position_out_of_range_is_refused_and_changes_nothing(key, val
     assert sampler.state_dict() == before
 
 
-def test_the_last_batch_of_an_epoch_is_a_position_a_run_saves():
-    sampler = ResumableBatchSampler(12, 4)
-    for _ in range(3):
-        sampler.next_batch()
-    resumed = ResumableBatchSampler(12, 4)
-    resumed.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
-    assert resumed.next_batch() == sampler.next_batch()
-
-
 # --- the KL controller and the reward normaliser ----------------------------------------------------------------
 
 @pytest.mark.parametrize("controller", [FixedKLController(0.1), AdaptiveKLController(0.1, 0.05, 100)])
