@@ -2,7 +2,8 @@
 
 The layering, written down once: a package may import its own modules and packages of lower layers only.
 
-    0  files                            files on disk: the write-then-rename protocol, a file's sha256
+    0  files                            files on disk: the write-then-rename protocol, a file's sha256,
+                                        a saved JSON state read back and checked
     1  config, ops, parallel, data      leaves: the config schema, kernels, process groups, datasets
     2  algorithms, models, rewards,     PPO math (pure tensor functions); model families and the builder;
        tools                            reward functions and the worker process that runs them under a limit;

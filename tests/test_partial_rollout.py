@@ -14,11 +14,14 @@ from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import HFModelConfig
 from verl_mega.rollout.engine import SamplingParams
 from verl_mega.rollout.partial import PartialRollout, check_partial_config
+from verl_mega.rollout.trajectory_buffer import RunBounds
 from verl_mega.trainer.rollout_batch import ROLLOUT_VERSIONS, build_rollout_batch
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 MAX_NEW = 12
 CHUNK = 5  # not a divisor of MAX_NEW: the last chunk's budget is smaller
+# What a saved state may hold here: the tiny models' 300 token ids, the prompts and responses below, versions to 9.
+BOUNDS = RunBounds(prompts=6, vocab_size=300, max_prompt_tokens=8, max_response_tokens=MAX_NEW, newest_version=9)
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +244,7 @@ def test_a_state_saved_mid_generation_resumes_the_same_responses(engine, models)
     saved = json.loads(json.dumps(whole.state_dict()))
     assert saved["sequences"] and whole.in_flight() == len(saved["sequences"])
     resumed = fresh()
-    resumed.load_state_dict(saved)
+    resumed.load_state_dict(saved, BOUNDS)
     assert resumed.state_dict() == saved
     assert run_to_end(resumed) == run_to_end(whole)
 
@@ -266,7 +269,7 @@ def test_a_bad_state_is_refused_naming_it_and_changes_nothing(engine, models, sp
     target = PartialRollout(engine, params, CHUNK, eos_token_ids=[eos])
     before = target.state_dict()
     with pytest.raises(ValueError, match=named):
-        target.load_state_dict(state)
+        target.load_state_dict(state, BOUNDS)
     assert target.state_dict() == before
 
 
@@ -363,7 +366,7 @@ def test_the_partial_schedule_resumes_from_its_state_with_sequences_in_flight(en
     state = json.loads(json.dumps(first.state_dict()))
     assert any(sequence["tokens"] for sequence in state["rollouts"][0]["sequences"])
     resumed = partial_schedule(engine, eos, 1, "finish")
-    resumed.load_state_dict(state, dataset_size=6)
+    resumed.load_state_dict(state, BOUNDS)
     assert trained_groups(resumed, range(2, 4)) == straight[2:]
 
 

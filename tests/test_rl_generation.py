@@ -81,7 +81,8 @@ def parts(inputs, *overrides):
     notes = []
     scoring = Scoring(config, RuleReward(tokenizer, "exact_match"), None, 1, lambda *note: notes.append(note))
     dataset = PromptDataset([str(train)], tokenizer, config.data.max_prompt_length)
-    sampling = Sampling(config, dataset, generation, scoring, tokenizer.pad_token_id, lambda *note: notes.append(note))
+    sampling = Sampling(config, dataset, generation, scoring, tokenizer.pad_token_id, lambda *note: notes.append(note),
+                        raw["vocab_size"])
     validation = Validation(config, PromptDataset([str(val)], tokenizer, config.data.max_prompt_length), generation,
                             scoring, tokenizer.pad_token_id)
     return generation, sampling, validation, calls
@@ -120,7 +121,7 @@ def test_the_sampler_resumes_under_its_key_and_draws_what_the_straight_run_drew(
     state = straight.state_dict()
     assert set(state) == {"sampler", "rollout_schedule"}  # the keys checkpoints have always held
     _, resumed, _, _ = parts(inputs)
-    resumed.load_state_dict(state)
+    resumed.load_state_dict({**state, "step": 1})  # the job state holds the checkpoint's step beside them
     steps = [Step(1), Step(1)]
     straight.run(steps[0])
     resumed.run(steps[1])

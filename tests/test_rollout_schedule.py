@@ -5,8 +5,8 @@ import json
 import pytest
 
 from verl_mega.config import ConfigError, load_config
-from verl_mega.config.errors import UserError
 from verl_mega.rollout.engine import Response
+from verl_mega.rollout.trajectory_buffer import RunBounds
 from verl_mega.trainer.preflight import preflight_check
 from verl_mega.trainer.metrics import StageTimer
 from verl_mega.trainer.rl.schedule import GeneratedRound, Pending, RolloutSchedule
@@ -14,6 +14,8 @@ from verl_mega.trainer.rl.schedule import GeneratedRound, Pending, RolloutSchedu
 N = 2  # responses per prompt
 BATCH = 2  # prompts per round
 TIMER = StageTimer()  # the step's stage timer, handed on to the generation
+# What a saved schedule may hold here: 100 prompts, the rounds' token ids and lengths, versions up to 9.
+BOUNDS = RunBounds(prompts=100, vocab_size=64, max_prompt_tokens=8, max_response_tokens=8, newest_version=9)
 
 
 class Generation:
@@ -125,7 +127,7 @@ def test_the_buffer_survives_a_checkpoint_as_json_exactly():
     schedule.take(0, 0, TIMER, version=0)
     schedule.settle()
     resumed = schedule_for("async", 2, generate=generate)
-    resumed.load_state_dict(json.loads(json.dumps(schedule.state_dict())), dataset_size=100)
+    resumed.load_state_dict(json.loads(json.dumps(schedule.state_dict())), bounds=BOUNDS)
     assert resumed.next_step == 3 and len(resumed.buffer) == 2 * BATCH
     for step in (1, 2):
         before, after = (s.take(step, 0, TIMER, version=1) for s in (schedule, resumed))
@@ -133,7 +135,7 @@ def test_the_buffer_survives_a_checkpoint_as_json_exactly():
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda state: state["buffer"]["groups"][0].update(index=100), "prompt 100 is not among the 100"),
+    (lambda state: state["buffer"]["groups"][0].update(index=100), "index=100 must be in [0, 99] (data.train_files hold 100 prompts)"),
     (lambda state: state.pop("next_step"), "has no 'next_step'"),
     (lambda state: state.update(buffer=None), "does not belong to this rollout.mode"),
     (lambda state: state["buffer"]["groups"][0]["responses"][0].update(token_ids=[1]), "other counts of versions"),
@@ -144,8 +146,8 @@ def test_a_tampered_buffer_is_refused_in_one_line(edit, words):
     schedule.settle()
     state = json.loads(json.dumps(schedule.state_dict()))
     edit(state)
-    with pytest.raises(UserError, match="rollout_schedule is malformed") as err:
-        schedule_for("one_step_off").load_state_dict(state, dataset_size=100)
+    with pytest.raises(ValueError, match=r"^rollout_schedule[. ]") as err:
+        schedule_for("one_step_off").load_state_dict(state, bounds=BOUNDS)
     assert words in str(err.value) and "\n" not in str(err.value)
 
 

@@ -13,7 +13,10 @@ import torch
 from verl_mega.algorithms.staleness import staleness_metrics
 from verl_mega.checkpoint.safe_unpickle import load_weights_only
 from verl_mega.rollout.engine import EpisodeInfo, Response
-from verl_mega.rollout.trajectory_buffer import Group, PendingGroups, TrajectoryBuffer
+from verl_mega.rollout.trajectory_buffer import Group, PendingGroups, RunBounds, TrajectoryBuffer
+
+# What the states here may hold: the run's dataset, vocabulary, lengths and newest weight version.
+BOUNDS = RunBounds(prompts=100, vocab_size=64, max_prompt_tokens=16, max_response_tokens=16, newest_version=9)
 
 
 def group(index: int, *versions: tuple[int, ...]) -> Group:
@@ -89,7 +92,7 @@ def test_the_state_round_trips_through_json_and_torchs_weights_only_loader():
     saved.seek(0)
     for loaded in (json.loads(json.dumps(state)), load_weights_only(saved, "the test's buffer")):
         again = TrajectoryBuffer(capacity=4)
-        again.load_state_dict(loaded)
+        again.load_state_dict(loaded, BOUNDS)
         assert again.dropped_stale == 2 and again.state_dict() == state
         assert again.take(2, current_version=9, max_staleness=1)[1].responses[0].episode == episode
 
@@ -108,7 +111,7 @@ def test_a_bad_state_is_refused_naming_it_and_changes_nothing(spoil, named):
     state = json.loads(json.dumps(buffer.state_dict()))
     spoil(state)
     with pytest.raises(ValueError, match=named):
-        buffer.load_state_dict(state)
+        buffer.load_state_dict(state, BOUNDS)
     assert len(buffer) == 1 and buffer.dropped_stale == 0
 
 
@@ -137,7 +140,7 @@ def test_pending_groups_come_out_when_their_last_response_finishes_and_resume_fr
     first = Response(1, [5], [-0.1], token_versions=(0,))
     assert pending.add([first]) == []
     resumed = PendingGroups(n=2)
-    resumed.load_state_dict(json.loads(json.dumps(pending.state_dict())))
+    resumed.load_state_dict(json.loads(json.dumps(pending.state_dict())), BOUNDS)
     second = Response(1, [6, 7], [-0.2, -0.3], token_versions=(0, 1))
     for gatherer in (pending, resumed):
         (done,) = gatherer.add([second])

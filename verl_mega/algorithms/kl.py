@@ -4,6 +4,7 @@ import torch
 
 from verl_mega.algorithms.masked import check_same_shape, masked_mean
 from verl_mega.algorithms.registry import Registry
+from verl_mega.files.plain_state import number
 
 KL_ESTIMATORS = Registry("KL estimator")
 register_kl_estimator = KL_ESTIMATORS.register
@@ -77,7 +78,8 @@ class FixedKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
+        """The coefficient `state_dict` saved: a finite number >= 0, else a ValueError naming `kl_ctrl.value`."""
+        self.value = number(state, "value", "kl_ctrl", low=0)
 
 
 class AdaptiveKLController(FixedKLController):

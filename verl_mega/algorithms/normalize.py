@@ -5,6 +5,7 @@ import math
 import torch
 
 from verl_mega.algorithms.masked import masked_sum_and_count
+from verl_mega.files.plain_state import number
 
 
 class RunningMeanStd:
@@ -56,4 +57,9 @@ class RunningMeanStd:
         return {"count": self.count, "mean": self.mean, "m2": self.m2}
 
     def load_state_dict(self, state: dict) -> None:
-        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+        """The statistics `state_dict` saved, each checked first (finite; count and m2, the spread, >= 0): a bad one
+        is a ValueError naming its key (`reward_normalizer.m2=...`), and changes nothing."""
+        what = "reward_normalizer"
+        count, mean = number(state, "count", what, low=0), number(state, "mean", what)
+        m2 = number(state, "m2", what, low=0)
+        self.count, self.mean, self.m2 = count, mean, m2

@@ -12,6 +12,10 @@ from typing import Iterator, Sequence
 
 import torch
 
+from verl_mega.files.plain_state import count
+
+GENERATOR_SEEDS = 2**64  # torch.Generator.manual_seed takes seeds below it: seed + epoch must stay there
+
 
 class ResumableBatchSampler:
     """With `lengths`, each epoch's shuffled order is cut into groups of `group_batches` batches, each group is
@@ -88,7 +92,16 @@ class ResumableBatchSampler:
         return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """The position `state_dict` saved, checked first (`check_state_dict`)."""
+        self.epoch, self.batch_index, self.seed = self.check_state_dict(state)
+
+    def check_state_dict(self, state: dict[str, int]) -> tuple[int, int, int]:
+        """(epoch, batch index, seed) of a saved position, each checked: one out of range is a ValueError naming
+        its key (`sampler.batch_index=...`); nothing changes here."""
+        what = "sampler"
         # The saved seed wins: the checkpointed run's order is the one to continue.
-        self.epoch = int(state["epoch"])
-        self.batch_index = int(state["batch_index"])
-        self.seed = int(state["seed"])
+        seed = count(state, "seed", what, high=GENERATOR_SEEDS - 1)
+        epoch = count(state, "epoch", what, high=GENERATOR_SEEDS - 1 - seed, note=" (seed + epoch seeds the order)")
+        batch_index = count(state, "batch_index", what, high=len(self),
+                            note=f" (an epoch of {self.num_samples} samples has {len(self)} batches)")
+        return epoch, batch_index, seed

@@ -34,8 +34,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from verl_mega.files.plain_state import count, entry, floats, ints
+
 from .engine import Response, RolloutEngine, SamplingParams
-from .plain_state import count, entry, floats, ints
+from .trajectory_buffer import RunBounds
 
 POLICIES = ("finish", "abort")  # what in-flight sequences do when new weights arrive
 SEED_RANGE = 2**31  # derived seeds stay below it: vLLM and torch take any int of that size
@@ -152,18 +154,19 @@ class PartialRollout:
                 "rounds": self.rounds, "started": self.started, "discarded_tokens": self.discarded_tokens,
                 "sequences": [dataclasses.asdict(sequence) for sequence in self._sequences]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, bounds: RunBounds, what: str = "the partial rollout's state") -> None:
         """Take back what `state_dict` returned, made with the same sampling params and chunk size; a state
-        that is not one is a ValueError naming the bad entry, and changes nothing."""
-        what = "the partial rollout's state"
+        that is not one, or goes past `bounds` (prompts longer, token ids or a version beyond this run's), is a
+        ValueError naming the bad entry (`what` and the keys below it), and changes nothing."""
         if entry(state, "chunk_tokens", int, what) != self.chunk_tokens:
             raise ValueError(f"{what} was saved with chunk_tokens={state['chunk_tokens']}, this rollout has "
                              f"{self.chunk_tokens}: it would not resume the same sequences")
         if entry(state, "params", dict, what) != _params_state(self.params):
             raise ValueError(f"{what} was saved with other sampling params: it would not resume the same "
                              "sequences")
-        version, started = count(state, "version", what), count(state, "started", what)
-        sequences = [self._sequence_from(item, f"{what}.sequences[{i}]", version, started)
+        version = count(state, "version", what, high=bounds.newest_version, note=" (the checkpoint's step)")
+        started = count(state, "started", what)
+        sequences = [self._sequence_from(item, f"{what}.sequences[{i}]", version, started, bounds)
                      for i, item in enumerate(entry(state, "sequences", list, what))]
         self.rounds, self.discarded_tokens = count(state, "rounds", what), count(state, "discarded_tokens", what)
         self.version, self.started, self._sequences = version, started, sequences
@@ -229,14 +232,15 @@ class PartialRollout:
             newer = "newer than" if not allow_same else "at least"
             raise ValueError(f"weight version {version!r} must be an integer {newer} the last one, {self.version}")
 
-    def _sequence_from(self, item, what: str, version: int, started: int) -> _Sequence:
-        """A saved sequence, checked against these params (`started` prompts, versions up to `version`)."""
+    def _sequence_from(self, item, what: str, version: int, started: int, bounds: RunBounds) -> _Sequence:
+        """A saved sequence, checked against these params (`started` prompts, versions up to `version`) and
+        `bounds` (the prompt's length, the vocabulary)."""
         prompt_index, sample = count(item, "prompt_index", what), count(item, "sample", what)
         if prompt_index >= started or sample >= self.params.n:
             raise ValueError(f"{what} is sample {sample} of prompt {prompt_index}; the state started {started} "
                              f"prompts of {self.params.n} samples")
-        prompt = ints(entry(item, "prompt", list, what), f"{what}.prompt", low=0)
-        tokens = ints(entry(item, "tokens", list, what), f"{what}.tokens", low=0)
+        prompt = bounds.tokens(entry(item, "prompt", list, what), f"{what}.prompt", bounds.max_prompt_tokens)
+        tokens = bounds.tokens(entry(item, "tokens", list, what), f"{what}.tokens", self.params.max_new_tokens)
         versions = ints(entry(item, "versions", list, what), f"{what}.versions", low=0, high=version)
         logprobs = floats(entry(item, "logprobs", list, what), f"{what}.logprobs")
         seed = entry(item, "seed", (int, type(None)), what)

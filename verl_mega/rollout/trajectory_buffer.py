@@ -16,7 +16,8 @@ else returns None and takes nothing.
 different steps.
 
 Both save plain JSON types (`state_dict`), which a job state (trainer_state.json) holds as they are; loading
-checks every entry, as a checkpoint file is read as hostile input.
+checks every entry, as a checkpoint file is read as hostile input, against what the run admits (`RunBounds`: its
+dataset, vocabulary, lengths and newest weight version).
 """
 from __future__ import annotations
 
@@ -28,7 +29,37 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .engine import EpisodeInfo, Response
-from .plain_state import check_plain, count, entry, floats, ints
+from verl_mega.files.plain_state import check_plain, count, entry, floats, ints
+
+
+@dataclass(frozen=True)
+class RunBounds:
+    """What a saved state may hold in this run: prompts (sampler indices) below `prompts`, the dataset's size;
+    token ids below `vocab_size`; prompts of at most `max_prompt_tokens` and responses of at most
+    `max_response_tokens` tokens (data.max_prompt_length, data.max_response_length); weight versions up to
+    `newest_version`, the checkpoint's step (no token comes from weights the run had not made yet)."""
+
+    prompts: int
+    vocab_size: int
+    max_prompt_tokens: int
+    max_response_tokens: int
+    newest_version: int
+
+    def index(self, state: Any, key: str, what: str) -> int:
+        return count(state, key, what, high=self.prompts - 1, note=f" (data.train_files hold {self.prompts} prompts)")
+
+    def tokens(self, value: Any, what: str, longest: int) -> list[int]:
+        """Token ids, at most `longest` of them (counted first: a list this run could not hold is not walked)."""
+        if isinstance(value, list) and len(value) > longest:
+            raise ValueError(f"{what} holds {len(value)} tokens, more than this run's {longest}")
+        return ints(value, what, low=0, high=self.vocab_size - 1)
+
+    def versions(self, value: Any, what: str) -> list[int]:
+        return ints(value, what, low=0, high=self.newest_version)
+
+
+# The bounds of a state this run made itself and shares between its ranks: checked when it was loaded or made.
+UNBOUNDED = RunBounds(*(2**63,) * 5)
 
 
 @dataclass(frozen=True)
@@ -107,11 +138,10 @@ class TrajectoryBuffer:
         with self._changed:
             return {"dropped_stale": self.dropped_stale, "groups": [group_state(g) for g in self._groups]}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Replace the buffer's content by what `state_dict` returned; a bad state is a ValueError naming its
-        entry, and changes nothing."""
-        what = "the trajectory buffer's state"
-        groups = [group_from_state(item, f"{what}.groups[{i}]")
+    def load_state_dict(self, state: dict, bounds: RunBounds, what: str = "the trajectory buffer's state") -> None:
+        """Replace the buffer's content by what `state_dict` returned; a bad state (or one past `bounds`) is a
+        ValueError naming its entry (`what` and the keys below it), and changes nothing."""
+        groups = [group_from_state(item, f"{what}.groups[{i}]", bounds)
                   for i, item in enumerate(entry(state, "groups", list, what))]
         if len(groups) > self.capacity:
             raise ValueError(f"{what} holds {len(groups)} groups, more than this buffer's capacity {self.capacity}")
@@ -170,16 +200,15 @@ class PendingGroups:
                              "responses": [response_state(r) for r in done]}
                             for key, (index, prompt, done) in self._pending.items()]}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Replace the pending prompts by what `state_dict` returned; a bad state is a ValueError naming its
-        entry, and changes nothing."""
-        what = "the pending groups' state"
+    def load_state_dict(self, state: dict, bounds: RunBounds, what: str = "the pending groups' state") -> None:
+        """Replace the pending prompts by what `state_dict` returned; a bad state (or one past `bounds`) is a
+        ValueError naming its entry (`what` and the keys below it), and changes nothing."""
         pending = {}
         for i, item in enumerate(entry(state, "pending", list, what)):
             where = f"{what}.pending[{i}]"
-            key, index = count(item, "prompt_index", where), count(item, "index", where)
+            key, index = count(item, "prompt_index", where), bounds.index(item, "index", where)
             prompt = check_prompt_fields(entry(item, "prompt", dict, where), f"{where}.prompt")
-            done = [response_from_state(r, f"{where}.responses[{j}]")
+            done = [response_from_state(r, f"{where}.responses[{j}]", bounds)
                     for j, r in enumerate(entry(item, "responses", list, where))]
             if key in pending or len(done) >= self.n or any(r.prompt_index != key for r in done):
                 raise ValueError(f"{where}: prompt {key} is pending twice, has its {self.n} responses already, "
@@ -205,10 +234,10 @@ def response_state(response: Response) -> dict:
             "episode": None if response.episode is None else dataclasses.asdict(response.episode)}
 
 
-def response_from_state(state: Any, what: str) -> Response:
-    """The response `response_state` saved, every entry checked."""
-    tokens = ints(entry(state, "token_ids", list, what), f"{what}.token_ids", low=0)
-    versions = ints(entry(state, "token_versions", list, what), f"{what}.token_versions", low=0)
+def response_from_state(state: Any, what: str, bounds: RunBounds) -> Response:
+    """The response `response_state` saved, every entry checked (against `bounds`)."""
+    tokens = bounds.tokens(entry(state, "token_ids", list, what), f"{what}.token_ids", bounds.max_response_tokens)
+    versions = bounds.versions(entry(state, "token_versions", list, what), f"{what}.token_versions")
     logprobs, loss_mask = (entry(state, key, (list, type(None)), what) for key in ("logprobs", "loss_mask"))
     logprobs = None if logprobs is None else floats(logprobs, f"{what}.logprobs")
     loss_mask = None if loss_mask is None else ints(loss_mask, f"{what}.loss_mask", low=0, high=1)
@@ -224,11 +253,11 @@ def group_state(group: Group) -> dict:
     return {"index": group.index, "prompt": group.prompt, "responses": [response_state(r) for r in group.responses]}
 
 
-def group_from_state(state: Any, what: str) -> Group:
-    responses = tuple(response_from_state(r, f"{what}.responses[{i}]")
+def group_from_state(state: Any, what: str, bounds: RunBounds) -> Group:
+    responses = tuple(response_from_state(r, f"{what}.responses[{i}]", bounds)
                       for i, r in enumerate(entry(state, "responses", list, what)))
-    return Group(count(state, "index", what), check_prompt_fields(entry(state, "prompt", dict, what),
-                                                                 f"{what}.prompt"), responses)
+    return Group(bounds.index(state, "index", what), check_prompt_fields(entry(state, "prompt", dict, what),
+                                                                        f"{what}.prompt"), responses)
 
 
 def _versions(response: Response) -> tuple[int, ...]:

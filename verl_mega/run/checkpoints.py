@@ -22,6 +22,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -140,9 +141,12 @@ def save_checkpoint(run_dir: Path, step: int, *, trainables: dict, trainer_state
 
 
 def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int, world_size: int,
-                    base_checksums: dict[str, str] | None = None) -> dict:
+                    base_checksums: dict[str, str] | None = None,
+                    restore_job_state: Callable[[dict], None] | None = None) -> dict:
     """Collective. Restores the trainables (at this job's layout) and this rank's RNG; returns the trainer state.
-    `base_checksums` as for `save_checkpoint`: a LoRA role's adapters load only onto the base they were trained on."""
+    `base_checksums` as for `save_checkpoint`: a LoRA role's adapters load only onto the base they were trained on.
+    `restore_job_state(state)` takes the job's own part of the trainer state before any weight is read, checking
+    every value first: its ValueError (on any rank) is one line naming trainer_state.json and the key."""
     state_file = ckpt / STATE_FILE
     if not state_file.is_file():
         raise UserError(f"checkpoint {ckpt} is incomplete ({STATE_FILE} missing); remove it to resume from an "
@@ -153,7 +157,7 @@ def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int
         raise UserError(f"{err}; remove checkpoint {ckpt} to resume from an earlier one") from None
     try:
         state = json.loads(state_file.read_text())
-        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or state["step"] < 0:
+        if not isinstance(state, dict) or type(state.get("step")) is not int or state["step"] < 0:
             raise ValueError("it holds no step count")
     except (OSError, ValueError) as err:
         raise UserError(f"{state_file} is unreadable ({err}); remove {ckpt} to resume from an earlier one") from None
@@ -161,6 +165,8 @@ def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int
         raise UserError(f"checkpoint {ckpt} was written for another model (fingerprint "
                         f"{state.get('model_fingerprint')} != {fingerprint}); point trainer.run_dir elsewhere")
     _check_lora_bases(ckpt, state.get(BASES_KEY), trainables, base_checksums)
+    if restore_job_state is not None:
+        _restore_job_state(restore_job_state, state, state_file, world_size)
     for name, trainable in trainables.items():
         try:
             load_training_state(trainable, ckpt / name)
@@ -170,6 +176,23 @@ def load_checkpoint(ckpt: Path, *, trainables: dict, fingerprint: str, rank: int
     if state.get("world_size") == world_size:
         load_rng_state(ckpt / "rng" / _rng_file(rank))
     return state
+
+
+def _restore_job_state(restore: Callable[[dict], None], state: dict, state_file: Path, world_size: int) -> None:
+    """`restore(state)`, its ValueError the same one line on every rank (a rank that checks only its replica's
+    partial rollout may be the one to find it)."""
+    problem = None
+    try:
+        restore(state)
+    except ValueError as err:
+        problem = str(err)
+    if world_size > 1:
+        gathered = [None] * world_size
+        torch.distributed.all_gather_object(gathered, problem)
+        problem = next((found for found in gathered if found), None)
+    if problem:
+        raise UserError(f"{state_file}: {problem}; remove checkpoint {state_file.parent} to resume from an earlier "
+                        "one")
 
 
 def _base_of(base_checksums: dict[str, str], role: str) -> str:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from verl_mega.config import TrainConfig, to_yaml
 from verl_mega.config.errors import NonFiniteError, UserError
 from verl_mega.files.atomic import atomic_file
+from verl_mega.files.plain_state import count
 from verl_mega.models import load_hf_model_config
 from verl_mega.parallel.agree import all_finite, any_rank
 from verl_mega.parallel.state import ParallelLayout
@@ -226,15 +227,20 @@ class TrainingJob:
             if self.layout.rank == 0:  # a fresh start: what an attempt killed before its first checkpoint logged
                 MetricsLogger.truncate(self.run_dir, -1)
             return
-        state = run_checkpoints.load_checkpoint(found[-1], trainables=self.trainables(), fingerprint=self.fingerprint,
-                                                rank=self.layout.rank, world_size=self.layout.world_size,
-                                                base_checksums=self.base_checksums)
-        self.step = state["step"]
-        self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
-        self.load_job_state(state)
+        run_checkpoints.load_checkpoint(found[-1], trainables=self.trainables(), fingerprint=self.fingerprint,
+                                        rank=self.layout.rank, world_size=self.layout.world_size,
+                                        base_checksums=self.base_checksums, restore_job_state=self._restore_state)
         if self.layout.rank == 0:
             print_note(f"resumed from {found[-1]} at step {self.step}", self.config.trainer.log_format)
             MetricsLogger.truncate(self.run_dir, self.step)
+
+
+    def _restore_state(self, state: dict) -> None:
+        """The step, the skip count and the job's own state from a checkpoint's trainer state, before its weights
+        are read; every value is checked before any is taken (a ValueError naming the key)."""
+        skipped = count(state, "nonfinite_skipped", "") if "nonfinite_skipped" in state else 0  # older: none
+        self.load_job_state(state)
+        self.step, self.nonfinite_skipped = state["step"], skipped
 
 
 class _NoProgress:

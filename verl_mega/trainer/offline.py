@@ -13,6 +13,7 @@ from verl_mega.config import TrainConfig
 from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.data.supervised import Limits, LoadedRows
 from verl_mega.data.tokenizer import load_tokenizer
+from verl_mega.files.plain_state import entry
 from verl_mega.roles.actor import Actor
 
 from .job import TrainingJob
@@ -83,7 +84,7 @@ class OfflineJob(TrainingJob):
         return {"sampler": self.sampler.state_dict()}
 
     def load_job_state(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.load_state_dict(entry(state, "sampler", dict, ""))
 
     def train_step(self) -> dict[str, float]:
         timer = StageTimer()

@@ -59,7 +59,8 @@ class RLJob(TrainingJob):
                                            self.models.actor, bridge, placement)
         self.scoring = scoring
         self.advantages = Advantages(config)
-        self.sampling = Sampling(config, dataset, self.generation, scoring, tokenizer.pad_token_id, self.note)
+        self.sampling = Sampling(config, dataset, self.generation, scoring, tokenizer.pad_token_id, self.note,
+                                 self.hf_config.vocab_size)
         self.validation = (Validation(config, val_dataset, self.generation, scoring, tokenizer.pad_token_id)
                            if val_dataset is not None else None)
         guard = NonFiniteGuard(config.trainer.nonfinite, self.count_skip)
@@ -117,8 +118,9 @@ class RLJob(TrainingJob):
         return {**self.sampling.state_dict(), **self.advantages.state_dict()}
 
     def load_job_state(self, state: dict) -> None:
-        self.sampling.load_state_dict(state)
+        # The in-process part first: the sampling's may send partial rollouts on to the rollout ranks.
         self.advantages.load_state_dict(state)
+        self.sampling.load_state_dict(state)
 
     def close(self) -> None:
         self.generation.close()

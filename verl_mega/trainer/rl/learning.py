@@ -3,6 +3,8 @@ reference log-probs, values), the advantages (with the KL controller and reward 
 critic and actor updates."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from verl_mega.algorithms import (
@@ -11,6 +13,7 @@ from verl_mega.algorithms import (
 )
 from verl_mega.config import TrainConfig
 from verl_mega.config.errors import NonFiniteError
+from verl_mega.files.plain_state import entry
 from verl_mega.roles.actor import is_on_policy
 
 from ..rollout_batch import response_tokens
@@ -74,8 +77,12 @@ class Advantages:
         return {"kl_ctrl": self.kl_ctrl.state_dict(), "reward_normalizer": self.reward_normalizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.reward_normalizer.load_state_dict(state["reward_normalizer"])
+        """Both parts from a job state, each checked into a fresh copy first: a bad value is a ValueError naming
+        its key, and changes nothing."""
+        kl_ctrl, reward_normalizer = copy.copy(self.kl_ctrl), RunningMeanStd(self.reward_normalizer.epsilon)
+        kl_ctrl.load_state_dict(entry(state, "kl_ctrl", dict, ""))
+        reward_normalizer.load_state_dict(entry(state, "reward_normalizer", dict, ""))
+        self.kl_ctrl, self.reward_normalizer = kl_ctrl, reward_normalizer
 
     def run(self, step: Step) -> None:
         step.metrics.update(self.compute(step.batch, step.reward.scores, step.reward.token_level_rewards,

@@ -35,12 +35,11 @@ from typing import Callable, Protocol, Sequence
 
 import torch.distributed as dist
 
-from verl_mega.config.errors import UserError
 from verl_mega.parallel.layout import RolloutPlacement
 from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
 from verl_mega.rollout.partial import PartialRollout
-from verl_mega.rollout.plain_state import entry, ints
-from verl_mega.rollout.trajectory_buffer import PendingGroups
+from verl_mega.files.plain_state import entry, ints
+from verl_mega.rollout.trajectory_buffer import UNBOUNDED, PendingGroups, RunBounds
 
 from ..metrics import StageTimer
 from .schedule import BufferedSchedule, GeneratedRound, as_round
@@ -60,7 +59,7 @@ class Chunks(Protocol):
     def ahead(self, work: Callable[[Callable[[], list[list[Response]]]], None], timer: StageTimer) -> None: ...
     def join(self, progress: Callable[[], dict]) -> dict | None: ...
     def states(self) -> list[dict]: ...
-    def load_states(self, states: list[dict]) -> None: ...
+    def load_states(self, states: list[dict], bounds: RunBounds) -> None: ...
 
 
 class PartialSchedule(BufferedSchedule):
@@ -96,7 +95,7 @@ class PartialSchedule(BufferedSchedule):
         if shared is not None:
             for _ in range(shared["next_step"] - self.next_step):
                 self.draw()
-            self._load_progress(shared, dataset_size=None)
+            self._take_progress(self._checked_progress(shared, UNBOUNDED))
 
     def in_flight_groups(self) -> int:
         return sum(len(pending) for pending in self.pending)
@@ -105,19 +104,17 @@ class PartialSchedule(BufferedSchedule):
         """The buffer, the prompts in flight and every replica's partial rollout (collective)."""
         return {**self._progress(), "rollouts": self.chunks.states()}
 
-    def load_state_dict(self, state: dict, dataset_size: int) -> None:
-        """The saved schedule, every entry checked (the replicas' partial rollouts too, before any is sent on)."""
-        what = "trainer_state.json: rollout_schedule"
+    def load_state_dict(self, state: dict, bounds: RunBounds) -> None:
+        """The saved schedule, every entry checked against `bounds` (the replicas' partial rollouts too) before
+        any is taken or sent on: a bad one is a ValueError naming its key under `rollout_schedule`."""
+        what = "rollout_schedule"
         rollouts = state.get("rollouts") if isinstance(state, dict) else None
         if not isinstance(rollouts, list) or len(rollouts) != self.chunks.replicas:
-            raise UserError(f"{what} holds no partial rollouts of {self.chunks.replicas} rollout replicas (it was "
-                            "saved with another rollout.partial or parallel layout); resume from another "
-                            "checkpoint")
-        self._load_progress(state, dataset_size)
-        try:
-            self.chunks.load_states(rollouts)
-        except ValueError as err:
-            raise UserError(f"{what} is malformed ({err}); resume from another checkpoint") from None
+            raise ValueError(f"{what}.rollouts holds no partial rollouts of {self.chunks.replicas} rollout replicas "
+                             "(it was saved with another rollout.partial or parallel layout)")
+        progress = self._checked_progress(state, bounds)
+        self.chunks.load_states(rollouts, bounds)
+        self._take_progress(progress)
 
     # --- helpers ----------------------------------------------------------------------------------------
 
@@ -158,26 +155,22 @@ class PartialSchedule(BufferedSchedule):
         return {"next_step": self.next_step, "buffer": self.buffer.state_dict(), "started": list(self.started),
                 "pending": [pending.state_dict() for pending in self.pending]}
 
-    def _load_progress(self, state: dict, dataset_size: int | None) -> None:
-        """The training side's part of the state, every entry checked (`dataset_size` bounds the prompts it may
-        name; None: the leader's own state, shared after running ahead)."""
-        what = "trainer_state.json: rollout_schedule"
-        try:
-            started = ints(entry(state, "started", list, what), f"{what}.started", low=0)
-            saved = entry(state, "pending", list, what)
-            if len(started) != len(saved) or len(saved) != self.chunks.replicas:
-                raise ValueError(f"it has {len(saved)} replicas' prompts in flight, this run {self.chunks.replicas}")
-            pending = [PendingGroups(self.n) for _ in saved]
-            for group, replica_state in zip(pending, saved):
-                group.load_state_dict(replica_state)
-            outside = [item["index"] for replica_state in saved for item in replica_state["pending"]
-                       if dataset_size is not None and item["index"] >= dataset_size]
-            if outside:
-                raise ValueError(f"prompt {outside[0]} is not among the {dataset_size} of data.train_files")
-        except ValueError as err:
-            raise UserError(f"{what} is malformed ({err}); resume from another checkpoint") from None
-        super().load_state_dict(state, dataset_size if dataset_size is not None else float("inf"))
-        self.started, self.pending = started, pending
+    def _checked_progress(self, state: dict, bounds: RunBounds) -> tuple:
+        """The training side's part of a saved state, every entry checked against `bounds` (UNBOUNDED: the
+        leader's own state, shared after running ahead); nothing changes here."""
+        what = "rollout_schedule"
+        started = ints(entry(state, "started", list, what), f"{what}.started", low=0)
+        saved = entry(state, "pending", list, what)
+        if len(started) != len(saved) or len(saved) != self.chunks.replicas:
+            raise ValueError(f"{what}.pending holds {len(saved)} replicas' prompts in flight, this run has "
+                             f"{self.chunks.replicas}")
+        pending = [PendingGroups(self.n) for _ in saved]
+        for replica, (group, replica_state) in enumerate(zip(pending, saved)):
+            group.load_state_dict(replica_state, bounds, f"{what}.pending[{replica}]")
+        return started, pending, *self.checked_state(state, bounds)
+
+    def _take_progress(self, progress: tuple) -> None:
+        self.started, self.pending, self.next_step, self.buffer = progress
 
 
 class LocalChunks:
@@ -212,8 +205,9 @@ class LocalChunks:
     def states(self) -> list[dict]:
         return self._gather(self.partial.state_dict())
 
-    def load_states(self, states: list[dict]) -> None:
-        self.partial.load_state_dict(states[self.placement.replica])
+    def load_states(self, states: list[dict], bounds: RunBounds) -> None:
+        self.partial.load_state_dict(states[self.placement.replica], bounds,
+                                     f"rollout_schedule.rollouts[{self.placement.replica}]")
 
     def _gather(self, mine) -> list:
         """Collective: each replica's `mine` (its leader's), in replica order."""

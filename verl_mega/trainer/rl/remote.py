@@ -17,6 +17,7 @@ from verl_mega.parallel.state import device
 from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.partial import PartialRollout
+from verl_mega.rollout.trajectory_buffer import RunBounds
 from verl_mega.rollout.weight_push import push_weights
 
 from ..metrics import StageTimer
@@ -167,11 +168,11 @@ class RemoteChunks:
             states = [self.remote.bridge.recv_object(rank) for rank in replica_leaders(self.remote.placement)]
         return self.remote.shared(states)
 
-    def load_states(self, states: list[dict]) -> None:
-        """Each replica's saved state, checked here first: a bad one is a ValueError naming it, and nothing is
-        sent."""
-        for checker, state in zip(self.checkers, states):
-            checker.load_state_dict(state)
+    def load_states(self, states: list[dict], bounds: RunBounds) -> None:
+        """Each replica's saved state, checked here first (against `bounds`): a bad one is a ValueError naming
+        it, and nothing is sent."""
+        for replica, (checker, state) in enumerate(zip(self.checkers, states)):
+            checker.load_state_dict(state, bounds, f"rollout_schedule.rollouts[{replica}]")
         self._to_replicas(lambda replica: ("load_partial", states[replica]))
 
     def _exchange(self) -> tuple[list[list[Response]], "Busy"]:

@@ -43,6 +43,7 @@ from verl_mega.parallel.placement import Placement
 from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.partial import PartialRollout
+from verl_mega.rollout.trajectory_buffer import UNBOUNDED
 from verl_mega.rollout.weight_push import receive_weights, rollout_feed
 
 from ..metrics import StageTimer
@@ -153,7 +154,8 @@ class RolloutService:
         self._answer(self.partial.state_dict())
 
     def on_load_partial(self, state: dict) -> None:
-        self.partial.load_state_dict(state)
+        """A state the training side checked against the run's bounds before sending it."""
+        self.partial.load_state_dict(state, UNBOUNDED)
 
     @contextlib.contextmanager
     def _busy(self):

@@ -20,8 +20,10 @@ from verl_mega.config import TrainConfig
 from verl_mega.config.errors import UserError
 from verl_mega.data.prompts import PromptDataset
 from verl_mega.data.sampler import ResumableBatchSampler
+from verl_mega.files.plain_state import entry
 from verl_mega.rollout.agent_loop import episode_metrics
 from verl_mega.rollout.engine import Response, SamplingParams
+from verl_mega.rollout.trajectory_buffer import RunBounds
 from verl_mega.roles.reward import RewardOutput
 
 from ..metrics import StageTimer
@@ -42,9 +44,10 @@ class Sampling:
     Stateful: the sampler's position (`sampler`) and the schedule's buffer (`rollout_schedule`)."""
 
     def __init__(self, config: TrainConfig, dataset: PromptDataset, generation: Generation, scoring: Scoring,
-                 pad_token_id: int, note: Note):
+                 pad_token_id: int, note: Note, vocab_size: int):
+        """`vocab_size`: the model's (its config's), which the token ids of a saved state must stay below."""
         self.config, self.dataset, self.generation, self.scoring = config, dataset, generation, scoring
-        self.pad_token_id, self.note = pad_token_id, note
+        self.pad_token_id, self.note, self.vocab_size = pad_token_id, note, vocab_size
         self.sampler = ResumableBatchSampler(len(dataset), config.data.batch_size, seed=config.data.seed)
         self.schedule = self.make_schedule()
 
@@ -72,9 +75,25 @@ class Sampling:
         return {"sampler": self.sampler.state_dict(), "rollout_schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """The sampler's position and the schedule's buffer from a job state (trainer_state.json's keys, its
+        `step` among them), every value checked before any is taken: a bad one is a ValueError naming its key."""
+        self.sampler.check_state_dict(entry(state, "sampler", dict, ""))
+        if "rollout_schedule" in state:
+            self.schedule.load_state_dict(entry(state, "rollout_schedule", dict, ""),
+                                          self.state_bounds(state["step"]))
+        elif self.config.rollout.mode != "sync":
+            # Only a checkpoint written before the schedule existed lacks it, and that run was sync: resumed here,
+            # the prompts and responses it held in flight would be lost without a word.
+            raise ValueError(f"it has no 'rollout_schedule', which this run (rollout.mode="
+                             f"{self.config.rollout.mode}) resumes its prompts and responses in flight from")
         self.sampler.load_state_dict(state["sampler"])
-        if "rollout_schedule" in state:  # a checkpoint written before the schedule existed was sync's: no buffer
-            self.schedule.load_state_dict(state["rollout_schedule"], len(self.dataset))
+
+    def state_bounds(self, step: int) -> RunBounds:
+        """What a saved schedule may hold in this run, checkpointed after `step` steps."""
+        data = self.config.data
+        return RunBounds(prompts=len(self.dataset), vocab_size=self.vocab_size,
+                         max_prompt_tokens=data.max_prompt_length, max_response_tokens=data.max_response_length,
+                         newest_version=step)
 
     def run(self, step: Step) -> None:
         config, n, timer = self.config, self.config.rollout.n, step.timer

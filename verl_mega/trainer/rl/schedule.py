@@ -35,10 +35,9 @@ import dataclasses
 from collections import deque
 from typing import Callable, Protocol
 
-from verl_mega.config.errors import UserError
 from verl_mega.rollout.engine import Response
-from verl_mega.rollout.plain_state import count, entry
-from verl_mega.rollout.trajectory_buffer import Group, TrajectoryBuffer
+from verl_mega.files.plain_state import count, entry
+from verl_mega.rollout.trajectory_buffer import Group, RunBounds, TrajectoryBuffer
 
 from ..metrics import StageTimer
 
@@ -91,7 +90,7 @@ class Schedule(Protocol):
     def ahead(self, timer: StageTimer, version: int) -> None: ...
     def settle(self) -> None: ...
     def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict, dataset_size: int) -> None: ...
+    def load_state_dict(self, state: dict, bounds: RunBounds) -> None: ...
 
 
 class BufferedSchedule:
@@ -106,22 +105,27 @@ class BufferedSchedule:
     def state_dict(self) -> dict:
         return {"next_step": self.next_step, "buffer": None if self.buffer is None else self.buffer.state_dict()}
 
-    def load_state_dict(self, state: dict, dataset_size: int) -> None:
-        """The saved buffer, every entry checked; `dataset_size` bounds the prompts it may name."""
-        what = "trainer_state.json: rollout_schedule"
-        try:
-            next_step = count(state, "next_step", what)
-            saved = entry(state, "buffer", (dict, type(None)), what)
-            if (saved is None) != (self.buffer is None):
-                raise ValueError("its buffer does not belong to this rollout.mode")
-            if saved is not None:
-                self.buffer.load_state_dict(saved)
-                outside = [group["index"] for group in saved["groups"] if group["index"] >= dataset_size]
-                if outside:
-                    raise ValueError(f"prompt {outside[0]} is not among the {dataset_size} of data.train_files")
-        except ValueError as err:
-            raise UserError(f"{what} is malformed ({err}); resume from another checkpoint") from None
-        self.next_step = next_step
+    def load_state_dict(self, state: dict, bounds: RunBounds) -> None:
+        """The saved buffer and slot, every entry checked against `bounds` first: a bad one is a ValueError naming
+        its key under `rollout_schedule`, and changes nothing."""
+        self.next_step, self.buffer = self.checked_state(state, bounds)
+
+    def checked_state(self, state: dict, bounds: RunBounds) -> tuple[int, TrajectoryBuffer | None]:
+        """(next slot, buffer) of a saved state, every entry checked against `bounds`; nothing changes here."""
+        what = "rollout_schedule"
+        next_step = count(state, "next_step", what)
+        saved = entry(state, "buffer", (dict, type(None)), what)
+        if (saved is None) != (self.buffer is None):
+            raise ValueError(f"{what}.buffer does not belong to this rollout.mode (it was saved by another)")
+        if saved is None:
+            return next_step, None
+        buffer = TrajectoryBuffer(self.buffer.capacity)
+        buffer.load_state_dict(saved, bounds, f"{what}.buffer")
+        for i, group in enumerate(saved["groups"]):  # ReMax's greedy responses ride in the prompt fields
+            if GREEDY in group["prompt"]:
+                bounds.tokens(group["prompt"][GREEDY], f"{what}.buffer.groups[{i}].prompt.{GREEDY}",
+                              bounds.max_response_tokens)
+        return next_step, buffer
 
 
 class RolloutSchedule(BufferedSchedule):
