@@ -91,7 +91,7 @@ def test_a_job_is_built_then_started_by_the_base_class(tiny_models, tmp_path):
     """The subclass builds its parts from its inputs before the base class resumes into them and opens the metrics
     log; it never calls start() itself."""
     from verl_mega.config import load_config
-    from verl_mega.parallel.state import ParallelLayout
+    from verl_mega.parallel.layout import ParallelLayout
     from verl_mega.trainer.job import TrainingJob
 
     class RecordingJob(TrainingJob):

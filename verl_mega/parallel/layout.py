@@ -75,13 +75,32 @@ def check_rollout_tp(train_tp: int, rollout_tp: int, names: dict[str, str] | Non
 @dataclass(frozen=True)
 class RankCoordinates:
     """Where a global rank sits in megatron's (TP, DP, PP[, EP]) grid: the one record of a rank's place, held by
-    the live process's `state.ParallelLayout` (with the grid's sizes) and by the planner's `RankPlan`."""
+    the live process's `ParallelLayout` (with the grid's sizes) and by the planner's `RankPlan`."""
 
     rank: int
     tp_rank: int
     dp_rank: int
     pp_rank: int
     ep_rank: int
+
+
+@dataclass(frozen=True)
+class ParallelLayout(RankCoordinates):
+    """This process's coordinates (`RankCoordinates`) and the sizes of megatron's (TP, PP, DP[, EP]) grid."""
+
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    world_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
 
 
 def rank_coordinates(rank: int, tp: int, pp: int, dp: int, ep: int = 1) -> RankCoordinates:

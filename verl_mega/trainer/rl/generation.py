@@ -19,9 +19,8 @@ from verl_mega.config.errors import UserError
 from verl_mega.data.prompts import as_messages
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.bridge import Bridge
-from verl_mega.parallel.layout import rollout_placement
+from verl_mega.parallel.layout import ParallelLayout, rollout_placement
 from verl_mega.parallel.placement import Placement
-from verl_mega.parallel.state import ParallelLayout
 from verl_mega.rollout.agent_loop import AgentLoop
 from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
