@@ -110,8 +110,10 @@ def rank_coordinates(rank: int, tp: int, pp: int, dp: int, ep: int = 1) -> RankC
 
 
 @dataclass(frozen=True)
-class RolloutPlacement:
-    """A rank's place in the rollout layout (TP = `rollout_tp`, pipeline stages folded into DP).
+class RolloutCoordinates:
+    """Where a rank sits in the rollout layout (TP = `rollout_tp`, pipeline stages folded into DP): the one record
+    of a rank's place among the rollout replicas, for a training rank the HybridEngine regroups (colocated) and for
+    a rank of the rollout ranks' own world (disaggregated, `RolePlacement.rollout_coordinates`: micro_dp 1).
 
     A *micro-DP group* is `micro_dp = tp // rollout_tp` consecutive ranks of a training TP group; their
     shards together make one rollout TP slice. A rollout TP group joins the ranks holding the same slice
@@ -125,11 +127,12 @@ class RolloutPlacement:
     leads_replica: bool  # rollout TP rank 0 of its replica: reports the replica's responses
 
 
-def rollout_placement(rank: int, world_size: int, tp: int, rollout_tp: int) -> RolloutPlacement:
+def rollout_coordinates(rank: int, world_size: int, tp: int, rollout_tp: int) -> RolloutCoordinates:
+    """Where `rank` of a world of `world_size` ranks at training TP `tp` sits in the rollout layout."""
     check_rollout_tp(tp, rollout_tp)
     micro_dp = tp // rollout_tp
     tp_rank = rank % tp
-    return RolloutPlacement(
+    return RolloutCoordinates(
         micro_dp=micro_dp,
         rollout_tp_rank=tp_rank // micro_dp,
         replicas=world_size // rollout_tp,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import _name, check_rollout_tp, check_sizes, data_parallel_size
+from .layout import RolloutCoordinates, _name, check_rollout_tp, check_sizes, data_parallel_size, rollout_coordinates
 
 ROLES = ("train", "rollout")
 
@@ -57,10 +57,11 @@ class Placement:
         """Rollout replicas on the rollout ranks (0 when colocated: the training ranks generate)."""
         return len(self.rollout_ranks) // self.rollout_tp
 
-    def rollout_coordinates(self, global_rank: int) -> tuple[int, int]:
-        """(replica, rollout TP rank) of a rollout rank."""
+    def rollout_coordinates(self, global_rank: int) -> RolloutCoordinates:
+        """Where rollout rank `global_rank` sits among the rollout replicas: they hold whole rollout TP slices,
+        so the rollout ranks' world is a layout whose training TP is the rollout TP."""
         index = self.rollout_ranks.index(global_rank)
-        return index // self.rollout_tp, index % self.rollout_tp
+        return rollout_coordinates(index, len(self.rollout_ranks), self.rollout_tp, self.rollout_tp)
 
 
 def check_placement(global_size: int, rollout_ranks: int, rollout_tp: int = 1,
@@ -127,9 +128,9 @@ def slice_holders(placement: Placement) -> list[list[int]]:
 
 def rollout_peer(placement: Placement, rollout_rank: int) -> WeightRoute:
     """Which training rank sends which rollout TP slice to global rank `rollout_rank`."""
-    replica, slice_index = placement.rollout_coordinates(rollout_rank)
-    holders = slice_holders(placement)[slice_index]
-    return WeightRoute(holders[replica % len(holders)], rollout_rank, slice_index)
+    at = placement.rollout_coordinates(rollout_rank)
+    holders = slice_holders(placement)[at.rollout_tp_rank]
+    return WeightRoute(holders[at.replica % len(holders)], rollout_rank, at.rollout_tp_rank)
 
 
 def weight_routes(placement: Placement) -> tuple[WeightRoute, ...]:

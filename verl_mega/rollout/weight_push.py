@@ -88,7 +88,7 @@ def push_weights(bridge: Bridge, hybrid: HybridEngine, placement: Placement, ver
 def rollout_feed(placement: Placement, padded_vocab: int, vocab_size: int) -> WeightFeed:
     """The `WeightFeed` a rollout rank's engine is built with, before any push (`padded_vocab`: the actor
     checkpoint manifest's padded_vocab_size)."""
-    _, rollout_tp_rank = placement.rollout_coordinates(placement.global_rank)
+    rollout_tp_rank = placement.rollout_coordinates(placement.global_rank).rollout_tp_rank
     return WeightFeed(placement.rollout_tp, rollout_tp_rank, padded_vocab, vocab_size)
 
 

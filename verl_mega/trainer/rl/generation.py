@@ -19,7 +19,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.data.prompts import as_messages
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.bridge import Bridge
-from verl_mega.parallel.layout import ParallelLayout, rollout_placement
+from verl_mega.parallel.layout import ParallelLayout, RolloutCoordinates, rollout_coordinates
 from verl_mega.parallel.placement import Placement
 from verl_mega.rollout.agent_loop import AgentLoop
 from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
@@ -109,12 +109,12 @@ class Generation:
     def replicas(self) -> int:
         if self.remote is not None:
             return self.remote.replicas
-        return self.placement().replicas
+        return self.rollout_coordinates().replicas
 
-    def placement(self):
+    def rollout_coordinates(self) -> RolloutCoordinates:
         """This rank's rollout replica among the training ranks (colocated)."""
         layout = self.layout
-        return rollout_placement(layout.rank, layout.world_size, layout.tp, self.config.parallel.rollout_tp)
+        return rollout_coordinates(layout.rank, layout.world_size, layout.tp, self.config.parallel.rollout_tp)
 
     @contextlib.contextmanager
     def awake(self, timer: StageTimer, version: int):
@@ -154,8 +154,8 @@ class Generation:
         each with its tokens' log-probs under the distribution they were sampled from (the engine's own, at no
         extra pass). `params`: the rollout's sampling seeded by the slot (`step`, `gen_round`) unless given.
         `conversations`: the prompts as the data gives them, which multi-turn episodes start from."""
-        placement = self.placement()
-        replicas, replica = placement.replicas, placement.replica
+        coordinates = self.rollout_coordinates()
+        replicas, replica = coordinates.replicas, coordinates.replica
         share = len(prompts) // replicas
         mine = prompts[replica * share:(replica + 1) * share]
         params = params or self.sampling_params(step, gen_round, replicas, replica)
@@ -163,7 +163,7 @@ class Generation:
         responses = [dataclasses.replace(r, prompt_index=replica * share + r.prompt_index)
                      for r in self.responses(mine, mine_conversations, params)] if mine else []
         gathered: list = [None] * self.layout.world_size
-        dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
+        dist.all_gather_object(gathered, (replica, coordinates.leads_replica, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
         return [response for rep in range(replicas) for response in by_replica[rep]]
 

@@ -61,7 +61,7 @@ def replica_leaders(placement: Placement) -> list[int]:
 def replica_messages(placement: Placement, message_for) -> list[tuple[int, tuple]]:
     """(rollout rank, message) for every rollout rank, in rank order: `message_for(replica)` of its replica, so
     the rollout TP ranks of a replica get the same one."""
-    return [(rank, message_for(placement.rollout_coordinates(rank)[0])) for rank in placement.rollout_ranks]
+    return [(rank, message_for(placement.rollout_coordinates(rank).replica)) for rank in placement.rollout_ranks]
 
 
 def replica_bounds(prompts: int, replicas: int) -> list[int]:
