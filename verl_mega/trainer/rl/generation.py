@@ -19,8 +19,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.data.prompts import as_messages
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.bridge import Bridge
-from verl_mega.parallel.layout import ParallelLayout, RolloutCoordinates, rollout_coordinates
-from verl_mega.parallel.placement import Placement
+from verl_mega.parallel.layout import ParallelLayout, RolePlacement, RolloutCoordinates, rollout_coordinates
 from verl_mega.rollout.agent_loop import AgentLoop
 from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
@@ -75,7 +74,7 @@ class Generation:
 
     @classmethod
     def build(cls, config: TrainConfig, layout: ParallelLayout, tokenizer, hf_config, family, actor,
-              bridge: Bridge | None = None, placement: Placement | None = None) -> "Generation":
+              bridge: Bridge | None = None, placement: RolePlacement | None = None) -> "Generation":
         """The HybridEngine over the actor and the rollout engine behind it, or the client of the rollout ranks."""
         rollout_dtype = DTYPES[resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, config.model.dtype)]
         hybrid = HybridEngine(actor.model, hf_config, family, config.parallel.rollout_tp, dtype=rollout_dtype)
