@@ -77,7 +77,7 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
                  "--seed", str(seed), "--result", str(result)]
         args += ["--family-spec", family_spec] if family_spec else []
         try:
-            completed = run_torchrun(tp * pp * ep, "verl_mega.converters.verify", args, capture_output=True)
+            run_torchrun(tp * pp * ep, "verl_mega.converters.verify", args, capture_output=True)
         except subprocess.CalledProcessError as err:
             errors = sorted(Path(tmp).glob(f"{result.name}.rank*.error"))
             if errors:  # a rank refused its input: its one line is the message
