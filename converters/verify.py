@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from verl_mega.parallel.spawn import in_distributed_job, run_torchrun
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import destroy_parallel, init_parallel
+from verl_mega.parallel.world import read_world
 
 from .hf_to_mcore import check_hf_tensors
 from .parity import Parity, fp32_gemms_run_tf32, logit_parity
@@ -77,7 +77,7 @@ def verify_checkpoints(pairs: list[tuple[str | Path, str | Path]], *, tp: int | 
                  "--seed", str(seed), "--result", str(result)]
         args += ["--family-spec", family_spec] if family_spec else []
         try:
-            completed = run_torchrun(tp * pp * ep, "verl_mega.converters.verify", args, capture_output=True)
+            run_torchrun(tp * pp * ep, "verl_mega.converters.verify", args, capture_output=True)
         except subprocess.CalledProcessError as err:
             errors = sorted(Path(tmp).glob(f"{result.name}.rank*.error"))
             if errors:  # a rank refused its input: its one line is the message
@@ -116,7 +116,7 @@ def _verify_ranks(pairs, tp, pp, ep, seq_len, batch, seed, family_spec=None, res
         results.append(parity)
         if layout.rank == 0:
             print(f"logit parity {model_type} {ckpt_dir} at tp={tp} pp={pp} ep={ep}:\n{parity.describe()}", flush=True)
-    if result_file and torch.distributed.get_rank() == 0:
+    if result_file and layout.rank == 0:
         Path(result_file).write_text(json.dumps({"parity": [parity.as_dict() for parity in results]}))
     destroy_parallel()
     return results
@@ -200,7 +200,7 @@ def main(argv=None) -> None:
     except (ValueError, OSError) as err:  # bad input: one line for the launcher to show, exit 2
         print(f"verl-mega verify: error: {err}", file=sys.stderr)
         if args.result:
-            Path(f"{args.result}.rank{os.environ.get('RANK', '0')}.error").write_text(f"{err}\n")
+            Path(f"{args.result}.rank{read_world().rank}.error").write_text(f"{err}\n")
         sys.exit(2)
 
 

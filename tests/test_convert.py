@@ -300,3 +300,24 @@ def test_verify_refuses_sizes_and_tolerances_it_cannot_check_with(tiny_models, t
     with pytest.raises(SystemExit) if flags[0] == "--tolerance" else contextlib.nullcontext():
         assert cli(["convert", "verify", "--hf", str(tiny_models["qwen2"]), "--ckpt", str(ckpt), *flags]) == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]  # argparse's usage lines come first
+
+
+def test_a_verify_rank_started_by_srun_names_its_error_file_by_its_slurm_rank(tmp_path, monkeypatch, capsys):
+    """The launcher shows the first rank's refusal; a rank of an `srun` step without torchrun (no RANK) is found
+    by the world reader, not taken for rank 0."""
+    from verl_mega.converters.verify import main as verify_main
+    from verl_mega.parallel.world import TORCHRUN_VARIABLES
+
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[3-4]")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    result = tmp_path / "parity.json"
+    with pytest.raises(SystemExit) as exit_:
+        verify_main(["--pair", str(tmp_path / "hf"), str(tmp_path / "missing"), "--tp", "1", "--pp", "1",
+                     "--result", str(result)])
+    assert exit_.value.code == 2
+    assert [path.name for path in tmp_path.glob("parity.json.rank*.error")] == ["parity.json.rank1.error"]
+    assert "missing" in (tmp_path / "parity.json.rank1.error").read_text()

@@ -26,6 +26,7 @@ deferred project import is `verl_mega/__init__.py`'s re-export of the API on fir
 `import verl_mega` does not load torch and megatron for the launchers.
 """
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,13 @@ def test_the_rl_package_sits_above_the_jobs_shared_modules():
         if into_rl and allowed is not None and not into_rl <= allowed:
             problems.append(f"{module} imports {sorted(into_rl - allowed)}")
     assert not problems, problems
+
+
+# The layout records and their arithmetic (`parallel/layout.py`) are what the pre-flight check, the planner and the
+# converters' refusals ask before any process group exists: the module imports the standard library alone, so
+# none of them starts torch.distributed, and its records stay data (the process groups live in `parallel/state.py`).
+def test_the_layout_module_imports_the_standard_library_alone():
+    tree = ast.parse((ROOT / "verl_mega" / "parallel" / "layout.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {"." * node.level + (node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert {name for name in imported if name.split(".")[0] not in sys.stdlib_module_names} == set()

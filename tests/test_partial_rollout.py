@@ -310,11 +310,11 @@ def test_the_batch_keeps_each_tokens_version_padded_with_minus_one():
 def partial_schedule(engine, eos: int, staleness: int, policy: str):
     """PartialSchedule over LocalChunks on the tiny engine: rounds of 2 prompts (drawn by round number, as a
     sampler's position would), 2 samples each, one-token chunks."""
-    from verl_mega.parallel.layout import rollout_placement
+    from verl_mega.parallel.layout import rollout_coordinates
     from verl_mega.trainer.rl.partial_schedule import LocalChunks, PartialSchedule
 
     params = SamplingParams(max_new_tokens=4, n=2, seed=5, logprobs=True)
-    chunks = LocalChunks(engine, params, 1, policy, [eos], rollout_placement(0, 1, 1, 1), 1)
+    chunks = LocalChunks(engine, params, 1, policy, [eos], rollout_coordinates(0, 1, 1, 1), 1)
 
     def draw():
         first = 2 * schedule.next_step

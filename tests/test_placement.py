@@ -5,7 +5,7 @@ import json
 import pytest
 
 from verl_mega.config import ConfigError, load_config
-from verl_mega.parallel.layout import rollout_placement
+from verl_mega.parallel.layout import rollout_coordinates
 from verl_mega.parallel.placement import (
     check_placement, placement_for, rollout_peer, slice_holders, training_data_parallel_size, weight_routes,
 )
@@ -55,11 +55,11 @@ def test_every_rollout_rank_gets_its_slice_from_a_training_rank_that_holds_it(wo
     assert [route.target for route in routes] == list(placement.rollout_ranks)
     assert placement.replicas == rollout_ranks // rollout_tp
     for route in routes:
-        replica, rollout_tp_rank = placement.rollout_coordinates(route.target)
-        assert route.slice == rollout_tp_rank and replica < placement.replicas
+        at = placement.rollout_coordinates(route.target)
+        assert route.slice == at.rollout_tp_rank and at.replica < placement.replicas
         # The HybridEngine's own arithmetic on the sending rank streams that very slice.
         assert route.source in placement.train_ranks
-        assert rollout_placement(route.source, train, tp, rollout_tp).rollout_tp_rank == route.slice
+        assert rollout_coordinates(route.source, train, tp, rollout_tp).rollout_tp_rank == route.slice
         assert rollout_peer(placement, route.target) == route
     # Pushes spread over the holders of a slice: no holder sends more than one push beyond another.
     for slice_index, holders in enumerate(slice_holders(placement)):

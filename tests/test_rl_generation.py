@@ -11,7 +11,7 @@ from verl_mega.data.prompts import PromptDataset
 from verl_mega.data.synthetic import make_task_rows
 from verl_mega.data.tables import write_rows
 from verl_mega.data.tokenizer import load_tokenizer
-from verl_mega.parallel.state import ParallelLayout
+from verl_mega.parallel.layout import ParallelLayout
 from verl_mega.roles.reward import RuleReward
 from verl_mega.rollout.embedded import EmbeddedEngine
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader

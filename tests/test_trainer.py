@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from verl_mega.parallel.layout import rollout_placement
+from verl_mega.parallel.layout import rollout_coordinates
 from verl_mega.trainer.rollout_batch import build_rollout_batch
 
 
@@ -23,8 +23,8 @@ def test_rollout_replicas_cover_every_rank_once_per_replica(tp, pp, dp, rollout_
     world = tp * pp * dp
     seen = {}
     for rank in range(world):
-        placement = rollout_placement(rank, world, tp, rollout_tp)
-        replicas, replica, leader = placement.replicas, placement.replica, placement.leads_replica
+        coordinates = rollout_coordinates(rank, world, tp, rollout_tp)
+        replicas, replica, leader = coordinates.replicas, coordinates.replica, coordinates.leads_replica
         assert replicas == world // rollout_tp
         seen.setdefault(replica, []).append(leader)
     assert sorted(seen) == list(range(world // rollout_tp))
@@ -91,7 +91,7 @@ def test_a_job_is_built_then_started_by_the_base_class(tiny_models, tmp_path):
     """The subclass builds its parts from its inputs before the base class resumes into them and opens the metrics
     log; it never calls start() itself."""
     from verl_mega.config import load_config
-    from verl_mega.parallel.state import ParallelLayout
+    from verl_mega.parallel.layout import ParallelLayout
     from verl_mega.trainer.job import TrainingJob
 
     class RecordingJob(TrainingJob):

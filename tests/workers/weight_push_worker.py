@@ -139,7 +139,7 @@ def rollout_rank(bridge, placement, hf_dir: Path, ckpt: Path, report: dict) -> N
     version, stream = receive_weights(bridge, at, BUCKET_MB)
     received = {name: tensor.clone() for name, tensor in stream}
     colocated = bridge.recv_object(rollout_peer(at, me).source)
-    _, rollout_tp_rank = at.rollout_coordinates(me)
+    rollout_tp_rank = at.rollout_coordinates(me).rollout_tp_rank
     expected = expected_rollout_slice(reader, cfg, family, padded_vocab, rollout_tp_rank, 2, STEP_SHIFT)
     assert version == 2 and not stream.verified and stream.feed == rollout_feed(at, padded_vocab, cfg.vocab_size), (
         version, stream.feed)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .placement import Placement
+from .layout import RolePlacement
 from .state import backend, device, export_world
 from .torchrun import exit_with_agent
 from .world import World, read_world
@@ -48,7 +48,7 @@ class Peer:
         return f"{self.role} rank {self.rank} (pid {self.pid} on {self.host})"
 
 
-def init_placement(placement: Placement, timeout_minutes: int = 30, bridge_timeout_s: float = 600.0) -> "Bridge":
+def init_placement(placement: RolePlacement, timeout_minutes: int = 30, bridge_timeout_s: float = 600.0) -> "Bridge":
     """Start this process's role world as the default process group (training ranks then call `init_parallel`
     as colocated runs do; it finds the group made) and the bridge over every global rank. The world is
     exported as torchrun's variables of the role's world (RANK = rank in role), which vLLM's external launcher
@@ -85,7 +85,7 @@ def _new_group(store: dist.Store, rank: int, size: int, timeout: datetime.timede
 class Bridge:
     """Point-to-point and broadcast calls over global ranks, each bounded by the bridge timeout."""
 
-    def __init__(self, placement: Placement, store: dist.Store, timeout_s: float):
+    def __init__(self, placement: RolePlacement, store: dist.Store, timeout_s: float):
         self.placement = placement
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device()

@@ -1,7 +1,10 @@
 """Layout arithmetic, in one place: which sizes must divide which, and which rank holds which slice.
 
 Pure integer functions (no process groups), so the pre-flight check, `init_parallel`, the converters,
-the HybridEngine, the planner and the trainer all ask the same questions the same way. Every failure is a
+the HybridEngine, the planner and the trainer all ask the same questions the same way; and the records of a
+layout, one per concept: a rank's place in megatron's grid (`RankCoordinates`), the live process's with the
+grid's sizes (`ParallelLayout`), a rank's place among the rollout replicas (`RolloutCoordinates`) and a global
+rank's role in the split into training and rollout ranks (`RolePlacement`, made by `placement.placement_for`). Every failure is a
 ValueError naming the sizes that do not fit, by the names the caller's user knows them (`names`: e.g.
 {"tp": "parallel.tp"} for a config, {"tp": "--tp"} for a command line).
 
@@ -75,13 +78,32 @@ def check_rollout_tp(train_tp: int, rollout_tp: int, names: dict[str, str] | Non
 @dataclass(frozen=True)
 class RankCoordinates:
     """Where a global rank sits in megatron's (TP, DP, PP[, EP]) grid: the one record of a rank's place, held by
-    the live process's `state.ParallelLayout` (with the grid's sizes) and by the planner's `RankPlan`."""
+    the live process's `ParallelLayout` (with the grid's sizes) and by the planner's `RankPlan`."""
 
     rank: int
     tp_rank: int
     dp_rank: int
     pp_rank: int
     ep_rank: int
+
+
+@dataclass(frozen=True)
+class ParallelLayout(RankCoordinates):
+    """This process's coordinates (`RankCoordinates`) and the sizes of megatron's (TP, PP, DP[, EP]) grid."""
+
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    world_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
 
 
 def rank_coordinates(rank: int, tp: int, pp: int, dp: int, ep: int = 1) -> RankCoordinates:
@@ -91,8 +113,10 @@ def rank_coordinates(rank: int, tp: int, pp: int, dp: int, ep: int = 1) -> RankC
 
 
 @dataclass(frozen=True)
-class RolloutPlacement:
-    """A rank's place in the rollout layout (TP = `rollout_tp`, pipeline stages folded into DP).
+class RolloutCoordinates:
+    """Where a rank sits in the rollout layout (TP = `rollout_tp`, pipeline stages folded into DP): the one record
+    of a rank's place among the rollout replicas, for a training rank the HybridEngine regroups (colocated) and for
+    a rank of the rollout ranks' own world (disaggregated, `RolePlacement.rollout_coordinates`: micro_dp 1).
 
     A *micro-DP group* is `micro_dp = tp // rollout_tp` consecutive ranks of a training TP group; their
     shards together make one rollout TP slice. A rollout TP group joins the ranks holding the same slice
@@ -106,17 +130,62 @@ class RolloutPlacement:
     leads_replica: bool  # rollout TP rank 0 of its replica: reports the replica's responses
 
 
-def rollout_placement(rank: int, world_size: int, tp: int, rollout_tp: int) -> RolloutPlacement:
+def rollout_coordinates(rank: int, world_size: int, tp: int, rollout_tp: int) -> RolloutCoordinates:
+    """Where `rank` of a world of `world_size` ranks at training TP `tp` sits in the rollout layout."""
     check_rollout_tp(tp, rollout_tp)
     micro_dp = tp // rollout_tp
     tp_rank = rank % tp
-    return RolloutPlacement(
+    return RolloutCoordinates(
         micro_dp=micro_dp,
         rollout_tp_rank=tp_rank // micro_dp,
         replicas=world_size // rollout_tp,
         replica=(rank // tp) * micro_dp + tp_rank % micro_dp,
         leads_replica=tp_rank // micro_dp == 0,
     )
+
+
+@dataclass(frozen=True)
+class RolePlacement:
+    """A global rank's role in the job's split into training and rollout ranks: this process's `role` ("train" or
+    "rollout") and the global ranks of both roles (`rollout_ranks` empty when colocated). `train_tp` and
+    `rollout_tp` are parallel.tp and parallel.rollout_tp, which say who sends which weights to whom
+    (`placement.weight_routes`)."""
+
+    role: str
+    global_rank: int
+    global_size: int
+    train_ranks: tuple[int, ...]
+    rollout_ranks: tuple[int, ...]
+    rollout_tp: int = 1
+    train_tp: int = 1
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.rollout_ranks)
+
+    @property
+    def role_ranks(self) -> tuple[int, ...]:
+        """The global ranks of this process's role, in the order of its own world."""
+        return self.train_ranks if self.role == "train" else self.rollout_ranks
+
+    @property
+    def rank_in_role(self) -> int:
+        return self.role_ranks.index(self.global_rank)
+
+    @property
+    def role_size(self) -> int:
+        return len(self.role_ranks)
+
+    @property
+    def replicas(self) -> int:
+        """Rollout replicas on the rollout ranks (0 when colocated: the training ranks generate)."""
+        return len(self.rollout_ranks) // self.rollout_tp
+
+    def rollout_coordinates(self, global_rank: int) -> RolloutCoordinates:
+        """Where rollout rank `global_rank` sits among the rollout replicas: they hold whole rollout TP slices,
+        so the rollout ranks' world is a layout whose training TP is the rollout TP."""
+        index = self.rollout_ranks.index(global_rank)
+        return rollout_coordinates(index, len(self.rollout_ranks), self.rollout_tp, self.rollout_tp)
 
 
 def rollout_vocab_rows(padded_vocab: int, vocab_size: int, part: int, parts: int) -> range:

@@ -1,4 +1,5 @@
-"""Which global ranks train and which only generate, and who sends which weights to whom: pure arithmetic.
+"""Which global ranks train and which only generate (`placement_for` makes this rank's `layout.RolePlacement`), and
+who sends which weights to whom: pure arithmetic.
 
 Colocated (`parallel.rollout_ranks: 0`, the default): every rank trains and generates through the
 HybridEngine. Disaggregated: the LAST `rollout_ranks` global ranks run only rollout engines (on Slurm they
@@ -17,50 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import _name, check_rollout_tp, check_sizes, data_parallel_size
-
-ROLES = ("train", "rollout")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """This process's role and the global ranks of both roles (`rollout_ranks` empty when colocated); `train_tp`
-    and `rollout_tp` are parallel.tp and parallel.rollout_tp, which say who sends which weights to whom."""
-
-    role: str
-    global_rank: int
-    global_size: int
-    train_ranks: tuple[int, ...]
-    rollout_ranks: tuple[int, ...]
-    rollout_tp: int = 1
-    train_tp: int = 1
-
-    @property
-    def disaggregated(self) -> bool:
-        return bool(self.rollout_ranks)
-
-    @property
-    def role_ranks(self) -> tuple[int, ...]:
-        """The global ranks of this process's role, in the order of its own world."""
-        return self.train_ranks if self.role == "train" else self.rollout_ranks
-
-    @property
-    def rank_in_role(self) -> int:
-        return self.role_ranks.index(self.global_rank)
-
-    @property
-    def role_size(self) -> int:
-        return len(self.role_ranks)
-
-    @property
-    def replicas(self) -> int:
-        """Rollout replicas on the rollout ranks (0 when colocated: the training ranks generate)."""
-        return len(self.rollout_ranks) // self.rollout_tp
-
-    def rollout_coordinates(self, global_rank: int) -> tuple[int, int]:
-        """(replica, rollout TP rank) of a rollout rank."""
-        index = self.rollout_ranks.index(global_rank)
-        return index // self.rollout_tp, index % self.rollout_tp
+from .layout import RolePlacement, _name, check_rollout_tp, check_sizes, data_parallel_size
 
 
 def check_placement(global_size: int, rollout_ranks: int, rollout_tp: int = 1,
@@ -82,18 +40,18 @@ def check_placement(global_size: int, rollout_ranks: int, rollout_tp: int = 1,
 
 
 def placement_for(global_rank: int, global_size: int, rollout_ranks: int, rollout_tp: int = 1, train_tp: int = 1,
-                  names: dict[str, str] | None = None) -> Placement:
+                  names: dict[str, str] | None = None) -> RolePlacement:
     """The placement of `global_rank` in a world of `global_size` whose last `rollout_ranks` ranks generate."""
     check_placement(global_size, rollout_ranks, rollout_tp, names)
     if not 0 <= global_rank < global_size:
         raise ValueError(f"rank {global_rank} is outside a world of {global_size} processes")
     first_rollout = global_size - rollout_ranks
     role = "train" if global_rank < first_rollout else "rollout"
-    return Placement(role, global_rank, global_size, tuple(range(first_rollout)),
-                     tuple(range(first_rollout, global_size)), rollout_tp, train_tp)
+    return RolePlacement(role, global_rank, global_size, tuple(range(first_rollout)),
+                         tuple(range(first_rollout, global_size)), rollout_tp, train_tp)
 
 
-def training_data_parallel_size(placement: Placement, tp: int, pp: int, ep: int = 1,
+def training_data_parallel_size(placement: RolePlacement, tp: int, pp: int, ep: int = 1,
                                 names: dict[str, str] | None = None) -> int:
     """DP of the training ranks at (tp, pp, ep), or raise naming what does not fit them."""
     try:
@@ -114,7 +72,7 @@ class WeightRoute:
     slice: int
 
 
-def slice_holders(placement: Placement) -> list[list[int]]:
+def slice_holders(placement: RolePlacement) -> list[list[int]]:
     """For each rollout TP slice j, the global training ranks whose HybridEngine stream holds it."""
     tp = placement.train_tp
     check_rollout_tp(tp, placement.rollout_tp)
@@ -125,13 +83,13 @@ def slice_holders(placement: Placement) -> list[list[int]]:
     return holders
 
 
-def rollout_peer(placement: Placement, rollout_rank: int) -> WeightRoute:
+def rollout_peer(placement: RolePlacement, rollout_rank: int) -> WeightRoute:
     """Which training rank sends which rollout TP slice to global rank `rollout_rank`."""
-    replica, slice_index = placement.rollout_coordinates(rollout_rank)
-    holders = slice_holders(placement)[slice_index]
-    return WeightRoute(holders[replica % len(holders)], rollout_rank, slice_index)
+    at = placement.rollout_coordinates(rollout_rank)
+    holders = slice_holders(placement)[at.rollout_tp_rank]
+    return WeightRoute(holders[at.replica % len(holders)], rollout_rank, at.rollout_tp_rank)
 
 
-def weight_routes(placement: Placement) -> tuple[WeightRoute, ...]:
+def weight_routes(placement: RolePlacement) -> tuple[WeightRoute, ...]:
     """Every rollout rank's route, in rollout rank order (empty when colocated)."""
     return tuple(rollout_peer(placement, rank) for rank in placement.rollout_ranks)

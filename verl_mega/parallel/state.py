@@ -7,34 +7,14 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .layout import RankCoordinates, data_parallel_size
+from .layout import ParallelLayout, data_parallel_size
 from .shims import apply_shims
 from .torchrun import exit_with_agent
 from .world import World, read_world
-
-
-@dataclass(frozen=True)
-class ParallelLayout(RankCoordinates):
-    """This process's coordinates (`layout.RankCoordinates`) and the sizes of megatron's (TP, PP, DP[, EP]) grid."""
-
-    tp: int
-    pp: int
-    dp: int
-    ep: int
-    world_size: int
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
 
 
 def device() -> torch.device:

@@ -34,7 +34,7 @@ from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.models.lora import lora_modules, merged_weight
 from verl_mega.models.sharding import TensorSlot, rank_slots, split_mcore_to_hf
 from verl_mega.models.spec import SAME, FamilySpec, TensorRule, canonical_names
-from verl_mega.parallel.layout import rollout_placement, rollout_vocab_rows
+from verl_mega.parallel.layout import rollout_coordinates, rollout_vocab_rows
 from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout
 
@@ -98,10 +98,10 @@ class HybridEngine:
 
         self.hf_config, self.family, self.dtype = hf_config, family, dtype
         self.layout = current_layout()
-        placement = rollout_placement(self.layout.rank, self.layout.world_size, self.layout.tp, rollout_tp)
+        coordinates = rollout_coordinates(self.layout.rank, self.layout.world_size, self.layout.tp, rollout_tp)
         self.rollout_tp = rollout_tp
-        self.micro_dp = placement.micro_dp
-        self.rollout_tp_rank = placement.rollout_tp_rank
+        self.micro_dp = coordinates.micro_dp
+        self.rollout_tp_rank = coordinates.rollout_tp_rank
         self.tracker = LiveBytes() if measure_peak else None
         self._params, self._adapters = self._own_shards(model)
 

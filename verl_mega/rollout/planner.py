@@ -25,7 +25,7 @@ from verl_mega.models.lora import config_problems as lora_config_problems, model
 from verl_mega.models.sharding import rank_slots
 from verl_mega.parallel.layout import (
     LARGEST_WORLD, RankCoordinates, check_model_fit, check_rollout_tp, check_sizes, data_parallel_size, rank_coordinates,
-    rollout_placement, rollout_vocab_rows,
+    rollout_coordinates, rollout_vocab_rows,
 )
 
 from .hybrid_engine import slice_is_gathered_shards, transfer_order
@@ -98,10 +98,10 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
                                                                                 train_tp)
         if problems:
             raise ValueError(problems[0])
-    placements = [rollout_placement(rank, world_size, train_tp, rollout_tp) for rank in range(world_size)]
+    in_rollout = [rollout_coordinates(rank, world_size, train_tp, rollout_tp) for rank in range(world_size)]
     hf_shapes = expected_hf_shapes(hf_config, family)
     padded_vocab = padded_vocab_size(hf_config.vocab_size, train_tp, make_vocab_size_divisible_by)
-    micro_dp = placements[0].micro_dp
+    micro_dp = in_rollout[0].micro_dp
 
     def item(slot) -> int:  # a tensor kept in fp32 (DeepSeek-V3's expert bias) is so in any model dtype
         return slot.rule.stored_dtype(DTYPES[dtype]).itemsize
@@ -125,10 +125,10 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
     largest = max(math.prod(hf_shapes[n]) * item(slot) for _, _, slot, _ in transfers for n in slot.hf_names)
 
     ranks = []
-    for rank, placement in enumerate(placements):
+    for rank, rollout_at in enumerate(in_rollout):
         at = rank_coordinates(rank, train_tp, train_pp, dp, ep)
         pp_rank, ep_rank = at.pp_rank, at.ep_rank
-        rollout_tp_rank = placement.rollout_tp_rank
+        rollout_tp_rank = rollout_at.rollout_tp_rank
         # Training holds the last stage's copy of a tied embedding too, which the transition skips.
         train = sum(shard_bytes(slot) for slot in rank_slots(hf_config, family, pp_rank, train_pp, ep_rank, ep))
         rollout = peak = send = recv = largest_output = 0

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from verl_mega.parallel.bridge import Bridge, PeerFailed
-from verl_mega.parallel.placement import Placement, rollout_peer, weight_routes
+from verl_mega.parallel.layout import RolePlacement
+from verl_mega.parallel.placement import rollout_peer, weight_routes
 
 from .engine import WeightFeed
 from .hybrid_engine import HybridEngine
@@ -51,7 +52,7 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return f"{data.numel()}:{zlib.crc32(memoryview(data.numpy())):08x}"
 
 
-def push_weights(bridge: Bridge, hybrid: HybridEngine, placement: Placement, version: int, bucket_mb: float,
+def push_weights(bridge: Bridge, hybrid: HybridEngine, placement: RolePlacement, version: int, bucket_mb: float,
                  verify: bool = False) -> int:
     """On every training rank, after an optimizer step: stream `hybrid` (at the rollout ranks' rollout TP) and
     send this rank's slice to the rollout ranks it serves. Returns how many tensors both sides checked alike
@@ -85,14 +86,14 @@ def push_weights(bridge: Bridge, hybrid: HybridEngine, placement: Placement, ver
     return len(sent) * len(targets)
 
 
-def rollout_feed(placement: Placement, padded_vocab: int, vocab_size: int) -> WeightFeed:
+def rollout_feed(placement: RolePlacement, padded_vocab: int, vocab_size: int) -> WeightFeed:
     """The `WeightFeed` a rollout rank's engine is built with, before any push (`padded_vocab`: the actor
     checkpoint manifest's padded_vocab_size)."""
-    _, rollout_tp_rank = placement.rollout_coordinates(placement.global_rank)
+    rollout_tp_rank = placement.rollout_coordinates(placement.global_rank).rollout_tp_rank
     return WeightFeed(placement.rollout_tp, rollout_tp_rank, padded_vocab, vocab_size)
 
 
-def receive_weights(bridge: Bridge, placement: Placement, bucket_mb: float) -> tuple[int, "WeightStream"]:
+def receive_weights(bridge: Bridge, placement: RolePlacement, bucket_mb: float) -> tuple[int, "WeightStream"]:
     """On a rollout rank: wait for the next push (up to the bridge timeout) and return its version and the
     `(hf_name, tensor)` iterator of this rank's slice, for `RolloutEngine.load_weights`. Consume it fully: its
     end answers the sender. A tensor is valid until the next one is drawn. Whether the push is verified is the
@@ -106,7 +107,7 @@ def receive_weights(bridge: Bridge, placement: Placement, bucket_mb: float) -> t
 class WeightStream:
     """One push as the rollout rank receives it: iterate for `(hf_name, tensor)`; `feed` is the sender's."""
 
-    def __init__(self, bridge: Bridge, placement: Placement, source: int, first: dict, bucket_bytes: int):
+    def __init__(self, bridge: Bridge, placement: RolePlacement, source: int, first: dict, bucket_bytes: int):
         self.bridge, self.placement, self.source = bridge, placement, source
         self.version = _field(first, "version", int, bridge, source)
         self.verified = _field(first, "verify", bool, bridge, source)

@@ -17,7 +17,7 @@ from verl_mega.files.atomic import collective_output_dir
 from verl_mega.models.builder import dtype_name, unwrap_model
 from verl_mega.models.lora import lora_modules, merged_weight
 from verl_mega.models.spec import canonical_names
-from verl_mega.parallel.state import ParallelLayout
+from verl_mega.parallel.layout import ParallelLayout
 
 
 def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayout, iteration: int,

@@ -22,7 +22,7 @@ from verl_mega.files.atomic import atomic_file
 from verl_mega.files.plain_state import count
 from verl_mega.models import load_hf_model_config
 from verl_mega.parallel.agree import all_finite, any_rank
-from verl_mega.parallel.state import ParallelLayout
+from verl_mega.parallel.layout import ParallelLayout
 from verl_mega.run import checkpoints as run_checkpoints
 from verl_mega.run import mirror
 from verl_mega.run.folder import RunFolder, checkpoint_step

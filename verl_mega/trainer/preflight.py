@@ -32,7 +32,7 @@ from verl_mega.models.builder import DTYPES, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
 from verl_mega.models.families import sequence_limit
 from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
-from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout_placement
+from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout_coordinates
 from verl_mega.parallel.placement import placement_for, training_data_parallel_size
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
 from verl_mega.rewards.registry import RewardFn, get_reward_fn
@@ -326,7 +326,7 @@ def _check_batch_sizes(config: TrainConfig, rollout_world: int, dp: int, need) -
         need(sequences % max(section.mini_batch_size, 1) == 0,
              f"data.batch_size x rollout.n = {sequences} must be divisible by {role}.mini_batch_size="
              f"{section.mini_batch_size}")
-    replicas = rollout_placement(0, rollout_world, config.parallel.tp, config.parallel.rollout_tp).replicas
+    replicas = rollout_coordinates(0, rollout_world, config.parallel.tp, config.parallel.rollout_tp).replicas
     generators = "parallel.rollout_ranks" if config.parallel.rollout_ranks else "processes"
     need(d.batch_size % replicas == 0,
          f"data.batch_size={d.batch_size} must be divisible by the number of rollout replicas {replicas} "

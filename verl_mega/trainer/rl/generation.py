@@ -19,9 +19,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.data.prompts import as_messages
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.bridge import Bridge
-from verl_mega.parallel.layout import rollout_placement
-from verl_mega.parallel.placement import Placement
-from verl_mega.parallel.state import ParallelLayout
+from verl_mega.parallel.layout import ParallelLayout, RolePlacement, RolloutCoordinates, rollout_coordinates
 from verl_mega.rollout.agent_loop import AgentLoop
 from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
@@ -76,7 +74,7 @@ class Generation:
 
     @classmethod
     def build(cls, config: TrainConfig, layout: ParallelLayout, tokenizer, hf_config, family, actor,
-              bridge: Bridge | None = None, placement: Placement | None = None) -> "Generation":
+              bridge: Bridge | None = None, placement: RolePlacement | None = None) -> "Generation":
         """The HybridEngine over the actor and the rollout engine behind it, or the client of the rollout ranks."""
         rollout_dtype = DTYPES[resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, config.model.dtype)]
         hybrid = HybridEngine(actor.model, hf_config, family, config.parallel.rollout_tp, dtype=rollout_dtype)
@@ -110,12 +108,12 @@ class Generation:
     def replicas(self) -> int:
         if self.remote is not None:
             return self.remote.replicas
-        return self.placement().replicas
+        return self.rollout_coordinates().replicas
 
-    def placement(self):
+    def rollout_coordinates(self) -> RolloutCoordinates:
         """This rank's rollout replica among the training ranks (colocated)."""
         layout = self.layout
-        return rollout_placement(layout.rank, layout.world_size, layout.tp, self.config.parallel.rollout_tp)
+        return rollout_coordinates(layout.rank, layout.world_size, layout.tp, self.config.parallel.rollout_tp)
 
     @contextlib.contextmanager
     def awake(self, timer: StageTimer, version: int):
@@ -155,8 +153,8 @@ class Generation:
         each with its tokens' log-probs under the distribution they were sampled from (the engine's own, at no
         extra pass). `params`: the rollout's sampling seeded by the slot (`step`, `gen_round`) unless given.
         `conversations`: the prompts as the data gives them, which multi-turn episodes start from."""
-        placement = self.placement()
-        replicas, replica = placement.replicas, placement.replica
+        coordinates = self.rollout_coordinates()
+        replicas, replica = coordinates.replicas, coordinates.replica
         share = len(prompts) // replicas
         mine = prompts[replica * share:(replica + 1) * share]
         params = params or self.sampling_params(step, gen_round, replicas, replica)
@@ -164,7 +162,7 @@ class Generation:
         responses = [dataclasses.replace(r, prompt_index=replica * share + r.prompt_index)
                      for r in self.responses(mine, mine_conversations, params)] if mine else []
         gathered: list = [None] * self.layout.world_size
-        dist.all_gather_object(gathered, (replica, placement.leads_replica, responses))
+        dist.all_gather_object(gathered, (replica, coordinates.leads_replica, responses))
         by_replica = {rep: resp for rep, is_leader, resp in gathered if is_leader}
         return [response for rep in range(replicas) for response in by_replica[rep]]
 

@@ -24,7 +24,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.data.prompts import PromptDataset
 from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.parallel.bridge import Bridge
-from verl_mega.parallel.placement import Placement
+from verl_mega.parallel.layout import RolePlacement
 from verl_mega.rewards.registry import RewardFn
 
 from ..job import TrainingJob
@@ -44,7 +44,7 @@ class RLJob(TrainingJob):
     validates_before_training = True
 
     def build(self, actor_ckpt: Path, critic_ckpt: Path | None = None, reward_fn: RewardFn | None = None,
-              bridge: Bridge | None = None, placement: Placement | None = None) -> None:
+              bridge: Bridge | None = None, placement: RolePlacement | None = None) -> None:
         """The prompts, the models, the reward and the rollout engine behind the HybridEngine, or with rollout
         ranks of their own (`bridge` and `placement`), the client that pushes the weights to them and asks them to
         generate; then the stages over them. `reward_fn`: a callable in place of `reward.function` (the Python

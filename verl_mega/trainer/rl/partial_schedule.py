@@ -35,7 +35,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch.distributed as dist
 
-from verl_mega.parallel.layout import RolloutPlacement
+from verl_mega.parallel.layout import RolloutCoordinates
 from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
 from verl_mega.rollout.partial import PartialRollout
 from verl_mega.files.plain_state import entry, ints
@@ -178,10 +178,10 @@ class LocalChunks:
     replica drives the same one); each chunk gathers every replica's finished responses on every rank."""
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, chunk_tokens: int, policy: str,
-                 eos_token_ids: Sequence[int], placement: RolloutPlacement, world_size: int):
+                 eos_token_ids: Sequence[int], coordinates: RolloutCoordinates, world_size: int):
         self.partial = PartialRollout(engine, params, chunk_tokens, eos_token_ids=eos_token_ids)
-        self.policy, self.placement, self.world_size = policy, placement, world_size
-        self.replicas = placement.replicas
+        self.policy, self.coordinates, self.world_size = policy, coordinates, world_size
+        self.replicas = coordinates.replicas
 
     def advance(self, version: int) -> None:
         """The engine holds `version`'s weights (the step's transition loaded them)."""
@@ -189,7 +189,7 @@ class LocalChunks:
             self.partial.update_weights(version, self.policy)
 
     def start(self, shares: list[list[list[int]]], seeds: list[int], version: int) -> None:
-        replica = self.placement.replica
+        replica = self.coordinates.replica
         self.partial.start(shares[replica], version, seed=seeds[replica])
 
     def chunk(self, timer: StageTimer) -> list[list[Response]]:
@@ -206,12 +206,12 @@ class LocalChunks:
         return self._gather(self.partial.state_dict())
 
     def load_states(self, states: list[dict], bounds: RunBounds) -> None:
-        self.partial.load_state_dict(states[self.placement.replica], bounds,
-                                     f"rollout_schedule.rollouts[{self.placement.replica}]")
+        self.partial.load_state_dict(states[self.coordinates.replica], bounds,
+                                     f"rollout_schedule.rollouts[{self.coordinates.replica}]")
 
     def _gather(self, mine) -> list:
         """Collective: each replica's `mine` (its leader's), in replica order."""
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (self.placement.replica, self.placement.leads_replica, mine))
+        dist.all_gather_object(gathered, (self.coordinates.replica, self.coordinates.leads_replica, mine))
         by_replica = {replica: value for replica, leads, value in gathered if leads}
         return [by_replica[replica] for replica in range(self.replicas)]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from verl_mega.parallel.bridge import Bridge
-from verl_mega.parallel.placement import Placement
+from verl_mega.parallel.layout import RolePlacement
 from verl_mega.parallel.state import device
 from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.hybrid_engine import HybridEngine
@@ -28,7 +28,7 @@ from .schedule import Pending
 class RemoteRollout:
     """The training ranks' side: every training rank calls each method alike (see the module docstring)."""
 
-    def __init__(self, bridge: Bridge, placement: Placement, hybrid: HybridEngine, bucket_mb: float,
+    def __init__(self, bridge: Bridge, placement: RolePlacement, hybrid: HybridEngine, bucket_mb: float,
                  verify: bool = False):
         self.bridge, self.placement, self.hybrid, self.bucket_mb = bridge, placement, hybrid, bucket_mb
         self.verify = verify

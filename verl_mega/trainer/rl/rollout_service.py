@@ -39,7 +39,7 @@ import time
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.bridge import Bridge
-from verl_mega.parallel.placement import Placement
+from verl_mega.parallel.layout import RolePlacement
 from verl_mega.rollout.engine import Response, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.partial import PartialRollout
@@ -49,20 +49,20 @@ from verl_mega.rollout.weight_push import receive_weights, rollout_feed
 from ..metrics import StageTimer
 
 
-def leader(placement: Placement) -> int:
+def leader(placement: RolePlacement) -> int:
     """The training rank that talks to the rollout ranks."""
     return placement.train_ranks[0]
 
 
-def replica_leaders(placement: Placement) -> list[int]:
+def replica_leaders(placement: RolePlacement) -> list[int]:
     """The first global rank of each rollout replica: it sends its replica's responses back."""
     return list(placement.rollout_ranks[::placement.rollout_tp])
 
 
-def replica_messages(placement: Placement, message_for) -> list[tuple[int, tuple]]:
+def replica_messages(placement: RolePlacement, message_for) -> list[tuple[int, tuple]]:
     """(rollout rank, message) for every rollout rank, in rank order: `message_for(replica)` of its replica, so
     the rollout TP ranks of a replica get the same one."""
-    return [(rank, message_for(placement.rollout_coordinates(rank)[0])) for rank in placement.rollout_ranks]
+    return [(rank, message_for(placement.rollout_coordinates(rank).replica)) for rank in placement.rollout_ranks]
 
 
 def replica_bounds(prompts: int, replicas: int) -> list[int]:
@@ -95,7 +95,7 @@ class Busy:
 class RolloutService:
     """A rollout rank's loop (see the module docstring)."""
 
-    def __init__(self, config, bridge: Bridge, placement: Placement):
+    def __init__(self, config, bridge: Bridge, placement: RolePlacement):
         self.config, self.bridge, self.placement = config, bridge, placement
         self.engine = None
         self.partial: PartialRollout | None = None

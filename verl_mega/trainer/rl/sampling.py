@@ -64,9 +64,9 @@ class Sampling:
         if generation.remote is not None:
             chunks = RemoteChunks(generation.remote, params, chunk_tokens, rollout.partial, eos_ids)
         else:
-            placement = generation.placement()
-            chunks = LocalChunks(generation.engine, params[placement.replica], chunk_tokens, rollout.partial,
-                                 eos_ids, placement, generation.layout.world_size)
+            coordinates = generation.rollout_coordinates()
+            chunks = LocalChunks(generation.engine, params[coordinates.replica], chunk_tokens, rollout.partial,
+                                 eos_ids, coordinates, generation.layout.world_size)
         seeds = functools.partial(generation.round_seeds, replicas)
         return PartialSchedule(rollout.max_staleness, config.data.batch_size, rollout.n, chunks, self.draw_round,
                                seeds)

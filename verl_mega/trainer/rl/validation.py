@@ -32,9 +32,9 @@ class Validation:
         if generation.remote is not None:
             mine, leads = [self.dataset[i] for i in range(len(self.dataset))], layout.rank == 0
         else:
-            placement = generation.placement()
-            mine = [self.dataset[i] for i in range(placement.replica, len(self.dataset), placement.replicas)]
-            leads = placement.leads_replica
+            coordinates = generation.rollout_coordinates()
+            mine = [self.dataset[i] for i in range(coordinates.replica, len(self.dataset), coordinates.replicas)]
+            leads = coordinates.leads_replica
         greedy = SamplingParams(temperature=0.0, max_new_tokens=config.data.max_response_length,
                                 seed=config.rollout.seed)
         # data_source -> [reward sum, rows, response tokens, timeouts, worker deaths]
