@@ -180,3 +180,25 @@ def test_sequence_parallel_replays_each_rank_s_part_of_the_routes(sequence_paral
         torch.testing.assert_close(split["outputs"], plain["outputs"], rtol=1e-5, atol=1e-6)
         assert split["loss"] == pytest.approx(((plain["outputs"] * mask).sum() / mask.sum()).item(), rel=1e-5)
         assert split["grads"] and all(grad.isfinite().all() for grad in split["grads"].values())
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["actor.recompute.granularity=full", "actor.recompute.num_layers=3"],
+     "actor.recompute.num_layers=3 must divide the 4 layers of each pipeline stage"),
+    (["critic.recompute.granularity=full", "critic.recompute.method=block", "critic.recompute.num_layers=5"],
+     "critic.recompute.num_layers=5 exceeds the 4 layers of each pipeline stage"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true splits the sequence over the TP ranks"),
+    (["actor.recompute.granularity=some"], "actor.recompute.granularity 'some' is unknown"),
+])
+def test_preflight_refuses_recompute_and_sequence_parallelism_it_cannot_run(tiny_models, prompt_file, overrides,
+                                                                            problem):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]",
+                                "data.batch_size=4", "actor.mini_batch_size=4", "critic.mini_batch_size=4",
+                                *overrides])
+    with pytest.raises(ConfigError) as refused:
+        preflight_check(config, world_size=1)
+    lines = str(refused.value).splitlines()[1:]
+    assert len(lines) == 1 and problem in lines[0], lines
