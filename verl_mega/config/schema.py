@@ -684,6 +684,11 @@ class TrainerConfig:
     Chrome trace JSON, opened by Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """The ranks that record profile_steps."""
+    memory_metrics: bool | None = None
+    """Log each step's peak memory of rank 0 as perf/max_memory_allocated_gb and perf/max_memory_reserved_gb
+    (verl's names). null: on a GPU (the CUDA allocator's statistics, reset each step, cost nothing), off on CPU,
+    where they count tensor storage with a dispatch mode on every op (the step takes 1.4-2.2x as long on the tiny
+    models; docs/benchmarks.md)."""
     allow_config_change: bool = False
     """Resume a run folder whose saved config differs from this one in what is trained (data, algorithm, batch
     sizes, model): refused by default, naming the keys; the run's length, logging and layout may always change."""
