@@ -223,7 +223,11 @@ def test_a_short_run_logs_peak_memory_with_full_recompute(tmp_path):
     command = [sys.executable, "-m", "verl_mega.cli", "sft", "--config", str(EXAMPLES / "sft_demo.yaml"),
                f"model.hf_path={hf_dir}", f"data.train_files=[{rows}]", f"trainer.run_dir={run_dir}",
                "trainer.total_steps=2", "trainer.memory_metrics=true", "actor.recompute.granularity=full"]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from verl_mega.parallel.world import TORCHRUN_VARIABLES
+
+    # Not the one-rank world this module's other tests export while it lives: the job starts its own.
+    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
+    done = subprocess.run(command, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     weights = sum(path.stat().st_size for path in hf_dir.glob("*.safetensors")) / 1024**3
