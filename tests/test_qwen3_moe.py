@@ -196,8 +196,9 @@ def test_a_moe_size_left_out_reads_as_transformers_reads_it_and_a_null_one_is_a_
                               "positive integer, got None")
 
 
-def test_training_at_tp_above_1_is_refused_naming_the_key(tiny_models, tmp_path):
-    """Before any process starts, instead of megatron's error at the first training forward."""
+def test_training_at_tp_above_1_without_sequence_parallelism_is_refused_naming_the_key(tiny_models, tmp_path):
+    """Before any process starts, instead of megatron's error at the first training forward; TP 2 runs with
+    sequence parallelism, on by default there."""
     from verl_mega.config import ConfigError, load_config
     from verl_mega.trainer.preflight import preflight_check
 
@@ -207,7 +208,9 @@ def test_training_at_tp_above_1_is_refused_naming_the_key(tiny_models, tmp_path)
     overrides = [f"model.hf_path={tiny_models['qwen3_moe']}", f"data.train_files=[{prompts}]", "data.batch_size=4",
                  "actor.mini_batch_size=4", "critic.mini_batch_size=4"]
     preflight_check(load_config(None, overrides + ["parallel.ep=2"]), world_size=2)
+    preflight_check(load_config(None, overrides + ["parallel.tp=2"]), world_size=2)
     with pytest.raises(ConfigError) as err:
-        preflight_check(load_config(None, overrides + ["parallel.tp=2"]), world_size=2)
-    assert ("parallel.tp=2: an MoE model (qwen3_moe) trains at parallel.tp=1 only (megatron needs sequence "
-            "parallelism for MoE with TP); spread it with parallel.ep and parallel.pp") in str(err.value)
+        preflight_check(load_config(None, overrides + ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+                        world_size=2)
+    assert ("parallel.tp=2: an MoE model (qwen3_moe) trains at TP > 1 only with sequence parallelism, which "
+            "parallel.sequence_parallel=false or LoRA adapters turn off") in str(err.value)

@@ -185,8 +185,9 @@ class ParallelConfig:
     """Expert-parallel size of training (MoE models)."""
     sequence_parallel: bool | None = None
     """Megatron's sequence parallelism: the activations outside attention and the MLP (norms, dropout,
-    residuals) split along the sequence over the TP ranks instead of held whole by each. null: on when tp > 1,
-    as megatron recommends; it changes no result."""
+    residuals) split along the sequence over the TP ranks instead of held whole by each. null: on when tp > 1
+    (for a role with LoRA adapters, off), as megatron recommends; it changes no result. Micro-batches are
+    left-padded to a multiple of tp tokens. verl's actor_rollout_ref.actor.megatron.sequence_parallel."""
     rollout_tp: int = 1
     """Tensor-parallel size of each rollout replica (the HybridEngine regroups the training shards into it)."""
     rollout_ranks: int = 0
@@ -378,12 +379,15 @@ class RecomputeConfig:
     granularity: str = "none"
     """none (keep every activation), selective (recompute the attention core: its softmax and dropout, the
     activations that grow with the sequence length squared) or full (keep only each recomputed layer's input,
-    run the layer again in the backward)."""
+    run the layer again in the backward). verl's
+    actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity (null: none)."""
     method: str = "uniform"
     """With full: uniform (the layers in chunks of num_layers, each chunk's input kept) or block (the first
-    num_layers layers of each pipeline stage recomputed, the others keep everything)."""
+    num_layers layers of each pipeline stage recomputed, the others keep everything). verl's
+    ...override_transformer_config.recompute_method."""
     num_layers: int = 1
-    """With full: the chunk size (uniform) or the recomputed layers per pipeline stage (block)."""
+    """With full: the chunk size (uniform: it divides each pipeline stage's layers) or the recomputed layers per
+    pipeline stage (block). verl's ...override_transformer_config.recompute_num_layers."""
 
 
 @dataclass
@@ -684,6 +688,11 @@ class TrainerConfig:
     Chrome trace JSON, opened by Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """The ranks that record profile_steps."""
+    memory_metrics: bool | None = None
+    """Log each step's peak memory of rank 0 as perf/max_memory_allocated_gb and perf/max_memory_reserved_gb
+    (verl's names). null: on a GPU (the CUDA allocator's statistics, reset each step, cost nothing), off on CPU,
+    where they count tensor storage with a dispatch mode on every op (the step takes 1.4-2.2x as long on the tiny
+    models; docs/benchmarks.md)."""
     allow_config_change: bool = False
     """Resume a run folder whose saved config differs from this one in what is trained (data, algorithm, batch
     sizes, model): refused by default, naming the keys; the run's length, logging and layout may always change."""

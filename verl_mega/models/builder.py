@@ -100,6 +100,24 @@ def transformer_config(hf_config: HFModelConfig, family: FamilySpec, *, tp: int 
     return (MLATransformerConfig if family.mla else TransformerConfig)(**kwargs)
 
 
+def memory_overrides(role, parallel) -> dict:
+    """The `transformer_config` overrides of what a role's forward keeps for its backward: `role.recompute`
+    (`actor` / `critic`'s RecomputeConfig: granularity none | selective | full, method, num_layers) as megatron's
+    recompute_* arguments, and `parallel.sequence_parallel` (None: on when parallel.tp > 1, except for a role
+    with LoRA adapters, which take no sequence-split input). The reference takes the actor's."""
+    sequence_parallel = parallel.sequence_parallel
+    if sequence_parallel is None:
+        sequence_parallel = parallel.tp > 1 and role.lora.rank == 0
+    overrides = dict(sequence_parallel=sequence_parallel)
+    recompute = role.recompute
+    if recompute.granularity == "full":
+        overrides.update(recompute_granularity="full", recompute_method=recompute.method,
+                         recompute_num_layers=recompute.num_layers)
+    elif recompute.granularity == "selective":  # megatron's default selective module: the attention core
+        overrides.update(recompute_granularity="selective")
+    return overrides
+
+
 def layer_spec(family: FamilySpec, hf_config: HFModelConfig, config, implementation: str = "auto"):
     """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`.
 

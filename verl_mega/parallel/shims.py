@@ -62,6 +62,7 @@ def apply_shims() -> None:
     _applied = True
     _fix_moe_router_without_transformer_engine()
     _fix_mla_without_transformer_engine()
+    _allow_sequence_parallel_torch_norms()
     if not torch.cuda.is_available():
         _apply_cpu_shims()
 
@@ -132,6 +133,35 @@ def _fix_mla_without_transformer_engine() -> None:
 
     if not transformer_engine.HAVE_TE:
         multi_latent_attention.HAVE_TE = False
+
+
+def _allow_sequence_parallel_torch_norms() -> None:
+    # megatron's local layer spec builds its norms with WrappedTorchNorm, which asserts `not sequence_parallel`
+    # (transformer-engine's TENorm accepts it). A norm is per token, so it computes the same on a sequence
+    # shard; what sequence parallelism changes is that each TP rank's weight gradient covers only its shard,
+    # and finalize_model_grads sums over the TP group the gradients of the parameters marked `sequence_parallel`,
+    # as TENorm marks them. This builds the torch norm from the config without the flag and marks its weight.
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    build = torch_norm.WrappedTorchNorm.__new__
+    if getattr(build, "marks_sequence_parallel", False):
+        return
+
+    @functools.wraps(build)
+    def build_marked(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        unsplit = copy.copy(config)  # a shallow copy: no __post_init__ validation to run again
+        unsplit.sequence_parallel = False
+        norm = build(cls, unsplit, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    build_marked.marks_sequence_parallel = True
+    torch_norm.WrappedTorchNorm.__new__ = build_marked
 
 
 def _apply_cpu_shims() -> None:

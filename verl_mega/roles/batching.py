@@ -19,6 +19,8 @@ import torch.distributed as dist
 from verl_mega.algorithms import agg_units
 from verl_mega.parallel.state import device
 
+from .routing_replay import NOT_RECORDED
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -50,6 +52,7 @@ def split_rows(batch: Batch, rows: int, what: str) -> Iterator[Batch]:
 
 # Per-column tensors [B, L, ...] (`routed_experts`: see roles.routing_replay), sliced as the tokens are.
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "routed_experts")
+_PADDING_FILL = {"routed_experts": NOT_RECORDED}  # the others pad with 0
 
 
 def _used_columns(attention_mask: torch.Tensor, response_length: int) -> list[tuple[int, int]]:
@@ -103,10 +106,12 @@ def token_budget_spans(attention_mask: torch.Tensor, response_length: int, max_t
     return spans
 
 
-def micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int = 0, trim: bool = True) -> list[Batch]:
+def micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int = 0, trim: bool = True,
+                  columns_multiple_of: int = 1) -> list[Batch]:
     """One rank's micro-batches: `micro_batch_size` rows each or, with `max_tokens`, as many consecutive rows as
     fit that many tokens after trimming; each trimmed of all-padding columns unless `trim` is False (pipeline
-    stages that can only exchange one fixed shape)."""
+    stages that can only exchange one fixed shape), then left-padded to a multiple of `columns_multiple_of`
+    columns (sequence parallelism splits the sequence evenly over the TP ranks)."""
     if max_tokens:
         if not trim:
             raise ValueError("a token budget per micro-batch needs micro-batches of varying shape, which this "
@@ -115,7 +120,25 @@ def micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int = 0, trim
         pieces = [select_rows(batch, start, stop) for start, stop in spans]
     else:
         pieces = list(split_rows(batch, micro_batch_size, "micro_batch_size"))
-    return [trim_padding(piece) for piece in pieces] if trim else pieces
+    if trim:
+        pieces = [trim_padding(piece) for piece in pieces]
+    return [pad_columns_to_multiple(piece, columns_multiple_of) for piece in pieces]
+
+
+def pad_columns_to_multiple(micro_batch: Batch, multiple: int) -> Batch:
+    """The micro-batch with padding columns added on the left of its per-column tensors (before the left-padded
+    prompts, so the response window stays the last columns) up to a multiple of `multiple` columns: no token,
+    no position, no recorded route there."""
+    missing = -micro_batch["input_ids"].shape[1] % multiple
+    if not missing:
+        return micro_batch
+    padded = dict(micro_batch)
+    for key in SEQUENCE_KEYS:
+        if key in micro_batch:
+            value = micro_batch[key]
+            fill = torch.full((value.shape[0], missing, *value.shape[2:]), _PADDING_FILL.get(key, 0), dtype=value.dtype)
+            padded[key] = torch.cat([fill, value], dim=1)
+    return padded
 
 
 def pad_response_columns(per_token: torch.Tensor, response_length: int) -> torch.Tensor:

@@ -23,7 +23,9 @@ from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout, device
 
 from .batching import Batch, causal_padding_mask, dp_slice, global_agg_units, micro_batches, pad_response_columns
-from .routing_replay import NOT_RECORDED, ROUTED_EXPERTS, check_routed_experts, replaying, sequence_first
+from .routing_replay import (
+    NOT_RECORDED, ROUTED_EXPERTS, check_routed_experts, forget_kept_routes, replaying, sequence_first,
+)
 
 
 def stage_forward(stage_model, micro_batch: Batch, packed: bool = False) -> torch.Tensor:
@@ -148,8 +150,19 @@ def _output_layer_at(stage_model, response_positions: torch.Tensor):
     # closing `transpose(0, 1).contiguous()` then finds them contiguous and copies nothing, where it copied the
     # whole [R, b, V] logits forward and again backward (3-8 % of a 100M model's update, more with a larger V).
     # The output layer multiplies along the last dimension only, so the order of the others is free.
+    # Under sequence parallelism the last norm's output is this TP rank's shard of the sequence: the shards are
+    # gathered first (the backward keeps this rank's part of the gradient), and the LM head, which would gather
+    # them itself, runs as without it for that call (its input gradient is then all-reduced over TP), as
+    # megatron's GPTModel does when it keeps only the last token's logits.
+    split = unwrap_model(stage_model).config.sequence_parallel
+    unsplit_head = split and getattr(output_layer, "sequence_parallel", False)
+
     def gather_batch_first(module, args, kwargs):
         hidden_states = args[0]  # [s, b', h], megatron's sequence-first layout
+        if split:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return (hidden_states.flatten(0, 1)[response_positions], *args[1:]), kwargs
 
     def as_sequence_first(module, args, output):
@@ -158,11 +171,23 @@ def _output_layer_at(stage_model, response_positions: torch.Tensor):
 
     handles = [output_layer.register_forward_pre_hook(gather_batch_first, with_kwargs=True),
                output_layer.register_forward_hook(as_sequence_first)]
+    if unsplit_head:
+        output_layer.sequence_parallel = False
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if unsplit_head:
+            output_layer.sequence_parallel = True
+
+
+def sequence_split(model) -> int:
+    """Over how many ranks the model's forward splits the sequence: the TP size under sequence parallelism."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
 def _packed_run_multiple() -> int:
@@ -230,7 +255,8 @@ def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: 
     layout = current_layout()
     check_routed_experts(model, batch)
     local = dp_slice(batch, layout.dp_rank, layout.dp)
-    pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model))
+    pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model),
+                           columns_multiple_of=sequence_split(model))
     outputs = forward_only_outputs(model, pieces, partial(stage_forward, packed=packed), per_token)
     shape = tuple(local["responses"].shape)
     results = {}
@@ -285,8 +311,10 @@ def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_m
 
     layout = current_layout()
     check_routed_experts(model, mini_batch)
+    forget_kept_routes(model)
     local = dp_slice(mini_batch, layout.dp_rank, layout.dp)
-    pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model))
+    pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model),
+                           columns_multiple_of=sequence_split(model))
     dp_group = ps.get_data_parallel_group()
     total_units = global_agg_units(local["response_mask"], loss_agg_mode, dp_group)
     total_tokens = global_agg_units(local["response_mask"], "token-mean", dp_group)

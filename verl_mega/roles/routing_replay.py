@@ -15,9 +15,16 @@ reference's and the critic's together, to be fed all layers at once) and replays
 `RolloutRoutes`, one per router of one model, stands in at that call site instead: it replays the recorded
 tokens, lets the router choose for the others, and counts how often the router's own choice differs from the
 rollout's, with replay on or off (`actor/router_mismatch`).
+
+Full activation recompute runs a layer's forward again in the backward, after `replaying` has ended: each
+router keeps the routes of its checkpointed forwards (megatron's `tensor_parallel.random.IS_CHECKPOINTING`,
+without gradients) in order, and the recompute (the same flag, with gradients) takes them back in that order,
+which is the backward's order of the micro-batches in every pipeline schedule. Under sequence parallelism a
+router sees its TP rank's part of the sequence, and takes that part of the routes.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -41,25 +48,40 @@ class RolloutRoutes:
         self.moe_index, self.replay = moe_index, replay
         self.target: torch.Tensor | None = None
         self.mismatched = self.recorded = 0
+        # The targets of checkpointed forwards whose recompute is still to come, oldest first.
+        self.kept_for_recompute: collections.deque[torch.Tensor | None] = collections.deque()
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
                         default_compute_topk=None) -> tuple[torch.Tensor, torch.Tensor]:
         probs, chosen = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if self.target is None:
+        target, first_run = self._target_of_this_run()
+        if target is None:
             return probs, chosen
-        if self.target.shape != chosen.shape:
+        if target.shape != chosen.shape:
             raise ValueError(f"routing replay: MoE layer {self.moe_index} routes {tuple(chosen.shape)} (tokens, top-k) "
-                             f"but the batch's routed_experts give {tuple(self.target.shape)}")
-        target = self.target.to(scores.device, torch.long)
+                             f"but the batch's routed_experts give {tuple(target.shape)}")
+        target = target.to(scores.device, torch.long)
         recorded = target[:, 0] != NOT_RECORDED
-        differs = (chosen.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1) & recorded
-        self.mismatched = self.mismatched + differs.sum()
-        self.recorded = self.recorded + recorded.sum()
+        if first_run:  # a recompute would count its tokens twice
+            differs = (chosen.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1) & recorded
+            self.mismatched = self.mismatched + differs.sum()
+            self.recorded = self.recorded + recorded.sum()
         if not self.replay:
             return probs, chosen
         # The replayed experts' scores, gathered as megatron's own replay does, so the router still gets gradients.
         replayed = torch.where(recorded[:, None], target, chosen)
         return scores.gather(1, replayed), replayed
+
+    def _target_of_this_run(self) -> tuple[torch.Tensor | None, bool]:
+        """The routes for the forward now running, and whether it is the first run of it (not a recompute)."""
+        from megatron.core.tensor_parallel import random as mp_random
+
+        if not mp_random.IS_CHECKPOINTING:
+            return self.target, True
+        if not torch.is_grad_enabled():  # a checkpointed forward: its backward runs it again
+            self.kept_for_recompute.append(self.target)
+            return self.target, True
+        return self.kept_for_recompute.popleft(), False
 
 
 def moe_layer_numbers(config) -> list[int]:
@@ -96,8 +118,6 @@ def attach_routing_replay(model, replay: bool) -> None:
     if config.moe_router_fusion or config.moe_router_load_balancing_type == "sinkhorn":
         raise ConfigError("routing replay needs megatron's unfused top-k router: unset moe_router_fusion and sinkhorn "
                           "load balancing")
-    if config.recompute_granularity is not None:  # the recomputed forward runs outside `replaying`
-        raise ConfigError("routing replay does not reach forwards recomputed in backward: unset recompute_granularity")
     numbers = moe_layer_numbers(config)
     routes = []
     for module in model.modules():
@@ -122,6 +142,8 @@ def replaying(stage_model, routes: torch.Tensor | None):
     """The stage's routers take `routes` [tokens, moe_layers, top_k] (see `sequence_first`) for the forward in the
     body; None leaves them to choose."""
     stage_routes = _routes_of(stage_model) if routes is not None else []
+    if stage_routes:
+        routes = _this_rank_s_tokens(stage_model, routes)
     for router in stage_routes:
         router.target = routes[:, router.moe_index]
     try:
@@ -129,6 +151,23 @@ def replaying(stage_model, routes: torch.Tensor | None):
     finally:
         for router in stage_routes:
             router.target = None
+
+
+def _this_rank_s_tokens(stage_model, routes: torch.Tensor) -> torch.Tensor:
+    """Under sequence parallelism the routers of each TP rank see its consecutive part of the sequence-first
+    tokens (the sequence is a multiple of the TP size: `megatron_step.sequence_split`)."""
+    from megatron.core import parallel_state as ps
+
+    if not unwrap_model(stage_model).config.sequence_parallel:
+        return routes
+    return routes.chunk(ps.get_tensor_model_parallel_world_size())[ps.get_tensor_model_parallel_rank()]
+
+
+def forget_kept_routes(model) -> None:
+    """Drop the routes kept for recomputes that never came (a checkpointed forward without a backward); called
+    before each forward-backward pass."""
+    for router in _routes_of(model):
+        router.kept_for_recompute.clear()
 
 
 def check_routed_experts(model, batch: dict) -> None:
@@ -155,12 +194,12 @@ def reset_mismatch(model) -> None:
 def router_mismatch(model) -> float | None:
     """Collective (every rank, with an MoE model): the share of recorded (token, MoE layer) pairs whose top-k set,
     as the router chose it, differs from the rollout's, over the forwards since `reset_mismatch`; None when no
-    recorded token went through. Each token is counted once: on the first TP rank of its DP rank, on the
-    pipeline stage of each layer."""
+    recorded token went through. Each token is counted once: on the first TP rank of its DP rank (on its own TP
+    rank under sequence parallelism), on the pipeline stage of each layer."""
     from megatron.core import parallel_state as ps
 
     counts = torch.zeros(2, dtype=torch.float64, device=device())
-    if ps.get_tensor_model_parallel_rank() == 0:
+    if ps.get_tensor_model_parallel_rank() == 0 or unwrap_model(model).config.sequence_parallel:
         for router in _routes_of(model):
             counts += torch.stack([torch.as_tensor(router.mismatched), torch.as_tensor(router.recorded)]).to(counts)
     dist.all_reduce(counts)

@@ -29,7 +29,7 @@ from verl_mega.run.folder import RunFolder, checkpoint_step
 from verl_mega.run.role_weights import save_role_weights
 
 from .health import HealthServer
-from .metrics import MetricsLogger, print_note
+from .metrics import MetricsLogger, PeakMemory, print_note
 
 
 class TrainingJob:
@@ -122,8 +122,9 @@ class TrainingJob:
                 self.logger.log(0, baseline)
         while self.step < trainer.total_steps and not stopped:
             self._set_health("training")
-            with self._profiled(self.step + 1):
+            with self._profiled(self.step + 1), PeakMemory(self.measures_memory) as memory:
                 metrics = self.train_step()
+            metrics.update(memory.metrics())
             self.step += 1
             if (trainer.val_every > 0 and self.step % trainer.val_every == 0) or self.step == trainer.total_steps:
                 metrics.update(self._validation())
@@ -147,6 +148,12 @@ class TrainingJob:
         if self.health is not None:
             self.health.close()
         return not stopped
+
+    @property
+    def measures_memory(self) -> bool:
+        """trainer.memory_metrics; null: where it costs nothing (a GPU's allocator statistics)."""
+        setting = self.config.trainer.memory_metrics
+        return torch.cuda.is_available() if setting is None else setting
 
     def _validation(self) -> dict[str, float]:
         start = time.perf_counter()

@@ -3,6 +3,7 @@ wandb if set; sample generations beside them."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import resource
@@ -50,6 +51,58 @@ def peak_memory_bytes() -> int:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakMemory:
+    """`with PeakMemory(enabled) as memory:` around a step, then `memory.metrics()`: the step's peak memory of
+    this rank, in verl's names (empty when not `enabled`). On a GPU the CUDA allocator's peaks since the step
+    began. On CPU, where there are no allocator statistics: the tensors alive when the step begins (their
+    storage, found by the garbage collector) plus the peak of the storage the step allocates and keeps alive
+    (`LiveBytes`); torch's CPU allocator keeps no cache, so what is reserved is what is allocated."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._allocated = self._reserved = 0
+        self._tracker = None
+
+    def __enter__(self) -> PeakMemory:
+        if not self.enabled:
+            return self
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            return self
+        from verl_mega.rollout.live_bytes import LiveBytes
+
+        self._allocated = live_tensor_bytes()
+        self._tracker = LiveBytes().__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if not self.enabled:
+            return
+        if self._tracker is None:
+            self._allocated, self._reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+            return
+        self._tracker.__exit__(*exc_info)
+        self._allocated += self._tracker.peak
+        self._reserved, self._tracker = self._allocated, None
+
+    def metrics(self) -> dict[str, float]:
+        if not self.enabled:
+            return {}
+        return {"perf/max_memory_allocated_gb": self._allocated / 1024**3,
+                "perf/max_memory_reserved_gb": self._reserved / 1024**3}
+
+
+def live_tensor_bytes() -> int:
+    """The bytes of the distinct storages of every tensor the garbage collector tracks (parameters, gradient
+    buffers, optimizer state, batches)."""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def step_performance(timer: StageTimer, tokens: int) -> dict[str, float]:

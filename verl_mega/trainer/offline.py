@@ -14,6 +14,7 @@ from verl_mega.data.sampler import ResumableBatchSampler
 from verl_mega.data.supervised import Limits, LoadedRows
 from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.files.plain_state import entry
+from verl_mega.models.builder import memory_overrides
 from verl_mega.roles.actor import Actor
 
 from .job import TrainingJob
@@ -47,7 +48,7 @@ class OfflineJob(TrainingJob):
         schedule_steps = config.trainer.total_steps * (data.batch_size // config.actor.mini_batch_size)
         self.actor = Actor(actor_ckpt, config.actor.optim, dtype=config.model.dtype,
                            packed_sequences=config.actor.use_packed_sequences, schedule_steps=schedule_steps,
-                           lora=config.actor.lora)
+                           lora=config.actor.lora, **memory_overrides(config.actor, config.parallel))
 
     # --- what a job defines ---------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from verl_mega.algorithms import UNPAIRED_LOSSES, kto_kl_baseline, masked_sum
 from verl_mega.data.supervised import LoadedRows, PreferenceExample, load_preference_examples
+from verl_mega.models.builder import memory_overrides
 from verl_mega.roles.megatron_step import MicroBatchShare
 from verl_mega.roles.preference import (
     KTO_METRICS, PAIR_METRICS, kto_sequence_loss, kto_shares, loss_needs_reference, pair_sequence_loss,
@@ -76,7 +77,8 @@ class PreferenceJob(OfflineJob):
         """The frozen reference, in the actor's dtype and sequence layout, as in PPO (with LoRA: the actor's
         model with its adapters off)."""
         return reference_of(self.actor, actor_ckpt, dtype=self.config.model.dtype,
-                            packed_sequences=self.config.actor.use_packed_sequences)
+                            packed_sequences=self.config.actor.use_packed_sequences,
+                            **memory_overrides(self.config.actor, self.config.parallel))
 
     def use_cached_reference_logps(self) -> None:
         """Attach the reference's log-probs to every example, read from the run folder's cache or, without a

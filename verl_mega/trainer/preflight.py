@@ -28,7 +28,7 @@ from verl_mega.data.supervised import Limits, load_preference_examples, load_sft
 from verl_mega.data.tables import read_rows
 from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.models import HFModelConfig, load_hf_model_config
-from verl_mega.models.builder import DTYPES, transformer_engine_available
+from verl_mega.models.builder import DTYPES, memory_overrides, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
 from verl_mega.models.families import sequence_limit
 from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
@@ -102,6 +102,7 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
         need(packing != "true" or transformer_engine_available(),
              f"{role}.use_packed_sequences=true needs transformer-engine on a GPU (THD packed attention); set it "
              "to auto (packs where transformer-engine runs in bf16/fp16) or false")
+    _check_sequence_parallel(config, need)
     if config.job in ("sft", "preference"):
         need(reward_fn is None, f"reward_fn: the {config.job} job learns from its data, not from a reward function")
         _check_offline(config, dp, check_files, check, need, known, layout_in_range)
@@ -408,13 +409,42 @@ def _check_model(config: TrainConfig, check, need, layout_in_range: bool) -> boo
             need(config.actor.router_replay != "rollout" or model.num_experts is not None,
                  f"actor.router_replay=rollout replays the routing of MoE layers and model.hf_path {m.hf_path} is a "
                  f"dense {model.model_type} model: set actor.router_replay=off")
-            # megatron's MoE layer refuses to train at TP > 1 without sequence parallelism, which is not run here.
-            need(not (model.num_experts and p.tp > 1), f"parallel.tp={p.tp}: an MoE model ({model.model_type}) "
-                 "trains at parallel.tp=1 only (megatron needs sequence parallelism for MoE with TP); spread it "
-                 "with parallel.ep and parallel.pp")
+            # megatron's MoE layer refuses to train at TP > 1 without sequence parallelism.
+            need(not (model.num_experts and p.tp > 1) or all(memory_overrides(getattr(config, role), p)[
+                     "sequence_parallel"] for role in lora_roles(config)),
+                 f"parallel.tp={p.tp}: an MoE model ({model.model_type}) trains at TP > 1 only with sequence "
+                 "parallelism, which parallel.sequence_parallel=false or LoRA adapters turn off; use parallel.tp=1 "
+                 "and spread it with parallel.ep and parallel.pp")
+            if layout_in_range and p.pp >= 1 and model.num_layers % p.pp == 0:
+                _check_recompute_layers(config, model.num_layers // p.pp, need)
             if m.actor_ckpt and Path(m.actor_ckpt, MANIFEST_NAME).is_file():
                 check(lambda: check_actor_checkpoint(m.actor_ckpt, model, config), "model.actor_ckpt: ")
     return has_model
+
+
+def _check_sequence_parallel(config: TrainConfig, need) -> None:
+    p = config.parallel
+    need(p.sequence_parallel is not True or p.tp > 1, "parallel.sequence_parallel=true splits the sequence over the "
+         "TP ranks and parallel.tp=1: set it to null or false, or raise parallel.tp")
+    for role in lora_roles(config):
+        need(not (p.sequence_parallel and getattr(config, role).lora.rank), f"{role}.lora: the adapters take no "
+             "sequence-split input: set parallel.sequence_parallel to null (off for roles with adapters) or false")
+
+
+def _check_recompute_layers(config: TrainConfig, stage_layers: int, need) -> None:
+    """megatron's full recompute runs chunks of num_layers layers (uniform) or the first num_layers (block) of
+    each pipeline stage's `stage_layers`."""
+    for role in lora_roles(config):
+        recompute = getattr(config, role).recompute
+        if recompute.granularity != "full":
+            continue
+        key = f"{role}.recompute.num_layers={recompute.num_layers}"
+        if recompute.method == "uniform":
+            need(stage_layers % recompute.num_layers == 0, f"{key} must divide the {stage_layers} layers of each "
+                 "pipeline stage (method uniform recomputes chunks of that many)")
+        else:
+            need(recompute.num_layers <= stage_layers, f"{key} exceeds the {stage_layers} layers of each "
+                 "pipeline stage")
 
 
 def lora_roles(config: TrainConfig) -> tuple[str, ...]:

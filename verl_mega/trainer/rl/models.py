@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from verl_mega.config import TrainConfig
+from verl_mega.models.builder import memory_overrides
 from verl_mega.roles.actor import Actor, sampling_temperature
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
@@ -41,16 +42,20 @@ def build_models(config: TrainConfig, actor_ckpt: Path, critic_ckpt: Path | None
     log-probs of the update and of the KL term are the sampling distribution's (logits / temperature)."""
     dtype, packed, replay = config.model.dtype, config.actor.use_packed_sequences, config.actor.router_replay
     temperature = sampling_temperature(config.rollout.temperature)
+    actor_memory = memory_overrides(config.actor, config.parallel)
     actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
                   schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed,
                   temperature=temperature, correction=config.algorithm.rollout_correction, router_replay=replay,
-                  lora=config.actor.lora)
+                  lora=config.actor.lora, **actor_memory)
     models = Models(actor, Path(actor_ckpt))
     models.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), actor=actor, dtype=dtype,
-                                      packed_sequences=packed, temperature=temperature, router_replay=replay)
+                                      packed_sequences=packed, temperature=temperature, router_replay=replay,
+                                      **actor_memory)
     if uses_critic(config):
         models.critic_ckpt = Path(critic_ckpt or actor_ckpt)
         models.critic = Critic(models.critic_ckpt, config.critic.optim, config.critic.loss, dtype=dtype,
                                packed_sequences=config.critic.use_packed_sequences,
-                               schedule_steps=optimizer_steps(config, config.critic), lora=config.critic.lora)
+                               schedule_steps=optimizer_steps(config, config.critic), lora=config.critic.lora,
+                               **memory_overrides(config.critic, config.parallel))
     return models
+
