@@ -642,7 +642,8 @@ class TrainerConfig:
         "keep_last": at_least(0), "checkpoint_mirror_wait_s": within(0, LONGEST_WAIT_S),
         "health_port": within(0, 65535, note="0: no endpoint"),
         "val_every": at_least(0, note="0: validate at the end only"),
-        "log_samples_every": at_least(0, note="0: no samples"), "log_samples": at_least(1)}
+        "log_samples_every": at_least(0, note="0: no samples"), "log_samples": at_least(1),
+        "gpu_memory_gb": above(0, note="null: unknown, no check")}
 
     run_dir: str = "runs/default"
     """The run folder: config, metrics, checkpoints, final weights (see the run folder's page)."""
@@ -684,6 +685,12 @@ class TrainerConfig:
     Chrome trace JSON, opened by Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """The ranks that record profile_steps."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU, GiB: the pre-flight check refuses a config whose predicted per-rank peak
+    (`verl-mega plan --memory`, docs/memory.md) exceeds it. null: unknown, no check."""
+    skip_memory_check: bool = False
+    """Start even when the predicted peak exceeds trainer.gpu_memory_gb (the prediction is arithmetic, not a
+    measurement)."""
     allow_config_change: bool = False
     """Resume a run folder whose saved config differs from this one in what is trained (data, algorithm, batch
     sizes, model): refused by default, naming the keys; the run's length, logging and layout may always change."""
