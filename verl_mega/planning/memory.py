@@ -123,13 +123,14 @@ def korthikanti_shape(hidden: int, heads: int) -> LayerShape:
 
 def model_layer_shape(hf_config: HFModelConfig, attention: str = FLASH) -> LayerShape:
     """verl_mega's layer for this model; an MoE layer's MLP as one SwiGLU as wide as the experts a token visits."""
-    ffn = hf_config.ffn_hidden_size
+    ffn, raw = hf_config.ffn_hidden_size, hf_config.raw
     if hf_config.num_experts:
-        raw = hf_config.raw
         expert = raw.get("moe_intermediate_size") or ffn
         shared = raw.get("shared_expert_intermediate_size") or expert * raw.get("n_shared_experts", 0)
         ffn = hf_config.moe_top_k * expert + shared
-    return LayerShape(hf_config.hidden_size, hf_config.num_heads, hf_config.num_kv_heads, hf_config.head_dim, ffn,
+    # MLA: queries and keys are qk_nope + qk_rope wide per head (values narrower: counted as wide).
+    head_dim = raw.get("qk_nope_head_dim", 0) + raw.get("qk_rope_head_dim", 0) or hf_config.head_dim
+    return LayerShape(hf_config.hidden_size, hf_config.num_heads, hf_config.num_kv_heads, head_dim, ffn,
                       flash=attention == FLASH)
 
 
@@ -316,6 +317,7 @@ class MemoryPlan:
     flops: dict[str, float]
     bytes_moved: dict[str, float]
     gpu_memory_gb: float | None
+    rollout_weights_fit: bool  # vLLM's weights fit its share of the GPU (or the GPU's size is unknown)
     notes: list[str]
 
     @property
@@ -328,7 +330,9 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.gpu_memory_gb is None else self.max_memory_allocated_gb <= self.gpu_memory_gb
+        if self.gpu_memory_gb is None:
+            return None
+        return self.rollout_weights_fit and self.max_memory_allocated_gb <= self.gpu_memory_gb
 
     def to_json(self) -> dict:
         gb = lambda value: round(value / GIB, 3)  # noqa: E731
@@ -438,12 +442,13 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     phases = {name: max(found, key=lambda phase: phase.total_bytes) for name, found in candidates.items() if found}
     largest_stage = max(range(layout.pp), key=lambda stage: stage_params[stage])
     notes = model.notes()
-    if gpu_memory_gb is not None and rollout_weights > config.rollout.gpu_memory_utilization * gpu_memory_gb * GIB:
-        notes.append(f"vLLM's weights ({rollout_weights / GIB:.1f} GiB) exceed rollout.gpu_memory_utilization's "
-                     "share of the GPU: raise it or parallel.rollout_tp")
+    weights_fit = gpu_memory_gb is None or rollout_weights < config.rollout.gpu_memory_utilization * gpu_memory_gb * GIB
+    if not weights_fit:
+        notes.append(f"vLLM's weights ({rollout_weights / GIB:.1f} GiB) leave no KV cache in "
+                     "rollout.gpu_memory_utilization's share of the GPU: raise it or parallel.rollout_tp")
     return MemoryPlan(hf.model_type, layout, resident(largest_stage), phases, step_flops(model, layout, roles),
                       step_bytes_moved(model, layout, roles, transition, stage_params[largest_stage]),
-                      gpu_memory_gb, notes)
+                      gpu_memory_gb, weights_fit, notes)
 
 
 def _trained(params: int, act_bytes: int, distributed: bool, dp: int) -> dict[str, float]:
@@ -504,8 +509,9 @@ def step_bytes_moved(model: Model, layout: Layout, roles: Roles, transition: Pla
 
 def candidate_layouts(config: TrainConfig, gpus: int) -> list[Layout]:
     """The layouts `suggest_layouts` tries on `gpus` ranks, cheapest first: least recompute, then fewest
-    model-parallel ranks (tp x pp; tp before pp), then without the distributed optimizer, then the largest
-    micro-batch. Sizes are powers of two dividing `gpus`; rollout_tp and ep stay the config's."""
+    model-parallel ranks (tp x pp; tp before pp), then the smallest rollout_tp (the config's where it divides tp,
+    else tp), then without the distributed optimizer, then the largest micro-batch. Sizes are powers of two
+    dividing `gpus`; ep stays the config's."""
     base = layout_of(config, gpus)
     sizes = [size for size in (2**k for k in range(int(math.log2(gpus)) + 1)) if gpus % size == 0]
     micro = []
@@ -515,11 +521,12 @@ def candidate_layouts(config: TrainConfig, gpus: int) -> list[Layout]:
         size //= 2
     recomputes = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1)]
     layouts = [dataclasses.replace(base, tp=tp, pp=pp, sequence_parallel=tp > 1, recompute=recompute,
-                                   distributed_optimizer=distributed, micro_batch=rows)
+                                   distributed_optimizer=distributed, micro_batch=rows, rollout_tp=rollout_tp)
                for recompute in recomputes for tp in sizes for pp in sizes if gpus % (tp * pp) == 0
+               for rollout_tp in sorted({base.rollout_tp if tp % base.rollout_tp == 0 else tp, tp})
                for distributed in (False, True) for rows in micro]
     return sorted(layouts, key=lambda lay: (RECOMPUTE_COST[lay.recompute.granularity], lay.tp * lay.pp, lay.pp,
-                                            lay.distributed_optimizer, -lay.micro_batch))
+                                            lay.rollout_tp, lay.distributed_optimizer, -lay.micro_batch))
 
 
 def suggest_layouts(model: Model, roles: Roles, gpus: int, gpu_memory_gb: float, limit: int = 10,
