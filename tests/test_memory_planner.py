@@ -2,17 +2,21 @@
 answers moving the right way, `verl-mega plan --memory` and the pre-flight refusal. In process, no GPU."""
 import dataclasses
 import json
+import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from verl_mega.config import ConfigError, load_config
 from verl_mega.config.schema import RecomputeConfig
+from verl_mega.models import load_hf_model_config
+from verl_mega.models.expected_shapes import expected_hf_shapes
 from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.planning.memory import (
     Model, Roles, korthikanti_shape, layer_activation_bytes, layer_input_bytes, layout_of,
-    optimizer_bytes_per_parameter, plan_memory, stage_activation_bytes,
+    optimizer_bytes_per_parameter, plan_memory, stage_activation_bytes, suggest_layouts,
 )
 from verl_mega.trainer.preflight import preflight_check
 
@@ -71,6 +75,15 @@ def test_more_recompute_and_more_tp_keep_less(tiny):
     assert peaks[1].roles["actor"]["params"] < peaks[0].roles["actor"]["params"]
 
 
+def test_suggest_lists_fitting_layouts_cheapest_first(tiny):
+    model = Model(load_config(tiny))
+    plans = suggest_layouts(model, Roles(critic=False, reference=False), gpus=2, gpu_memory_gb=80, limit=4)
+    assert [plan.fits for plan in plans] == [True] * 4
+    first = plans[0].layout
+    assert (first.tp, first.pp, first.recompute.granularity, first.distributed_optimizer) == (1, 1, "none", False)
+    assert suggest_layouts(model, Roles(critic=False, reference=False), gpus=2, gpu_memory_gb=1e-3) == []
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "verl_mega.cli", "plan", *args], capture_output=True, text=True,
                           timeout=300)
@@ -95,3 +108,16 @@ def test_preflight_refuses_a_config_predicted_not_to_fit(tiny):
         preflight_check(config, world_size=1, check_files=False)
     preflight_check(load_config(tiny, ["trainer.gpu_memory_gb=0.001", "trainer.skip_memory_check=true"]),
                     world_size=1, check_files=False)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "model_configs"
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("qwen2.5-7b", 7.62), ("qwen2.5-32b", 32.76), ("qwen2.5-72b", 72.71), ("qwen3-30b-a3b", 30.53),
+    ("deepseek-v3", 671.03),  # the main model; the published 685B adds the 14B multi-token-prediction module
+])
+def test_the_docs_model_configs_have_the_published_parameter_counts(name, billions):
+    hf_config, family = load_hf_model_config(FIXTURES / name)
+    total = sum(math.prod(shape) for shape in expected_hf_shapes(hf_config, family).values())
+    assert round(total / 1e9, 2) == billions
