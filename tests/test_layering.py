@@ -10,9 +10,11 @@ The layering, written down once: a package may import its own modules and packag
                                         the tools a multi-turn rollout calls and the python tool's sandbox
     3  checkpoint                       model formats on disk: shards, manifests, dist checkpoints, HF assets
     4  roles, rollout                   actor / critic / reference / reward; rollout engines, HybridEngine
-    5  run                              the run folder: its names (RunFolder), step checkpoints, final weights,
+    5  run, planning                    the run folder: its names (RunFolder), step checkpoints, final weights,
                                         the mirror, provenance, the lock; above checkpoint, whose
-                                        formats it saves in (it imports no role)
+                                        formats it saves in (it imports no role); the memory planner: the
+                                        config and the HF config.json, with the rollout planner's and vLLM
+                                        engine's byte counts
     6  converters                       HF <-> Megatron conversion, parity check, export of a run's weights
     7  trainer                          the job loops and their pre-flight check
     8  launch                           torchrun / Slurm launchers
@@ -38,7 +40,7 @@ LAYERS = [
     {"algorithms", "models", "rewards", "tools"},
     {"checkpoint"},
     {"roles", "rollout"},
-    {"run"},
+    {"run", "planning"},
     {"converters"},
     {"trainer"},
     {"launch"},
@@ -197,7 +199,8 @@ def test_the_checks_catch_an_upward_import_and_a_cycle(edge, expected):
 # job, while the pre-flight check asks the config's needs and the schedule's names, never the job.
 RL_PACKAGE = "verl_mega.trainer.rl"
 RL_IMPORTERS = {"verl_mega.trainer.main": None, "verl_mega.trainer.preflight": {"verl_mega.trainer.rl.needs",
-                                                                                  "verl_mega.trainer.rl.schedule"}}
+                                                                                  "verl_mega.trainer.rl.schedule"},
+                "verl_mega.trainer.plan": {"verl_mega.trainer.rl.needs"}}
 
 
 def test_the_rl_package_sits_above_the_jobs_shared_modules():

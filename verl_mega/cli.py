@@ -34,8 +34,9 @@ DELEGATED = {
     ("preference",): ("verl_mega.trainer.main:preference_main", "preference optimisation: algorithm.loss dpo | ipo | "
                                                                 "kto | simpo | orpo (torchrun)"),
     ("dpo",): ("verl_mega.trainer.main:preference_main", "the `preference` command's old name"),
-    ("plan",): ("verl_mega.rollout.planner:main", "HybridEngine dry run: per-rank bytes of a training -> rollout "
-                                                   "transition"),
+    ("plan",): ("verl_mega.trainer.plan:main", "HybridEngine dry run: per-rank bytes of a training -> rollout "
+                                                "transition; with --memory CONFIG, the run's memory per rank, FLOPs "
+                                                "and the layouts that fit a GPU"),
     ("launch", "local"): ("verl_mega.launch.local:main", "torchrun on this machine"),
     ("launch", "slurm"): ("verl_mega.launch.slurm:main", "render and submit an sbatch script"),
 }

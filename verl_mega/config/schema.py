@@ -646,7 +646,8 @@ class TrainerConfig:
         "keep_last": at_least(0), "checkpoint_mirror_wait_s": within(0, LONGEST_WAIT_S),
         "health_port": within(0, 65535, note="0: no endpoint"),
         "val_every": at_least(0, note="0: validate at the end only"),
-        "log_samples_every": at_least(0, note="0: no samples"), "log_samples": at_least(1)}
+        "log_samples_every": at_least(0, note="0: no samples"), "log_samples": at_least(1),
+        "gpu_memory_gb": above(0, note="null: unknown, no check")}
 
     run_dir: str = "runs/default"
     """The run folder: config, metrics, checkpoints, final weights (see the run folder's page)."""
@@ -693,6 +694,12 @@ class TrainerConfig:
     (verl's names). null: on a GPU (the CUDA allocator's statistics, reset each step, cost nothing), off on CPU,
     where they count tensor storage with a dispatch mode on every op (the step takes 1.4-2.2x as long on the tiny
     models; docs/benchmarks.md)."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU, GiB: the pre-flight check refuses a config whose predicted per-rank peak
+    (`verl-mega plan --memory`, docs/memory.md) exceeds it. null: unknown, no check."""
+    skip_memory_check: bool = False
+    """Start even when the predicted peak exceeds trainer.gpu_memory_gb (the prediction is arithmetic, not a
+    measurement)."""
     allow_config_change: bool = False
     """Resume a run folder whose saved config differs from this one in what is trained (data, algorithm, batch
     sizes, model): refused by default, naming the keys; the run's length, logging and layout may always change."""

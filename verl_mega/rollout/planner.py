@@ -175,7 +175,9 @@ def _transient_bytes(rule, shard_bytes: int, slice_bytes: int, owns: bool, gathe
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="verl-mega plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="verl-mega plan", description=__doc__.split("\n\n")[0],
+                                     epilog="verl-mega plan --memory CONFIG [key=value ...]: the run's predicted "
+                                            "memory per rank instead (--memory --help)")
     parser.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
     parser.add_argument("--train-tp", type=int, required=True)
     parser.add_argument("--train-pp", type=int, required=True)

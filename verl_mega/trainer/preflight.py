@@ -34,6 +34,7 @@ from verl_mega.models.families import sequence_limit
 from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
 from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout_coordinates
 from verl_mega.parallel.placement import placement_for, training_data_parallel_size
+from verl_mega.planning.memory import Model, layout_of, plan_memory
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
 from verl_mega.rewards.registry import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
@@ -44,6 +45,7 @@ from verl_mega.run.mirror import parse_mirror_url, require_boto3
 from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
 
+from .plan import roles_of
 from .rl.needs import check_estimator_config
 from .rl.schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
@@ -108,6 +110,8 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
         _check_offline(config, dp, check_files, check, need, known, layout_in_range)
     else:
         _check_ppo(config, world_size, dp, check_files, check, need, known, reward_fn, layout_in_range)
+        if not problems:  # the prediction needs a valid layout and a readable model
+            check(lambda: check_memory(config, world_size))
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
@@ -161,6 +165,19 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
     if check_files:
         _check_files(config, check, need, layout_in_range)
+
+
+def check_memory(config: TrainConfig, world_size: int) -> None:
+    """ValueError, in one line with the numbers, when the predicted per-rank peak exceeds trainer.gpu_memory_gb
+    (colocated runs; unknown memory or trainer.skip_memory_check: no check)."""
+    t = config.trainer
+    if t.gpu_memory_gb is None or t.skip_memory_check or config.parallel.rollout_ranks:
+        return
+    found = plan_memory(Model(config), layout_of(config, world_size), roles_of(config), t.gpu_memory_gb)
+    if not found.fits:
+        raise ValueError(f"trainer.gpu_memory_gb={t.gpu_memory_gb:g}: predicted peak {found.max_memory_allocated_gb:.1f}"
+                         f" GiB per rank ({found.peak_phase}) at {found.layout.describe()}; `verl-mega plan --memory "
+                         "CONFIG --suggest` lists layouts that fit, or set trainer.skip_memory_check=true")
 
 
 def _check_rollout_correction(correction, loss, check, need) -> None:

@@ -1,0 +1,123 @@
+"""The memory planner (planning.memory): its published sources reproduced under their own assumptions, its
+answers moving the right way, `verl-mega plan --memory` and the pre-flight refusal. In process, no GPU."""
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_mega.config import ConfigError, load_config
+from verl_mega.config.schema import RecomputeConfig
+from verl_mega.models import load_hf_model_config
+from verl_mega.models.expected_shapes import expected_hf_shapes
+from verl_mega.models.tiny import make_tiny_hf_model
+from verl_mega.planning.memory import (
+    Model, Roles, korthikanti_shape, layer_activation_bytes, layer_input_bytes, layout_of,
+    optimizer_bytes_per_parameter, plan_memory, stage_activation_bytes, suggest_layouts,
+)
+from verl_mega.trainer.preflight import preflight_check
+
+S, B, H, A = 2048, 1, 6144, 48  # any sizes: the table's rows are identities in them
+
+
+@pytest.mark.parametrize("tp, sp, selective, per_sbh", [
+    (1, False, False, 34 + 5 * A * S / H),  # no parallelism
+    (8, False, False, 10 + 24 / 8 + 5 * A * S / (H * 8)),  # tensor parallel
+    (8, True, False, (34 + 5 * A * S / H) / 8),  # + sequence parallel
+    (8, False, True, 10 + 24 / 8),  # tensor parallel + selective recompute
+    (8, True, True, 34 / 8),  # + sequence parallel
+])
+def test_korthikanti_table_2_rows(tp, sp, selective, per_sbh):
+    got = layer_activation_bytes(korthikanti_shape(H, A), S, B, tp, sp, selective, act_bytes=2)
+    assert got == pytest.approx(S * B * H * per_sbh)
+
+
+def test_korthikanti_full_recompute_keeps_2sbh():
+    assert layer_input_bytes(korthikanti_shape(H, A), S, B, 1, False, act_bytes=2) == 2 * S * B * H
+
+
+@pytest.mark.parametrize("param_bytes, grad_bytes, whole, fixed, sharded", [
+    (2, 2, 20, 4, 16),  # fp16 params, fp16 grads
+    (2, 4, 18, 6, 12),  # bf16 params, fp32 grads: what verl_mega's bf16 runs take
+    (4, 4, 16, 8, 8),  # fp32 params, fp32 grads
+])
+def test_megatron_distributed_optimizer_bytes_per_parameter(param_bytes, grad_bytes, whole, fixed, sharded):
+    for dp in (1, 8, 64):
+        assert sum(optimizer_bytes_per_parameter(param_bytes, grad_bytes, False, dp).values()) == whole
+        assert sum(optimizer_bytes_per_parameter(param_bytes, grad_bytes, True, dp).values()) == pytest.approx(
+            fixed + sharded / dp)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("planner")
+    hf = make_tiny_hf_model(folder / "qwen2", "qwen2", tokenizer=False)
+    config = folder / "run.yaml"
+    config.write_text(f"model:\n  hf_path: {hf}\n  dtype: bf16\ndata:\n  max_prompt_length: 512\n"
+                      "  max_response_length: 512\n")
+    return config
+
+
+def test_more_recompute_and_more_tp_keep_less(tiny):
+    model = Model(load_config(tiny))
+    shape = dataclasses.replace(korthikanti_shape(64, 4), gated=True, dropout=False, flash=False)
+    by_granularity = [stage_activation_bytes(shape, 4, 1024, 2, 1, False, RecomputeConfig(granularity), 2)
+                      for granularity in ("none", "selective", "full")]
+    assert by_granularity == sorted(by_granularity, reverse=True) and len(set(by_granularity)) == 3
+    roles = Roles(critic=True, reference=True)
+    base = layout_of(model.config, 2)
+    peaks = [plan_memory(model, dataclasses.replace(base, tp=tp, sequence_parallel=tp > 1), roles)
+             for tp in (1, 2)]
+    assert peaks[1].max_memory_allocated_gb < peaks[0].max_memory_allocated_gb
+    assert peaks[1].roles["actor"]["params"] < peaks[0].roles["actor"]["params"]
+
+
+def test_suggest_lists_fitting_layouts_cheapest_first(tiny):
+    model = Model(load_config(tiny))
+    plans = suggest_layouts(model, Roles(critic=False, reference=False), gpus=2, gpu_memory_gb=80, limit=4)
+    assert [plan.fits for plan in plans] == [True] * 4
+    first = plans[0].layout
+    assert (first.tp, first.pp, first.recompute.granularity, first.distributed_optimizer) == (1, 1, "none", False)
+    assert suggest_layouts(model, Roles(critic=False, reference=False), gpus=2, gpu_memory_gb=1e-3) == []
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "verl_mega.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_memory_json_and_the_old_plan(tiny, tmp_path):
+    done = run_cli("--memory", str(tiny), "parallel.tp=2", "--json", "--gpus", "4", "--gpu-memory", "80")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["layout"]["tp"] == 2 and found["layout"]["dp"] == 2 and found["fits"] is True
+    assert {"actor.update", "actor.log_prob", "critic.update", "rollout", "transition"} <= set(found["phases"])
+    assert found["max_memory_allocated_gb"] == max(phase["gb"] for phase in found["phases"].values())
+    assert found["roles"]["actor"]["optimizer"] > 0 and found["tflops"]["total"] > 0
+    hf = load_config(tiny).model.hf_path
+    old = run_cli("--hf", hf, "--train-tp", "2", "--train-pp", "1", "--dp", "1", "--rollout-tp", "1")
+    assert old.returncode == 0 and "micro-DP" in old.stdout, old.stderr
+
+
+def test_preflight_refuses_a_config_predicted_not_to_fit(tiny):
+    config = load_config(tiny, ["trainer.gpu_memory_gb=0.001"])
+    with pytest.raises(ConfigError, match=r"trainer.gpu_memory_gb=0.001: predicted peak .* GiB per rank"):
+        preflight_check(config, world_size=1, check_files=False)
+    preflight_check(load_config(tiny, ["trainer.gpu_memory_gb=0.001", "trainer.skip_memory_check=true"]),
+                    world_size=1, check_files=False)
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "model_configs"
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("qwen2.5-7b", 7.62), ("qwen2.5-32b", 32.76), ("qwen2.5-72b", 72.71), ("qwen3-30b-a3b", 30.53),
+    ("deepseek-v3", 671.03),  # the main model; the published 685B adds the 14B multi-token-prediction module
+])
+def test_the_docs_model_configs_have_the_published_parameter_counts(name, billions):
+    hf_config, family = load_hf_model_config(FIXTURES / name)
+    total = sum(math.prod(shape) for shape in expected_hf_shapes(hf_config, family).values())
+    assert round(total / 1e9, 2) == billions
