@@ -5,22 +5,23 @@ The layering, written down once: a package may import its own modules and packag
     0  files                            files on disk: the write-then-rename protocol, a file's sha256,
                                         a saved JSON state read back and checked
     1  config, ops, parallel, data      leaves: the config schema, kernels, process groups, datasets
-    2  algorithms, models, rewards,     PPO math (pure tensor functions); model families and the builder;
-       tools                            reward functions and the worker process that runs them under a limit;
-                                        the tools a multi-turn rollout calls and the python tool's sandbox
-    3  checkpoint                       model formats on disk: shards, manifests, dist checkpoints, HF assets
-    4  roles, rollout                   actor / critic / reference / reward; rollout engines, HybridEngine
-    5  run, planning                    the run folder: its names (RunFolder), step checkpoints, final weights,
+    2  tools                            the tools a multi-turn rollout calls and the python tool's sandbox
+    3  algorithms, models, rewards      PPO math (pure tensor functions); model families and the builder;
+                                        reward functions and the worker process that runs them under a limit
+                                        (code rewards run their tests in the python sandbox)
+    4  checkpoint                       model formats on disk: shards, manifests, dist checkpoints, HF assets
+    5  roles, rollout                   actor / critic / reference / reward; rollout engines, HybridEngine
+    6  run, planning                    the run folder: its names (RunFolder), step checkpoints, final weights,
                                         the mirror, provenance, the lock; above checkpoint, whose
                                         formats it saves in (it imports no role); the memory planner: the
                                         config and the HF config.json, with the rollout planner's and vLLM
                                         engine's byte counts
-    6  converters                       HF <-> Megatron conversion, parity check, export of a run's weights
-    7  trainer                          the job loops and their pre-flight check
-    8  launch                           torchrun / Slurm launchers
-    9  cli, api                         the command line; the Python API (`verl_mega.Trainer`, `load_policy`)
-    10 demo                             `make demo`, through the command line
-    11 demo_agent                       `make demo-agent`, on the demo's helpers
+    7  converters                       HF <-> Megatron conversion, parity check, export of a run's weights
+    8  trainer                          the job loops and their pre-flight check
+    9  launch                           torchrun / Slurm launchers
+    10 cli, api                         the command line; the Python API (`verl_mega.Trainer`, `load_policy`)
+    11 demo                             `make demo`, through the command line
+    12 demo_agent                       `make demo-agent`, on the demo's helpers
 
 Project modules are imported at the top of a file; inside a function only optional heavy dependencies
 (vLLM, transformer-engine, wandb, megatron internals) are imported, so the graph below is the real one. The one
@@ -37,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     {"files"},
     {"config", "ops", "parallel", "data"},
-    {"algorithms", "models", "rewards", "tools"},
+    {"tools"},
+    {"algorithms", "models", "rewards"},
     {"checkpoint"},
     {"roles", "rollout"},
     {"run", "planning"},
@@ -182,10 +184,10 @@ def test_project_modules_are_imported_at_the_top():
 @pytest.mark.parametrize("edge, expected", [
     ({"verl_mega.config.schema": {"verl_mega.roles.actor"}, "verl_mega.roles.actor": set()}, "layer 1 (config)"),
     ({"verl_mega.checkpoint.model_io": {"verl_mega.converters.torch_dist"},
-      "verl_mega.converters.torch_dist": {"verl_mega.checkpoint.model_io"}}, "layer 3 (checkpoint)"),
+      "verl_mega.converters.torch_dist": {"verl_mega.checkpoint.model_io"}}, "layer 4 (checkpoint)"),
     ({"verl_mega.files.atomic": {"verl_mega.config.errors"}, "verl_mega.config.errors": set()}, "layer 0 (files)"),
     ({"verl_mega.run.folder": {"verl_mega.converters.export"}, "verl_mega.converters.export": set()},
-     "layer 5 (run)"),
+     "layer 6 (run)"),
 ])
 def test_the_checks_catch_an_upward_import_and_a_cycle(edge, expected):
     assert any(expected in problem for problem in layering_violations(edge))

@@ -565,6 +565,32 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardCodeConfig:
+    """Code-execution rewards (`code_tests`, and `default` on verl's code data sources): each test case of an
+    answer runs in the python tool's sandbox, in a fresh interpreter (docs/code-rewards.md)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "test_timeout_s": within(0, LONGEST_WAIT_S, low_open=True, note="seconds"), "memory_mb": at_least(64),
+        "max_tests": at_least(1), "workers": at_least(0, note="0: os.cpu_count()"),
+        "max_output_chars": at_least(1)}
+
+    test_timeout_s: float = 10.0
+    """Wall-clock limit of one test case, interpreter start included, in seconds (> 0; verl's is 10): past it
+    the case fails (`timeout`)."""
+    memory_mb: int = 1024
+    """Address space of one test case's interpreter, in MiB (RLIMIT_AS, >= 64): a larger allocation raises
+    MemoryError in the answer and the case fails."""
+    max_tests: int = 10
+    """Test cases run per answer, the first ones of its list (>= 1): the score is the fraction of them that pass,
+    as verl's continuous code score counts its first 10."""
+    workers: int = 0
+    """Test cases of one answer run at once, each in its own sandbox (>= 0; 0: os.cpu_count())."""
+    max_output_chars: int = 4_000_000
+    """Characters of a test case's output read (>= 1): a longer output fails the case (`output_limit`) as soon
+    as it passes them."""
+
+
+@dataclass
 class RewardConfig:
     """What scores a response (rl)."""
 
@@ -584,6 +610,7 @@ class RewardConfig:
     reward_model: str = ""
     """HF sequence-classification folder; replaces `function` when set."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    code: RewardCodeConfig = field(default_factory=RewardCodeConfig)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from verl_mega.config.errors import UserError
 
+from .code_tests import code_tests_score
 from .math_answers import dapo_score, gsm8k_score, math_score
 from .router import default_score
 from .rules import add_score, copy_score, exact_match_score
@@ -22,6 +23,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "math": math_score,
     "gsm8k": gsm8k_score,
     "dapo": dapo_score,
+    "code_tests": code_tests_score,
     "default": default_score,
 }
 # String comparisons linear in the answer's length: they run in the trainer's process, with no worker.

@@ -1,12 +1,14 @@
 """`default`: the scorer for each row chosen by its data_source, as verl's `default_compute_score` chooses
 (a verl data file, with its data_source column, scores the same here without naming a function).
 
-verl's code-execution (sandbox) and retrieval-QA sources have no scorer here: a data_source outside the table
-stops the run naming it and the known ones."""
+verl's code sources run their test cases (`code_tests`, as verl's prime_code scorer). Its retrieval-QA and
+geometry sources have no scorer here: a data_source outside the table stops the run naming it and the known
+ones."""
 from __future__ import annotations
 
 from verl_mega.config.errors import UserError
 
+from .code_tests import code_tests_score
 from .math_answers import dapo_score, gsm8k_score, math_score
 from .rules import add_score, copy_score
 
@@ -23,6 +25,8 @@ SCORER_BY_SOURCE = {
     "math_dapo": dapo_score,
     "math": dapo_score,
     "math_dapo_reasoning": dapo_score,
+    # Code with test cases: verl scores these with prime_code's continuous score (without a sandbox-fusion URL).
+    **{source: code_tests_score for source in ("codecontests", "apps", "codeforces", "taco")},
     # This project's synthetic tasks (verl_mega.data.synthetic).
     "copy": copy_score,
     "add": add_score,

@@ -14,6 +14,7 @@ Wire: a socket pair; requests are pickled rows from the parent, verdicts come ba
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import resource
 import signal
@@ -22,7 +23,10 @@ import sys
 import weakref
 from multiprocessing.connection import Connection, Pipe
 
+from verl_mega.config.schema import RewardCodeConfig
 from verl_mega.parallel.safe_path import SAFE_PATH_ENV
+
+from . import code_tests
 
 from .registry import get_reward_fn
 from .results import Died, Stopped, Verdict, call_reward, from_wire, to_wire
@@ -34,10 +38,13 @@ PR_SET_PDEATHSIG = 1
 
 class ScoringWorker:
     """Scores rows `(data_source, solution_str, ground_truth, extra_info)` with the function named `function`
-    in a child process; `timeout_s` per answer, `memory_limit_mb` for the child's heap (0: no cap)."""
+    in a child process; `timeout_s` per answer, `memory_limit_mb` for the child's heap (0: no cap), `code` the
+    limits of the code tests it runs (reward.code)."""
 
-    def __init__(self, function: str, timeout_s: float, memory_limit_mb: int):
+    def __init__(self, function: str, timeout_s: float, memory_limit_mb: int,
+                 code: RewardCodeConfig = RewardCodeConfig()):
         self.function, self.timeout_s, self.memory_limit_mb = function, timeout_s, memory_limit_mb
+        self.code = code
         self.process: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._finalizer = None
@@ -81,7 +88,8 @@ class ScoringWorker:
         child.close()
         self._conn = parent
         self._finalizer = weakref.finalize(self, _kill, self.process, parent)  # at exit too
-        parent.send({"sys_path": sys.path, "function": self.function, "memory_limit_mb": self.memory_limit_mb})
+        parent.send({"sys_path": sys.path, "function": self.function, "memory_limit_mb": self.memory_limit_mb,
+                     "code": dataclasses.asdict(self.code)})
         if not (parent.poll(STARTUP_TIMEOUT_S) and _received(parent) == READY):
             code = self.process.poll()
             self.close()
@@ -131,6 +139,7 @@ def serve(conn: Connection) -> None:
     setup = conn.recv()
     sys.path[:] = setup["sys_path"]  # the parent's, so "module:function" imports the same module
     _cap_heap(setup["memory_limit_mb"])
+    code_tests.configure(RewardCodeConfig(**setup["code"]))
     fn = get_reward_fn(setup["function"])
     conn.send_bytes(READY)
     while True:

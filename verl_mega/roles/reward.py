@@ -20,9 +20,10 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from verl_mega.config.errors import UserError
-from verl_mega.config.schema import RewardConfig
+from verl_mega.config.schema import RewardCodeConfig, RewardConfig
 from verl_mega.data.prompts import as_messages, encode_chat
 from verl_mega.data.tokenizer import load_tokenizer
+from verl_mega.rewards import code_tests
 from verl_mega.rewards.registry import RewardFn, get_reward_fn, needs_time_limit, reward_fn_name
 from verl_mega.rewards.results import Died, OutOfRange, Scored, Stopped, Verdict, as_number, call_reward, described
 from verl_mega.rewards.worker import ScoringWorker
@@ -87,15 +88,17 @@ def _renumbered(reasons: dict[int, str], position: dict[int, int]) -> dict[int, 
 class RuleReward:
     """A rule reward function over decoded responses. `timeout_s` > 0 runs a named function (except the
     linear-time ones) in the scoring worker, with that limit per answer and `memory_limit_mb` for its heap;
-    `close()` ends the worker."""
+    `code`: the limits of code tests (reward.code), wherever they run. `close()` ends the worker."""
 
     def __init__(self, tokenizer, reward_fn: str | RewardFn = "exact_match",
-                 timeout_s: float = RewardConfig.timeout_s, memory_limit_mb: int = RewardConfig.memory_limit_mb):
+                 timeout_s: float = RewardConfig.timeout_s, memory_limit_mb: int = RewardConfig.memory_limit_mb,
+                 code: RewardCodeConfig = RewardCodeConfig()):
         self.tokenizer = tokenizer
         self.name = reward_fn_name(reward_fn)
         self.reward_fn = get_reward_fn(reward_fn)
+        code_tests.configure(code)
         limited = timeout_s > 0 and needs_time_limit(reward_fn)
-        self.worker = ScoringWorker(self.name, timeout_s, memory_limit_mb) if limited else None
+        self.worker = ScoringWorker(self.name, timeout_s, memory_limit_mb, code) if limited else None
 
     def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         valid_ids = [[token for token, valid in zip(row, mask) if valid]

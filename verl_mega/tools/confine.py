@@ -4,7 +4,7 @@ itself, then runs the model's code. Standard library only, and nothing of the pa
 parent imports only UID_BASE from it).
 
     this process (B)      unshares a network, a process and a mount namespace (a user namespace too when not
-                          root), or runs on without them where the spec allows it
+                          root), or runs on without them where the spec allows it; dies with its parent
     R, pid 1 of the new   dies with B (PR_SET_PDEATHSIG) and takes every process of the namespace with it
     process namespace
     U, the code           a tmpfs over its folder; capabilities dropped, a real uid of its own when started as
@@ -67,10 +67,19 @@ def main() -> None:
     with open(spec["code_path"]) as handle:  # before the folder's tmpfs hides the file
         source = handle.read()
     namespaced = enter_namespaces(status, spec["allow_network"])
+    die_with_parent(spec["parent_pid"])
     if namespaced:
         become_namespace_init(status)
     confine(spec, status, stdlib, namespaced, source)
     run_code(source, stdlib)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process (and so its namespace) when the thread that started it ends: a scoring worker killed
+    mid-test, a trainer killed mid-call. Set after the namespaces, whose credentials change may clear it."""
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent was gone before the request took effect
+        os._exit(1)
 
 
 def become_namespace_init(status) -> None:

@@ -75,31 +75,38 @@ class PythonSandbox:
         features = ("namespaces", "folder", "uid", "landlock")
         return dict(line.split(" ", 1) for line in status if line.startswith(features))
 
-    def run(self, code: str) -> ToolResult:
-        return self._run(code)[0]
+    def run(self, code: str, stdin: str = "", with_stderr: bool = True) -> ToolResult:
+        """The result of `code` reading `stdin`; its stderr goes with its stdout unless `with_stderr` is False
+        (then only stdout is read: a test case's output)."""
+        return self._run(code, stdin, with_stderr)[0]
 
-    def _run(self, code: str) -> tuple[ToolResult, list[str]]:
+    def _run(self, code: str, stdin: str = "", with_stderr: bool = True) -> tuple[ToolResult, list[str]]:
         start = time.monotonic()
         folder = tempfile.mkdtemp(prefix="verl_mega_python_", dir=self.scratch_dir)
         try:
             Path(folder, "main.py").write_text(code)
-            output, outcome, status, returncode = self._execute(folder)
+            # An unlinked file, opened before the folder's tmpfs hides the folder: the program reads it at its pace.
+            with tempfile.TemporaryFile(dir=folder) as stdin_file:
+                stdin_file.write(stdin.encode("utf-8", errors="surrogateescape"))
+                stdin_file.seek(0)
+                output, outcome, status, returncode = self._execute(folder, stdin_file, with_stderr)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         return self._result(output, outcome, status, returncode, time.monotonic() - start), status
 
-    def _execute(self, folder: str) -> tuple[str, str | None, list[str], int]:
+    def _execute(self, folder: str, stdin_file, with_stderr: bool) -> tuple[str, str | None, list[str], int]:
         """(output, "timeout" / "output_truncated" / None, status lines, exit code) of one program. Unbuffered
         (-u): stdout and stderr share the pipe, and the model reads them in the order they were written."""
         status_read, status_write = os.pipe()
         spec = {"limits": self._limits(), "allow_network": self.config.allow_network,
-                "folder_mb": self.config.folder_mb, "status_fd": status_write,
+                "folder_mb": self.config.folder_mb, "status_fd": status_write, "parent_pid": os.getpid(),
                 "code_path": os.path.join(folder, "main.py")}
         env = {"HOME": folder, "TMPDIR": folder, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         try:
             process = subprocess.Popen([sys.executable, "-I", "-S", "-u", CONFINE, json.dumps(spec)], cwd=folder,
-                                       env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(status_write,))
+                                       env=env, stdin=stdin_file, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT if with_stderr else subprocess.DEVNULL,
+                                       start_new_session=True, pass_fds=(status_write,))
         finally:
             os.close(status_write)
         with os.fdopen(status_read) as status_pipe:

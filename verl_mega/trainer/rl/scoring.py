@@ -34,7 +34,8 @@ class Scoring:
               reward_fn: RewardFn | None = None) -> "Scoring":
         """`reward_fn`: a callable in place of `reward.function` (the Python API's)."""
         reward = config.reward
-        rule = RuleReward(tokenizer, reward_fn or reward.function, reward.timeout_s, reward.memory_limit_mb)
+        rule = RuleReward(tokenizer, reward_fn or reward.function, reward.timeout_s, reward.memory_limit_mb,
+                          reward.code)
         model = HFRewardModel(reward.reward_model) if reward.reward_model else None
         return cls(config, rule, model, world_size, note)
 
