@@ -53,8 +53,7 @@ def _git(*args: str) -> str:
 
 def reward_provenance(config: TrainConfig, reward_fn: RewardFn | None) -> dict | None:
     """What scores the responses: the scoring service (its URL), the reward model's checksum, or the reward
-    function's record; None for the
-    jobs that learn from their data alone."""
+    function's record; None for the jobs that learn from their data alone."""
     if config.job != "rl":
         return None
     remote = config.reward.remote
