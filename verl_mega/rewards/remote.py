@@ -151,7 +151,11 @@ class RemoteClient:
             try:
                 result = attempt(item)
             except RequestFailed as err:
-                self._failed(time.monotonic() - start, number, label, err)
+                try:
+                    self._failed(time.monotonic() - start, number, label, err)
+                except RemoteRewardError:
+                    stop.set()  # before the pool's next request starts
+                    raise
             else:
                 with self._lock:
                     self.stats.latencies.append(time.monotonic() - start)
