@@ -28,10 +28,11 @@ class Scoring:
     """`reward.*` of a config: score rows, agree on them, shape them; `note(step, line)` logs the run's first
     answer the scoring worker stopped."""
 
-    def __init__(self, config: TrainConfig, tokenizer, rule: RuleReward | None, model: HFRewardModel | None,
-                 world_size: int, note: Note, remote: RemoteReward | None = None):
-        """Exactly one of `rule`, `model`, `remote` scores."""
-        self.config, self.tokenizer, self.rule, self.model, self.remote = config, tokenizer, rule, model, remote
+    def __init__(self, config: TrainConfig, rule: RuleReward | None, model: HFRewardModel | None, world_size: int,
+                 note: Note, remote: RemoteReward | None = None):
+        """`remote` replaces `rule` (None then), `model` scores in place of `rule`'s function."""
+        self.config, self.rule, self.model, self.remote = config, rule, model, remote
+        self.tokenizer = (remote or rule).tokenizer
         self.world_size, self.note = world_size, note
         self.timeout_noted = False
 
@@ -42,11 +43,10 @@ class Scoring:
         reward.reward_model replaces both."""
         reward = config.reward
         if reward.remote.url:
-            return cls(config, tokenizer, None, None, world_size, note, RemoteReward(tokenizer, reward.remote))
-        if reward.reward_model:
-            return cls(config, tokenizer, None, HFRewardModel(reward.reward_model), world_size, note)
+            return cls(config, None, None, world_size, note, RemoteReward(tokenizer, reward.remote))
         rule = RuleReward(tokenizer, reward_fn or reward.function, reward.timeout_s, reward.memory_limit_mb)
-        return cls(config, tokenizer, rule, None, world_size, note)
+        model = HFRewardModel(reward.reward_model) if reward.reward_model else None
+        return cls(config, rule, model, world_size, note)
 
     @property
     def source(self) -> str:
