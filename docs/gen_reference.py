@@ -76,6 +76,7 @@ CHOICES = {
     (schema.RewardConfig, "function"): [*sorted(REWARD_FUNCTIONS), "module:function"],
     (schema.FilterGroupsConfig, "on_exhausted"): EXHAUSTED_POLICIES,
     (schema.TrainerConfig, "nonfinite"): schema.NONFINITE_POLICIES,
+    (schema.RemoteRewardConfig, "kind"): schema.REMOTE_KINDS,
     (schema.TrainerConfig, "log_format"): schema.LOG_FORMATS,
 }
 

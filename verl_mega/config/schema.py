@@ -564,6 +564,57 @@ class OverlongBufferConfig:
     """The penalty at the full budget (it falls linearly from 0 to -penalty_factor over the buffer)."""
 
 
+REMOTE_KINDS = ("json", "judge")
+
+
+@dataclass
+class RemoteRewardConfig:
+    """A scoring service of the team's own (docs/remote-rewards.md): its HTTP JSON scoring API, or an LLM judge
+    behind an OpenAI-compatible server (`vllm serve`). `url` set replaces reward.function."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_concurrency": at_least(1), "timeout_s": within(0, LONGEST_WAIT_S, low_open=True, note="seconds"),
+        "max_retries": at_least(0), "backoff_s": within(0, LONGEST_WAIT_S, note="seconds"),
+        "max_consecutive_failures": at_least(1), "batch_size": at_least(1), "max_tokens": at_least(1),
+        "score_scale": Range()}
+
+    url: str = ""
+    """The service; "" is off. json: the URL the rows are POSTed to; judge: the server's OpenAI base URL (ending in
+    /v1; requests go to {url}/chat/completions)."""
+    kind: str = "json"
+    """json: the scoring API (rows in, one score per row out); judge: one chat completion per row, its answer read
+    by score_pattern."""
+    max_concurrency: int = 8
+    """Requests in flight at once (>= 1)."""
+    timeout_s: float = 60.0
+    """Seconds a request may wait for the service on each socket operation (connecting, each read): past them the
+    attempt failed."""
+    max_retries: int = 3
+    """Attempts after a request's first failed one (>= 0); after the last, the run stops naming the URL."""
+    backoff_s: float = 1.0
+    """Wait before the first retry, doubled before each next one (exponential backoff)."""
+    max_consecutive_failures: int = 20
+    """Failed attempts in a row, over every request in flight, after which the run stops naming the URL, retries
+    left or not: a service that is down stops the run within one batch."""
+    batch_size: int = 64
+    """json: rows per request (>= 1)."""
+    model: str = ""
+    """judge: the model name sent to the server (vllm serve's --served-model-name, or the model path)."""
+    prompt_template: str = ""
+    """judge: the judge's prompt, a file path or the text itself, with {response} and optionally {prompt} and
+    {ground_truth}; any other {name} is refused at pre-flight."""
+    score_pattern: str = r"\[\[(-?\d+(?:\.\d+)?)\]\]"
+    """judge: a regular expression whose first group is the score, searched in the answer; the last match counts.
+    The default reads a final "[[7]]"."""
+    score_scale: float = 1.0
+    """judge: the parsed number times this is the score (0.1 maps a 0-10 grade to 0-1)."""
+    max_tokens: int = 512
+    """judge: most tokens of the judge's answer (the request's max_tokens; temperature is 0)."""
+    api_key_env: str = ""
+    """The NAME of an environment variable holding the service's key, sent as `Authorization: Bearer`; "" sends
+    none. The key itself never goes in the config."""
+
+
 @dataclass
 class RewardCodeConfig:
     """Code-execution rewards (`code_tests`, and `default` on verl's code data sources): each test case of an
@@ -608,9 +659,10 @@ class RewardConfig:
     """Heap cap of that worker process (RLIMIT_DATA), in MiB: an answer whose parsing allocates more scores 0
     like a late one. 0: no cap."""
     reward_model: str = ""
-    """HF sequence-classification folder; replaces `function` when set."""
+    """HF sequence-classification folder; replaces `function` when set (not with reward.remote.url)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     code: RewardCodeConfig = field(default_factory=RewardCodeConfig)
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
 
 @dataclass

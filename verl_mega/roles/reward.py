@@ -1,4 +1,5 @@
-"""The reward role: rule-based scores for verifiable tasks, or a learned reward model.
+"""The reward role: rule-based scores for verifiable tasks, a learned reward model, or a scoring service of the
+team's own (reward.remote: its JSON API or an LLM judge, docs/remote-rewards.md).
 
 Rule reward functions (verl_mega.rewards) share verl's `compute_score` signature,
 `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`, so verl reward files can be
@@ -14,18 +15,21 @@ episode in `extra_info` (`episode_fields`: messages, tool calls and results, tur
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, NamedTuple, Sequence
 
 import torch
 from transformers import AutoModelForSequenceClassification
 
 from verl_mega.config.errors import UserError
-from verl_mega.config.schema import RewardCodeConfig, RewardConfig
+from verl_mega.config.schema import REMOTE_KINDS, RemoteRewardConfig, RewardCodeConfig, RewardConfig
 from verl_mega.data.prompts import as_messages, encode_chat
 from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.rewards import code_tests
+from verl_mega.rewards.judge import Judge, check_template, compile_pattern, load_template
 from verl_mega.rewards.registry import RewardFn, get_reward_fn, needs_time_limit, reward_fn_name
 from verl_mega.rewards.results import Died, OutOfRange, Scored, Stopped, Verdict, as_number, call_reward, described
+from verl_mega.rewards.remote import RemoteClient, RemoteStats, json_row, score_json
 from verl_mega.rewards.worker import ScoringWorker
 
 logger = logging.getLogger(__name__)
@@ -85,6 +89,13 @@ def _renumbered(reasons: dict[int, str], position: dict[int, int]) -> dict[int, 
     return {position[row]: why for row, why in reasons.items() if row in position}
 
 
+def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """The responses' valid tokens as text, special tokens dropped."""
+    valid_ids = [[token for token, valid in zip(row, mask) if valid]
+                 for row, mask in zip(responses.tolist(), response_mask.tolist())]
+    return tokenizer.batch_decode(valid_ids, skip_special_tokens=True)
+
+
 class RuleReward:
     """A rule reward function over decoded responses. `timeout_s` > 0 runs a named function (except the
     linear-time ones) in the scoring worker, with that limit per answer and `memory_limit_mb` for its heap;
@@ -101,9 +112,7 @@ class RuleReward:
         self.worker = ScoringWorker(self.name, timeout_s, memory_limit_mb, code) if limited else None
 
     def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-        valid_ids = [[token for token, valid in zip(row, mask) if valid]
-                     for row, mask in zip(responses.tolist(), response_mask.tolist())]
-        return self.tokenizer.batch_decode(valid_ids, skip_special_tokens=True)
+        return decode_responses(self.tokenizer, responses, response_mask)
 
     def __call__(
         self,
@@ -130,12 +139,10 @@ class RuleReward:
         scored = [self._scored(row, verdict, source) for row, (verdict, source) in enumerate(zip(verdicts,
                                                                                                 data_sources))]
         # NaN/inf pass through: the trainer stops or skips the batch (trainer.nonfinite) and names the rows.
-        scores = torch.tensor([result.score for result in scored], dtype=torch.float32)
-        token_rewards = scores_to_token_rewards(scores, response_mask.cpu())
+        reward = scored_output(scored, response_mask)
         if episodes is not None:
-            token_rewards += self._turn_rewards(scored, episodes, token_rewards.shape)
-        return RewardOutput(scores, token_rewards, numeric_fields(scored), tuple(result.fields for result in scored),
-                            timeouts, deaths)
+            reward.token_level_rewards.add_(self._turn_rewards(scored, episodes, reward.token_level_rewards.shape))
+        return reward._replace(timeouts=timeouts, worker_deaths=deaths)
 
     def _turn_rewards(self, scored: Sequence[Scored], episodes: Sequence, shape) -> torch.Tensor:
         """[B, R] a dict reward's `turn_scores` (one number per assistant turn), each at its turn's last sampled
@@ -181,6 +188,66 @@ def _turn_numbers(turn_scores) -> list[float | None]:
         except OutOfRange:
             numbers.append(None)
     return numbers
+
+
+def scored_output(scored: Sequence[Scored], response_mask: torch.Tensor) -> RewardOutput:
+    """The reward of rows scored each by a function or a service, the scores at each response's last token."""
+    scores = torch.tensor([result.score for result in scored], dtype=torch.float32)
+    return RewardOutput(scores, scores_to_token_rewards(scores, response_mask.cpu()), numeric_fields(scored),
+                        tuple(result.fields for result in scored))
+
+
+class RemoteReward:
+    """reward.remote: each response scored by the team's service (docs/remote-rewards.md), its JSON scoring API or
+    an LLM judge; the run stops (RemoteRewardError, naming the URL) where the service cannot score a batch.
+    `drain()` hands over the requests' statistics since the last call."""
+
+    def __init__(self, tokenizer, remote: RemoteRewardConfig):
+        self.tokenizer, self.remote = tokenizer, remote
+        self.client = RemoteClient(remote.url, max_concurrency=remote.max_concurrency, timeout_s=remote.timeout_s,
+                                   max_retries=remote.max_retries, backoff_s=remote.backoff_s,
+                                   max_consecutive_failures=remote.max_consecutive_failures,
+                                   api_key_env=remote.api_key_env)
+        self.judge = Judge(self.client, remote.model, remote.prompt_template, remote.score_pattern,
+                           remote.score_scale, remote.max_tokens) if remote.kind == "judge" else None
+
+    def __call__(self, responses: torch.Tensor, response_mask: torch.Tensor, prompts: Sequence[Any],
+                 ground_truths: Sequence[Any], data_sources: Sequence[Any], extra_infos: Sequence[Any],
+                 episodes: Sequence | None = None) -> RewardOutput:
+        """As RuleReward's, with each row's prompt (its text or chat messages) for the service."""
+        texts = (decode_responses(self.tokenizer, responses, response_mask) if episodes is None
+                 else [final_answer(episode) for episode in episodes])
+        rows = [json_row(*row) for row in zip(data_sources, prompts, texts, ground_truths, extra_infos, strict=True)]
+        scored = self.judge.score(rows) if self.judge else score_json(self.client, rows, self.remote.batch_size)
+        return scored_output(scored, response_mask)
+
+    def drain(self) -> RemoteStats:
+        return self.client.drain()
+
+
+def remote_problems(remote: RemoteRewardConfig, reward_model: str) -> list[str]:
+    """What in reward.remote (set) stops it from scoring: each a line naming its key."""
+    problems = []
+    if reward_model:
+        problems.append("reward.remote.url and reward.reward_model are both set: one scores the responses; unset "
+                        "one of them")
+    if not remote.url.startswith(("http://", "https://")):
+        problems.append(f"reward.remote.url {remote.url!r} is no http:// or https:// URL")
+    if remote.kind not in REMOTE_KINDS:
+        problems.append(f"reward.remote.kind '{remote.kind}' is unknown; known: {', '.join(REMOTE_KINDS)}")
+    if remote.api_key_env and not os.environ.get(remote.api_key_env):
+        problems.append(f"reward.remote.api_key_env: the environment variable {remote.api_key_env} is not set "
+                        "(it holds the service's key)")
+    if remote.kind == "judge":
+        if not remote.model:
+            problems.append("reward.remote.model is empty: name the model the judge's server serves")
+        for check in (lambda: check_template(load_template(remote.prompt_template)),
+                      lambda: compile_pattern(remote.score_pattern)):
+            try:
+                check()
+            except (ValueError, OSError) as err:
+                problems.append(str(err))
+    return problems
 
 
 def final_answer(episode) -> str:

@@ -52,10 +52,13 @@ def _git(*args: str) -> str:
 
 
 def reward_provenance(config: TrainConfig, reward_fn: RewardFn | None) -> dict | None:
-    """What scores the responses: the reward model's checksum, or the reward function's record; None for the
-    jobs that learn from their data alone."""
+    """What scores the responses: the scoring service (its URL), the reward model's checksum, or the reward
+    function's record; None for the jobs that learn from their data alone."""
     if config.job != "rl":
         return None
+    remote = config.reward.remote
+    if remote.url:  # the service's own version is the team's to record
+        return {"remote": remote.url, "kind": remote.kind, **({"model": remote.model} if remote.kind == "judge" else {})}
     if config.reward.reward_model:
         return {"reward_model": config.reward.reward_model, "sha256": model_sha256(config.reward.reward_model)}
     return reward_fn_provenance(reward_fn or config.reward.function)

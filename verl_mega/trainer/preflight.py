@@ -36,6 +36,7 @@ from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout
 from verl_mega.parallel.placement import placement_for, training_data_parallel_size
 from verl_mega.planning.memory import Model, layout_of, plan_memory
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
+from verl_mega.roles.reward import remote_problems
 from verl_mega.rewards.registry import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.roles.routing_replay import REPLAY_SETTINGS
@@ -157,7 +158,10 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         _check_multi_turn(config, check, need, known)
     need(config.rollout.engine != "embedded" or p.rollout_tp == 1,
          f"parallel.rollout_tp={p.rollout_tp} needs rollout.engine vllm (the embedded engine runs at rollout TP 1)")
-    if config.reward.reward_model:
+    if config.reward.remote.url:
+        problems += remote_problems(config.reward.remote, config.reward.reward_model)
+        need(reward_fn is None, "reward_fn and reward.remote.url are both set: one scores the responses")
+    elif config.reward.reward_model:
         need(not check_files or Path(config.reward.reward_model, "config.json").is_file(),
              f"reward.reward_model: {config.reward.reward_model}/config.json does not exist")
     else:

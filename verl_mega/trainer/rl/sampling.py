@@ -135,7 +135,8 @@ class Sampling:
 
     def sampling_metrics(self, generated: dict, rows: dict, groups: GroupFilter) -> dict[str, float]:
         """Overlong shares, dynamic sampling's counts and scores, the worker's timeouts and deaths (over every
-        generated response, dropped ones too) and the agent's episodes (trained on)."""
+        generated response, dropped ones too), the scoring service's latency, retries and failures, and the agent's
+        episodes (trained on)."""
         metrics = self.scoring.overlong_metrics(generated, self.generation.eos_token_ids)
         if self.config.algorithm.filter_groups.enable:
             metrics.update(groups.metrics())
@@ -143,6 +144,8 @@ class Sampling:
         if self.scoring.counts_timeouts:
             metrics["reward/timeouts"] = int(generated["timeouts"].sum())
             metrics["reward/worker_deaths"] = int(generated["worker_deaths"].sum())
+        if self.scoring.remote is not None:  # every request of the step's rounds and baselines
+            metrics.update(self.scoring.remote_stats().metrics())
         if self.generation.agent is not None:
             metrics.update(episode_metrics(rows["episode"]))
         return metrics

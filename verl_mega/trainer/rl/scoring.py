@@ -1,8 +1,10 @@
 """The reward of the RL step: each response scored by `reward.function` (in a worker under a time and memory
-limit) or by an HF reward model, the same scores on every rank, and DAPO's soft overlong punishment added.
+limit), by an HF reward model or by the team's service (reward.remote), the same scores on every rank, and DAPO's
+soft overlong punishment added.
 
 Every rank scores the whole batch, and a reward under a time limit (or any that is not deterministic) can differ
-between ranks: `agreed` makes rank 0's the scores every rank filters and trains on.
+between ranks: `agreed` makes rank 0's the scores every rank filters and trains on. A service is asked by rank 0
+alone (not once per rank), and the line that stops the run when it fails reaches every rank.
 """
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import torch.distributed as dist
 
 from verl_mega.algorithms import overlong_penalty, truncated_responses
 from verl_mega.config import TrainConfig
+from verl_mega.config.errors import UserError
 from verl_mega.rewards.registry import RewardFn
+from verl_mega.rewards.remote import RemoteStats
 from verl_mega.roles.reward import (
-    HFRewardModel, RewardOutput, RuleReward, episode_fields, scores_to_token_rewards,
+    HFRewardModel, RemoteReward, RewardOutput, RuleReward, decode_responses, episode_fields, scores_to_token_rewards,
 )
 
 from ..rollout_batch import response_tokens
@@ -24,16 +28,22 @@ class Scoring:
     """`reward.*` of a config: score rows, agree on them, shape them; `note(step, line)` logs the run's first
     answer the scoring worker stopped."""
 
-    def __init__(self, config: TrainConfig, rule: RuleReward, model: HFRewardModel | None, world_size: int,
-                 note: Note):
-        self.config, self.rule, self.model, self.world_size, self.note = config, rule, model, world_size, note
+    def __init__(self, config: TrainConfig, rule: RuleReward | None, model: HFRewardModel | None, world_size: int,
+                 note: Note, remote: RemoteReward | None = None):
+        """`remote` replaces `rule` (None then), `model` scores in place of `rule`'s function."""
+        self.config, self.rule, self.model, self.remote = config, rule, model, remote
+        self.tokenizer = (remote or rule).tokenizer
+        self.world_size, self.note = world_size, note
         self.timeout_noted = False
 
     @classmethod
     def build(cls, config: TrainConfig, tokenizer, world_size: int, note: Note,
               reward_fn: RewardFn | None = None) -> "Scoring":
-        """`reward_fn`: a callable in place of `reward.function` (the Python API's)."""
+        """`reward_fn`: a callable in place of `reward.function` (the Python API's); reward.remote.url or
+        reward.reward_model replaces both."""
         reward = config.reward
+        if reward.remote.url:
+            return cls(config, None, None, world_size, note, RemoteReward(tokenizer, reward.remote))
         rule = RuleReward(tokenizer, reward_fn or reward.function, reward.timeout_s, reward.memory_limit_mb,
                           reward.code)
         model = HFRewardModel(reward.reward_model) if reward.reward_model else None
@@ -42,38 +52,60 @@ class Scoring:
     @property
     def source(self) -> str:
         """What the scores come from, as the user configured it."""
+        if self.remote is not None:
+            return f"reward.remote.url {self.config.reward.remote.url}"
         return "reward.model" if self.model is not None else f"reward.function {self.rule.name!r}"
 
     @property
     def counts_timeouts(self) -> bool:
         """Whether answers can be stopped by the scoring worker's limits or death (reward/timeouts and
         reward/worker_deaths are logged)."""
-        return self.rule.worker is not None
+        return self.rule is not None and self.rule.worker is not None
 
     def score(self, batch: dict, rows: dict, step_number: int) -> RewardOutput:
         """Sequence scores [B], the same placed on each response's last token [B, R], and a dict reward's extra
         fields (none for a reward model)."""
         if self.model is not None:
-            texts = self.rule.decode(batch["responses"], batch["response_mask"])
+            texts = self.decode(batch["responses"], batch["response_mask"])
             scores = self.model.score(rows["raw_prompt"], texts).float().cpu()
             return RewardOutput(scores, scores_to_token_rewards(scores, batch["response_mask"]))
         truths = [(info or {}).get("ground_truth") for info in rows["reward_model"]]
         extra_infos, episodes = rows.get("extra_info"), rows.get("episode")
+        if extra_infos is None:
+            extra_infos = [None] * len(truths)
         if episodes is not None:  # the reward sees the whole episode; its answer is the last assistant turn
             extra_infos = [episode_fields(episode, info) for episode, info in zip(episodes, extra_infos)]
+        if self.remote is not None:
+            return self.remote(batch["responses"], batch["response_mask"], rows["raw_prompt"], truths,
+                               rows["data_source"], extra_infos, episodes=episodes)
         reward = self.rule(batch["responses"], batch["response_mask"], truths, rows["data_source"], extra_infos,
                            episodes=episodes)
         self.note_first_timeout(reward, rows, step_number)
         return reward
 
     def agreed(self, batch: dict, rows: dict, step_number: int) -> RewardOutput:
-        """Collective: `score`, rank 0's on every rank."""
-        reward = self.score(batch, rows, step_number)
-        if self.world_size > 1:
-            shared = [reward]
-            dist.broadcast_object_list(shared, src=0)
-            reward = shared[0]
-        return reward
+        """Collective: `score`, rank 0's on every rank. A service is asked by rank 0 only; its failure (the line
+        that stops the run) is raised on every rank."""
+        if self.world_size == 1:
+            return self.score(batch, rows, step_number)
+        if self.remote is None:
+            shared = [self.score(batch, rows, step_number)]
+        else:
+            shared = [self.remote_outcome(batch, rows, step_number) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        if isinstance(shared[0], UserError):
+            raise shared[0]
+        return shared[0]
+
+    def remote_outcome(self, batch: dict, rows: dict, step_number: int) -> RewardOutput | UserError:
+        try:
+            return self.score(batch, rows, step_number)
+        except UserError as err:
+            return err
+
+    def remote_stats(self) -> RemoteStats:
+        """The service's requests since the last call (none on the ranks that do not ask it)."""
+        return self.remote.drain()
 
     def note_first_timeout(self, reward: RewardOutput, rows: dict, step_number: int) -> None:
         """The run's first answer stopped by the scoring worker's limits goes to the log; later ones are only
@@ -113,7 +145,8 @@ class Scoring:
 
     def decode(self, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
         """The responses' text with special tokens dropped."""
-        return self.rule.decode(responses, mask)
+        return decode_responses(self.tokenizer, responses, mask)
 
     def close(self) -> None:
-        self.rule.close()
+        if self.rule is not None:
+            self.rule.close()

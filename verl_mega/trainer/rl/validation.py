@@ -1,6 +1,6 @@
 """Held-out validation of the RL job: greedy generations on data.val_files through the same transition and
 engine as the step, scored by the same reward; the mean reward overall and per data_source, a dict reward's
-fields, and the mean response length."""
+fields, the mean response length, and the scoring service's requests (reward.remote)."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from verl_mega.config import TrainConfig
 from verl_mega.data.prompts import PromptDataset
+from verl_mega.rewards.remote import RemoteStats
 from verl_mega.rollout.engine import Response, SamplingParams
 
 from ..metrics import StageTimer
@@ -59,8 +60,10 @@ class Validation:
                     entry[3] += row in reward.timeouts
                     entry[4] += row in reward.worker_deaths
                 add_field_sums(field_sums, reward.extras)
-        return self.metrics(sum_over_ranks(sums, layout.world_size),
-                            sum_over_ranks(field_sums, layout.world_size))
+        metrics = self.metrics(sum_over_ranks(sums, layout.world_size), sum_over_ranks(field_sums, layout.world_size))
+        if self.scoring.remote is not None:  # every replica leader asked the service for its share
+            metrics.update(gathered_stats(self.scoring.remote_stats(), layout.world_size).metrics())
+        return metrics
 
     def metrics(self, totals: dict, field_totals: dict) -> dict[str, float]:
         reward_sum, count, tokens, timeouts, deaths = (sum(values[i] for values in totals.values()) for i in range(5))
@@ -89,6 +92,13 @@ def add_field_sums(sums: dict[str, list[float]], extras: dict[str, torch.Tensor]
         present = ~torch.isnan(values)
         entry = sums.setdefault(name, [0.0, 0])
         entry[0], entry[1] = entry[0] + values[present].sum().item(), entry[1] + int(present.sum())
+
+
+def gathered_stats(stats: RemoteStats, world_size: int) -> RemoteStats:
+    """Collective: every rank's requests to the scoring service, together."""
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, stats)
+    return RemoteStats.merged(gathered)
 
 
 def sum_over_ranks(sums: dict, world_size: int) -> dict:
