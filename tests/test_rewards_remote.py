@@ -296,3 +296,16 @@ def test_judge_against_vllm_serve(vllm_judge, tiny_models):
     metrics = reward.drain().metrics()
     assert metrics["reward/remote_latency_max_s"] > 0 and metrics["reward/remote_failures"] == 2 * (None in
                                                                                                    expected_scores)
+
+
+def test_the_preflight_check_lists_a_bad_remote_reward_in_one_line(tiny_models, tmp_path):
+    """Through `preflight_check` itself, as a run meets it (the lines come from `remote_problems`)."""
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "copy: 1", "reward_model": {"ground_truth": "1"}}\n')
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompts}]",
+                                "reward.remote.url=ftp://scores.example", "trainer.run_dir=run"])
+    with pytest.raises(ConfigError, match=r"reward.remote.url 'ftp://scores.example' is no http:// or https:// URL"):
+        preflight_check(config, world_size=1)

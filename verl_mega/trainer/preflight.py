@@ -159,7 +159,8 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     need(config.rollout.engine != "embedded" or p.rollout_tp == 1,
          f"parallel.rollout_tp={p.rollout_tp} needs rollout.engine vllm (the embedded engine runs at rollout TP 1)")
     if config.reward.remote.url:
-        problems += remote_problems(config.reward.remote, config.reward.reward_model)
+        for problem in remote_problems(config.reward.remote, config.reward.reward_model):
+            need(False, problem)
         need(reward_fn is None, "reward_fn and reward.remote.url are both set: one scores the responses")
     elif config.reward.reward_model:
         need(not check_files or Path(config.reward.reward_model, "config.json").is_file(),
