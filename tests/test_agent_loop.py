@@ -244,11 +244,12 @@ def best_parse_seconds(text: str, tool_call_format: str) -> float:
 
 @pytest.mark.parametrize("text, tool_call_format", [("<tool_call>{", "hermes"), ("[", "llama3_json")])
 def test_a_turn_of_repeated_unclosed_tags_parses_in_time_linear_in_its_length(text, tool_call_format):
-    """16k and 100k repeats (`<tool_call>` is one token of Qwen's): 6.25x the length may take 6.25x the time
-    and some noise, not the 39x a parse that rescans the rest of the turn from each tag takes."""
+    """16k and 256k repeats (`<tool_call>` is one token of Qwen's): 16x the length may take 16x the time and
+    noise up to 4x more (a busy machine), not the 256x a parse that rescans the rest of the turn from each tag
+    takes."""
     head = "{" if tool_call_format == "llama3_json" else ""
-    short, long = (best_parse_seconds(head + text * repeats, tool_call_format) for repeats in (16_000, 100_000))
-    assert long / short < 20, (short, long)
+    short, long = (best_parse_seconds(head + text * repeats, tool_call_format) for repeats in (16_000, 256_000))
+    assert long / short < 64, (short, long)
 
 
 def test_max_turns_and_the_token_budget_truncate(qwen, toolset):
