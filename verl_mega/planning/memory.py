@@ -13,8 +13,9 @@ fp32), fp32 main gradients (when the gradients are not fp32) and Adam's two fp32
 optimizer shards over the D ranks: fp16 params + fp16 grads 20 B (4 + 16/D distributed), bf16 params + fp32
 grads 18 B (6 + 12/D), fp32 + fp32 16 B (8 + 8/D). verl_mega's DDP reduces gradients in fp32
 (`grad_reduce_in_fp32=True` in `roles.trainable`), so a bf16/fp16 model takes the 18 B row, an fp32 one the
-16 B row. Nothing is offloaded: actor and critic keep all of it through the rollout; the reference holds its
-weights only.
+16 B row. Across the rollout window (the transition and the rollout) the actor's gradient buffers are dropped
+and Adam's moments wait on the host (`rollout.training_memory`), so there it holds its parameters and fp32
+main parameters only; the critic keeps all of it; the reference holds its weights only.
 
 Activations per layer and micro-batch: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2) count, for a GPT layer in fp16 with a 4h GeLU MLP, dropout and a heads,
@@ -394,6 +395,11 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     def resident_bytes(stage: int) -> float:
         return sum(sum(parts.values()) for parts in resident(stage).values())
 
+    def awake_resident_bytes(stage: int) -> float:
+        """What stays on the device in the rollout window: less the actor's gradients and Adam moments."""
+        released = GRAD_BYTES + ADAM_MOMENTS * FP32_BYTES / (layout.dp if layout.distributed_optimizer else 1)
+        return resident_bytes(stage) - stage_params[stage] * released
+
     def update(stage: int, schedule, recompute: RecomputeConfig, micro: int, with_logits: bool) -> Phase:
         rows = micro_batch_rows(micro, schedule.max_tokens_per_micro_batch, seq)
         micro_batches = max(1, schedule.mini_batch_size // (layout.dp * rows))
@@ -422,7 +428,7 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
             sequences = config.data.batch_size * config.rollout.n * layout.rollout_tp / layout.gpus
             kv = kv_cache_bytes(hf, DTYPES[model.rollout_dtype], math.ceil(sequences) * seq)
             engine = {"weights": rollout_weights, "kv_cache": kv / min(layout.rollout_tp, hf.num_kv_heads)}
-        return Phase(stage, resident_bytes(stage), engine)
+        return Phase(stage, awake_resident_bytes(stage), engine)
 
     candidates: dict[str, list[Phase]] = {name: [] for name in (
         "actor.update", "actor.log_prob", "reference.log_prob", "critic.update", "critic.values", "transition",
@@ -436,7 +442,7 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
             candidates["critic.update"].append(update(stage, critic, critic.recompute, critic.micro_batch_size,
                                                       False))
             candidates["critic.values"].append(forward(stage, critic, critic.micro_batch_size, False))
-        candidates["transition"].append(Phase(stage, resident_bytes(stage), {"weights": rollout_weights,
+        candidates["transition"].append(Phase(stage, awake_resident_bytes(stage), {"weights": rollout_weights,
                                                                              "buffers": transfer}))
         candidates["rollout"].append(rollout(stage))
     phases = {name: max(found, key=lambda phase: phase.total_bytes) for name, found in candidates.items() if found}
