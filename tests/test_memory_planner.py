@@ -121,3 +121,15 @@ def test_the_docs_model_configs_have_the_published_parameter_counts(name, billio
     hf_config, family = load_hf_model_config(FIXTURES / name)
     total = sum(math.prod(shape) for shape in expected_hf_shapes(hf_config, family).values())
     assert round(total / 1e9, 2) == billions
+
+
+def test_the_rollout_window_holds_the_actor_without_its_gradients_and_adam_moments(tiny):
+    """rollout/training_memory drops the actor's gradient buffers and moves Adam's moments to the host while the
+    engine is awake; the critic keeps all of it."""
+    model = Model(load_config(tiny))
+    layout = layout_of(model.config, 1)
+    plan = plan_memory(model, layout, Roles(critic=True, reference=False))
+    actor_params = plan.roles["actor"]["params"] / 2  # bf16
+    released = actor_params * (4 + 2 * 4)  # the fp32 gradient buffer and two fp32 moments per parameter
+    assert plan.phases["rollout"].resident_bytes == pytest.approx(plan.phases["actor.update"].resident_bytes - released)
+    assert plan.phases["transition"].resident_bytes == plan.phases["rollout"].resident_bytes
