@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from verl_mega.files.atomic import atomic_write_text
+from verl_mega.rollout.live_bytes import LiveBytes
 from verl_mega.run.folder import RunFolder
 CONSOLE_KEYS = ("reward/mean", "val/reward_mean", "response/length_mean", "actor/pg_loss", "actor/kl", "critic/vf_loss",
                 "actor/entropy", "actor/grad_norm", "sft/loss", "preference/loss",
@@ -71,8 +72,6 @@ class PeakMemory:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
             return self
-        from verl_mega.rollout.live_bytes import LiveBytes
-
         self._allocated = live_tensor_bytes()
         self._tracker = LiveBytes().__enter__()
         return self
