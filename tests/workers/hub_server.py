@@ -18,6 +18,7 @@ routes carry no `models/` prefix):
     POST /api/TYPE/ORG/NAME/branch/BRANCH       a branch at main's commit (or {startingPoint})
     POST /api/TYPE/ORG/NAME/preupload/REV       every file goes "regular" (inline in the commit)
     POST /api/TYPE/ORG/NAME/commit/REV          the NDJSON commit: header, file (base64), deletedFile
+    POST /api/validate-yaml                     a README.md's metadata (always valid here)
 
 Errors carry the Hub's X-Error-Code (RepoNotFound 401, RevisionNotFound 404, EntryNotFound 404, GatedRepo 403),
 which huggingface_hub turns into its typed errors. A private repo answers only to `Authorization: Bearer T`
@@ -225,6 +226,8 @@ class Handler(BaseHTTPRequestHandler):
         path = unquote(urlsplit(self.path).path)
         if path == "/api/repos/create":
             return self._create(json.loads(body))
+        if path == "/api/validate-yaml":  # a README.md's metadata: accepted as it is
+            return self._json({"errors": [], "warnings": []})
         match = _API_ROUTE.match(path)
         if not match or match.group(4) not in ("preupload", "commit", "branch", "settings"):
             raise HubError(404, "NotFound", f"no route {path}")
@@ -260,15 +263,16 @@ class Handler(BaseHTTPRequestHandler):
         kind = f"{request.get('type') or 'model'}s"
         org = request.get("organization") or "user"
         folder = self.root / kind / org / request["name"]
+        prefix = "" if kind == "models" else f"{kind}/"
+        answer = {"url": f"http://{self.headers['Host']}/{prefix}{org}/{request['name']}", "name": request["name"]}
         with LOCK:
-            if (folder / "meta.json").is_file():
-                raise HubError(409, "Conflict", "You already created this repo")
+            if (folder / "meta.json").is_file():  # the Hub's 409 names the repo's URL too
+                return self._json({**answer, "error": "You already created this repo"}, status=409)
             (folder / "blobs").mkdir(parents=True)
             repo = Repo(folder)
             empty = repo.write_commit(None, {}, "initial commit")
             repo.save_meta({"private": request.get("visibility") == "private", "gated": False, "refs": {"main": empty}})
-        prefix = "" if kind == "models" else f"{kind}/"
-        self._json({"url": f"http://{self.headers['Host']}/{prefix}{org}/{request['name']}", "name": request["name"]})
+        self._json(answer)
 
     def _commit(self, repo: Repo, kind: str, org: str, name: str, revision: str, body: bytes) -> None:
         meta = repo.meta
