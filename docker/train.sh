@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The training image's entry point: train the HF model MODEL_ID on DATASET_PATH with the RL_CONFIG YAML.
 #
-#   MODEL_ID      HF model folder: config.json, weights, tokenizer
-#   DATASET_PATH  parquet or jsonl file, or a folder written by HF datasets' save_to_disk (one split)
+#   MODEL_ID      HF model folder (config.json, safetensors weights, tokenizer), or a Hub id org/name[@revision]
+#                 downloaded once into the HF cache (HF_HOME, HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE; docs/hub.md)
+#   DATASET_PATH  parquet or jsonl file, a folder written by HF datasets' save_to_disk (one split), or Hub data
+#                 hf://datasets/org/name[@revision]/path (a file, a folder or a split such as train)
 #   RL_CONFIG     training config (YAML, as examples/*.yaml); its job may be ppo (PPO, GRPO, ...), sft or dpo
 #   RUN_DIR       run folder: checkpoints, metrics, provenance.json (default: RL_CONFIG's trainer.run_dir if it
 #                 sets one, else /workspace/runs/<RL_CONFIG's name>); a run started again on the same folder resumes
@@ -21,14 +23,19 @@ fail() {
     exit 2
 }
 
+PYTHON=${PYTHON:-python}
 [[ -n "${MODEL_ID:-}" ]] || fail "MODEL_ID is not set: point it at an HF model folder (config.json, weights, tokenizer)"
-[[ -f "$MODEL_ID/config.json" ]] || fail "MODEL_ID=$MODEL_ID has no config.json: point it at an HF model folder"
+MODEL_PATH=$MODEL_ID
+if [[ ! -e "$MODEL_ID" && "$MODEL_ID" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@.+)?$ ]]; then
+    # A Hub id: downloaded here, once for this node, before any rank starts; the ranks read the snapshot.
+    MODEL_PATH=$("$PYTHON" -m verl_mega.hub "$MODEL_ID") || fail "MODEL_ID=$MODEL_ID cannot be had (the error above)"
+fi
+[[ -f "$MODEL_PATH/config.json" ]] || fail "MODEL_ID=$MODEL_ID has no config.json: point it at an HF model folder"
 [[ -n "${DATASET_PATH:-}" ]] || fail "DATASET_PATH is not set: point it at a parquet or jsonl file or a datasets folder"
-[[ -e "$DATASET_PATH" ]] || fail "DATASET_PATH=$DATASET_PATH does not exist"
+[[ "$DATASET_PATH" == hf://datasets/* || -e "$DATASET_PATH" ]] || fail "DATASET_PATH=$DATASET_PATH does not exist"
 [[ -n "${RL_CONFIG:-}" ]] || fail "RL_CONFIG is not set: point it at a YAML training config"
 [[ -f "$RL_CONFIG" ]] || fail "RL_CONFIG=$RL_CONFIG is not a file"
 NPROC=${NPROC:-1}
-PYTHON=${PYTHON:-python}
 # Every Python process below (and torchrun's ranks, the reward worker) imports nothing from the folder the
 # container starts in (verl_mega.parallel.safe_path).
 export PYTHONSAFEPATH=1
@@ -48,7 +55,7 @@ mkdir -p "$RUN_DIR" 2>/dev/null || fail "RUN_DIR=$RUN_DIR cannot be created"
 mkdir -p "$CACHE_DIR" 2>/dev/null || fail "CACHE_DIR=$CACHE_DIR cannot be created"
 
 overrides=(
-    "model.hf_path=$MODEL_ID"
+    "model.hf_path=$MODEL_PATH"
     "data.train_files=$DATASET_PATH"
     "trainer.run_dir=$RUN_DIR"
     "model.conversion_cache=$CACHE_DIR"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verl_mega.config import JOB_ALIASES, JOBS, load_config
+from verl_mega.hub import resolve_inputs
 from verl_mega.trainer.preflight import preflight_check
 
 TRAINER_MODULE = "verl_mega.trainer.main"
@@ -81,7 +82,8 @@ def check_trainer_config(args: argparse.Namespace, passthrough: list[str], world
     bad config is refused before anything is queued or started. Raises ConfigError (a ValueError)."""
     if args.module != TRAINER_MODULE or args.config is None:
         return
-    preflight_check(load_config(args.config, [*args.overrides, *passthrough]), world_size)
+    # Hub ids are resolved here, once on this node before the ranks start (they find the cache warm).
+    preflight_check(resolve_inputs(load_config(args.config, [*args.overrides, *passthrough])), world_size)
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

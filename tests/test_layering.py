@@ -5,7 +5,8 @@ The layering, written down once: a package may import its own modules and packag
     0  files                            files on disk: the write-then-rename protocol, a file's sha256,
                                         a saved JSON state read back and checked
     1  config, ops, parallel, data      leaves: the config schema, kernels, process groups, datasets
-    2  tools                            the tools a multi-turn rollout calls and the python tool's sandbox
+    2  tools, hub                       the tools a multi-turn rollout calls and the python tool's sandbox; Hub
+                                        ids resolved through huggingface_hub's cache, a folder pushed back
     3  algorithms, models, rewards      PPO math (pure tensor functions); model families and the builder;
                                         reward functions and the worker process that runs them under a limit
                                         (code rewards run their tests in the python sandbox)
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     {"files"},
     {"config", "ops", "parallel", "data"},
-    {"tools"},
+    {"tools", "hub"},
     {"algorithms", "models", "rewards"},
     {"checkpoint"},
     {"roles", "rollout"},

@@ -21,6 +21,7 @@ from verl_mega.config.errors import UserError
 from verl_mega.converters.export import export_role
 from verl_mega.data.prompts import as_messages, encode_chat
 from verl_mega.data.tokenizer import load_tokenizer
+from verl_mega.hub import model_ref, resolve_model
 from verl_mega.rewards.registry import RewardFn, reward_fn_name
 from verl_mega.run.folder import RunFolder
 from verl_mega.trainer.main import run
@@ -45,8 +46,9 @@ def algorithm_settings(algorithm: str) -> dict[str, str]:
 
 
 class Trainer:
-    """One training run. `actor` (and `critic`) are HF model folders; `train_data` / `val_data` a parquet or
-    jsonl file, an HF `datasets` folder (`save_to_disk`), or a list of them; `reward_fn` a function
+    """One training run. `actor` (and `critic`) are HF model folders or Hub ids `org/name[@revision]`;
+    `train_data` / `val_data` a parquet or jsonl file, an HF `datasets` folder (`save_to_disk`), Hub data
+    `hf://datasets/org/name[@revision]/path`, or a list of them; `reward_fn` a function
     `fn(data_source, response, ground_truth, extra_info) -> float`, a registered name or "module:function";
     `config` a YAML file or a dict of dotted keys ({"trainer.total_steps": 20}), which the arguments override.
     Bad settings raise UserError naming the key, before any process group starts."""
@@ -94,7 +96,8 @@ class Trainer:
 def _files(data, argument: str) -> list[str]:
     paths = [data] if isinstance(data, (str, os.PathLike)) else list(data) if isinstance(data, (list, tuple)) else []
     if not paths or not all(isinstance(path, (str, os.PathLike)) for path in paths):
-        raise UserError(f"{argument}: give a file or datasets folder path, or a list of them; got {data!r}")
+        raise UserError(f"{argument}: give a file or datasets folder path (or hf://datasets/...), or a list of them; "
+                        f"got {data!r}")
     return [os.fspath(path) for path in paths]
 
 
@@ -125,7 +128,10 @@ class Policy:
 def load_policy(path: str | os.PathLike, *, step: int | None = None, dtype: str | None = None,
                 device: str | torch.device = "cpu") -> Policy:
     """The actor of a run folder (its final weights, or `step`'s checkpoint), of a converted checkpoint, or an
-    HF folder (`verl-mega export`'s output)."""
+    HF folder (`verl-mega export`'s output), or a Hub id `org/name[@revision]` (docs/hub.md)."""
+    ref = model_ref(path) if step is None else None
+    if ref is not None:
+        return _load_hf(resolve_model(ref).path, device)
     path = Path(path)
     if (path / "config.json").is_file() and step is None:
         return _load_hf(path, device)

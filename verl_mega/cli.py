@@ -12,6 +12,7 @@ import importlib
 import shutil
 import sys
 from importlib.metadata import version
+from pathlib import Path
 
 from verl_mega.checkpoint.manifest import FORMATS
 from verl_mega.checkpoint.roles import ROLES
@@ -20,8 +21,11 @@ from verl_mega.converters.export import export_role
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
 from verl_mega.converters.verify import verify_checkpoint
+from verl_mega.hub import HubRef, model_ref, resolve_model
+from verl_mega.hub.push import push_folder
 from verl_mega.models.builder import DTYPES
 from verl_mega.run.folder import RunFolder
+from verl_mega.trainer.model_card import model_card
 from verl_mega.trainer.plot import plot_run
 
 DTYPE_NAMES = list(DTYPES)
@@ -44,6 +48,7 @@ DELEGATED = {
 FAMILY_SPEC_HELP = ("package.module:SPEC naming the FamilySpec of a family declared outside verl_mega "
                     "(recorded in the checkpoint's manifest)")
 FAMILY_SPEC_OVERRIDE_HELP = "package.module:SPEC to use instead of the family spec the manifest records"
+HF_HELP = "HF model folder (config.json + safetensors), or a Hub id org/name[@revision] (docs/hub.md)"
 
 
 def _add_keep_remote_code(parser) -> None:
@@ -56,7 +61,7 @@ def _add_convert(subparsers) -> None:
     kinds = convert.add_subparsers(dest="direction", required=True)
 
     to_mcore = kinds.add_parser("hf-to-mcore", help="HF folder -> Megatron TP/PP shards")
-    to_mcore.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
+    to_mcore.add_argument("--hf", required=True, help=HF_HELP)
     to_mcore.add_argument("--out", required=True, help="output checkpoint folder (must not exist)")
     to_mcore.add_argument("--tp", type=int, default=1)
     to_mcore.add_argument("--pp", type=int, default=1)
@@ -79,7 +84,7 @@ def _add_convert(subparsers) -> None:
     to_hf.add_argument("--family-spec", help=FAMILY_SPEC_OVERRIDE_HELP)
 
     verify = kinds.add_parser("verify", help="logit parity: megatron-core from the shards vs transformers")
-    verify.add_argument("--hf", required=True)
+    verify.add_argument("--hf", required=True, help=HF_HELP)
     verify.add_argument("--ckpt", required=True)
     verify.add_argument("--seq-len", type=int, default=16)
     verify.add_argument("--batch", type=int, default=2)
@@ -103,6 +108,10 @@ def _add_export(subparsers) -> None:
     export.add_argument("--overwrite", action="store_true")
     _add_keep_remote_code(export)
     export.add_argument("--family-spec", help=FAMILY_SPEC_OVERRIDE_HELP)
+    export.add_argument("--push-to-hub", metavar="ORG/NAME",
+                        help="upload the exported folder, with a generated model card (README.md), to this Hub repo")
+    export.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    export.add_argument("--revision", default="main", help="with --push-to-hub: the branch to commit to")
 
 
 def _add_plot(subparsers) -> None:
@@ -168,6 +177,8 @@ def _kept_only_if_verified(out: str, check) -> int:
 
 
 def _run_convert(args) -> int:
+    if getattr(args, "hf", None) and model_ref(args.hf):  # a Hub id: its snapshot in the HF cache
+        args.hf = str(resolve_model(model_ref(args.hf)).path)
     if args.direction == "hf-to-mcore":
         manifest = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                                        fmt=args.format, overwrite=args.overwrite,
@@ -187,10 +198,18 @@ def _run_convert(args) -> int:
 
 
 def _run_export(args) -> int:
+    if not args.push_to_hub and (args.private or args.revision != "main"):
+        raise ValueError("--private and --revision go with --push-to-hub ORG/NAME")
+    if args.push_to_hub and model_ref(args.push_to_hub) != HubRef(args.push_to_hub):
+        raise ValueError(f"--push-to-hub {args.push_to_hub}: give a repo id ORG/NAME (the branch goes in --revision)")
     source = export_role(args.ckpt, args.out, role=args.role, step=args.step, dtype=args.dtype,
                          overwrite=args.overwrite, keep_remote_code=args.keep_remote_code,
                          family_spec=args.family_spec, merge=args.merge)
     print(f"exported the {args.role} of {source} to {args.out}")
+    if args.push_to_hub:
+        (Path(args.out) / "README.md").write_text(model_card(args.push_to_hub, args.ckpt, args.role))
+        commit = push_folder(args.out, args.push_to_hub, private=args.private, revision=args.revision)
+        print(f"pushed {args.out} to {args.push_to_hub}@{args.revision} (commit {commit})")
     return 0
 
 

@@ -142,7 +142,7 @@ def _fetch(ref: HubRef, choose) -> Resolved:
         raise HubError(f"{kind} {ref}: the cache holds an incomplete copy and the Hub cannot be reached; run again "
                        "online to complete it") from None
     except (httpx2.TransportError, HfHubHTTPError) as err:
-        raise HubError(f"{kind} {ref}: the download stopped ({_first_line(err)}); run again to complete it "
+        raise HubError(f"{kind} {ref}: the download stopped ({first_line(err)}); run again to complete it "
                        "(the files already downloaded are kept)") from None
     return Resolved(ref, commit, Path(folder), tuple(chosen))
 
@@ -164,7 +164,7 @@ def _listing(ref: HubRef) -> tuple[str, list[str]] | None:
     except RevisionNotFoundError:
         raise HubError(f"{kind} {ref}: no revision {ref.revision!r} (a branch, tag or commit of the repo)") from None
     except HfHubHTTPError as err:
-        raise HubError(f"{kind} {ref}: {endpoint()} answered {_first_line(err)}") from None
+        raise HubError(f"{kind} {ref}: {endpoint()} answered {first_line(err)}") from None
     return info.sha, [sibling.rfilename for sibling in info.siblings or []]
 
 
@@ -179,7 +179,7 @@ def _not_local(ref: HubRef) -> str:
     return f" (and no local folder {ref.repo_id} exists)" if ref.repo_type == "model" else ""
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
 
 
@@ -216,8 +216,9 @@ def _node_lock(ref: HubRef) -> Iterator[None]:
 
 
 def hub_origin(path: str | os.PathLike) -> dict | None:
-    """{"id", "type", "commit", "refs"} when `path` lies in a snapshot of huggingface_hub's cache (where a Hub id
-    resolved to), else None: what a run's provenance records of a Hub input."""
+    """{"id", "type", "commit", "refs"} when `path` is a snapshot of huggingface_hub's cache (where a Hub id
+    resolved to), and "path" (in the repo) when it lies below one; else None: what a run's provenance records of
+    a Hub input."""
     parts = Path(path).parts
     if "snapshots" not in parts:
         return None
@@ -231,4 +232,5 @@ def hub_origin(path: str | os.PathLike) -> dict | None:
     refs_dir = Path(*parts[:at]) / "refs"
     refs = sorted(str(file.relative_to(refs_dir)) for file in refs_dir.rglob("*")
                   if file.is_file() and file.read_text().strip() == commit) if refs_dir.is_dir() else []
-    return {"id": repo.replace("--", "/", 1), "type": kind[:-1], "commit": commit, "refs": refs}
+    origin = {"id": repo.replace("--", "/", 1), "type": kind[:-1], "commit": commit, "refs": refs}
+    return {**origin, "path": "/".join(parts[at + 2:])} if len(parts) > at + 2 else origin

@@ -1,7 +1,8 @@
 """`RUN/provenance.json`: what a run was made from, so a result can be traced back and reproduced.
 
 The model's sha256 (its config and weight files), the package's version and commit, and the reward function
-(a registered name, or the sha256 of a function's source). The commit comes from `VERL_MEGA_COMMIT` (the
+(a registered name, or the sha256 of a function's source). A model or data file that came from the Hub also
+records where: its repo id, the commit its revision resolved to and the refs (branches, tags) that named it. The commit comes from `VERL_MEGA_COMMIT` (the
 Docker image bakes it in), else from `git` when the package is imported from a git checkout, else "unknown".
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from verl_mega.checkpoint.hf_assets import model_sha256
 from verl_mega.config import TrainConfig
 from verl_mega.files.atomic import atomic_write_text
+from verl_mega.hub import hub_origin
 from verl_mega.rewards.registry import RewardFn, reward_fn_provenance
 
 from .folder import RunFolder
@@ -60,7 +62,8 @@ def reward_provenance(config: TrainConfig, reward_fn: RewardFn | None) -> dict |
     if remote.url:  # the service's own version is the team's to record
         return {"remote": remote.url, "kind": remote.kind, **({"model": remote.model} if remote.kind == "judge" else {})}
     if config.reward.reward_model:
-        return {"reward_model": config.reward.reward_model, "sha256": model_sha256(config.reward.reward_model)}
+        return _with_hub({"reward_model": config.reward.reward_model,
+                          "sha256": model_sha256(config.reward.reward_model)}, config.reward.reward_model)
     return reward_fn_provenance(reward_fn or config.reward.function)
 
 
@@ -70,10 +73,30 @@ def write_provenance(run_dir: Path, config: TrainConfig, checksums: dict[str, st
     records what it resumed with (the file is replaced)."""
     record = {
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": {"path": config.model.hf_path, "sha256": checksums["actor"]},
+        "model": _with_hub({"path": config.model.hf_path, "sha256": checksums["actor"]}, config.model.hf_path),
         "verl_mega": {"version": package_version(), "commit": package_commit()},
         "reward": reward_provenance(config, reward_fn),
     }
     if "critic" in checksums:
-        record["critic"] = {"path": config.model.critic_hf_path, "sha256": checksums["critic"]}
+        record["critic"] = _with_hub({"path": config.model.critic_hf_path, "sha256": checksums["critic"]},
+                                     config.model.critic_hf_path)
+    data = _hub_data(config)
+    if data:
+        record["data"] = data
     return atomic_write_text(RunFolder(run_dir).provenance, json.dumps(record, indent=2) + "\n")
+
+
+def _with_hub(entry: dict, path: str) -> dict:
+    origin = hub_origin(path)
+    return {**entry, "hub": origin} if origin else entry
+
+
+def _hub_data(config: TrainConfig) -> list[dict]:
+    """The Hub datasets the run's data files came from, each once: {"id", "type", "commit", "refs", "files"}."""
+    datasets: dict[tuple[str, str], dict] = {}
+    for path in [*config.data.train_files, *config.data.val_files]:
+        origin = hub_origin(path)
+        if origin:
+            file = origin.pop("path", "")
+            datasets.setdefault((origin["id"], origin["commit"]), {**origin, "files": []})["files"].append(file)
+    return list(datasets.values())

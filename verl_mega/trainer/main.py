@@ -3,7 +3,9 @@
 The config's `job` picks the loop: rl (default), sft or preference; `verl-mega sft` and `verl-mega preference`
 (or its old name `verl-mega dpo`) are `train` with the job set.
 
-The config passes the pre-flight check before any process group starts; the resolved config and the run's
+Hub ids in the config (models `org/name[@rev]`, data `hf://datasets/...`) are resolved to their snapshots in the
+cache first (verl_mega.hub; one process per node downloads). The config passes the pre-flight check before any
+process group starts; the resolved config and the run's
 provenance are saved in the run folder. A plain process (no torchrun) trains as a world of one. `run` is the one
 way in for the command line and the Python API (`verl_mega.api`), which may hand a reward function itself.
 """
@@ -23,6 +25,7 @@ from verl_mega.config import load_config, to_yaml
 from verl_mega.config.errors import USER_ERROR_EXIT_CODE, UserError, report_to_launcher
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.files.atomic import atomic_write_text
+from verl_mega.hub import resolve_inputs
 from verl_mega.models import HFModelConfig
 from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import destroy_parallel, init_parallel
@@ -79,7 +82,7 @@ def preference_main(argv: list[str] | None = None) -> int:
 def run(config, reward_fn=None) -> None:
     """Validate `config` for this job's world size, then train. `reward_fn`: a callable scoring responses in
     place of `reward.function` (the RL job only)."""
-    preflight_check(config, read_world().size, reward_fn=reward_fn)
+    preflight_check(resolve_inputs(config), read_world().size, reward_fn=reward_fn)
     train(config, reward_fn)
 
 
