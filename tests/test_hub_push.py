@@ -47,6 +47,7 @@ def _read_back(env: dict, repo: str, revision: str, local: Path) -> subprocess.C
                           env={**clean_env(), **env}, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_convert_a_hub_id_and_push_the_export_back(hub, tmp_path, tiny_models):
     env = hub_env(hub, tmp_path / "hf_home")
     converted = _cli(env, "convert", "hf-to-mcore", "--hf", "org/tiny", "--out", str(tmp_path / "ckpt"))

@@ -148,13 +148,14 @@ class ModelConfig:
     """The models a run starts from and the precision they train in."""
 
     hf_path: str = "???"
-    """HF folder: config, tokenizer (and the weights when `actor_ckpt` is empty)."""
+    """HF folder: config, tokenizer (and the weights when `actor_ckpt` is empty); or a Hub id org/name[@revision]
+    (docs/hub.md)."""
     actor_ckpt: str = ""
     """Converted megatron checkpoint; empty: converted from hf_path into the run folder."""
     critic_ckpt: str = ""
     """Converted megatron checkpoint; empty: critic_hf_path's weights, else the actor's."""
     critic_hf_path: str = ""
-    """HF causal-LM folder the critic starts from (converted like the actor's weights)."""
+    """HF causal-LM folder (or Hub id) the critic starts from (converted like the actor's weights)."""
     dtype: str = "fp32"
     """Parameters and activations of actor, critic and reference (megatron mixed precision: fp32 main weights,
     optimizer state and gradient reduction; fp16 with dynamic loss scaling)."""
@@ -215,7 +216,8 @@ class DataConfig:
         "seed": SEED, "length_group_batches": at_least(1)}
 
     train_files: list[str] = field(default_factory=list)
-    """Parquet or jsonl files, or folders written by HF datasets' `save_to_disk` (one split each)."""
+    """Parquet or jsonl files, folders written by HF datasets' `save_to_disk` (one split each), or Hub data
+    hf://datasets/org/name[@revision]/path (a file, folder or split; docs/hub.md)."""
     val_files: list[str] = field(default_factory=list)
     """Held-out rows scored every trainer.val_every steps and at the end (rl: also before the first step). rl:
     greedy generations' reward, overall and per data_source; sft / preference: the loss on them."""
@@ -659,7 +661,7 @@ class RewardConfig:
     """Heap cap of that worker process (RLIMIT_DATA), in MiB: an answer whose parsing allocates more scores 0
     like a late one. 0: no cap."""
     reward_model: str = ""
-    """HF sequence-classification folder; replaces `function` when set (not with reward.remote.url)."""
+    """HF sequence-classification folder (or Hub id); replaces `function` when set (not with reward.remote.url)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     code: RewardCodeConfig = field(default_factory=RewardCodeConfig)
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
