@@ -205,6 +205,12 @@ def test_an_interrupted_download_resumes(tmp_path, tiny_models):
         snapshot = next((blobs.parent / "snapshots").iterdir())
         complete = {f"models/org/tiny/{path.name}" for path in snapshot.iterdir()}
         assert complete and "models/org/tiny/model.safetensors" not in complete
+        offline = _resolver({**env, "HF_HUB_OFFLINE": "1"}, "org/tiny")
+        assert offline.wait(timeout=120) == 2
+        assert offline.stderr.read().strip().splitlines()[-1] == (
+            "error: Hub model org/tiny: HF_HUB_OFFLINE is set and the cache holds an incomplete copy (a download cut "
+            "short); run again online to complete it")
+        assert not list(blobs.glob("*.incomplete"))  # the killed download's partial file is gone
         second = _resolver(env, "org/tiny")
         out, err = second.communicate(timeout=120)
         assert second.returncode == 0, err

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx2
-from huggingface_hub import HfApi, get_token, snapshot_download
-from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                    RevisionNotFoundError)
+from huggingface_hub import HfApi, get_cached_repo_tree, get_token, snapshot_download
+from huggingface_hub.errors import (CachedRepoTreeNotFoundError, GatedRepoError, HfHubHTTPError,
+                                    LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
 
 from verl_mega.config.errors import UserError
 
@@ -122,33 +122,31 @@ def _resolve(ref: HubRef, choose: Callable[[HubRef, list[str]], list[str]]) -> R
 
 def _fetch(ref: HubRef, choose) -> Resolved:
     kind = f"Hub {ref.repo_type}"
-    listing = None if offline() else _listing(ref)
-    if listing is None:  # offline, or the endpoint is unreachable: the cache alone
-        commit = _cached_commit(ref)
-        snapshot = storage_folder(ref) / "snapshots" / commit if commit else None
+    files = None if offline() else _listing(ref)
+    revision, cache_only = ref.revision, files is None
+    if cache_only:  # offline, or the endpoint is unreachable
+        revision = _cached_commit(ref)
+        snapshot = storage_folder(ref) / "snapshots" / revision if revision else None
         if snapshot is None or not snapshot.is_dir():
-            why = ("HF_HUB_OFFLINE is set" if offline() else f"HF_ENDPOINT {endpoint()} cannot be reached")
-            raise HubError(f"{kind} {ref}: {why} and the cache ({cache_dir()}) holds no copy of it; download it "
-                           "once online" + _not_local(ref))
-        files = sorted(str(path.relative_to(snapshot)) for path in snapshot.rglob("*") if path.is_file())
-    else:
-        commit, files = listing
+            raise HubError(f"{kind} {ref}: {_why_cache_only()} and the cache ({cache_dir()}) holds no copy of it; "
+                           "download it once online" + _not_local(ref))
+        files = _cached_listing(ref, revision, snapshot)
     chosen = choose(ref, files)
     try:
-        folder = snapshot_download(ref.repo_id, repo_type=ref.repo_type, revision=ref.revision if listing else commit,
-                                   allow_patterns=chosen, cache_dir=cache_dir(), endpoint=endpoint(),
-                                   local_files_only=listing is None)
+        folder = snapshot_download(ref.repo_id, repo_type=ref.repo_type, revision=revision, allow_patterns=chosen,
+                                   cache_dir=cache_dir(), endpoint=endpoint(), local_files_only=cache_only)
     except LocalEntryNotFoundError:  # an incomplete snapshot with nothing to complete it from
-        raise HubError(f"{kind} {ref}: the cache holds an incomplete copy and the Hub cannot be reached; run again "
-                       "online to complete it") from None
+        raise HubError(f"{kind} {ref}: {_why_cache_only()} and the cache holds an incomplete copy (a download cut "
+                       "short); run again online to complete it") from None
     except (httpx2.TransportError, HfHubHTTPError) as err:
         raise HubError(f"{kind} {ref}: the download stopped ({first_line(err)}); run again to complete it "
                        "(the files already downloaded are kept)") from None
-    return Resolved(ref, commit, Path(folder), tuple(chosen))
+    # The snapshot folder is named by its commit (a branch may have moved since the listing).
+    return Resolved(ref, Path(folder).name, Path(folder), tuple(chosen))
 
 
-def _listing(ref: HubRef) -> tuple[str, list[str]] | None:
-    """(commit, files) of `ref` on the Hub; None when the endpoint cannot be reached."""
+def _listing(ref: HubRef) -> list[str] | None:
+    """The files of `ref` on the Hub; None when the endpoint cannot be reached."""
     kind = f"Hub {ref.repo_type}"
     try:
         info = HfApi(endpoint=endpoint()).repo_info(ref.repo_id, repo_type=ref.repo_type, revision=ref.revision)
@@ -165,7 +163,21 @@ def _listing(ref: HubRef) -> tuple[str, list[str]] | None:
         raise HubError(f"{kind} {ref}: no revision {ref.revision!r} (a branch, tag or commit of the repo)") from None
     except HfHubHTTPError as err:
         raise HubError(f"{kind} {ref}: {endpoint()} answered {first_line(err)}") from None
-    return info.sha, [sibling.rfilename for sibling in info.siblings or []]
+    return [sibling.rfilename for sibling in info.siblings or []]
+
+
+def _cached_listing(ref: HubRef, commit: str, snapshot: Path) -> list[str]:
+    """The repo's files at `commit` as the cache recorded them when it was listed online (so a copy cut short is
+    known to be incomplete), else the files the snapshot holds."""
+    try:
+        return [file.path for file in get_cached_repo_tree(ref.repo_id, repo_type=ref.repo_type, revision=commit,
+                                                          cache_dir=cache_dir())]
+    except CachedRepoTreeNotFoundError:
+        return sorted(str(path.relative_to(snapshot)) for path in snapshot.rglob("*") if path.is_file())
+
+
+def _why_cache_only() -> str:
+    return "HF_HUB_OFFLINE is set" if offline() else f"HF_ENDPOINT {endpoint()} cannot be reached"
 
 
 def _cached_commit(ref: HubRef) -> str | None:

@@ -42,7 +42,7 @@ def model_card(repo_id: str, ckpt: str | Path, role: str) -> str:
              f"The {role} of a verl_mega run ({algorithm}), exported from `{Path(ckpt).name}`.", "", "## Base model", ""]
     if hub:
         refs = f" ({', '.join(hub['refs'])})" if hub.get("refs") else ""
-        lines.append(f"[{hub['id']}]({hub['id']}) at revision `{hub['commit']}`{refs}; sha256 of its config and "
+        lines.append(f"{hub['id']} at revision `{hub['commit']}`{refs}; sha256 of its config and "
                      f"weights `{model.get('sha256')}`.")
     else:
         lines.append(f"A local folder `{base}`; sha256 of its config and weights `{model.get('sha256')}`.")
