@@ -14,8 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import verl_mega as vm
 from hub_fixtures import ROOT, clean_env, hub_env, set_hub_env, start_hub_server, write_split_dataset
+from test_train_sh import TINY_GRPO
 from verl_mega.config import load_config
+from verl_mega.launch import local
+from verl_mega.launch.payload import check_trainer_config
 from verl_mega.hub import HubError, dataset_ref, hub_origin, model_ref, resolve_dataset, resolve_inputs, resolve_model
 
 
@@ -222,3 +226,23 @@ def test_an_interrupted_download_resumes(tmp_path, tiny_models):
         assert fetched.count("models/org/tiny/model.safetensors") == 2
     finally:
         server.stop()
+
+
+def test_the_local_launcher_resolves_before_any_rank_starts(hub, home, tmp_path, capsys):
+    """`launch local` resolves the config's Hub ids and runs the pre-flight check on the downloaded files before
+    torchrun starts; a bad id stops it there with one line naming the key."""
+    config = tmp_path / "grpo.yaml"
+    config.write_text(TINY_GRPO)
+    overrides = ["model.hf_path=org/tiny@v2", "data.train_files=[hf://datasets/org/rows/train]",
+                 "actor.micro_batch_size=8", "data.max_prompt_length=64"]
+    args = local.build_parser().parse_args(["--nproc", "2", str(config), *overrides])
+    check_trainer_config(args, [], 2)
+    assert (home / "hub" / "models--org--tiny" / "refs" / "v2").read_text() == hub.commits["v2"]
+    with pytest.raises(SystemExit):
+        local.main(["--nproc", "2", str(config), "model.hf_path=org/missing"])
+    assert "model.hf_path: Hub model org/missing is not on http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_load_policy_takes_a_hub_id(hub, home):
+    policy = vm.load_policy("org/tiny@v2")
+    assert policy.model.config.rms_norm_eps == 1e-5 and isinstance(policy.generate("copy: 12", max_new_tokens=2), str)

@@ -1,9 +1,10 @@
 """`RUN/provenance.json`: what a run was made from, so a result can be traced back and reproduced.
 
 The model's sha256 (its config and weight files), the package's version and commit, and the reward function
-(a registered name, or the sha256 of a function's source). A model or data file that came from the Hub also
-records where: its repo id, the commit its revision resolved to and the refs (branches, tags) that named it. The commit comes from `VERL_MEGA_COMMIT` (the
+(a registered name, or the sha256 of a function's source). The commit comes from `VERL_MEGA_COMMIT` (the
 Docker image bakes it in), else from `git` when the package is imported from a git checkout, else "unknown".
+A model or data file that came from the Hub also records where: its repo id, the commit its revision resolved
+to and the refs (branches, tags) that named it.
 """
 from __future__ import annotations
 

@@ -38,8 +38,8 @@ def model_card(repo_id: str, ckpt: str | Path, role: str) -> str:
     algorithm = _algorithm(config)
     meta = {"library_name": "transformers", "tags": ["verl-mega", algorithm], **({"base_model": base} if hub else {}),
             **({"datasets": datasets} if datasets else {})}
-    lines = [f"# {repo_id}", "",
-             f"The {role} of a verl_mega run ({algorithm}), exported from `{Path(ckpt).name}`.", "", "## Base model", ""]
+    lines = [f"# {repo_id}", "", f"The {role} of a verl_mega run ({algorithm}), exported from `{Path(ckpt).name}`.",
+             "", "## Base model", ""]
     if hub:
         refs = f" ({', '.join(hub['refs'])})" if hub.get("refs") else ""
         lines.append(f"{hub['id']} at revision `{hub['commit']}`{refs}; sha256 of its config and "
