@@ -20,6 +20,7 @@ from test_train_sh import TINY_GRPO
 from verl_mega.config import load_config
 from verl_mega.launch import local
 from verl_mega.launch.payload import check_trainer_config
+from verl_mega.rollout import planner
 from verl_mega.hub import HubError, dataset_ref, hub_origin, model_ref, resolve_dataset, resolve_inputs, resolve_model
 
 
@@ -246,3 +247,10 @@ def test_the_local_launcher_resolves_before_any_rank_starts(hub, home, tmp_path,
 def test_load_policy_takes_a_hub_id(hub, home):
     policy = vm.load_policy("org/tiny@v2")
     assert policy.model.config.rms_norm_eps == 1e-5 and isinstance(policy.generate("copy: 12", max_new_tokens=2), str)
+
+
+def test_the_planner_reads_a_hub_model_config_alone(hub, home, capsys):
+    planner.main(["--hf", "org/tiny@v2", "--train-tp", "1", "--train-pp", "1", "--dp", "1", "--rollout-tp", "1"])
+    assert capsys.readouterr().out
+    snapshot = home / "hub" / "models--org--tiny" / "snapshots" / hub.commits["v2"]
+    assert sorted(path.name for path in snapshot.iterdir()) == ["config.json"]  # no weights for a plan

@@ -17,13 +17,17 @@ MODEL_KEYS = (("model", "hf_path"), ("model", "critic_hf_path"), ("reward", "rew
 DATA_KEYS = ("train_files", "val_files")
 
 
-def resolve_inputs(config: TrainConfig) -> TrainConfig:
-    """Rewrite `config`'s Hub ids in place into local paths (and return it); raises HubError naming the key."""
+def resolve_inputs(config: TrainConfig, *, model_configs_only: bool = False) -> TrainConfig:
+    """Rewrite `config`'s Hub ids in place into local paths (and return it); raises HubError naming the key.
+    `model_configs_only`: the models' config.json alone and no data (`verl-mega plan --memory`)."""
     for section, key in MODEL_KEYS:
         value = getattr(getattr(config, section), key)
         ref = model_ref(value) if value else None
         if ref is not None:
-            setattr(getattr(config, section), key, str(_named(f"{section}.{key}", resolve_model, ref).path))
+            resolved = _named(f"{section}.{key}", lambda ref: resolve_model(ref, weights=not model_configs_only), ref)
+            setattr(getattr(config, section), key, str(resolved.path))
+    if model_configs_only:
+        return config
     for key in DATA_KEYS:
         files = []
         for value in getattr(config.data, key):

@@ -73,9 +73,10 @@ def storage_folder(ref: HubRef) -> Path:
     return cache_dir() / "--".join([f"{ref.repo_type}s", *ref.repo_id.split("/")])
 
 
-def resolve_model(ref: HubRef) -> Resolved:
-    """The snapshot folder of a Hub model: config, tokenizer and safetensors weights."""
-    return _resolve(ref, _model_files)
+def resolve_model(ref: HubRef, *, weights: bool = True) -> Resolved:
+    """The snapshot folder of a Hub model: config, tokenizer and safetensors weights (`weights=False`: its
+    config.json alone, what the planners read)."""
+    return _resolve(ref, _model_files if weights else _config_file)
 
 
 def resolve_dataset(ref: HubRef) -> Resolved:
@@ -93,6 +94,12 @@ def _model_files(ref: HubRef, files: list[str]) -> list[str]:
         raise HubError(f"Hub model {ref}: its weights are pickles ({', '.join(pickles[:3])}), which are never loaded "
                        "(they can run code); use a revision with safetensors weights")
     raise HubError(f"Hub model {ref}: has no weights (no *.safetensors file)")
+
+
+def _config_file(ref: HubRef, files: list[str]) -> list[str]:
+    if "config.json" not in files:
+        raise HubError(f"Hub model {ref}: has no config.json (not a transformers model)")
+    return ["config.json"]
 
 
 def _data_files(ref: HubRef, files: list[str]) -> list[str]:

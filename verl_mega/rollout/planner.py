@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from verl_mega.config.schema import LoraConfig
+from verl_mega.hub import HubError, model_ref, resolve_model
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, padded_vocab_size
 from verl_mega.models.expected_shapes import expected_hf_shapes, mcore_shard_shape
@@ -178,7 +179,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="verl-mega plan", description=__doc__.split("\n\n")[0],
                                      epilog="verl-mega plan --memory CONFIG [key=value ...]: the run's predicted "
                                             "memory per rank instead (--memory --help)")
-    parser.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
+    parser.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors), or a Hub id "
+                                                    "org/name[@revision] (its config.json is downloaded)")
     parser.add_argument("--train-tp", type=int, required=True)
     parser.add_argument("--train-pp", type=int, required=True)
     parser.add_argument("--dp", type=int, required=True)
@@ -191,7 +193,11 @@ def main(argv=None) -> None:
                         help="comma-separated megatron linears with adapters (with --lora-rank)")
     args = parser.parse_args(argv)
     try:
-        result = plan(args.hf, args.train_tp, args.train_pp, args.dp, args.rollout_tp, ep=args.ep, dtype=args.dtype,
+        hf_dir = resolve_model(model_ref(args.hf), weights=False).path if model_ref(args.hf) else args.hf
+    except HubError as err:
+        parser.exit(2, f"verl-mega plan: error: {err}\n")
+    try:
+        result = plan(hf_dir, args.train_tp, args.train_pp, args.dp, args.rollout_tp, ep=args.ep, dtype=args.dtype,
                       family_spec=args.family_spec, lora_rank=args.lora_rank,
                       lora_targets=args.lora_targets.split(","))
     except ValueError as err:

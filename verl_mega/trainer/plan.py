@@ -13,6 +13,7 @@ import sys
 
 from verl_mega.config import TrainConfig, load_config
 from verl_mega.config.errors import UserError
+from verl_mega.hub import resolve_inputs
 from verl_mega.planning.memory import ATTENTION_KERNELS, FLASH, Model, Roles, layout_of, plan_memory, suggest_layouts
 from verl_mega.rollout import planner
 
@@ -50,7 +51,7 @@ def memory_main(argv: list[str]) -> int:
         if value is not None and not value > 0:
             parser.error(f"{flag} must be > 0, got {value}")
     try:
-        config = load_config(args.memory, args.overrides)
+        config = resolve_inputs(load_config(args.memory, args.overrides), model_configs_only=True)
         model = Model(config)
         roles = roles_of(config)
         if args.suggest:
