@@ -21,6 +21,7 @@ from verl_mega.config import load_config
 from verl_mega.launch import local
 from verl_mega.launch.payload import check_trainer_config
 from verl_mega.rollout import planner
+from verl_mega.trainer import plan
 from verl_mega.hub import HubError, dataset_ref, hub_origin, model_ref, resolve_dataset, resolve_inputs, resolve_model
 
 
@@ -249,8 +250,12 @@ def test_load_policy_takes_a_hub_id(hub, home):
     assert policy.model.config.rms_norm_eps == 1e-5 and isinstance(policy.generate("copy: 12", max_new_tokens=2), str)
 
 
-def test_the_planner_reads_a_hub_model_config_alone(hub, home, capsys):
+def test_the_planners_read_a_hub_model_config_alone(hub, home, tmp_path, capsys):
     planner.main(["--hf", "org/tiny@v2", "--train-tp", "1", "--train-pp", "1", "--dp", "1", "--rollout-tp", "1"])
+    config = tmp_path / "grpo.yaml"
+    config.write_text(TINY_GRPO)
+    assert plan.main(["--memory", str(config), "model.hf_path=org/tiny", "--json"]) == 0
     assert capsys.readouterr().out
-    snapshot = home / "hub" / "models--org--tiny" / "snapshots" / hub.commits["v2"]
-    assert sorted(path.name for path in snapshot.iterdir()) == ["config.json"]  # no weights for a plan
+    for commit in hub.commits.values():
+        snapshot = home / "hub" / "models--org--tiny" / "snapshots" / commit
+        assert sorted(path.name for path in snapshot.iterdir()) == ["config.json"]  # no weights for a plan
