@@ -22,7 +22,8 @@ from verl_mega.launch import local
 from verl_mega.launch.payload import check_trainer_config
 from verl_mega.rollout import planner
 from verl_mega.trainer import plan
-from verl_mega.hub import HubError, dataset_ref, hub_origin, model_ref, resolve_dataset, resolve_inputs, resolve_model
+from verl_mega.hub import (HubError, dataset_ref, hub_origin, is_repo_id, model_ref, resolve_dataset, resolve_inputs,
+                           resolve_model)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,7 @@ def test_ids_and_local_paths_are_told_apart(tmp_path, monkeypatch):
     assert model_ref("org/tiny") is None  # an existing local folder wins
     data = dataset_ref("hf://datasets/org/rows@v1/data/train")
     assert (data.repo_id, data.revision, data.path, data.repo_type) == ("org/rows", "v1", "data/train", "dataset")
+    assert is_repo_id("org/name") and not is_repo_id("org/name@v1") and not is_repo_id("org/name/x")
     assert dataset_ref("rows.parquet") is None
     with pytest.raises(ValueError, match="hf://datasets/ORG/NAME"):
         dataset_ref("hf://datasets/justaname")

@@ -21,7 +21,7 @@ from verl_mega.converters.export import export_role
 from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 from verl_mega.converters.mcore_to_hf import convert_mcore_to_hf
 from verl_mega.converters.verify import verify_checkpoint
-from verl_mega.hub import HubRef, model_ref, resolve_model
+from verl_mega.hub import is_repo_id, model_ref, resolve_model
 from verl_mega.hub.push import push_folder
 from verl_mega.models.builder import DTYPES
 from verl_mega.run.folder import RunFolder
@@ -200,7 +200,7 @@ def _run_convert(args) -> int:
 def _run_export(args) -> int:
     if not args.push_to_hub and (args.private or args.revision != "main"):
         raise ValueError("--private and --revision go with --push-to-hub ORG/NAME")
-    if args.push_to_hub and model_ref(args.push_to_hub) != HubRef(args.push_to_hub):
+    if args.push_to_hub and not is_repo_id(args.push_to_hub):
         raise ValueError(f"--push-to-hub {args.push_to_hub}: give a repo id ORG/NAME (the branch goes in --revision)")
     source = export_role(args.ckpt, args.out, role=args.role, step=args.step, dtype=args.dtype,
                          overwrite=args.overwrite, keep_remote_code=args.keep_remote_code,

@@ -47,6 +47,12 @@ def model_ref(value: str | os.PathLike) -> HubRef | None:
     return HubRef(match["repo"], match["revision"] or DEFAULT_REVISION)
 
 
+def is_repo_id(text: str) -> bool:
+    """`text` is a bare repo id `org/name` (no revision), whatever the local folders are."""
+    match = _MODEL_ID.fullmatch(text)
+    return match is not None and match["revision"] is None
+
+
 def dataset_ref(value: str | os.PathLike) -> HubRef | None:
     """The Hub dataset files `value` names (`hf://datasets/org/name[@rev][/path]`), or None for anything else.
     Raises ValueError for an `hf://datasets/` value of another shape."""
