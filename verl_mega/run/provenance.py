@@ -61,6 +61,8 @@ def reward_provenance(config: TrainConfig, reward_fn: RewardFn | None) -> dict |
         return {"remote": remote.url, "kind": remote.kind, **({"model": remote.model} if remote.kind == "judge" else {})}
     if config.reward.reward_model:
         return {"reward_model": config.reward.reward_model, "sha256": model_sha256(config.reward.reward_model)}
+    if not (reward_fn or config.reward.function):  # on-policy distillation: the teacher's signal alone
+        return {"teacher": config.teacher.ckpt or config.teacher.hf_path}
     return reward_fn_provenance(reward_fn or config.reward.function)
 
 

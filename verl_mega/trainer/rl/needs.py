@@ -31,6 +31,11 @@ def uses_reference(config: TrainConfig) -> bool:
     return uses_kl_loss(config.actor.loss) or kl_reward
 
 
+def uses_teacher(config: TrainConfig) -> bool:
+    """Whether the run distils from a teacher (algorithm.distill.loss), which then scores every response."""
+    return config.job == "rl" and config.algorithm.distill.loss != "off"
+
+
 def uses_greedy_baseline(config: TrainConfig) -> bool:
     """Whether the estimator takes ReMax's baseline: a greedy response per prompt, scored like the samples."""
     return "reward_baselines" in estimator_inputs(config.algorithm.adv_estimator)
