@@ -17,7 +17,7 @@ from verl_mega.algorithms import (
     LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, estimator_inputs,
     old_log_probs_from_rollout, parse_rejection,
 )
-from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
+from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, MANIFEST_NAME, Manifest
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.config import JOBS, ConfigError, TrainConfig
 from verl_mega.config.ranges import out_of_range
@@ -552,9 +552,12 @@ def _check_teacher_files(config: TrainConfig, check, need) -> None:
     student's token for token; for gkd, top-k ids the student's vocabulary holds."""
     teacher, run_dir = config.teacher, Path(config.trainer.run_dir).resolve()
     key, folder = ("teacher.ckpt", teacher.ckpt) if teacher.ckpt else ("teacher.hf_path", teacher.hf_path)
-    need(not Path(folder).resolve().is_relative_to(run_dir), f"{key}={folder} is inside trainer.run_dir="
-         f"{config.trainer.run_dir}, the folder this run writes: export the teacher out of it (verl-mega export) "
-         "or point at another folder")
+    if Path(folder).resolve().is_relative_to(run_dir):
+        need(False, f"{key}={folder} is inside trainer.run_dir={config.trainer.run_dir}, the folder this run writes: "
+             "export the teacher out of it (verl-mega export) or point at another folder")
+        return
+    # A converted checkpoint carries its source's tokenizer files.
+    tokenizer_folder = Path(folder, HF_ASSETS_DIR) if teacher.ckpt else folder
     if teacher.ckpt:
         manifest = check(lambda: Manifest.read(teacher.ckpt, config.model.family_spec or None), f"{key}: ")
         model = HFModelConfig.from_dict(manifest.hf_config) if manifest is not None else None
@@ -573,7 +576,7 @@ def _check_teacher_files(config: TrainConfig, check, need) -> None:
     if model is None or not Path(config.model.hf_path, "config.json").is_file():
         return
     student_tokenizer = check(lambda: load_tokenizer(config.model.hf_path), "model.hf_path: ")
-    teacher_tokenizer = check(lambda: load_tokenizer(folder), f"{key}: ")
+    teacher_tokenizer = check(lambda: load_tokenizer(tokenizer_folder), f"{key}: ")
     if student_tokenizer is None or teacher_tokenizer is None:
         return
     difference = vocabulary_difference(student_tokenizer, teacher_tokenizer)
