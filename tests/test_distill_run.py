@@ -67,3 +67,21 @@ def test_a_lora_student_distils_from_separate_teacher_weights(tmp_path, prompt_f
     steps = logged(tmp_path / "run")
     # A teacher that were the student's own base (adapters off) would agree with it: KL 0 at the first step.
     assert abs(steps[0]["distill/reverse_kl"]) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_distillation_run_resumes_bitwise_after_sigkill(tmp_path, models):
+    """reverse_kl alone, at TP 2 (2 processes): killed at a random step after the first checkpoint and resumed,
+    its metrics and final weights are the straight run's bit for bit (the teacher holds no state; its
+    conversion in the run folder is reused)."""
+    from trainer_runs import make_inputs, train_command
+
+    from .test_resume import assert_resume_after_sigkill_is_bitwise
+
+    setup = make_inputs(tmp_path / "inputs")
+    teacher = models[1]
+    distill = ("parallel.tp=2", "parallel.pp=1", "trainer.total_steps=5", "algorithm.distill.loss=reverse_kl",
+               "reward.function=", f"teacher.hf_path={teacher}")
+    assert_resume_after_sigkill_is_bitwise(
+        lambda run_dir: train_command(setup, run_dir, 2, *distill, example="grpo_demo.yaml"), tmp_path,
+        total_steps=5, save_every=2)
