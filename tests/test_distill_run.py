@@ -23,7 +23,8 @@ def distill_config(tmp_path, prompt_file, models, *overrides):
     student, teacher = models
     return load_config(EXAMPLES / "grpo_demo.yaml", [
         f"model.hf_path={student}", f"data.train_files=[{prompt_file}]", f"trainer.run_dir={tmp_path / 'run'}",
-        "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2", "critic.mini_batch_size=4",
+        "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
+        "critic.mini_batch_size=4",
         "actor.ppo_epochs=1", "trainer.total_steps=2", "data.truncation=left", f"teacher.hf_path={teacher}",
         *overrides])
 
