@@ -86,3 +86,13 @@ def test_a_distillation_run_resumes_bitwise_after_sigkill(tmp_path, models):
     assert_resume_after_sigkill_is_bitwise(
         lambda run_dir: train_command(setup, run_dir, 2, *distill, example="grpo_demo.yaml"), tmp_path,
         total_steps=5, save_every=2)
+
+
+def test_the_teacher_is_the_whole_reward_only_without_any_scorer(tmp_path, prompt_file, models):
+    from verl_mega.trainer.rl.distill import teacher_alone
+
+    config = distill_config(tmp_path, prompt_file, models, "algorithm.distill.loss=reverse_kl", "reward.function=")
+    assert teacher_alone(config)
+    assert not teacher_alone(config, reward_fn=lambda *args: 1.0)  # the Python API's callable is an outcome
+    config.reward.reward_model = "some/reward/model"
+    assert not teacher_alone(config)

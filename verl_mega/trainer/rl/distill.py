@@ -13,6 +13,7 @@ import torch
 
 from verl_mega.algorithms import distill_advantages, masked_mean
 from verl_mega.config import TrainConfig
+from verl_mega.rewards.registry import RewardFn
 from verl_mega.roles.teacher import Teacher
 
 from .step import Step
@@ -61,9 +62,9 @@ class DistillAdvantages:
     """reverse_kl: the advantages plus coef times the per-token reverse-KL advantage (discount 0); with no outcome
     reward (reward.function empty), that term alone."""
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, teacher_alone: bool):
         self.coef = config.algorithm.distill.coef
-        self.teacher_alone = teacher_alone(config)
+        self.teacher_alone = teacher_alone
 
     def run(self, step: Step) -> None:
         batch = step.batch
@@ -76,15 +77,19 @@ class DistillAdvantages:
             batch["returns"] = batch["advantages"]
 
 
-def teacher_alone(config: TrainConfig) -> bool:
-    """Whether the teacher's signal is the whole reward: no reward function, model or service is configured."""
+def teacher_alone(config: TrainConfig, reward_fn: RewardFn | None = None) -> bool:
+    """Whether the teacher's signal is the whole reward: no reward function (nor a callable in its place), model
+    or service scores the responses."""
     reward = config.reward
-    return not (reward.function or reward.reward_model or reward.remote.url)
+    return not (reward_fn or reward.function or reward.reward_model or reward.remote.url)
 
 
-def distill_stages(config: TrainConfig, teacher: Teacher | None) -> tuple[list, list]:
-    """(the stages after the model passes, those after the advantages) for the config's distillation loss."""
+def distill_stages(config: TrainConfig, teacher: Teacher | None, reward_fn: RewardFn | None = None
+                   ) -> tuple[list, list]:
+    """(the stages after the model passes, those after the advantages) for the config's distillation loss;
+    `reward_fn`: the Python API's callable in place of reward.function."""
     loss = config.algorithm.distill.loss
     if teacher is None or loss == "off":
         return [], []
-    return [TeacherScores(config, teacher)], [DistillAdvantages(config)] if loss == "reverse_kl" else []
+    after_advantages = [DistillAdvantages(config, teacher_alone(config, reward_fn))] if loss == "reverse_kl" else []
+    return [TeacherScores(config, teacher)], after_advantages

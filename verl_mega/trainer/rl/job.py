@@ -57,7 +57,7 @@ class RLJob(TrainingJob):
         dataset = self.prompts(tokenizer, "train_files")
         val_dataset = self.prompts(tokenizer, "val_files") if config.data.val_files else None
         self.models = build_models(config, actor_ckpt, critic_ckpt, teacher_ckpt)
-        after_passes, after_advantages = distill_stages(config, self.models.teacher)
+        after_passes, after_advantages = distill_stages(config, self.models.teacher, reward_fn)
         scoring = Scoring.build(config, tokenizer, self.layout.world_size, self.note, reward_fn)
         self.generation = Generation.build(config, self.layout, tokenizer, self.hf_config, self.family,
                                            self.models.actor, bridge, placement)
