@@ -7,16 +7,13 @@ import pytest
 
 from verl_mega.config import load_config
 from verl_mega.demo import EXAMPLES
-from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.trainer.main import run
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distill_models")
-    student = make_tiny_hf_model(root / "student", "qwen2", vocab_size=64, num_hidden_layers=2, seed=0)
-    teacher = make_tiny_hf_model(root / "teacher", "qwen2", vocab_size=64, num_hidden_layers=2, seed=1)
-    return student, teacher
+@pytest.fixture
+def models(student_and_teacher):
+    """(student, teacher): conftest's tiny pair."""
+    return student_and_teacher
 
 
 def distill_config(tmp_path, prompt_file, models, *overrides):
