@@ -140,3 +140,14 @@ def test_a_refused_run_writes_nothing(tmp_path, prompt_file, models):
     with pytest.raises(ConfigError):
         run(config)
     assert not (tmp_path / "run").exists()
+
+
+def test_what_learns_from_an_outcome_is_refused_where_the_teacher_is_the_whole_reward(tmp_path, prompt_file,
+                                                                                       models):
+    student, teacher = models
+    line = only_problem(config_of(tmp_path, prompt_file, student, f"teacher.hf_path={teacher}",
+                                  "algorithm.filter_groups.enable=true"))
+    assert line.startswith("algorithm.filter_groups.enable with reward.function empty")
+    line = only_problem(config_of(tmp_path, prompt_file, student, f"teacher.hf_path={teacher}",
+                                  "algorithm.adv_estimator=gae", "critic.enable=true"))
+    assert line.startswith("algorithm.adv_estimator=gae with reward.function empty")

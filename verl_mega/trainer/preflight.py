@@ -48,7 +48,7 @@ from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
 
 from .plan import roles_of
-from .rl.needs import check_estimator_config
+from .rl.needs import check_estimator_config, teacher_alone, uses_critic
 from .rl.schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
 ASYNC_KNOBS = ("max_staleness", "partial", "partial_chunk_tokens")  # rollout.* keys that only async reads
@@ -169,7 +169,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     elif reward_fn is not None or config.reward.function or alg.distill.loss == "off":
         check(lambda: get_reward_fn(reward_fn or config.reward.function), "reward.function: ")
         need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
-    _check_distill(config, check, need, known, check_files)
+    _check_distill(config, check, need, known, check_files, reward_fn)
     if check_files:
         _check_files(config, check, need, layout_in_range)
 
@@ -528,9 +528,10 @@ def _check_files(config: TrainConfig, check, need, layout_in_range: bool) -> Non
                   f"{key}: ")
 
 
-def _check_distill(config: TrainConfig, check, need, known, check_files: bool) -> None:
+def _check_distill(config: TrainConfig, check, need, known, check_files: bool, reward_fn) -> None:
     """algorithm.distill and its teacher: a loss with a teacher (and a teacher only with a loss), at the student's
-    layout; with the files, a teacher that loads, outside the run folder, of the student's tokenizer."""
+    layout, and nothing that learns from an outcome reward where the teacher is the whole reward; with the files,
+    a teacher that loads, outside the run folder, of the student's tokenizer."""
     distill, teacher, p = config.algorithm.distill, config.teacher, config.parallel
     known("algorithm.distill.loss", distill.loss, DISTILL_LOSSES)
     given = [key for key, value in (("teacher.hf_path", teacher.hf_path), ("teacher.ckpt", teacher.ckpt)) if value]
@@ -540,6 +541,13 @@ def _check_distill(config: TrainConfig, check, need, known, check_files: bool) -
         return
     need(bool(given), f"algorithm.distill.loss={distill.loss} needs a teacher: set teacher.hf_path (its HF folder) "
          "or teacher.ckpt (a converted checkpoint)")
+    if teacher_alone(config, reward_fn):
+        need(not config.algorithm.filter_groups.enable, "algorithm.filter_groups.enable with reward.function empty: "
+             "every response scores 0 (the teacher's signal is the whole reward), so every group would be dropped; "
+             "disable the filter or set reward.function")
+        need(not uses_critic(config), "algorithm.adv_estimator=gae with reward.function empty: the critic would "
+             "learn values of no reward; set algorithm.adv_estimator=grpo (the teacher's term is then the whole "
+             "advantage) or set reward.function")
     for key, size, student in (("tp", teacher.tp, p.tp), ("pp", teacher.pp, p.pp)):
         need(size is None or size == student, f"teacher.{key}={size}: the teacher runs at the student's layout "
              f"(parallel.{key}={student}) in this version; set teacher.{key} to null or {student}")

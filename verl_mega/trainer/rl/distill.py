@@ -16,6 +16,7 @@ from verl_mega.config import TrainConfig
 from verl_mega.rewards.registry import RewardFn
 from verl_mega.roles.teacher import Teacher
 
+from .needs import teacher_alone
 from .step import Step
 
 # The batch column ModelPasses adds for these metrics (the student's entropy at each sampled token), taken out
@@ -75,13 +76,6 @@ class DistillAdvantages:
         batch["advantages"] = advantages.float()
         if self.teacher_alone:  # no critic learns from an outcome here: the returns are the advantages
             batch["returns"] = batch["advantages"]
-
-
-def teacher_alone(config: TrainConfig, reward_fn: RewardFn | None = None) -> bool:
-    """Whether the teacher's signal is the whole reward: no reward function (nor a callable in its place), model
-    or service scores the responses."""
-    reward = config.reward
-    return not (reward_fn or reward.function or reward.reward_model or reward.remote.url)
 
 
 def distill_stages(config: TrainConfig, teacher: Teacher | None, reward_fn: RewardFn | None = None

@@ -7,6 +7,7 @@ from typing import Callable
 
 from verl_mega.algorithms import estimator_inputs
 from verl_mega.config import TrainConfig
+from verl_mega.rewards.registry import RewardFn
 from verl_mega.roles.actor import uses_kl_loss
 
 # What a step lacks for an estimator input, by config: (the input is missing, the fix). The other inputs
@@ -34,6 +35,13 @@ def uses_reference(config: TrainConfig) -> bool:
 def uses_teacher(config: TrainConfig) -> bool:
     """Whether the run distils from a teacher (algorithm.distill.loss), which then scores every response."""
     return config.job == "rl" and config.algorithm.distill.loss != "off"
+
+
+def teacher_alone(config: TrainConfig, reward_fn: RewardFn | None = None) -> bool:
+    """Whether the teacher's signal is the whole reward: no reward function (nor the Python API's callable in its
+    place), model or service scores the responses."""
+    reward = config.reward
+    return not (reward_fn or reward.function or reward.reward_model or reward.remote.url)
 
 
 def uses_greedy_baseline(config: TrainConfig) -> bool:
