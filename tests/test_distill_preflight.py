@@ -81,8 +81,17 @@ def test_a_missing_teacher_is_one_line(tmp_path, prompt_file, models):
 def test_no_teacher_at_all_is_one_line(tmp_path, prompt_file, models):
     student, _ = models
     assert only_problem(config_of(tmp_path, prompt_file, student)) == (
-        "algorithm.distill.loss=reverse_kl needs a teacher: set teacher.hf_path (its HF folder) or teacher.ckpt (a "
-        "converted checkpoint)")
+        "algorithm.distill.loss=reverse_kl needs a teacher (of the rows of every data source teacher.by_data_source "
+        "does not name): set teacher.hf_path (its HF folder) or teacher.ckpt (a converted checkpoint)")
+
+
+def test_each_data_source_s_teacher_is_checked_and_the_others_need_one(tmp_path, prompt_file, models):
+    student, teacher = models
+    line = only_problem(config_of(tmp_path, prompt_file, student, f"teacher.hf_path={teacher}",
+                                  f"teacher.by_data_source.math={tmp_path / 'nowhere'}"))
+    assert line.startswith(f"teacher.by_data_source.math: {tmp_path / 'nowhere'}/config.json does not exist")
+    line = only_problem(config_of(tmp_path, prompt_file, student, f"teacher.by_data_source.math={teacher}"))
+    assert line.startswith("algorithm.distill.loss=reverse_kl needs a teacher (of the rows of every data source")
 
 
 @pytest.mark.parametrize("damage", ["truncated weights", "garbled config"])

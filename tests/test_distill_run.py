@@ -50,6 +50,25 @@ def test_reverse_kl_alone_trains_and_logs_the_distillation_metrics(tmp_path, pro
     assert provenance["reward"] == {"teacher": str(models[1])}
 
 
+def test_each_data_source_is_scored_by_its_own_teacher(tmp_path, models):
+    """Both sources' teacher is the student's own initial weights, the other rows' a different model: the first
+    step's reverse KL is 0 only if every row went to its source's teacher."""
+    from verl_mega.data.tables import write_rows
+
+    student, _ = models
+    prompts = write_rows([{"prompt": f"copy: {i}", "data_source": "ab"[i % 2]} for i in range(8)],
+                         tmp_path / "sources.jsonl")
+    config = distill_config(tmp_path, prompts, models, "algorithm.distill.loss=reverse_kl", "reward.function=",
+                            f"teacher.by_data_source.a={student}", f"teacher.by_data_source.b={student}")
+    run(config)
+    first = logged(tmp_path / "run")[0]
+    assert abs(first["distill/reverse_kl"]) < 1e-5
+    config = distill_config(tmp_path / "one", prompts, models, "algorithm.distill.loss=reverse_kl", "reward.function=",
+                            f"teacher.by_data_source.a={student}")
+    run(config)
+    assert abs(logged(tmp_path / "one" / "run")[0]["distill/reverse_kl"]) > 1e-3  # the b rows: the other teacher
+
+
 def test_gkd_beside_an_outcome_reward_logs_its_loss(tmp_path, prompt_file, models):
     config = distill_config(tmp_path, prompt_file, models, "algorithm.distill.loss=gkd", "algorithm.distill.top_k=5",
                             "algorithm.distill.beta=0.5", "algorithm.distill.coef=0.5")

@@ -585,6 +585,9 @@ class TeacherConfig:
     """The teacher's tensor-parallel size; null: the student's (parallel.tp)."""
     pp: int | None = None
     """The teacher's pipeline-parallel size; null: the student's (parallel.pp)."""
+    by_data_source: dict[str, str] = field(default_factory=dict)
+    """Several teachers: data_source -> the HF folder of the teacher of that source's rows (converted like
+    hf_path); rows of any other source are hf_path's (or ckpt's)."""
 
 
 @dataclass

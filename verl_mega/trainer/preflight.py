@@ -534,13 +534,15 @@ def _check_distill(config: TrainConfig, check, need, known, check_files: bool, r
     a teacher that loads, outside the run folder, of the student's tokenizer."""
     distill, teacher, p = config.algorithm.distill, config.teacher, config.parallel
     known("algorithm.distill.loss", distill.loss, DISTILL_LOSSES)
-    given = [key for key, value in (("teacher.hf_path", teacher.hf_path), ("teacher.ckpt", teacher.ckpt)) if value]
+    given = [key for key, value in (("teacher.hf_path", teacher.hf_path), ("teacher.ckpt", teacher.ckpt),
+                                    ("teacher.by_data_source", teacher.by_data_source)) if value]
     if distill.loss == "off":
         need(not given, f"{' and '.join(given)} set and algorithm.distill.loss=off: set algorithm.distill.loss "
              "(reverse_kl or gkd) to distil from it, or drop the teacher")
         return
-    need(bool(given), f"algorithm.distill.loss={distill.loss} needs a teacher: set teacher.hf_path (its HF folder) "
-         "or teacher.ckpt (a converted checkpoint)")
+    need(bool(teacher.hf_path or teacher.ckpt), f"algorithm.distill.loss={distill.loss} needs a teacher (of the rows "
+         "of every data source teacher.by_data_source does not name): set teacher.hf_path (its HF folder) or "
+         "teacher.ckpt (a converted checkpoint)")
     if teacher_alone(config, reward_fn):
         need(not config.algorithm.filter_groups.enable, "algorithm.filter_groups.enable with reward.function empty: "
              "every response scores 0 (the teacher's signal is the whole reward), so every group would be dropped; "
@@ -551,23 +553,28 @@ def _check_distill(config: TrainConfig, check, need, known, check_files: bool, r
     for key, size, student in (("tp", teacher.tp, p.tp), ("pp", teacher.pp, p.pp)):
         need(size is None or size == student, f"teacher.{key}={size}: the teacher runs at the student's layout "
              f"(parallel.{key}={student}) in this version; set teacher.{key} to null or {student}")
-    if check_files and given:
-        _check_teacher_files(config, check, need)
+    if not check_files:
+        return
+    default = [("teacher.ckpt", teacher.ckpt, True)] if teacher.ckpt else [("teacher.hf_path", teacher.hf_path, False)]
+    for key, folder, converted in default + [(f"teacher.by_data_source.{source}", folder, False)
+                                             for source, folder in teacher.by_data_source.items()]:
+        if folder:
+            _check_teacher_files(config, key, folder, converted, check, need)
 
 
-def _check_teacher_files(config: TrainConfig, check, need) -> None:
-    """The teacher's folder, outside the run folder, readable (config, weights or manifest), and its tokenizer the
-    student's token for token; for gkd, top-k ids the student's vocabulary holds."""
-    teacher, run_dir = config.teacher, Path(config.trainer.run_dir).resolve()
-    key, folder = ("teacher.ckpt", teacher.ckpt) if teacher.ckpt else ("teacher.hf_path", teacher.hf_path)
+def _check_teacher_files(config: TrainConfig, key: str, folder: str, converted: bool, check, need) -> None:
+    """The teacher's folder (`converted`: a converted checkpoint, else an HF folder), outside the run folder,
+    readable (config, weights or manifest), and its tokenizer the student's token for token; for gkd, top-k ids
+    the student's vocabulary holds."""
+    run_dir = Path(config.trainer.run_dir).resolve()
     if Path(folder).resolve().is_relative_to(run_dir):
         need(False, f"{key}={folder} is inside trainer.run_dir={config.trainer.run_dir}, the folder this run writes: "
              "export the teacher out of it (verl-mega export) or point at another folder")
         return
     # A converted checkpoint carries its source's tokenizer files.
-    tokenizer_folder = Path(folder, HF_ASSETS_DIR) if teacher.ckpt else folder
-    if teacher.ckpt:
-        manifest = check(lambda: Manifest.read(teacher.ckpt, config.model.family_spec or None), f"{key}: ")
+    tokenizer_folder = Path(folder, HF_ASSETS_DIR) if converted else folder
+    if converted:
+        manifest = check(lambda: Manifest.read(folder, config.model.family_spec or None), f"{key}: ")
         model = HFModelConfig.from_dict(manifest.hf_config) if manifest is not None else None
         p = config.parallel
         need(manifest is None or manifest.format != "megatron_legacy" or (manifest.tp, manifest.pp, manifest.ep)

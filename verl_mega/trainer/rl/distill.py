@@ -39,15 +39,21 @@ def distill_metrics(student_log_probs: torch.Tensor, teacher_log_probs: torch.Te
 
 class TeacherScores:
     """batch['teacher_log_probs'] [B, R] (and, for gkd, 'teacher_topk_ids' and 'teacher_topk_log_probs'
-    [B, R, k]); the distillation metrics."""
+    [B, R, k]); the distillation metrics. `teachers`: by data source, None the teacher of every other source's rows
+    (teacher.by_data_source): each scores the whole batch where its source has rows (the same rows on every rank),
+    and its rows are taken."""
 
-    def __init__(self, config: TrainConfig, teacher: Teacher):
-        self.config, self.teacher = config, teacher
+    def __init__(self, config: TrainConfig, teachers: dict[str | None, Teacher]):
+        self.config, self.teachers = config, teachers
 
     def run(self, step: Step) -> None:
-        batch, actor = step.batch, self.config.actor
+        batch = step.batch
         with step.timer("teacher_log_prob"):
-            scores = self.teacher.score(batch, actor.micro_batch_size, actor.max_tokens_per_micro_batch)
+            scores = None
+            for source, teacher in self.teachers.items():
+                rows = torch.tensor([source is None or row_source == source for row_source in step.rows["data_source"]])
+                if rows.any():
+                    scores = self.taken(scores, self.score(teacher, batch), rows)
         batch["teacher_log_probs"] = scores["log_probs"].cpu()
         if "topk_ids" in scores:
             batch["teacher_topk_ids"] = scores["topk_ids"].long().cpu()
@@ -57,6 +63,18 @@ class TeacherScores:
         if student is not None:
             step.metrics.update(distill_metrics(student, batch["teacher_log_probs"], batch.pop(STUDENT_ENTROPY, None),
                                                 scores["entropy"].cpu(), scores["top1_match"].cpu(), mask))
+
+    def score(self, teacher: Teacher, batch: dict) -> dict[str, torch.Tensor]:
+        actor = self.config.actor
+        return teacher.score(batch, actor.micro_batch_size, actor.max_tokens_per_micro_batch)
+
+    @staticmethod
+    def taken(scores: dict | None, theirs: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`theirs` in `rows`, `scores` elsewhere (None: `theirs` everywhere)."""
+        if scores is None:
+            return theirs
+        return {name: torch.where(rows.view(-1, *[1] * (value.dim() - 1)).to(value.device), theirs[name], value)
+                for name, value in scores.items()}
 
 
 class DistillAdvantages:
@@ -78,12 +96,13 @@ class DistillAdvantages:
             batch["returns"] = batch["advantages"]
 
 
-def distill_stages(config: TrainConfig, teacher: Teacher | None, reward_fn: RewardFn | None = None
+def distill_stages(config: TrainConfig, teachers: dict[str | None, Teacher], reward_fn: RewardFn | None = None
                    ) -> tuple[list, list]:
-    """(the stages after the model passes, those after the advantages) for the config's distillation loss;
-    `reward_fn`: the Python API's callable in place of reward.function."""
+    """(the stages after the model passes, those after the advantages) for the config's distillation loss, by the
+    `teachers` of each data source (see `TeacherScores`); `reward_fn`: the Python API's callable in place of
+    reward.function."""
     loss = config.algorithm.distill.loss
-    if teacher is None or loss == "off":
+    if not teachers or loss == "off":
         return [], []
     after_advantages = [DistillAdvantages(config, teacher_alone(config, reward_fn))] if loss == "reverse_kl" else []
-    return [TeacherScores(config, teacher)], after_advantages
+    return [TeacherScores(config, teachers)], after_advantages

@@ -47,17 +47,18 @@ class RLJob(TrainingJob):
 
     def build(self, actor_ckpt: Path, critic_ckpt: Path | None = None, reward_fn: RewardFn | None = None,
               bridge: Bridge | None = None, placement: RolePlacement | None = None,
-              teacher_ckpt: Path | None = None) -> None:
+              teacher_ckpts: dict[str | None, Path] | None = None) -> None:
         """The prompts, the models, the reward and the rollout engine behind the HybridEngine, or with rollout
         ranks of their own (`bridge` and `placement`), the client that pushes the weights to them and asks them to
         generate; then the stages over them. `reward_fn`: a callable in place of `reward.function` (the Python
-        API's). `teacher_ckpt`: the distillation teacher's converted checkpoint (algorithm.distill)."""
+        API's). `teacher_ckpts`: the distillation teachers' converted checkpoints by data source (None: every other
+        source's)."""
         config = self.config
         tokenizer = load_tokenizer(config.model.hf_path)
         dataset = self.prompts(tokenizer, "train_files")
         val_dataset = self.prompts(tokenizer, "val_files") if config.data.val_files else None
-        self.models = build_models(config, actor_ckpt, critic_ckpt, teacher_ckpt)
-        after_passes, after_advantages = distill_stages(config, self.models.teacher, reward_fn)
+        self.models = build_models(config, actor_ckpt, critic_ckpt, teacher_ckpts)
+        after_passes, after_advantages = distill_stages(config, self.models.teachers, reward_fn)
         scoring = Scoring.build(config, tokenizer, self.layout.world_size, self.note, reward_fn)
         self.generation = Generation.build(config, self.layout, tokenizer, self.hf_config, self.family,
                                            self.models.actor, bridge, placement)

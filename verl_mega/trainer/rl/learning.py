@@ -41,7 +41,7 @@ class ModelPasses:
             # does the student's entropy that distillation logs.
             sum_pi_squared = "sum_pi_squared" in estimator_inputs(self.config.algorithm.adv_estimator)
             with timer("old_log_prob"):
-                old = models.actor.compute_log_prob(batch, micro, return_entropy=models.teacher is not None,
+                old = models.actor.compute_log_prob(batch, micro, return_entropy=bool(models.teachers),
                                                     max_tokens=actor_tokens, return_sum_pi_squared=sum_pi_squared)
             renamed = {"log_probs": "old_log_probs", "entropy": STUDENT_ENTROPY}
             batch.update({renamed.get(key, key): value.cpu() for key, value in old.items()})
@@ -63,7 +63,7 @@ class ModelPasses:
         estimator_needs = "old_log_probs" in estimator_inputs(self.config.algorithm.adv_estimator)
         update_needs = not (old_log_probs_from_rollout(actor.loss.policy_loss)
                             or is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows))
-        return kl_in_reward or estimator_needs or update_needs or self.models.teacher is not None
+        return kl_in_reward or estimator_needs or update_needs or bool(self.models.teachers)
 
 
 class Advantages:

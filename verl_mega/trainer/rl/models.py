@@ -22,7 +22,7 @@ class Models:
     reference: object | None = None  # a Reference, or the actor's own frozen base (LoRA): compute_ref_log_prob
     critic: Critic | None = None
     critic_ckpt: Path | None = None
-    teacher: Teacher | None = None
+    teachers: dict[str | None, Teacher] = dataclasses.field(default_factory=dict)  # by data source, None: others'
 
     def trainables(self) -> dict:
         """name -> TrainableModel saved in step checkpoints."""
@@ -40,7 +40,7 @@ class Models:
 
 
 def build_models(config: TrainConfig, actor_ckpt: Path, critic_ckpt: Path | None = None,
-                 teacher_ckpt: Path | None = None) -> Models:
+                 teacher_ckpts: dict[str | None, Path] | None = None) -> Models:
     """The critic, the reference and the teacher run in the actor's dtype, whatever their checkpoints were saved
     in; the log-probs of the update, of the KL term and of the teacher are the sampling distribution's
     (logits / temperature)."""
@@ -62,8 +62,8 @@ def build_models(config: TrainConfig, actor_ckpt: Path, critic_ckpt: Path | None
                                schedule_steps=optimizer_steps(config, config.critic), lora=config.critic.lora,
                                **memory_overrides(config.critic, config.parallel))
     if uses_teacher(config):
-        distill = config.algorithm.distill
-        models.teacher = Teacher(teacher_ckpt, top_k=distill.top_k if distill.loss == "gkd" else 0,
-                                 packed_sequences=packed, temperature=temperature, dtype=dtype, **actor_memory)
+        top_k = config.algorithm.distill.top_k if config.algorithm.distill.loss == "gkd" else 0
+        models.teachers = {source: Teacher(ckpt, top_k=top_k, packed_sequences=packed, temperature=temperature,
+                                           dtype=dtype, **actor_memory) for source, ckpt in teacher_ckpts.items()}
     return models
 

@@ -37,6 +37,19 @@ def uses_teacher(config: TrainConfig) -> bool:
     return config.job == "rl" and config.algorithm.distill.loss != "off"
 
 
+def teacher_folders(config: TrainConfig) -> dict[str, str]:
+    """The distillation teachers' HF folders to convert, by role: `teacher` (teacher.hf_path, where no teacher.ckpt
+    replaces it) and `teacher:SOURCE` for each of teacher.by_data_source; none without a distillation loss."""
+    if not uses_teacher(config):
+        return {}
+    teacher = config.teacher
+    folders = {"teacher": teacher.hf_path} if teacher.hf_path and not teacher.ckpt else {}
+    return {**folders, **{f"{TEACHER_OF}{source}": path for source, path in teacher.by_data_source.items()}}
+
+
+TEACHER_OF = "teacher:"  # the role name of a data source's teacher, before the source
+
+
 def teacher_alone(config: TrainConfig, reward_fn: RewardFn | None = None) -> bool:
     """Whether the teacher's signal is the whole reward: no reward function (nor the Python API's callable in its
     place), model or service scores the responses."""
