@@ -65,3 +65,13 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, inputs, capsys):
     (tmp_path / "out.jsonl").write_text("kept")
     assert generate(model, data, tmp_path / "out.jsonl") == 2
     assert (tmp_path / "out.jsonl").read_text() == "kept"
+
+
+def test_a_converted_checkpoint_samples_what_its_hf_folder_samples(tmp_path, inputs):
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+
+    model, data = inputs
+    convert_hf_to_mcore(model, tmp_path / "ckpt")
+    assert generate(model, data, tmp_path / "from_hf.jsonl") == 0
+    assert generate(tmp_path / "ckpt", data, tmp_path / "from_ckpt.jsonl") == 0
+    assert read_rows(tmp_path / "from_hf.jsonl") == read_rows(tmp_path / "from_ckpt.jsonl")
