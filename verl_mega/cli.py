@@ -1,9 +1,9 @@
-"""`verl-mega convert | export | plot | train | sft | preference | plan | launch` — argument parsing only; the work
-is in the modules. `dpo` is `preference` under its old name.
+"""`verl-mega convert | export | plot | train | sft | preference | plan | generate | launch` — argument parsing only;
+the work is in the modules. `dpo` is `preference` under its old name.
 
-`convert`, `export` and `plot` are parsed here. `train`, `sft`, `preference`, `plan` and `launch slurm|local` parse
-their own arguments (they also run as `python -m` modules under torchrun and Slurm), so here they only appear in
-the help and hand the rest of the command line to their module.
+`convert`, `export` and `plot` are parsed here. `train`, `sft`, `preference`, `plan`, `generate` and `launch
+slurm|local` parse their own arguments (they also run as `python -m` modules under torchrun and Slurm), so here
+they only appear in the help and hand the rest of the command line to their module.
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ DELEGATED = {
     ("plan",): ("verl_mega.trainer.plan:main", "HybridEngine dry run: per-rank bytes of a training -> rollout "
                                                 "transition; with --memory CONFIG, the run's memory per rank, FLOPs "
                                                 "and the layouts that fit a GPU"),
+    ("generate",): ("verl_mega.trainer.generate:main", "sample responses from a checkpoint to a verl-format file "
+                                                        "(a teacher's answers for the offline form of distillation)"),
     ("launch", "local"): ("verl_mega.launch.local:main", "torchrun on this machine"),
     ("launch", "slurm"): ("verl_mega.launch.slurm:main", "render and submit an sbatch script"),
 }

@@ -34,6 +34,13 @@ from verl_mega.algorithms.dapo import (
     trainable_groups,
     truncated_responses,
 )
+from verl_mega.algorithms.distill import (
+    DISTILL_LOSSES,
+    distill_advantages,
+    generalized_jsd,
+    reverse_kl_advantage,
+    topk_generalized_jsd,
+)
 from verl_mega.algorithms.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -99,6 +106,7 @@ from verl_mega.algorithms.rollout_correction import (
 __all__ = [
     "ADV_ESTIMATORS",
     "BYPASS_LOSS_TYPES",
+    "DISTILL_LOSSES",
     "Correction",
     "EXHAUSTED_POLICIES",
     "IS_LEVELS",
@@ -145,6 +153,7 @@ __all__ = [
     "compute_tir_optimal_token_baseline_advantage",
     "compute_value_loss",
     "constant_groups",
+    "distill_advantages",
     "entropy_from_logits",
     "estimator_inputs",
     "estimator_knobs",
@@ -153,6 +162,7 @@ __all__ = [
     "get_kl_estimator",
     "get_policy_loss_fn",
     "get_preference_loss_fn",
+    "generalized_jsd",
     "groups_filling_mini_batches",
     "is_batch_mean",
     "kto_kl_baseline",
@@ -172,8 +182,10 @@ __all__ = [
     "register_adv_est",
     "register_kl_estimator",
     "register_policy_loss",
+    "reverse_kl_advantage",
     "rollout_correction",
     "rollout_correction_from_config",
+    "topk_generalized_jsd",
     "trainable_groups",
     "truncated_responses",
 ]

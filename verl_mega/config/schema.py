@@ -499,6 +499,26 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): the frozen `teacher` scores every token the student sampled.
+    With reward.function empty the teacher's signal is the whole reward; otherwise it is added to the outcome
+    reward's."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"coef": at_least(0), "beta": within(0, 1), "top_k": at_least(1)}
+
+    loss: str = "off"
+    """off; reverse_kl: each sampled token's advantage gains coef * -(log p_student - log p_teacher), discount 0
+    (Thinking Machines' recipe); gkd: the actor's loss gains coef * GKD's generalised JSD(beta) over the teacher's
+    top_k tokens at each position (Agarwal et al. 2024)."""
+    coef: float = 1.0
+    """Weight of the teacher's term (beside an outcome reward's advantages, or alone)."""
+    beta: float = 0.5
+    """gkd: the generalised JSD's beta; 0 is the forward KL(teacher || student), 1 the reverse KL."""
+    top_k: int = 20
+    """gkd: the teacher's most likely tokens at each position that the divergence is taken over (renormalised)."""
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages and the KL penalty (rl); the preference loss and its knobs (preference)."""
 
@@ -548,6 +568,28 @@ class AlgorithmConfig:
     cache_reference_logprobs: bool = False
     """dpo / ipo: score every train and validation row with the frozen reference once, keep the log-probs in the
     run folder (reused on resume) and build no reference model for the steps."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+
+@dataclass
+class TeacherConfig:
+    """The frozen teacher of on-policy distillation (algorithm.distill.loss): it must share the student's tokenizer."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"tp": at_least(1, note="null: parallel.tp"),
+                                          "pp": at_least(1, note="null: parallel.pp")}
+
+    hf_path: str = ""
+    """HF causal-LM folder of the teacher (converted like the actor's weights, into the run folder or
+    model.conversion_cache)."""
+    ckpt: str = ""
+    """Converted megatron checkpoint of the teacher, in place of hf_path's weights."""
+    tp: int | None = None
+    """The teacher's tensor-parallel size; null: the student's (parallel.tp)."""
+    pp: int | None = None
+    """The teacher's pipeline-parallel size; null: the student's (parallel.pp)."""
+    by_data_source: dict[str, str] = field(default_factory=dict)
+    """Several teachers: data_source -> the HF folder of the teacher of that source's rows (converted like
+    hf_path); rows of any other source are hf_path's (or ckpt's)."""
 
 
 @dataclass
@@ -652,7 +694,7 @@ class RewardConfig:
 
     function: str = "exact_match"
     """A registered reward function's name (the rewards page lists them; `default` picks one by each row's
-    data_source) or "module:function"."""
+    data_source) or "module:function"; empty with algorithm.distill.loss set: the teacher's signal alone."""
     timeout_s: float = 5.0
     """Hard time limit per answer, in seconds: a named function other than exact_match / copy / add runs in a
     worker process that is killed and replaced when an answer takes longer (it scores 0, counted in
@@ -807,6 +849,7 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

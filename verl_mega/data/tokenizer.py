@@ -15,3 +15,18 @@ def load_tokenizer(folder: str | Path):
         raise ValueError(f"{folder}: {err}") from None
     except Exception as err:  # noqa: BLE001 - a file transformers' reader trips over, whatever it raises
         raise ValueError(f"{folder}: its tokenizer files cannot be loaded ({type(err).__name__}: {err})") from None
+
+
+def vocabulary_difference(tokenizer, other) -> str | None:
+    """How `other`'s vocabulary differs from `tokenizer`'s, in a phrase (None: the same token for every id):
+    the sizes, and the first id whose token differs."""
+    ours, theirs = _tokens_by_id(tokenizer), _tokens_by_id(other)
+    if ours == theirs:
+        return None
+    first = min(token_id for token_id in ours.keys() | theirs.keys() if ours.get(token_id) != theirs.get(token_id))
+    return (f"{len(ours)} vs {len(theirs)} tokens, first differing id {first}: {ours.get(first)!r} vs "
+            f"{theirs.get(first)!r}")
+
+
+def _tokens_by_id(tokenizer) -> dict[int, str]:
+    return {token_id: token for token, token_id in tokenizer.get_vocab().items()}

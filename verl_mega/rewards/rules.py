@@ -20,6 +20,11 @@ def exact_match_score(data_source, solution_str: str, ground_truth, extra_info=N
     return float(solution_str.strip() == str(ground_truth).strip())
 
 
+def no_outcome_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
+    """reward.function empty (on-policy distillation with the teacher's signal alone): no outcome reward."""
+    return 0.0
+
+
 def copy_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
     """Fraction of positions that repeat the digit string correctly."""
     return _positional_match_fraction(solution_str.strip(), str(ground_truth).strip(), align_right=False)

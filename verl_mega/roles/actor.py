@@ -13,15 +13,15 @@ import torch.distributed as dist
 
 from verl_mega.algorithms import (
     agg_loss, compute_kl, get_policy_loss_fn, is_batch_mean, old_log_probs_from_rollout, policy_loss_metric_names,
-    rollout_correction, rollout_correction_from_config,
+    rollout_correction, rollout_correction_from_config, topk_generalized_jsd,
 )
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
-from verl_mega.config import LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+from verl_mega.config import DistillConfig, LoraConfig, OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
 from verl_mega.models.lora import apply_lora
 from verl_mega.parallel.state import current_layout, device
 
 from .batching import Batch, batch_size, pad_response_columns
-from .logprobs import vocab_parallel_logprobs, vocab_parallel_sum_pi_squared
+from .logprobs import vocab_parallel_gather_logprobs, vocab_parallel_logprobs, vocab_parallel_sum_pi_squared
 from .megatron_step import MicroBatchShare, compute_per_token, resolve_sequence_packing
 from .routing_replay import ROUTED_EXPERTS, attach_routing_replay, is_moe, replays, reset_mismatch, router_mismatch
 from .trainable import TrainableModel
@@ -96,12 +96,14 @@ class Actor:
     def __init__(self, ckpt_dir: str | Path, optim: OptimConfig, loss: PolicyLossConfig | None = None, *,
                  schedule_steps: int, packed_sequences: str = "auto", temperature: float = 1.0,
                  correction: RolloutCorrectionConfig | None = None, router_replay: str = "off",
-                 lora: LoraConfig | None = None, **config_overrides):
+                 lora: LoraConfig | None = None, distill: DistillConfig | None = None, **config_overrides):
         """`packed_sequences`: auto | true | false, `actor.use_packed_sequences` (see `resolve_sequence_packing`).
         `temperature`: the PPO log-probs' (`sampling_temperature` of the rollout's). `correction`: what the PPO
         update does with a batch's `rollout_log_probs` (`algorithm.rollout_correction`; default: nothing).
         `router_replay`: off | rollout, `actor.router_replay` (see `roles.routing_replay`). `lora`: `actor.lora`,
-        adapters trained on the frozen loaded weights (default: every parameter trains)."""
+        adapters trained on the frozen loaded weights (default: every parameter trains). `distill`:
+        `algorithm.distill`; with loss gkd, the PPO loss gains coef * GKD's divergence from the teacher over the
+        batch's `teacher_topk_ids` / `teacher_topk_log_probs` (default: no such term)."""
         module, self.vocab_size = load_gpt_model(ckpt_dir, **config_overrides)
         attach_routing_replay(module, replays(router_replay))
         apply_lora(module, lora or LoraConfig())
@@ -112,6 +114,7 @@ class Actor:
         self._policy_loss_knobs = self.loss.knobs()
         self._old_from_rollout = old_log_probs_from_rollout(self.loss.policy_loss)
         self.temperature = temperature
+        self.distill = distill or DistillConfig()
         self.correction = correction or RolloutCorrectionConfig()
         if self._old_from_rollout and self.loss.bypass_loss_type == "ppo_clip":
             # PPO's clip in bypass mode already bounds the ratio to the rollout: only the rejection applies.
@@ -183,6 +186,10 @@ class Actor:
         names = ["pg_loss", *policy_loss_metric_names(self.loss.policy_loss), "entropy"]
         if self.uses_kl_loss:
             names.append("kl_loss")
+        if self.distill.loss == "gkd":
+            if "teacher_topk_ids" not in batch:
+                raise ValueError("algorithm.distill.loss=gkd and the batch has no 'teacher_topk_ids'")
+            names.append("gkd_loss")
         # Only the mismatch metrics read them, and only a batch with rollout log-probs has those.
         # Off-policy (bypass mode), a later mini-batch's first forward no longer sees the rollout's weights.
         pass_log_probs = None
@@ -295,7 +302,21 @@ class Actor:
             kl_loss = agg_loss(kl, mask, loss_config.loss_agg_mode)
             loss = loss + loss_config.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss * share.loss
+        if self.distill.loss == "gkd":
+            gkd_loss = self._gkd_loss(logits, micro_batch, mask)
+            loss = loss + self.distill.coef * gkd_loss
+            metrics["gkd_loss"] = gkd_loss * share.loss
         return loss * share.loss, metrics
+
+    def _gkd_loss(self, logits, micro_batch: Batch, mask: torch.Tensor) -> torch.Tensor:
+        """GKD's generalised JSD(beta) between the teacher and the student over the teacher's top-k tokens at each
+        response position (both at the sampling temperature), aggregated like the policy loss."""
+        ids = micro_batch["teacher_topk_ids"].to(logits.device)
+        scaled = logits / self.temperature if self.temperature != 1 else logits
+        student = vocab_parallel_gather_logprobs(scaled, ids, self.vocab_size)
+        divergence = topk_generalized_jsd(student, micro_batch["teacher_topk_log_probs"].to(logits.device),
+                                          self.distill.beta)
+        return agg_loss(divergence, mask, self.loss.loss_agg_mode)
 
     def _rollout_is_weights(self, train_log_prob: torch.Tensor, micro_batch: Batch, mask: torch.Tensor
                             ) -> torch.Tensor | None:

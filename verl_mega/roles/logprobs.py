@@ -65,3 +65,52 @@ def _logsumexp(values: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(sums, group=group)
     return top + sums.log()
+
+
+def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V/tp] (this TP rank's slice) -> the k most likely tokens of the whole vocabulary: their
+    float32 log-probs [..., k] (normalised over the whole vocabulary) and ids [..., k], the same on every TP rank.
+    Forward-only: it holds an fp32 copy of the slice while it runs."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    logits = mask_vocab_padding(logits, vocab_size, tp_rank).float()
+    split = parallel_state.get_tensor_model_parallel_world_size() > 1
+    group = parallel_state.get_tensor_model_parallel_group() if split else None
+    local_vocab = logits.shape[-1]
+    values, ids = logits.topk(min(k, local_vocab), dim=-1)
+    ids = ids + tp_rank * local_vocab
+    if group is not None:  # each slice's best k, then the best k of those
+        values, ids = _all_gather_last(values, group), _all_gather_last(ids, group)
+        values, chosen = values.topk(k, dim=-1)
+        ids = ids.gather(-1, chosen)
+    return values - _logsumexp(logits, group).unsqueeze(-1), ids
+
+
+def _all_gather_last(tensor: torch.Tensor, group) -> torch.Tensor:
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)
+
+
+def vocab_parallel_gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """logits [..., V/tp] (this TP rank's slice), ids [..., k] of the whole vocabulary -> float32 log-probs
+    [..., k] of those tokens, differentiable with respect to the logits (the sums over the TP ranks are megatron's
+    autograd-aware all-reduce: the gradient of each rank's share is the same upstream gradient)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    logits = mask_vocab_padding(logits, vocab_size, tp_rank).float()
+    split = parallel_state.get_tensor_model_parallel_world_size() > 1
+    local_vocab = logits.shape[-1]
+    local_ids = ids.long() - tp_rank * local_vocab
+    here = (local_ids >= 0) & (local_ids < local_vocab)
+    picked = logits.gather(-1, local_ids.clamp(0, local_vocab - 1)) * here
+    top = logits.detach().amax(dim=-1, keepdim=True)
+    if split:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    sums = (logits - top).exp().sum(dim=-1, keepdim=True)
+    if split:
+        picked, sums = reduce_from_tensor_model_parallel_region(picked), reduce_from_tensor_model_parallel_region(sums)
+    return picked - top - sums.log()

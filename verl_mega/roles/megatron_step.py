@@ -245,11 +245,13 @@ def shapes_may_vary(model) -> bool:
 
 def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: Sequence[str],
                       per_token: Callable[[torch.Tensor, Batch], dict[str, torch.Tensor]], max_tokens: int = 0,
-                      packed: bool = False) -> dict[str, torch.Tensor]:
+                      packed: bool = False, values_per_token: dict[str, int] | None = None
+                      ) -> dict[str, torch.Tensor]:
     """Forward-only: `per_token(last_stage_output, micro_batch)` gives float32 [b, r] tensors named
     `output_names` (r: the micro-batch's trimmed response width); returns them as [B, R] for the whole global
     batch on every rank. `max_tokens`: a token budget per micro-batch instead of `micro_batch_size` rows.
-    `packed`: see `stage_forward`."""
+    `packed`: see `stage_forward`. `values_per_token`: name -> k for outputs of k values per token, given as
+    [b, r * k] (token-major) and returned as [B, R * k]."""
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
@@ -258,9 +260,11 @@ def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: 
     pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model),
                            columns_multiple_of=sequence_split(model))
     outputs = forward_only_outputs(model, pieces, partial(stage_forward, packed=packed), per_token)
-    shape = tuple(local["responses"].shape)
+    rows, response_length = tuple(local["responses"].shape)
     results = {}
     for name in output_names:
+        # The trimmed columns are the last ones: token-major, their values are the last ones too.
+        shape = (rows, response_length * (values_per_token or {}).get(name, 1))
         if outputs is not None:
             tensor = torch.cat([pad_response_columns(output[name].float(), shape[1]) for output in outputs])
             tensor = tensor.to(device()).contiguous()

@@ -101,6 +101,11 @@ class RunFolder:
         """The run's conversion of `role`'s HF model at `layout` (`layout_name`)."""
         return self.root / f"initial_{check_role(role)}_{layout}"
 
+    def teacher_weights(self, layout: str, checksum: str) -> Path:
+        """The run's conversion of the distillation teacher's HF model (teacher.hf_path) at `layout`; `checksum`
+        (its sha256) in the name: a run resumed with another teacher converts that one."""
+        return self.root / f"initial_teacher_{layout}_{checksum[:16]}"
+
     def initial_conversions(self, role: str) -> list[Path]:
         """Every layout's initial conversion of `role` in the folder, by name."""
         return sorted(self.root.glob(f"initial_{check_role(role)}_*"))

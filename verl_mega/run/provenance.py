@@ -65,6 +65,9 @@ def reward_provenance(config: TrainConfig, reward_fn: RewardFn | None) -> dict |
     if config.reward.reward_model:
         return _with_hub({"reward_model": config.reward.reward_model,
                           "sha256": model_sha256(config.reward.reward_model)}, config.reward.reward_model)
+    if not (reward_fn or config.reward.function):  # on-policy distillation: the teacher's signal alone
+        teacher = config.teacher.ckpt or config.teacher.hf_path
+        return _with_hub({"teacher": teacher}, teacher)
     return reward_fn_provenance(reward_fn or config.reward.function)
 
 

@@ -43,7 +43,7 @@ from .preemption import StopRequest, requeue_slurm_job
 from .preference import PreferenceJob
 from .preflight import preflight_check
 from .rl import RLJob
-from .rl.needs import uses_critic
+from .rl.needs import TEACHER_OF, teacher_folders, uses_critic
 from .rl.rollout_service import RolloutService
 from .sft import SFTJob
 
@@ -137,13 +137,15 @@ def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=No
     if config.model.conversion_cache:
         # The saved config names conversions outside the run folder (`verl-mega export --step` reads it); those
         # inside are found by their names, wherever the run folder is moved.
+        # (A data source's teacher is found again by its checksum.)
         for role, ckpt in ckpts.items():
-            setattr(config.model, f"{role}_ckpt", str(ckpt))
+            if not role.startswith(TEACHER_OF):
+                setattr(*given_ckpt_key(config, role), str(ckpt))
     stop = StopRequest().install()
     if config.job == "rl":
         critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
         job = RLJob(config, layout, stop, checksums, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt,
-                    reward_fn=reward_fn, bridge=bridge, placement=placement)
+                    reward_fn=reward_fn, bridge=bridge, placement=placement, teacher_ckpts=teacher_ckpts(config, ckpts))
     else:
         job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, actor_ckpt=ckpts["actor"])
     # Written once the job has been built and has resumed: a start refused on the way changes neither.
@@ -157,20 +159,35 @@ def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=No
 
 def model_checksums(config) -> dict[str, str]:
     """role -> sha256 of the HF folder it starts from (the critic's when model.critic_hf_path names one that the
-    job uses)."""
+    job uses, the distillation teachers' (`rl.needs.teacher_folders`))."""
     checksums = {"actor": model_sha256(config.model.hf_path)}
     if config.model.critic_hf_path and uses_critic(config):
         checksums["critic"] = model_sha256(config.model.critic_hf_path)
+    checksums.update({role: model_sha256(folder) for role, folder in teacher_folders(config).items()})
     return checksums
+
+
+def teacher_ckpts(config, ckpts: dict[str, Path]) -> dict[str | None, Path]:
+    """The distillation teachers' checkpoints by data source (None: the rows of every other source), from the
+    converted `ckpts` by role and teacher.ckpt; empty without distillation."""
+    found = {role.removeprefix(TEACHER_OF): ckpt for role, ckpt in ckpts.items() if role.startswith(TEACHER_OF)}
+    default = ckpts.get("teacher") or (Path(config.teacher.ckpt) if config.teacher.ckpt else None)
+    return {None: default, **found} if default is not None else found
+
+
+def given_ckpt_key(config, role: str) -> tuple[object, str]:
+    """(section, key) of the config naming `role`'s converted checkpoint: model.actor_ckpt, model.critic_ckpt or
+    teacher.ckpt."""
+    return (config.teacher, "ckpt") if role == "teacher" else (config.model, f"{role}_ckpt")
 
 
 def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str) -> Path:
     """`role`'s converted checkpoint: given (model.<role>_ckpt), or converted from its HF folder by rank 0 once
     per layout, into model.conversion_cache under the folder's `checksum` when set, else into the run folder."""
-    given = getattr(config.model, f"{role}_ckpt")
+    given = "" if role.startswith(TEACHER_OF) else getattr(*given_ckpt_key(config, role))
     if given:
         return Path(given)
-    hf_path = config.model.hf_path if role == "actor" else config.model.critic_hf_path
+    hf_path = {"actor": config.model.hf_path, "critic": config.model.critic_hf_path, **teacher_folders(config)}[role]
     ckpt = conversion_path(config, run_dir, role, checksum)
     if layout.rank == 0 and ckpt.exists():
         if not (ckpt / MANIFEST_NAME).is_file():  # conversions are published whole, so this is someone else's
@@ -191,7 +208,10 @@ def conversion_path(config, run_dir: Path, role: str, checksum: str) -> Path:
     if not config.model.conversion_cache:
         # One conversion per layout: a run resumed at another layout needs its initial (reference) weights there.
         # (claim_run_folder has checked that an existing actor conversion is of this model.)
-        return RunFolder(run_dir).initial_weights(role, layout)
+        folder = RunFolder(run_dir)
+        if role.startswith("teacher"):  # the teacher's, or a data source's teacher's
+            return folder.teacher_weights(layout, checksum)
+        return folder.initial_weights(role, layout)
     # The same weights converted at the same layout and dtype (and by the same family spec) are the same shards.
     spec = config.model.family_spec
     variant = f"{layout}_{config.model.dtype}" + (f"_{hashlib.sha256(spec.encode()).hexdigest()[:12]}" if spec else "")

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Callable
 
 from verl_mega.algorithms import (
-    ADV_ESTIMATORS, BYPASS_LOSS_TYPES, EXHAUSTED_POLICIES, IS_LEVELS, KL_CONTROLLERS, KL_ESTIMATORS,
+    ADV_ESTIMATORS, BYPASS_LOSS_TYPES, DISTILL_LOSSES, EXHAUSTED_POLICIES, IS_LEVELS, KL_CONTROLLERS, KL_ESTIMATORS,
     LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, estimator_inputs,
     old_log_probs_from_rollout, parse_rejection,
 )
-from verl_mega.checkpoint.manifest import MANIFEST_NAME, Manifest
+from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, MANIFEST_NAME, Manifest
+from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.config import JOBS, ConfigError, TrainConfig
 from verl_mega.config.ranges import out_of_range
 from verl_mega.config.schema import (
@@ -26,7 +27,7 @@ from verl_mega.config.schema import (
 from verl_mega.data.prompts import TRUNCATION_SIDES, PromptDataset, check_prompt_column
 from verl_mega.data.supervised import Limits, load_preference_examples, load_sft_examples
 from verl_mega.data.tables import read_rows
-from verl_mega.data.tokenizer import load_tokenizer
+from verl_mega.data.tokenizer import load_tokenizer, vocabulary_difference
 from verl_mega.models import HFModelConfig, load_hf_model_config
 from verl_mega.models.builder import DTYPES, memory_overrides, transformer_engine_available
 from verl_mega.models.external_families import import_family_spec
@@ -47,7 +48,7 @@ from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
 
 from .plan import roles_of
-from .rl.needs import check_estimator_config
+from .rl.needs import check_estimator_config, teacher_alone, uses_critic
 from .rl.schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
 ASYNC_KNOBS = ("max_staleness", "partial", "partial_chunk_tokens")  # rollout.* keys that only async reads
@@ -165,9 +166,10 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     elif config.reward.reward_model:
         need(not check_files or Path(config.reward.reward_model, "config.json").is_file(),
              f"reward.reward_model: {config.reward.reward_model}/config.json does not exist")
-    else:
+    elif reward_fn is not None or config.reward.function or alg.distill.loss == "off":
         check(lambda: get_reward_fn(reward_fn or config.reward.function), "reward.function: ")
         need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
+    _check_distill(config, check, need, known, check_files, reward_fn)
     if check_files:
         _check_files(config, check, need, layout_in_range)
 
@@ -524,3 +526,82 @@ def _check_files(config: TrainConfig, check, need, layout_in_range: bool) -> Non
         else:  # the chat template on a first prompt: a template that cannot render stops the run at its first step
             check(lambda: PromptDataset(files, tokenizer, d.max_prompt_length, d.prompt_key, d.truncation)[0],
                   f"{key}: ")
+
+
+def _check_distill(config: TrainConfig, check, need, known, check_files: bool, reward_fn) -> None:
+    """algorithm.distill and its teacher: a loss with a teacher (and a teacher only with a loss), at the student's
+    layout, and nothing that learns from an outcome reward where the teacher is the whole reward; with the files,
+    a teacher that loads, outside the run folder, of the student's tokenizer."""
+    distill, teacher, p = config.algorithm.distill, config.teacher, config.parallel
+    known("algorithm.distill.loss", distill.loss, DISTILL_LOSSES)
+    given = [key for key, value in (("teacher.hf_path", teacher.hf_path), ("teacher.ckpt", teacher.ckpt),
+                                    ("teacher.by_data_source", teacher.by_data_source)) if value]
+    if distill.loss == "off":
+        need(not given, f"{' and '.join(given)} set and algorithm.distill.loss=off: set algorithm.distill.loss "
+             "(reverse_kl or gkd) to distil from it, or drop the teacher")
+        return
+    need(bool(teacher.hf_path or teacher.ckpt), f"algorithm.distill.loss={distill.loss} needs a teacher (of the rows "
+         "of every data source teacher.by_data_source does not name): set teacher.hf_path (its HF folder) or "
+         "teacher.ckpt (a converted checkpoint)")
+    if teacher_alone(config, reward_fn):
+        need(not config.algorithm.filter_groups.enable, "algorithm.filter_groups.enable with reward.function empty: "
+             "every response scores 0 (the teacher's signal is the whole reward), so every group would be dropped; "
+             "disable the filter or set reward.function")
+        need(not uses_critic(config), "algorithm.adv_estimator=gae with reward.function empty: the critic would "
+             "learn values of no reward; set algorithm.adv_estimator=grpo (the teacher's term is then the whole "
+             "advantage) or set reward.function")
+    for key, size, student in (("tp", teacher.tp, p.tp), ("pp", teacher.pp, p.pp)):
+        need(size is None or size == student, f"teacher.{key}={size}: the teacher runs at the student's layout "
+             f"(parallel.{key}={student}) in this version; set teacher.{key} to null or {student}")
+    if not check_files:
+        return
+    default = [("teacher.ckpt", teacher.ckpt, True)] if teacher.ckpt else [("teacher.hf_path", teacher.hf_path, False)]
+    for key, folder, converted in default + [(f"teacher.by_data_source.{source}", folder, False)
+                                             for source, folder in teacher.by_data_source.items()]:
+        if folder:
+            _check_teacher_files(config, key, folder, converted, check, need)
+
+
+def _check_teacher_files(config: TrainConfig, key: str, folder: str, converted: bool, check, need) -> None:
+    """The teacher's folder (`converted`: a converted checkpoint, else an HF folder), outside the run folder,
+    readable (config, weights or manifest), and its tokenizer the student's token for token; for gkd, top-k ids
+    the student's vocabulary holds."""
+    run_dir = Path(config.trainer.run_dir).resolve()
+    if Path(folder).resolve().is_relative_to(run_dir):
+        need(False, f"{key}={folder} is inside trainer.run_dir={config.trainer.run_dir}, the folder this run writes: "
+             "export the teacher out of it (verl-mega export) or point at another folder")
+        return
+    # A converted checkpoint carries its source's tokenizer files.
+    tokenizer_folder = Path(folder, HF_ASSETS_DIR) if converted else folder
+    if converted:
+        manifest = check(lambda: Manifest.read(folder, config.model.family_spec or None), f"{key}: ")
+        model = HFModelConfig.from_dict(manifest.hf_config) if manifest is not None else None
+        p = config.parallel
+        need(manifest is None or manifest.format != "megatron_legacy" or (manifest.tp, manifest.pp, manifest.ep)
+             == (p.tp, p.pp, p.ep), f"{key}: {folder} was written for tp={getattr(manifest, 'tp', '')}, "
+             f"pp={getattr(manifest, 'pp', '')}, ep={getattr(manifest, 'ep', '')} and the teacher runs at parallel.tp="
+             f"{p.tp}, pp={p.pp}, ep={p.ep}: convert it again at this layout, or with --format torch_dist")
+    else:
+        if not Path(folder, "config.json").is_file():
+            need(False, f"{key}: {folder}/config.json does not exist; point it at the teacher's HF model folder")
+            return
+        loaded = check(lambda: load_hf_model_config(folder, config.model.family_spec or None), f"{key}: ")
+        model = loaded[0] if loaded is not None else None
+        check(lambda: SafetensorsReader(folder).close(), f"{key}: ")
+    if model is None or not Path(config.model.hf_path, "config.json").is_file():
+        return
+    student_tokenizer = check(lambda: load_tokenizer(config.model.hf_path), "model.hf_path: ")
+    teacher_tokenizer = check(lambda: load_tokenizer(tokenizer_folder), f"{key}: ")
+    if student_tokenizer is None or teacher_tokenizer is None:
+        return
+    difference = vocabulary_difference(student_tokenizer, teacher_tokenizer)
+    need(difference is None, f"{key}: the teacher's tokenizer is not model.hf_path's ({difference}); distillation "
+         "compares the two models token by token: pick a teacher with the student's tokenizer")
+    if config.algorithm.distill.loss == "gkd":
+        student = check(lambda: load_hf_model_config(config.model.hf_path, config.model.family_spec or None)[0],
+                        "model.hf_path: ")
+        need(student is None or model.vocab_size <= student.vocab_size, f"algorithm.distill.loss=gkd: the teacher's "
+             f"vocabulary ({model.vocab_size} rows) is larger than the student's ({student and student.vocab_size}), "
+             "so its top-k may name tokens the student cannot score; use reverse_kl")
+        need(config.algorithm.distill.top_k <= model.vocab_size, f"algorithm.distill.top_k="
+             f"{config.algorithm.distill.top_k} exceeds the teacher's vocabulary of {model.vocab_size}")

@@ -4,9 +4,10 @@ the config; `train_step` hands one `Step` record to each stage in turn, in dataf
     sampling       prompts -> HybridEngine transition -> generate -> one row per response -> rewards
                    [-> dynamic sampling: drop groups without signal, generate again until the batch is full]
     model passes   old / reference log-probs, values
+    teacher        on-policy distillation: the teacher's log-probs of the responses (distill.py)
     sample log     generations.jsonl
     finite reward  NaN/inf in the reward ends the step (or the run: trainer.nonfinite)
-    advantages     the KL in the reward, the estimator
+    advantages     the KL in the reward, the estimator [, the teacher's reverse KL]
     finite outputs NaN/inf in the models' outputs or the advantages ends the step
     updates        critic, then actor (overlong filtering)
     mismatch       rollout/training log-prob mismatch
@@ -29,6 +30,7 @@ from verl_mega.rewards.registry import RewardFn
 
 from ..job import TrainingJob
 from .batch_stats import BatchStats
+from .distill import distill_stages
 from .generation import Generation
 from .learning import Advantages, ModelPasses, Updates
 from .models import build_models
@@ -44,16 +46,19 @@ class RLJob(TrainingJob):
     validates_before_training = True
 
     def build(self, actor_ckpt: Path, critic_ckpt: Path | None = None, reward_fn: RewardFn | None = None,
-              bridge: Bridge | None = None, placement: RolePlacement | None = None) -> None:
+              bridge: Bridge | None = None, placement: RolePlacement | None = None,
+              teacher_ckpts: dict[str | None, Path] | None = None) -> None:
         """The prompts, the models, the reward and the rollout engine behind the HybridEngine, or with rollout
         ranks of their own (`bridge` and `placement`), the client that pushes the weights to them and asks them to
         generate; then the stages over them. `reward_fn`: a callable in place of `reward.function` (the Python
-        API's)."""
+        API's). `teacher_ckpts`: the distillation teachers' converted checkpoints by data source (None: every other
+        source's)."""
         config = self.config
         tokenizer = load_tokenizer(config.model.hf_path)
         dataset = self.prompts(tokenizer, "train_files")
         val_dataset = self.prompts(tokenizer, "val_files") if config.data.val_files else None
-        self.models = build_models(config, actor_ckpt, critic_ckpt)
+        self.models = build_models(config, actor_ckpt, critic_ckpt, teacher_ckpts)
+        after_passes, after_advantages = distill_stages(config, self.models.teachers, reward_fn)
         scoring = Scoring.build(config, tokenizer, self.layout.world_size, self.note, reward_fn)
         self.generation = Generation.build(config, self.layout, tokenizer, self.hf_config, self.family,
                                            self.models.actor, bridge, placement)
@@ -67,10 +72,12 @@ class RLJob(TrainingJob):
         self.stages: list[Stage] = [
             self.sampling,
             ModelPasses(config, self.models),
+            *after_passes,
             SampleLog(config, self.layout.rank, scoring, lambda number, samples: self.logger.log_samples(number,
                                                                                                           samples)),
             FiniteReward(guard, scoring.source),
             self.advantages,
+            *after_advantages,
             FiniteOutputs(guard),
             Updates(config, self.models, guard, self.generation.eos_token_ids),
             Mismatch(config, self.models.actor),

@@ -17,6 +17,7 @@ from verl_mega.files.plain_state import entry
 from verl_mega.roles.actor import is_on_policy
 
 from ..rollout_batch import response_tokens
+from .distill import STUDENT_ENTROPY
 from .models import Models
 from .step import NonFiniteGuard, Step
 
@@ -36,12 +37,14 @@ class ModelPasses:
         actor, critic = self.config.actor, self.config.critic
         micro, actor_tokens = actor.micro_batch_size, actor.max_tokens_per_micro_batch
         if self.needs_old_log_probs(len(batch["responses"])):
-            # The optimal token baseline's sum_v pi_v^2 comes from the same forward as the old log-probs.
+            # The optimal token baseline's sum_v pi_v^2 comes from the same forward as the old log-probs, and so
+            # does the student's entropy that distillation logs.
             sum_pi_squared = "sum_pi_squared" in estimator_inputs(self.config.algorithm.adv_estimator)
             with timer("old_log_prob"):
-                old = models.actor.compute_log_prob(batch, micro, max_tokens=actor_tokens,
-                                                    return_sum_pi_squared=sum_pi_squared)
-            batch.update({"old_log_probs" if key == "log_probs" else key: value.cpu() for key, value in old.items()})
+                old = models.actor.compute_log_prob(batch, micro, return_entropy=bool(models.teachers),
+                                                    max_tokens=actor_tokens, return_sum_pi_squared=sum_pi_squared)
+            renamed = {"log_probs": "old_log_probs", "entropy": STUDENT_ENTROPY}
+            batch.update({renamed.get(key, key): value.cpu() for key, value in old.items()})
         if models.reference is not None:
             with timer("ref_log_prob"):
                 batch["ref_log_probs"] = models.reference.compute_ref_log_prob(batch, micro, actor_tokens).cpu()
@@ -53,13 +56,14 @@ class ModelPasses:
     def needs_old_log_probs(self, rows: int) -> bool:
         """A separate old-log-prob pass is redundant when the update is on-policy (the actor then takes them from
         its first forward, bitwise the same) or its loss takes the rollout's log-probs as the old ones (bypass
-        mode), unless the KL penalty in the reward or the estimator needs them before the update."""
+        mode), unless the KL penalty in the reward, the estimator or distillation (the student's side of the reverse
+        KL) needs them before the update."""
         actor = self.config.actor
         kl_in_reward = self.models.reference is not None and self.config.algorithm.use_kl_in_reward
         estimator_needs = "old_log_probs" in estimator_inputs(self.config.algorithm.adv_estimator)
         update_needs = not (old_log_probs_from_rollout(actor.loss.policy_loss)
                             or is_on_policy(actor.ppo_epochs, actor.mini_batch_size, rows))
-        return kl_in_reward or estimator_needs or update_needs
+        return kl_in_reward or estimator_needs or update_needs or bool(self.models.teachers)
 
 
 class Advantages:

@@ -1,5 +1,5 @@
-"""The models an RL step runs: the actor, and the reference and critic where the config uses them, built from
-their checkpoints in the actor's dtype."""
+"""The models an RL step runs: the actor, and the reference, critic and distillation teacher where the config
+uses them, built from their checkpoints in the actor's dtype."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +10,9 @@ from verl_mega.models.builder import memory_overrides
 from verl_mega.roles.actor import Actor, sampling_temperature
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
+from verl_mega.roles.teacher import Teacher
 
-from .needs import optimizer_steps, uses_critic, uses_reference
+from .needs import optimizer_steps, uses_critic, uses_reference, uses_teacher
 
 
 @dataclasses.dataclass
@@ -21,6 +22,7 @@ class Models:
     reference: object | None = None  # a Reference, or the actor's own frozen base (LoRA): compute_ref_log_prob
     critic: Critic | None = None
     critic_ckpt: Path | None = None
+    teachers: dict[str | None, Teacher] = dataclasses.field(default_factory=dict)  # by data source, None: others'
 
     def trainables(self) -> dict:
         """name -> TrainableModel saved in step checkpoints."""
@@ -37,16 +39,18 @@ class Models:
         return weights
 
 
-def build_models(config: TrainConfig, actor_ckpt: Path, critic_ckpt: Path | None = None) -> Models:
-    """The critic and the reference run in the actor's dtype, whatever their checkpoints were saved in; the
-    log-probs of the update and of the KL term are the sampling distribution's (logits / temperature)."""
+def build_models(config: TrainConfig, actor_ckpt: Path, critic_ckpt: Path | None = None,
+                 teacher_ckpts: dict[str | None, Path] | None = None) -> Models:
+    """The critic, the reference and the teacher run in the actor's dtype, whatever their checkpoints were saved
+    in; the log-probs of the update, of the KL term and of the teacher are the sampling distribution's
+    (logits / temperature)."""
     dtype, packed, replay = config.model.dtype, config.actor.use_packed_sequences, config.actor.router_replay
     temperature = sampling_temperature(config.rollout.temperature)
     actor_memory = memory_overrides(config.actor, config.parallel)
     actor = Actor(actor_ckpt, config.actor.optim, config.actor.loss, dtype=dtype,
                   schedule_steps=optimizer_steps(config, config.actor), packed_sequences=packed,
                   temperature=temperature, correction=config.algorithm.rollout_correction, router_replay=replay,
-                  lora=config.actor.lora, **actor_memory)
+                  lora=config.actor.lora, distill=config.algorithm.distill, **actor_memory)
     models = Models(actor, Path(actor_ckpt))
     models.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), actor=actor, dtype=dtype,
                                       packed_sequences=packed, temperature=temperature, router_replay=replay,
@@ -57,5 +61,9 @@ def build_models(config: TrainConfig, actor_ckpt: Path, critic_ckpt: Path | None
                                packed_sequences=config.critic.use_packed_sequences,
                                schedule_steps=optimizer_steps(config, config.critic), lora=config.critic.lora,
                                **memory_overrides(config.critic, config.parallel))
+    if uses_teacher(config):
+        top_k = config.algorithm.distill.top_k if config.algorithm.distill.loss == "gkd" else 0
+        models.teachers = {source: Teacher(ckpt, top_k=top_k, packed_sequences=packed, temperature=temperature,
+                                           dtype=dtype, **actor_memory) for source, ckpt in teacher_ckpts.items()}
     return models
 

@@ -7,6 +7,7 @@ from typing import Callable
 
 from verl_mega.algorithms import estimator_inputs
 from verl_mega.config import TrainConfig
+from verl_mega.rewards.registry import RewardFn
 from verl_mega.roles.actor import uses_kl_loss
 
 # What a step lacks for an estimator input, by config: (the input is missing, the fix). The other inputs
@@ -29,6 +30,31 @@ def uses_reference(config: TrainConfig) -> bool:
     reference's memory, is skipped; so is the `actor/kl` metric, which needs the reference."""
     kl_reward = config.algorithm.use_kl_in_reward and config.algorithm.kl_ctrl.kl_coef != 0
     return uses_kl_loss(config.actor.loss) or kl_reward
+
+
+def uses_teacher(config: TrainConfig) -> bool:
+    """Whether the run distils from a teacher (algorithm.distill.loss), which then scores every response."""
+    return config.job == "rl" and config.algorithm.distill.loss != "off"
+
+
+def teacher_folders(config: TrainConfig) -> dict[str, str]:
+    """The distillation teachers' HF folders to convert, by role: `teacher` (teacher.hf_path, where no teacher.ckpt
+    replaces it) and `teacher:SOURCE` for each of teacher.by_data_source; none without a distillation loss."""
+    if not uses_teacher(config):
+        return {}
+    teacher = config.teacher
+    folders = {"teacher": teacher.hf_path} if teacher.hf_path and not teacher.ckpt else {}
+    return {**folders, **{f"{TEACHER_OF}{source}": path for source, path in teacher.by_data_source.items()}}
+
+
+TEACHER_OF = "teacher:"  # the role name of a data source's teacher, before the source
+
+
+def teacher_alone(config: TrainConfig, reward_fn: RewardFn | None = None) -> bool:
+    """Whether the teacher's signal is the whole reward: no reward function (nor the Python API's callable in its
+    place), model or service scores the responses."""
+    reward = config.reward
+    return not (reward_fn or reward.function or reward.reward_model or reward.remote.url)
 
 
 def uses_greedy_baseline(config: TrainConfig) -> bool:

@@ -16,6 +16,7 @@ from verl_mega.config import TrainConfig
 from verl_mega.config.errors import UserError
 from verl_mega.rewards.registry import RewardFn
 from verl_mega.rewards.remote import RemoteStats
+from verl_mega.rewards.rules import no_outcome_score
 from verl_mega.roles.reward import (
     HFRewardModel, RemoteReward, RewardOutput, RuleReward, decode_responses, episode_fields, scores_to_token_rewards,
 )
@@ -40,11 +41,12 @@ class Scoring:
     def build(cls, config: TrainConfig, tokenizer, world_size: int, note: Note,
               reward_fn: RewardFn | None = None) -> "Scoring":
         """`reward_fn`: a callable in place of `reward.function` (the Python API's); reward.remote.url or
-        reward.reward_model replaces both."""
+        reward.reward_model replaces both. Neither, with reward.function empty: every response scores 0 (the
+        teacher of algorithm.distill is the whole signal)."""
         reward = config.reward
         if reward.remote.url:
             return cls(config, None, None, world_size, note, RemoteReward(tokenizer, reward.remote))
-        rule = RuleReward(tokenizer, reward_fn or reward.function, reward.timeout_s, reward.memory_limit_mb,
+        rule = RuleReward(tokenizer, reward_fn or reward.function or no_outcome_score, reward.timeout_s, reward.memory_limit_mb,
                           reward.code)
         model = HFRewardModel(reward.reward_model) if reward.reward_model else None
         return cls(config, rule, model, world_size, note)

@@ -92,7 +92,8 @@ def nonfinite_rows(values: torch.Tensor) -> str:
 
 # The batch's columns the models and the advantage estimator compute, as a non-finite error names them.
 COMPUTED_COLUMNS = {"old_log_probs": "the old log-prob", "values": "the value",
-                    "ref_log_probs": "the reference log-prob", "advantages": "the advantage", "returns": "the return"}
+                    "ref_log_probs": "the reference log-prob", "teacher_log_probs": "the teacher's log-prob",
+                    "advantages": "the advantage", "returns": "the return"}
 
 
 class FiniteReward:
