@@ -55,6 +55,12 @@ class OptimConfig:
     """Optimizer steps the decay spans; None: the run's optimizer steps."""
     lr_decay_style: str = "constant"
     """Shape of the decay after the warmup (megatron's OptimizerParamScheduler)."""
+    cpu_offload: bool = False
+    """Megatron's optimizer CPU offload (optimizer_cpu_offload, the whole of it: optimizer_offload_fraction 1):
+    the fp32 main parameters, gradients' copies and Adam's moments live on the host and the Adam step runs there,
+    through megatron's HybridDeviceOptimizer (CUDA only; needs the distributed optimizer). verl's
+    actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload; Megatron-LM's
+    --optimizer-cpu-offload --optimizer-offload-fraction 1.0."""
 
 
 @dataclass
@@ -391,12 +397,27 @@ class RecomputeConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """What the actor's training state gives back to the accelerator across the colocated rollout window (the
+    transition and the rollout), to come back bitwise before the next update (`rollout.training_memory`)."""
+
+    params: bool = False
+    """The parameters and the optimizer's fp32 main parameters wait on the host once the rollout engine has its
+    copy of the weights. verl's actor_rollout_ref.actor.megatron.param_offload."""
+    grads: bool = True
+    """The gradient buffers are dropped (the next backward refills them). verl's ...megatron.grad_offload."""
+    optimizer: bool = True
+    """Adam's moments and step counters wait on the host. verl's ...megatron.optimizer_offload."""
+
+
+@dataclass
 class ActorConfig(UpdateSchedule):
     """The policy: its update schedule, optimizer and loss."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     """The actor's, and the reference's (it follows the actor)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     router_replay: str = "off"
