@@ -145,3 +145,49 @@ def test_cpu_offload_reaches_megatron_as_the_whole_optimizer_on_the_host(one_ran
     assert offloaded.optimizer_cpu_offload and offloaded.optimizer_offload_fraction == 1.0
     plain = optimizer_config(OptimConfig(), module.config)
     assert not plain.optimizer_cpu_offload and plain.optimizer_offload_fraction == 0.0
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["actor.optim.cpu_offload=true", "actor.optim.use_distributed_optimizer=true"],
+     "actor.optim.cpu_offload=true runs megatron's HybridDeviceOptimizer, which needs CUDA"),
+    (["parallel.cp=2"], "parallel.cp=2: context parallelism is not supported yet"),
+    (["parallel.vpp=2"], "parallel.vpp=2: virtual pipeline stages are not supported yet"),
+])
+def test_preflight_refuses_in_one_line_what_does_not_run_here(tiny_models, prompt_file, overrides, problem):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]",
+                                "data.batch_size=4", "actor.mini_batch_size=4", "critic.mini_batch_size=4",
+                                *overrides])
+    with pytest.raises(ConfigError) as refused:
+        preflight_check(config, world_size=1)
+    lines = str(refused.value).splitlines()[1:]
+    assert len(lines) == 1 and problem in lines[0], lines
+
+
+def test_preflight_accepts_offload_across_the_rollout_window(tiny_models, prompt_file):
+    from verl_mega.config import load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    preflight_check(load_config(None, [
+        f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]", "data.batch_size=4",
+        "actor.mini_batch_size=4", "critic.mini_batch_size=4", "actor.offload.params=true",
+        "actor.offload.grads=false"]), world_size=1)
+
+
+@pytest.mark.slow
+def test_an_rl_run_with_everything_offloaded_logs_the_run_without_offload(tmp_path):
+    """The trainer's rollout window (PPO with a critic, the embedded engine): the parameters leave after the engine
+    loaded its copy and come back for the update; every logged figure is the plain run's."""
+    from tests.trainer_runs import make_inputs, records, run, train_command
+
+    setup = make_inputs(tmp_path)
+    logged = {}
+    for name, offload in (("plain", "false"), ("offloaded", "true")):
+        run(train_command(setup, tmp_path / name, 1, "trainer.total_steps=2", "parallel.tp=1", "parallel.pp=1",
+                          "parallel.rollout_tp=1",
+                          f"actor.offload.params={offload}", f"actor.offload.grads={offload}",
+                          f"actor.offload.optimizer={offload}"))
+        logged[name] = records(tmp_path / name)
+    assert len(logged["plain"]) == 2 and logged["offloaded"] == logged["plain"]

@@ -178,7 +178,8 @@ class ParallelConfig:
     """The training layout; the data-parallel size is what the world size leaves."""
 
     RANGES: ClassVar[dict[str, Range]] = {
-        "tp": at_least(1), "pp": at_least(1), "ep": at_least(1), "rollout_tp": at_least(1),
+        "tp": at_least(1), "pp": at_least(1), "ep": at_least(1), "rollout_tp": at_least(1), "cp": at_least(1),
+        "vpp": at_least(1),
         "rollout_ranks": at_least(0, note="0: colocated"),
         "bridge_timeout_s": within(0, LONGEST_WAIT_S, low_open=True, note="seconds"),
         "weight_push_bucket_mb": at_least(1)}
@@ -189,6 +190,16 @@ class ParallelConfig:
     """Pipeline-parallel size of training."""
     ep: int = 1
     """Expert-parallel size of training (MoE models)."""
+    cp: int = 1
+    """Context-parallel size (megatron's context_parallel_size): each sequence split over this many ranks, whose
+    attention exchanges keys and values. Only the memory planner takes it yet: the pre-flight check refuses it
+    (megatron-core's context-parallel attention is transformer-engine's, and the micro-batches are not split over
+    CP ranks). verl's actor_rollout_ref.actor.megatron.context_parallel_size."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (megatron's interleaved 1F1B schedule,
+    virtual_pipeline_model_parallel_size). Only the memory planner takes it yet: the pre-flight check refuses it
+    (the roles hold one model chunk per rank). verl's
+    actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size."""
     sequence_parallel: bool | None = None
     """Megatron's sequence parallelism: the activations outside attention and the MLP (norms, dropout,
     residuals) split along the sequence over the TP ranks instead of held whole by each. null: on when tp > 1

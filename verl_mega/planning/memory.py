@@ -73,7 +73,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from verl_mega.config.schema import RecomputeConfig, TrainConfig
+from verl_mega.config.schema import OffloadConfig, RecomputeConfig, TrainConfig
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, padded_vocab_size
 from verl_mega.models.expected_shapes import expected_hf_shapes
@@ -175,9 +175,16 @@ def stage_activation_bytes(shape: LayerShape, layers: int, seq: int, batch: int,
     return chunk * given + (layers - chunk) * whole + (whole if chunk else 0)
 
 
-def in_flight_micro_batches(stage: int, pp: int, micro_batches: int) -> int:
-    """Micro-batches whose activations pipeline stage `stage` holds at once under 1F1B."""
-    return min(pp - stage, micro_batches)
+def in_flight_micro_batches(stage: int, pp: int, micro_batches: int, vpp: int = 1) -> float:
+    """Micro-batches' worth of a whole stage's activations that pipeline rank `stage` holds at once under 1F1B; with
+    `vpp` virtual stages (megatron's interleaved schedule) the warm-up runs (p - 1 - stage) * 2 + (vpp - 1) * p
+    chunk forwards before the first backward, each over 1/vpp of the rank's layers, and the steady state one more
+    (every forward first when there are only p micro-batches)."""
+    if vpp == 1:
+        return min(pp - stage, micro_batches)
+    chunks = micro_batches * vpp
+    warmup = chunks if micro_batches == pp else min((pp - 1 - stage) * 2 + (vpp - 1) * pp, chunks)
+    return min(warmup + 1, chunks) / vpp
 
 
 def logits_bytes(seq: int, batch: int, padded_vocab: int, tp: int, act_bytes: int, backward: bool) -> float:
@@ -198,16 +205,23 @@ class Layout:
     distributed_optimizer: bool
     recompute: RecomputeConfig
     micro_batch: int
+    cp: int = 1
+    vpp: int = 1
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)  # the actor's, in the rollout window
+    cpu_offload: bool = False  # the actor's optimizer on the host (actor.optim.cpu_offload)
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     def describe(self) -> str:
         recompute = self.recompute.granularity
         if recompute == "full":
             recompute += f"/{self.recompute.method}/{self.recompute.num_layers}"
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep} rollout_tp={self.rollout_tp} "
+        extra = "".join(f" {name}={value}" for name, value in (("cp", self.cp), ("vpp", self.vpp)) if value > 1)
+        offloaded = [part for part in ("params", "grads", "optimizer") if getattr(self.offload, part)]
+        extra += f" offload={'+'.join(offloaded) or 'none'}" + (" optim_cpu_offload=on" if self.cpu_offload else "")
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} ep={self.ep} rollout_tp={self.rollout_tp} "
                 f"sp={'on' if self.sequence_parallel else 'off'} recompute={recompute} "
                 f"distributed_optimizer={'on' if self.distributed_optimizer else 'off'} micro_batch={self.micro_batch}")
 
@@ -216,8 +230,9 @@ def layout_of(config: TrainConfig, gpus: int | None = None) -> Layout:
     """The config's layout on `gpus` ranks (None: one data-parallel replica, tp x pp)."""
     p = config.parallel
     sp = p.tp > 1 if p.sequence_parallel is None else p.sequence_parallel
-    return Layout(gpus or p.tp * p.pp, p.tp, p.pp, p.ep, p.rollout_tp, sp,
-                  config.actor.optim.use_distributed_optimizer, config.actor.recompute, config.actor.micro_batch_size)
+    return Layout(gpus or p.tp * p.pp * p.cp, p.tp, p.pp, p.ep, p.rollout_tp, sp,
+                  config.actor.optim.use_distributed_optimizer, config.actor.recompute, config.actor.micro_batch_size,
+                  p.cp, p.vpp, config.actor.offload, config.actor.optim.cpu_offload)
 
 
 @dataclass(frozen=True)
@@ -239,10 +254,11 @@ class Model:
         self._plans: dict[tuple[int, ...], Plan] = {}
 
     def transition(self, layout: Layout) -> Plan:
-        key = (layout.tp, layout.pp, layout.dp, layout.ep, layout.rollout_tp)
+        # The CP ranks of a replica hold its weights as DP ranks do.
+        key = (layout.tp, layout.pp, layout.dp * layout.cp, layout.ep, layout.rollout_tp)
         if key not in self._plans:
             self._plans[key] = transition_plan(
-                self.config.model.hf_path, layout.tp, layout.pp, layout.dp, layout.rollout_tp, ep=layout.ep,
+                self.config.model.hf_path, layout.tp, layout.pp, layout.dp * layout.cp, layout.rollout_tp, ep=layout.ep,
                 dtype=self.rollout_dtype, family_spec=self.config.model.family_spec or None)
         return self._plans[key]
 
@@ -376,6 +392,10 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     """The plan of `model`'s run at `layout`; ValueError (naming the size) for a layout the model cannot take."""
     config, hf = model.config, model.hf_config
     e, seq = model.act_bytes, sequence_length(config)
+    local_seq = seq / layout.cp  # context parallelism: each rank's share of every sequence
+    if layout.vpp > 1 and (layout.pp == 1 or hf.num_layers % (layout.pp * layout.vpp)):
+        raise ValueError(f"vpp={layout.vpp}: the interleaved schedule needs pp > 1 and pp x vpp dividing the "
+                         f"{hf.num_layers} layers (pp={layout.pp})")
     transition = model.transition(layout)
     stage_params = model.stage_parameters(layout)
     shape = model_layer_shape(hf, attention)
@@ -385,9 +405,10 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
 
     def resident(stage: int) -> dict[str, dict[str, float]]:
         params = stage_params[stage]
-        held = {"actor": _trained(params, e, layout.distributed_optimizer, layout.dp)}
+        held = {"actor": _trained(params, e, layout.distributed_optimizer, layout.dp, layout.cpu_offload)}
         if roles.critic:
-            held["critic"] = _trained(params, e, critic.optim.use_distributed_optimizer, layout.dp)
+            held["critic"] = _trained(params, e, critic.optim.use_distributed_optimizer, layout.dp,
+                                      critic.optim.cpu_offload)
         if roles.reference:
             held["reference"] = {"params": params * e}
         return held
@@ -395,27 +416,36 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     def resident_bytes(stage: int) -> float:
         return sum(sum(parts.values()) for parts in resident(stage).values())
 
-    def awake_resident_bytes(stage: int) -> float:
-        """What stays on the device in the rollout window: less the actor's gradients and Adam moments."""
-        released = GRAD_BYTES + ADAM_MOMENTS * FP32_BYTES / (layout.dp if layout.distributed_optimizer else 1)
+    def awake_resident_bytes(stage: int, engine_loaded: bool) -> float:
+        """What stays on the device in the rollout window: less what `actor.offload` sends away (the parameters
+        only once the engine has loaded its copy)."""
+        per_parameter = optimizer_bytes_per_parameter(e, GRAD_BYTES, layout.distributed_optimizer, layout.dp)
+        sharded = layout.dp if layout.distributed_optimizer else 1
+        released = GRAD_BYTES if layout.offload.grads else 0
+        if layout.offload.optimizer and not layout.cpu_offload:
+            released += ADAM_MOMENTS * FP32_BYTES / sharded
+        if layout.offload.params and engine_loaded:
+            main_params = 0 if layout.cpu_offload or e == FP32_BYTES else FP32_BYTES / sharded
+            released += per_parameter["params"] + main_params
         return resident_bytes(stage) - stage_params[stage] * released
 
     def update(stage: int, schedule, recompute: RecomputeConfig, micro: int, with_logits: bool) -> Phase:
         rows = micro_batch_rows(micro, schedule.max_tokens_per_micro_batch, seq)
         micro_batches = max(1, schedule.mini_batch_size // (layout.dp * rows))
-        held = in_flight_micro_batches(stage, layout.pp, micro_batches)
-        parts = {"activations": held * stage_activation_bytes(shape, layers, seq, rows, layout.tp,
-                                                              layout.sequence_parallel, recompute, e)}
+        held = in_flight_micro_batches(stage, layout.pp, micro_batches, layout.vpp)
+        chunk = stage_activation_bytes(shape, layers // layout.vpp, local_seq, rows, layout.tp,
+                                       layout.sequence_parallel, recompute, e)
+        parts = {"activations": held * layout.vpp * chunk}
         if with_logits and stage == layout.pp - 1:
-            parts["logits"] = logits_bytes(seq, rows, vocab, layout.tp, e, backward=True)
+            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e, backward=True)
         return Phase(stage, resident_bytes(stage), parts)
 
     def forward(stage: int, schedule, micro: int, with_logits: bool) -> Phase:
         rows = micro_batch_rows(micro, schedule.max_tokens_per_micro_batch, seq)
-        parts = {"activations": layer_activation_bytes(shape, seq, rows, layout.tp, layout.sequence_parallel,
+        parts = {"activations": layer_activation_bytes(shape, local_seq, rows, layout.tp, layout.sequence_parallel,
                                                        False, e)}  # one layer's, freed as the next runs
         if with_logits and stage == layout.pp - 1:
-            parts["logits"] = logits_bytes(seq, rows, vocab, layout.tp, e, backward=False)
+            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e, backward=False)
         return Phase(stage, resident_bytes(stage), parts)
 
     rollout_weights = max(rank.rollout_bytes for rank in transition.ranks)
@@ -428,7 +458,7 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
             sequences = config.data.batch_size * config.rollout.n * layout.rollout_tp / layout.gpus
             kv = kv_cache_bytes(hf, DTYPES[model.rollout_dtype], math.ceil(sequences) * seq)
             engine = {"weights": rollout_weights, "kv_cache": kv / min(layout.rollout_tp, hf.num_kv_heads)}
-        return Phase(stage, awake_resident_bytes(stage), engine)
+        return Phase(stage, awake_resident_bytes(stage, engine_loaded=True), engine)
 
     candidates: dict[str, list[Phase]] = {name: [] for name in (
         "actor.update", "actor.log_prob", "reference.log_prob", "critic.update", "critic.values", "transition",
@@ -442,8 +472,8 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
             candidates["critic.update"].append(update(stage, critic, critic.recompute, critic.micro_batch_size,
                                                       False))
             candidates["critic.values"].append(forward(stage, critic, critic.micro_batch_size, False))
-        candidates["transition"].append(Phase(stage, awake_resident_bytes(stage), {"weights": rollout_weights,
-                                                                             "buffers": transfer}))
+        candidates["transition"].append(Phase(stage, awake_resident_bytes(stage, engine_loaded=False),
+                                              {"weights": rollout_weights, "buffers": transfer}))
         candidates["rollout"].append(rollout(stage))
     phases = {name: max(found, key=lambda phase: phase.total_bytes) for name, found in candidates.items() if found}
     largest_stage = max(range(layout.pp), key=lambda stage: stage_params[stage])
@@ -457,8 +487,12 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
                       gpu_memory_gb, weights_fit, notes)
 
 
-def _trained(params: int, act_bytes: int, distributed: bool, dp: int) -> dict[str, float]:
+def _trained(params: int, act_bytes: int, distributed: bool, dp: int, cpu_offload: bool = False) -> dict[str, float]:
+    """A trained role's bytes on the device; with `cpu_offload` (megatron's HybridDeviceOptimizer, all of it) the
+    optimizer's part lives on the host."""
     per_parameter = optimizer_bytes_per_parameter(act_bytes, GRAD_BYTES, distributed, dp)
+    if cpu_offload:
+        per_parameter["optimizer"] = 0
     return {part: params * value for part, value in per_parameter.items()}
 
 
