@@ -113,13 +113,14 @@ class LayerShape:
     dropout: bool = False
     softmax_fp32: bool = True  # unfused attention: megatron's attention_softmax_in_fp32
     flash: bool = True  # a fused attention kernel keeps no s^2 matrix
+    unfused_rope: bool = True  # models.builder's apply_rope_fusion=False: RoPE's inputs and rotate_half kept
 
 
 def korthikanti_shape(hidden: int, heads: int) -> LayerShape:
     """The layer Korthikanti et al.'s Table 2 counts: 4h GeLU MLP, dropout, full multi-head attention, fp16
     softmax, unfused."""
     return LayerShape(hidden, heads, heads, hidden // heads, 4 * hidden, gated=False, dropout=True,
-                      softmax_fp32=False, flash=False)
+                      softmax_fp32=False, flash=False, unfused_rope=False)
 
 
 def model_layer_shape(hf_config: HFModelConfig, attention: str = FLASH) -> LayerShape:
@@ -144,6 +145,8 @@ def layer_activation_bytes(shape: LayerShape, seq: int, batch: int, tp: int, sp:
     replicated = 4 * e * tokens * shape.hidden + (2 * tokens * shape.hidden if shape.dropout else 0)
     kv = shape.kv_heads if shape.flash else a  # the local attention repeats K, V to every head
     attention = e * tokens * d * (a + 2 * kv) + e * tokens * a * d  # Q, K, V; the output projection's input
+    if shape.unfused_rope:  # the fused QKV output the rotary inputs view, and rotate_half's Q and K
+        attention += e * tokens * d * ((a + 2 * shape.kv_heads) + (a + shape.kv_heads))
     mlp = e * tokens * shape.ffn * (4 if shape.gated else 2)
     if selective:
         core = 0
@@ -153,6 +156,25 @@ def layer_activation_bytes(shape: LayerShape, seq: int, batch: int, tp: int, sp:
         probs = e + (FP32_BYTES if shape.softmax_fp32 and e < FP32_BYTES else 0)
         core = a * seq * tokens * (probs + (1 + e if shape.dropout else 0))  # + the dropout mask and output
     return replicated / (tp if sp else 1) + (attention + mlp + core) / tp
+
+
+def attention_buffer_bytes(shape: LayerShape, seq: int, batch: int, tp: int, act_bytes: int) -> float:
+    """Unfused attention computes the scores into megatron's global memory buffer, e*as^2b/t, allocated at the
+    first forward and kept by the process; a fused kernel has none."""
+    return 0.0 if shape.flash else act_bytes * shape.heads * seq * seq * batch / tp
+
+
+def backward_working_bytes(shape: LayerShape, seq: int, batch: int, tp: int, selective: bool,
+                           act_bytes: int) -> float:
+    """The most a layer's backward allocates beside what the forward kept (measured on CPU, bench/planner_grid):
+    the SwiGLU's two f-wide input gradients (fc1's [gate, up] output's), or under selective recompute with unfused
+    attention the attention core run again and its probabilities' gradient."""
+    tokens, e = seq * batch, act_bytes
+    mlp = e * tokens * shape.ffn * (2 if shape.gated else 1) / tp
+    if not (selective and not shape.flash):
+        return mlp
+    probs = e + (FP32_BYTES if shape.softmax_fp32 and e < FP32_BYTES else 0)
+    return max(mlp, shape.heads * seq * tokens * (probs + e) / tp)
 
 
 def layer_input_bytes(shape: LayerShape, seq: int, batch: int, tp: int, sp: bool, act_bytes: int) -> float:
@@ -435,15 +457,20 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
         held = in_flight_micro_batches(stage, layout.pp, micro_batches, layout.vpp)
         chunk = stage_activation_bytes(shape, layers // layout.vpp, local_seq, rows, layout.tp,
                                        layout.sequence_parallel, recompute, e)
-        parts = {"activations": held * layout.vpp * chunk}
+        parts = {"activations": held * layout.vpp * chunk,
+                 "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
+        working = backward_working_bytes(shape, local_seq, rows, layout.tp, recompute.granularity == "selective", e)
         if with_logits and stage == layout.pp - 1:
-            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e, backward=True)
+            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e, backward=False)
+            working = max(working, parts["logits"])  # the logits' gradient, at the start of the backward
+        parts["backward"] = working
         return Phase(stage, resident_bytes(stage), parts)
 
     def forward(stage: int, schedule, micro: int, with_logits: bool) -> Phase:
         rows = micro_batch_rows(micro, schedule.max_tokens_per_micro_batch, seq)
         parts = {"activations": layer_activation_bytes(shape, local_seq, rows, layout.tp, layout.sequence_parallel,
-                                                       False, e)}  # one layer's, freed as the next runs
+                                                       False, e),  # one layer's, freed as the next runs
+                 "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
         if with_logits and stage == layout.pp - 1:
             parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e, backward=False)
         return Phase(stage, resident_bytes(stage), parts)
