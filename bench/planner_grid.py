@@ -163,13 +163,13 @@ def worker(hf: str, ckpts: str, out: str, world: int) -> None:
     destroy_parallel()
 
 
-def prepare(root: Path) -> tuple[Path, Path]:
-    """The small model's HF folder and its checkpoints at each TP x PP of the grid."""
+def prepare(root: Path, sizes: list[tuple[int, int]] | None = None) -> tuple[Path, Path]:
+    """The small model's HF folder and its checkpoints at each (TP, PP) of `sizes` (default: the grid's)."""
     from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
     from verl_mega.models.tiny import make_tiny_hf_model
 
     hf = make_tiny_hf_model(root / "hf", "qwen2", vocab_size=VOCAB, tokenizer=False, **SMALL)
-    for tp, pp in sorted({(layout.tp, layout.pp) for layout in GRID}):
+    for tp, pp in sizes or sorted({(layout.tp, layout.pp) for layout in GRID}):
         convert_hf_to_mcore(hf, root / "ckpt" / f"tp{tp}pp{pp}", tp=tp, pp=pp)
     return hf, root / "ckpt"
 

@@ -575,10 +575,11 @@ def step_bytes_moved(model: Model, layout: Layout, roles: Roles, transition: Pla
 
 
 def candidate_layouts(config: TrainConfig, gpus: int) -> list[Layout]:
-    """The layouts `suggest_layouts` tries on `gpus` ranks, cheapest first: least recompute, then fewest
+    """The layouts `suggest_layouts` tries on `gpus` ranks, cheapest first: least recompute, then without the
+    optimizer's CPU offload (the distributed optimizer's only, as the pre-flight check requires), then fewest
     model-parallel ranks (tp x pp; tp before pp), then the smallest rollout_tp (the config's where it divides tp,
     else tp), then without the distributed optimizer, then the largest micro-batch. Sizes are powers of two
-    dividing `gpus`; ep stays the config's."""
+    dividing `gpus`; ep and actor.offload stay the config's; cp and vpp, which training refuses yet, are 1."""
     base = layout_of(config, gpus)
     sizes = [size for size in (2**k for k in range(int(math.log2(gpus)) + 1)) if gpus % size == 0]
     micro = []
@@ -588,12 +589,15 @@ def candidate_layouts(config: TrainConfig, gpus: int) -> list[Layout]:
         size //= 2
     recomputes = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1)]
     layouts = [dataclasses.replace(base, tp=tp, pp=pp, sequence_parallel=tp > 1, recompute=recompute,
-                                   distributed_optimizer=distributed, micro_batch=rows, rollout_tp=rollout_tp)
+                                   distributed_optimizer=distributed, micro_batch=rows, rollout_tp=rollout_tp,
+                                   cp=1, vpp=1, cpu_offload=cpu_offload)
                for recompute in recomputes for tp in sizes for pp in sizes if gpus % (tp * pp) == 0
                for rollout_tp in sorted({base.rollout_tp if tp % base.rollout_tp == 0 else tp, tp})
-               for distributed in (False, True) for rows in micro]
-    return sorted(layouts, key=lambda lay: (RECOMPUTE_COST[lay.recompute.granularity], lay.tp * lay.pp, lay.pp,
-                                            lay.rollout_tp, lay.distributed_optimizer, -lay.micro_batch))
+               for distributed in (False, True) for cpu_offload in (False, True)[:1 + distributed]
+               for rows in micro]
+    return sorted(layouts, key=lambda lay: (RECOMPUTE_COST[lay.recompute.granularity], lay.cpu_offload,
+                                            lay.tp * lay.pp, lay.pp, lay.rollout_tp, lay.distributed_optimizer,
+                                            -lay.micro_batch))
 
 
 def suggest_layouts(model: Model, roles: Roles, gpus: int, gpu_memory_gb: float, limit: int = 10,
