@@ -6,7 +6,8 @@ CPU offload (`actor.optim.cpu_offload`), on CPU, where the device is the host: t
 - everything is back bitwise, and training after a window with everything offloaded takes the steps that training
   without it takes, bitwise (fp32, and bf16 with the distributed optimizer's fp32 main-parameter shards);
 - the parameters leave only when the body says the engine holds its copy (the call order is in test_rl_generation);
-- `optim.cpu_offload` reaches megatron's OptimizerConfig as the whole optimizer on the host.
+- `optim.cpu_offload` reaches megatron's OptimizerConfig as the whole optimizer on the host (the pre-flight check
+  refuses it without CUDA, and CP and VPP, in test_recompute).
 """
 from __future__ import annotations
 
@@ -20,22 +21,12 @@ SETTINGS = {"fp32": dict(dtype="fp32", distributed=False), "bf16_distributed": d
 
 
 @pytest.fixture(scope="module")
-def one_rank():
-    from verl_mega.parallel.state import destroy_parallel, init_parallel
-
-    init_parallel(1, 1)
-    yield
-    destroy_parallel()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(tmp_path_factory, tiny_models):
     from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.models.tiny import make_tiny_hf_model
 
-    root = tmp_path_factory.mktemp("offload")
-    convert_hf_to_mcore(make_tiny_hf_model(root / "hf", "qwen2", num_hidden_layers=2), root / "mcore", tp=1, pp=1)
-    return root / "mcore"
+    folder = tmp_path_factory.mktemp("offload") / "mcore"
+    convert_hf_to_mcore(tiny_models["qwen2"], folder)
+    return folder
 
 
 def trainable(checkpoint, dtype: str, distributed: bool):
@@ -145,25 +136,6 @@ def test_cpu_offload_reaches_megatron_as_the_whole_optimizer_on_the_host(one_ran
     assert offloaded.optimizer_cpu_offload and offloaded.optimizer_offload_fraction == 1.0
     plain = optimizer_config(OptimConfig(), module.config)
     assert not plain.optimizer_cpu_offload and plain.optimizer_offload_fraction == 0.0
-
-
-@pytest.mark.parametrize("overrides, problem", [
-    (["actor.optim.cpu_offload=true", "actor.optim.use_distributed_optimizer=true"],
-     "actor.optim.cpu_offload=true runs megatron's HybridDeviceOptimizer, which needs CUDA"),
-    (["parallel.cp=2"], "parallel.cp=2: context parallelism is not supported yet"),
-    (["parallel.vpp=2"], "parallel.vpp=2: virtual pipeline stages are not supported yet"),
-])
-def test_preflight_refuses_in_one_line_what_does_not_run_here(tiny_models, prompt_file, overrides, problem):
-    from verl_mega.config import ConfigError, load_config
-    from verl_mega.trainer.preflight import preflight_check
-
-    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]",
-                                "data.batch_size=4", "actor.mini_batch_size=4", "critic.mini_batch_size=4",
-                                *overrides])
-    with pytest.raises(ConfigError) as refused:
-        preflight_check(config, world_size=1)
-    lines = str(refused.value).splitlines()[1:]
-    assert len(lines) == 1 and problem in lines[0], lines
 
 
 def test_preflight_accepts_offload_across_the_rollout_window(tiny_models, prompt_file):

@@ -9,15 +9,6 @@ import pytest
 from bench.planner_grid import GRID, GridLayout, measure, predicted, prepare, ratios, run_grid
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    from verl_mega.parallel.state import destroy_parallel, init_parallel
-
-    init_parallel(1, 1)
-    yield
-    destroy_parallel()
-
-
 @pytest.mark.parametrize("layout", [GridLayout(1, offload=(True, True, True)),
                                     GridLayout(1, dtype="fp32", distributed=True, recompute="full")],
                          ids=lambda layout: layout.name())
