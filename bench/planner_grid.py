@@ -13,7 +13,9 @@ the bytes of the distinct storages it holds, compared with `planning.memory.plan
   bytes;
 - activations (one pipeline stage only): `LiveBytes`' peak over one micro-batch's forward, token log-probs
   (`roles.logprobs`) and backward, the gradients allocated before, against the planner's activations + logits
-  of the actor's update at one micro-batch, unfused attention (megatron's local layers, as on CPU).
+  of the actor's update at one micro-batch, unfused attention (megatron's local layers, as on CPU);
+- peak (one pipeline stage only): the storage of every live tensor before that pass plus its `LiveBytes` peak,
+  as `trainer.metrics.PeakMemory` counts perf/max_memory_allocated_gb on CPU, against the planner's update peak.
 Prints a table, measured / predicted per quantity; `--out` keeps it as JSON. Each launch is one torchrun over
 its layouts.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import tempfile
 from pathlib import Path
@@ -96,7 +99,7 @@ def predicted(layout: GridLayout, hf: Path) -> dict[str, float]:
                        attention="unfused")
     update = plan.phases["actor.update"]
     return {"state": sum(plan.roles["actor"].values()), "window": plan.phases["rollout"].resident_bytes,
-            "activations": update.total_bytes - update.resident_bytes}
+            "activations": update.total_bytes - update.resident_bytes, "peak": update.total_bytes}
 
 
 def storages_bytes(tensors) -> int:
@@ -113,6 +116,7 @@ def measure(layout: GridLayout, ckpt: Path, hf: Path) -> dict[str, float]:
     from verl_mega.roles.logprobs import vocab_parallel_logprobs
     from verl_mega.roles.trainable import TrainableModel
     from verl_mega.rollout.live_bytes import LiveBytes
+    from verl_mega.trainer.metrics import live_tensor_bytes
     from verl_mega.rollout.training_memory import (
         _main_parameters, _megatron_grad_buffers, _optimizer_state_tensors, training_memory_released,
     )
@@ -136,6 +140,7 @@ def measure(layout: GridLayout, ckpt: Path, hf: Path) -> dict[str, float]:
         positions = torch.arange(SEQ).expand(layout.rows, -1)
         mask = causal_padding_mask(torch.ones_like(ids))
         trainable.model.train()
+        resident = live_tensor_bytes()
         with LiveBytes() as tracked:
             logits = trainable.model(ids, positions, mask)  # [rows, SEQ, V/tp]
             log_probs = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], vocab_size=VOCAB, return_entropy=False)
@@ -143,6 +148,7 @@ def measure(layout: GridLayout, ckpt: Path, hf: Path) -> dict[str, float]:
             log_probs.mean().backward()
             del log_probs
         found["activations"] = tracked.peak
+        found["peak"] = resident + tracked.peak  # as the trainer's perf/max_memory_allocated_gb counts it on CPU
     return found
 
 
@@ -153,6 +159,7 @@ def worker(hf: str, ckpts: str, out: str, world: int) -> None:
     for layout in (layout for layout in GRID if layout.world == world):
         init_parallel(layout.tp, layout.pp)
         found = measure(layout, Path(ckpts) / f"tp{layout.tp}pp{layout.pp}", Path(hf))
+        gc.collect()  # the layout's model and optimizer, in reference cycles, before the next layout counts
         gathered = [None] * world
         dist.all_gather_object(gathered, found)
         if current_layout().rank == 0:
@@ -193,17 +200,20 @@ def ratios(row: dict) -> dict[str, float]:
             for key, value in row["measured"].items()}
 
 
+QUANTITIES = ("state", "window", "activations", "peak")
+
+
 def print_table(rows: list[dict]) -> None:
     kib = 1024
-    print(f"{'layout':<48} {'state KiB':>16} {'window KiB':>16} {'activations KiB':>18}   (measured/predicted)")
+    print(f"{'layout':<48} " + " ".join(f"{key + ' KiB':>18}" for key in QUANTITIES) + "   (measured/predicted)")
     for row in rows:
         cells = []
-        for key in ("state", "window", "activations"):
+        for key in QUANTITIES:
             if key in row["measured"]:
-                cells.append(f"{row['measured'][key] / kib:>7.0f}/{row['predicted'][key] / kib:<7.0f}"
+                cells.append(f"{row['measured'][key] / kib:>7.0f}/{row['predicted'][key] / kib:<7.0f} "
                              f"{ratios(row)[key]:>5.2f}")
             else:
-                cells.append(f"{'-':>16}")
+                cells.append(f"{'-':>18}")
         print(f"{row['layout']:<48} " + " ".join(cells))
 
 

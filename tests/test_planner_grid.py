@@ -15,9 +15,10 @@ from bench.planner_grid import GRID, GridLayout, measure, predicted, prepare, ra
 def test_one_rank_matches_the_planner_within_10_percent(one_rank, tmp_path, layout):
     hf, ckpts = prepare(tmp_path, [(1, 1)])
     row = {"measured": measure(layout, ckpts / "tp1pp1", hf), "predicted": predicted(layout, hf)}
-    assert set(row["measured"]) == {"state", "window", "activations"}
-    for key, ratio in ratios(row).items():
-        assert ratio == pytest.approx(1, abs=0.1), (key, row)
+    assert set(row["measured"]) == {"state", "window", "activations", "peak"}
+    # Not the peak here: it counts every live tensor of the process, other tests' included (the grid's launch does).
+    for key in ("state", "window", "activations"):
+        assert ratios(row)[key] == pytest.approx(1, abs=0.1), (key, row)
 
 
 def test_the_grid_spans_at_least_12_layouts_of_2_and_4_ranks():
