@@ -59,7 +59,7 @@ class OptimConfig:
     """Megatron's optimizer CPU offload (optimizer_cpu_offload, the whole of it: optimizer_offload_fraction 1):
     the fp32 main parameters, gradients' copies and Adam's moments live on the host and the Adam step runs there,
     through megatron's HybridDeviceOptimizer (CUDA only; needs the distributed optimizer). verl's
-    actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload; Megatron-LM's
+    <role>.optim.override_optimizer_config.optimizer_cpu_offload; Megatron-LM's
     --optimizer-cpu-offload --optimizer-offload-fraction 1.0."""
 
 

@@ -35,9 +35,12 @@ class HostCopies:
         return sum(host.numel() for _, host in self._held)
 
     def offload(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Each distinct non-empty storage under `tensors` once (views of one buffer share it)."""
+        """Each distinct non-empty storage under `tensors` once (views of one buffer share it); with a GPU, only
+        those on it (megatron's CPU-offloaded optimizer keeps its state on the host already)."""
         pinned = torch.cuda.is_available()
         for storage in _distinct_storages(tensors):
+            if pinned and storage.device.type == "cpu":
+                continue
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pinned)
             host.copy_(_as_bytes(storage))
             storage.resize_(0)
