@@ -11,11 +11,13 @@ the bytes of the distinct storages it holds, compared with `planning.memory.plan
 - window: what of it stays on the device in the rollout window under `actor.offload`
   (`rollout.training_memory`, after the parameters are released), against the planner's rollout-phase resident
   bytes;
-- activations (one pipeline stage only): `LiveBytes`' peak over one micro-batch's forward, token log-probs
-  (`roles.logprobs`) and backward, the gradients allocated before, against the planner's activations + logits
-  of the actor's update at one micro-batch, unfused attention (megatron's local layers, as on CPU);
-- peak (one pipeline stage only): the storage of every live tensor before that pass plus its `LiveBytes` peak,
-  as `trainer.metrics.PeakMemory` counts perf/max_memory_allocated_gb on CPU, against the planner's update peak.
+- activations: `LiveBytes`' peak over megatron's schedule (1F1B over the stages) running as many micro-batches as
+  pipeline stages through forward, token log-probs (`roles.logprobs`) and backward, the gradients allocated
+  before, against what the planner's actor update adds to the resident state (activations of the micro-batches
+  in flight, logits, the unfused attention's scores buffer, the backward's working set; megatron's local layers,
+  as on CPU);
+- peak: the storage of every live tensor before that pass plus its `LiveBytes` peak, as `trainer.metrics.PeakMemory`
+  counts perf/max_memory_allocated_gb on CPU, against the planner's update peak.
 Prints a table, measured / predicted per quantity; `--out` keeps it as JSON. Each launch is one torchrun over
 its layouts.
 """
@@ -50,6 +52,11 @@ class GridLayout:
     offload: tuple[bool, bool, bool] = (False, True, True)  # params, grads, optimizer
     rows: int = 1
 
+    @property
+    def micro_batches(self) -> int:
+        """As many as pipeline stages: the first stage then holds all of them under 1F1B."""
+        return self.pp
+
     def name(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.world // (self.tp * self.pp)}", self.dtype]
         parts += ["distopt"] * self.distributed + ["sp"] * self.sp + [f"rc-{self.recompute}"] * (self.recompute != "none")
@@ -66,8 +73,8 @@ class GridLayout:
                 f"parallel.sequence_parallel={str(self.sp).lower()}", "rollout.engine=embedded",
                 f"actor.optim.use_distributed_optimizer={str(self.distributed).lower()}", *recompute,
                 f"actor.offload.params={params}", f"actor.offload.grads={grads}", f"actor.offload.optimizer={optimizer}",
-                f"actor.micro_batch_size={self.rows}", f"actor.mini_batch_size={self.rows * dp}",
-                f"data.batch_size={self.rows * dp}", "rollout.n=1", "critic.enable=false",
+                f"actor.micro_batch_size={self.rows}", f"actor.mini_batch_size={self.rows * dp * self.micro_batches}",
+                f"data.batch_size={self.rows * dp * self.micro_batches}", "rollout.n=1", "critic.enable=false",
                 "algorithm.adv_estimator=grpo", f"data.max_prompt_length={SEQ // 2}",
                 f"data.max_response_length={SEQ // 2}"]
 
@@ -109,6 +116,8 @@ def storages_bytes(tensors) -> int:
 
 def measure(layout: GridLayout, ckpt: Path, hf: Path) -> dict[str, float]:
     """This rank's state, window and (one stage) activation bytes."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     from verl_mega.config import load_config
     from verl_mega.checkpoint.model_io import build_model_from_checkpoint
     from verl_mega.models.builder import memory_overrides
@@ -135,20 +144,28 @@ def measure(layout: GridLayout, ckpt: Path, hf: Path) -> dict[str, float]:
     with training_memory_released(trainable.model, trainable.optimizer, config.actor.offload) as release_params:
         release_params()
         found["window"] = storages_bytes(held())
-    if layout.pp == 1:
-        ids = torch.randint(3, VOCAB, (layout.rows, SEQ), generator=torch.Generator().manual_seed(0))
-        positions = torch.arange(SEQ).expand(layout.rows, -1)
-        mask = causal_padding_mask(torch.ones_like(ids))
-        trainable.model.train()
-        resident = live_tensor_bytes()
-        with LiveBytes() as tracked:
-            logits = trainable.model(ids, positions, mask)  # [rows, SEQ, V/tp]
-            log_probs = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], vocab_size=VOCAB, return_entropy=False)
-            del logits  # autograd keeps it for the log-probs' backward, as in training, until that has run
-            log_probs.mean().backward()
-            del log_probs
-        found["activations"] = tracked.peak
-        found["peak"] = resident + tracked.peak  # as the trainer's perf/max_memory_allocated_gb counts it on CPU
+    ids = torch.randint(3, VOCAB, (layout.rows, SEQ), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(SEQ).expand(layout.rows, -1)
+    mask = causal_padding_mask(torch.ones_like(ids))
+
+    def forward_step(data_iterator, stage_model):
+        next(data_iterator)
+        logits = stage_model(ids, positions, mask)  # the last stage's [rows, SEQ, V/tp]; else its hidden states
+
+        def loss_func(output):
+            log_probs = vocab_parallel_logprobs(output[:, :-1], ids[:, 1:], vocab_size=VOCAB, return_entropy=False)
+            return -log_probs.mean(), {}
+
+        return logits, loss_func
+
+    trainable.model.train()
+    resident = live_tensor_bytes()
+    with LiveBytes() as tracked:  # megatron's schedule, 1F1B over the pipeline stages
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(layout.micro_batches)),
+                                    model=[trainable.model], num_microbatches=layout.micro_batches, seq_length=SEQ,
+                                    micro_batch_size=layout.rows, forward_only=False)
+    found["activations"] = tracked.peak
+    found["peak"] = resident + tracked.peak  # as the trainer's perf/max_memory_allocated_gb counts it on CPU
     return found
 
 

@@ -13,9 +13,11 @@ fp32), fp32 main gradients (when the gradients are not fp32) and Adam's two fp32
 optimizer shards over the D ranks: fp16 params + fp16 grads 20 B (4 + 16/D distributed), bf16 params + fp32
 grads 18 B (6 + 12/D), fp32 + fp32 16 B (8 + 8/D). verl_mega's DDP reduces gradients in fp32
 (`grad_reduce_in_fp32=True` in `roles.trainable`), so a bf16/fp16 model takes the 18 B row, an fp32 one the
-16 B row. Across the rollout window (the transition and the rollout) the actor's gradient buffers are dropped
-and Adam's moments wait on the host (`rollout.training_memory`), so there it holds its parameters and fp32
-main parameters only; the critic keeps all of it; the reference holds its weights only.
+16 B row. With `optim.cpu_offload` the optimizer's part (main parameters, main gradients, moments) is on the host.
+Across the rollout window the actor holds what `actor.offload` leaves (`rollout.training_memory`): without its
+gradient buffers (grads) and Adam's moments (optimizer), and in the rollout, once the engine has its copy,
+without its parameters and fp32 main parameters (params); the critic keeps all of it; the reference holds its
+weights only.
 
 Activations per layer and micro-batch: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2) count, for a GPT layer in fp16 with a 4h GeLU MLP, dropout and a heads,
@@ -33,16 +35,24 @@ parallelism splits the 10sbh too; selective recompute drops the 5as^2b; full rec
   only the fp32 log-sum-exp, 4*asb; unfused, the softmax runs in fp32 (`attention_softmax_in_fp32`), so a 16-bit
   model keeps the fp32 probabilities (4*as^2b, softmax's output for its backward) and their 16-bit cast (e*as^2b,
   the input of the product with V);
+- RoPE, unfused (models.builder sets apply_rope_fusion=False): the fused QKV projection's output stays whole while
+  the rotary inputs view it, e*sb(a+2g)d, and rotate_half's Q and K are kept, e*sb(a+g)d;
 - SwiGLU with f = ffn_hidden_size: fc1's output is [gate, up], 2f wide, kept for silu and the product; silu's
   output (f) and the product (f, fc2's input) are kept too: e*sb*4f, where the 4h GeLU MLP keeps e*sb*2f (8sbh).
   MoE layers: each token passes top_k experts of moe_intermediate_size plus the shared experts, counted as one
   SwiGLU of that total width; the router, the token-dispatch buffers and MLA's latent projections are not
   modelled (a note says so in every MoE or MLA plan).
+Once per rank and pass beside those: unfused attention's scores buffer (megatron's global memory buffer, e*as^2b/t,
+kept after the first forward) and, in an update, the backward's working set: the larger of the logits' gradient
+and a layer's SwiGLU input gradients (2e*sbf/t), or under selective recompute with unfused attention the attention
+core run again with its probabilities' gradient (measured on CPU: bench/planner_grid).
 With pipeline parallelism under 1F1B, stage i holds min(p - i, m) micro-batches' activations when its m
 micro-batches are under way (the first stage holds p of them: p micro-batches of L/p layers, a whole model's
-worth). Full recompute (`actor.recompute`): uniform keeps one layer input per chunk of num_layers layers plus the
-chunk being recomputed; block keeps the inputs of the stage's first num_layers layers, the others' whole
-activations, and the one layer being recomputed.
+worth); with v virtual stages (the interleaved schedule), (p - 1 - i)*2 + (v - 1)*p + 1 chunk forwards of L/(pv)
+layers. Context parallelism (cp = c) splits every activation and the logits over c ranks (s/c tokens each).
+Full recompute (`actor.recompute`): uniform keeps one layer input per chunk of num_layers layers, block the inputs
+of the stage's first num_layers layers and the others' whole activations, for each micro-batch in flight; the
+chunk (uniform) or layer (block) being recomputed is held once per stage.
 
 Logits (the last stage): the output layer's [s, b, V/t] logits stay in the model dtype (`roles.logprobs`:
 `ops.token_logprobs` accumulates in fp32 and keeps the logits themselves for its backward, without an fp32
@@ -195,6 +205,17 @@ def stage_activation_bytes(shape: LayerShape, layers: int, seq: int, batch: int,
     if recompute.method == "uniform":  # a chunk's input each, and one chunk rebuilt during the backward
         return math.ceil(layers / chunk) * given + chunk * whole
     return chunk * given + (layers - chunk) * whole + (whole if chunk else 0)
+
+
+def rebuilt_bytes(shape: LayerShape, layers: int, seq: int, batch: int, tp: int, sp: bool,
+                  recompute: RecomputeConfig, act_bytes: int) -> float:
+    """The part of `stage_activation_bytes` that full recompute rebuilds during the backward: one chunk at a time
+    on the stage, so held once however many micro-batches are in flight."""
+    if recompute.granularity != "full":
+        return 0.0
+    whole = layer_activation_bytes(shape, seq, batch, tp, sp, False, act_bytes)
+    chunk = min(recompute.num_layers, layers)
+    return chunk * whole if recompute.method == "uniform" else (whole if chunk else 0.0)
 
 
 def in_flight_micro_batches(stage: int, pp: int, micro_batches: int, vpp: int = 1) -> float:
@@ -455,9 +476,9 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
         rows = micro_batch_rows(micro, schedule.max_tokens_per_micro_batch, seq)
         micro_batches = max(1, schedule.mini_batch_size // (layout.dp * rows))
         held = in_flight_micro_batches(stage, layout.pp, micro_batches, layout.vpp)
-        chunk = stage_activation_bytes(shape, layers // layout.vpp, local_seq, rows, layout.tp,
-                                       layout.sequence_parallel, recompute, e)
-        parts = {"activations": held * layout.vpp * chunk,
+        sizes = (shape, layers // layout.vpp, local_seq, rows, layout.tp, layout.sequence_parallel, recompute, e)
+        rebuilt = rebuilt_bytes(*sizes)
+        parts = {"activations": held * layout.vpp * (stage_activation_bytes(*sizes) - rebuilt) + rebuilt,
                  "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
         working = backward_working_bytes(shape, local_seq, rows, layout.tp, recompute.granularity == "selective", e)
         if with_logits and stage == layout.pp - 1:
