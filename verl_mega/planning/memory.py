@@ -56,8 +56,8 @@ chunk (uniform) or layer (block) being recomputed is held once per stage.
 
 Logits (the last stage): the output layer's [s, b, V/t] logits stay in the model dtype (`roles.logprobs`:
 `ops.token_logprobs` accumulates in fp32 and keeps the logits themselves for its backward, without an fp32
-copy), e*sbV/t kept, and as much again for their gradient at the start of the backward; a forward-only pass
-holds them once.
+copy), e*sbV/t kept; in an update their gradient, as much again, at the start of the backward (the backward's
+working set above, when it is the larger).
 
 The rollout engine (vLLM) holds its weights at parallel.rollout_tp (the HybridEngine planner's per-rank bytes)
 and a KV cache: on a GPU of known size it takes rollout.gpu_memory_utilization of it, weights included; otherwise
@@ -230,9 +230,9 @@ def in_flight_micro_batches(stage: int, pp: int, micro_batches: int, vpp: int = 
     return min(warmup + 1, chunks) / vpp
 
 
-def logits_bytes(seq: int, batch: int, padded_vocab: int, tp: int, act_bytes: int, backward: bool) -> float:
-    """The last stage's vocabulary-parallel logits, and with `backward` their gradient."""
-    return (2 if backward else 1) * act_bytes * seq * batch * padded_vocab / tp
+def logits_bytes(seq: int, batch: int, padded_vocab: int, tp: int, act_bytes: int) -> float:
+    """The last stage's vocabulary-parallel logits (or their gradient)."""
+    return act_bytes * seq * batch * padded_vocab / tp
 
 
 @dataclass(frozen=True)
@@ -482,7 +482,7 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
                  "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
         working = backward_working_bytes(shape, local_seq, rows, layout.tp, recompute.granularity == "selective", e)
         if with_logits and stage == layout.pp - 1:
-            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e, backward=False)
+            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e)
             working = max(working, parts["logits"])  # the logits' gradient, at the start of the backward
         parts["backward"] = working
         return Phase(stage, resident_bytes(stage), parts)
@@ -493,7 +493,7 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
                                                        False, e),  # one layer's, freed as the next runs
                  "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
         if with_logits and stage == layout.pp - 1:
-            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e, backward=False)
+            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e)
         return Phase(stage, resident_bytes(stage), parts)
 
     rollout_weights = max(rank.rollout_bytes for rank in transition.ranks)
