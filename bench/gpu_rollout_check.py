@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+from verl_mega.config.schema import OffloadConfig
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 from verl_mega.rollout.engine import SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine
@@ -41,7 +42,7 @@ def main(work: str, rollout_tp: int) -> None:
         loaded = rollout.load_weights(hybrid.stream())
         rollout.wake_up(["kv_cache"])
         seconds = time.perf_counter() - start
-        with training_memory_released(model):
+        with training_memory_released(model, None, OffloadConfig()):
             responses = rollout.generate(PROMPTS, params)
         if layout.rank == 0:
             print(f"{label}: {loaded} tensors in {seconds:.3f} s, peak transfer buffers {hybrid.tracker.peak} B",

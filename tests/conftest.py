@@ -78,6 +78,17 @@ def prompt_file(tmp_path):
 
 
 @pytest.fixture(scope="module")
+def one_rank():
+    """torch.distributed and megatron's parallel state over this process alone (TP = PP = 1), for a module's
+    in-process tests of megatron models."""
+    from verl_mega.parallel.state import destroy_parallel, init_parallel
+
+    init_parallel(1, 1)
+    yield
+    destroy_parallel()
+
+
+@pytest.fixture(scope="module")
 def one_rank_world(tmp_path_factory):
     """A gloo world of this process alone, for the parts that gather or agree over the ranks (a module's tests)."""
     import torch.distributed as dist

@@ -133,3 +133,55 @@ def test_the_rollout_window_holds_the_actor_without_its_gradients_and_adam_momen
     released = actor_params * (4 + 2 * 4)  # the fp32 gradient buffer and two fp32 moments per parameter
     assert plan.phases["rollout"].resident_bytes == pytest.approx(plan.phases["actor.update"].resident_bytes - released)
     assert plan.phases["transition"].resident_bytes == plan.phases["rollout"].resident_bytes
+
+
+@pytest.mark.parametrize("pp, vpp, micro_batches", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (8, 3, 16)])
+def test_interleaved_schedule_holds_1_plus_p_minus_1_over_pv_more(pp, vpp, micro_batches):
+    """Narayanan et al. 2021 / Korthikanti et al. 2022 (section 4.2.3): interleaving multiplies the first stage's
+    in-flight activations, p micro-batches' worth of its layers under 1F1B, by 1 + (p - 1) / (p v)."""
+    from verl_mega.planning.memory import in_flight_micro_batches
+
+    assert in_flight_micro_batches(0, pp, micro_batches) == pp
+    assert in_flight_micro_batches(0, pp, micro_batches, vpp) == pytest.approx(pp * (1 + (pp - 1) / (pp * vpp)))
+    # With as many micro-batches as stages, every forward runs first.
+    assert in_flight_micro_batches(pp - 1, pp, pp, vpp) == pp
+
+
+def test_context_parallelism_splits_activations_and_logits(tiny):
+    model = Model(load_config(tiny, ["parallel.pp=1"]))
+    roles = Roles(critic=False, reference=False)
+    whole = plan_memory(model, layout_of(model.config, 2), roles)
+    split = plan_memory(model, dataclasses.replace(layout_of(model.config, 2), cp=2), roles)
+    assert split.layout.dp == 1 and whole.layout.dp == 2
+    for part in ("activations", "logits"):
+        assert split.phases["actor.update"].parts[part] == pytest.approx(whole.phases["actor.update"].parts[part] / 2)
+    # The CP ranks hold the replica's weights as DP ranks do.
+    assert split.roles["actor"]["params"] == whole.roles["actor"]["params"]
+
+
+def test_offload_empties_the_rollout_window_and_cpu_offload_the_optimizer(tiny):
+    """bf16, no distributed optimizer: 2 B of parameters, 4 of fp32 gradients, 4 of fp32 main parameters and 8 of
+    Adam's moments per parameter. Offloading all of it leaves the actor nothing on the device while the engine
+    generates; the transition, which reads the parameters, still holds the 6 B of parameters and main parameters."""
+    from verl_mega.config.schema import OffloadConfig
+
+    model = Model(load_config(tiny))
+    roles = Roles(critic=False, reference=False)
+    base = layout_of(model.config, 1)
+    everything = plan_memory(model, dataclasses.replace(base, offload=OffloadConfig(True, True, True)), roles)
+    params = everything.roles["actor"]["params"] / 2
+    assert everything.phases["actor.update"].resident_bytes == pytest.approx(params * 18)
+    assert everything.phases["rollout"].resident_bytes == pytest.approx(0)
+    assert everything.phases["transition"].resident_bytes == pytest.approx(params * 6)
+    nothing = plan_memory(model, dataclasses.replace(base, offload=OffloadConfig(False, False, False)), roles)
+    assert nothing.phases["rollout"].resident_bytes == nothing.phases["actor.update"].resident_bytes
+    hosted = plan_memory(model, dataclasses.replace(base, cpu_offload=True), roles)
+    assert hosted.roles["actor"]["optimizer"] == 0
+    assert hosted.phases["actor.update"].resident_bytes == pytest.approx(params * 6)
+
+
+def test_cli_models_what_training_refuses_yet(tiny):
+    done = run_cli("--memory", str(tiny), "parallel.pp=2", "parallel.vpp=2", "parallel.cp=2", "--json", "--gpus", "8")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert (found["layout"]["vpp"], found["layout"]["cp"], found["layout"]["dp"]) == (2, 2, 2)

@@ -4,7 +4,9 @@
   memory (LiveBytes) at a longer sequence;
 - routing replay reaches the forward that full recompute runs again in the backward;
 - sequence parallelism at TP 2 gives the losses and gradients of TP 2 without it (actor, critic, a replayed MoE
-  actor), its micro-batches padded to a multiple of TP columns.
+  actor), its micro-batches padded to a multiple of TP columns;
+- the pre-flight check refuses in one line the memory settings that cannot run (also CP, VPP and the optimizer's
+  CPU offload without CUDA).
 """
 from __future__ import annotations
 
@@ -23,15 +25,6 @@ RECOMPUTE = {
     "full_block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
     "selective": dict(recompute_granularity="selective"),
 }
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    from verl_mega.parallel.state import destroy_parallel, init_parallel
-
-    init_parallel(1, 1)
-    yield
-    destroy_parallel()
 
 
 @pytest.fixture(scope="module")
@@ -189,9 +182,12 @@ def test_sequence_parallel_replays_each_rank_s_part_of_the_routes(sequence_paral
      "critic.recompute.num_layers=5 exceeds the 4 layers of each pipeline stage"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true splits the sequence over the TP ranks"),
     (["actor.recompute.granularity=some"], "actor.recompute.granularity 'some' is unknown"),
+    (["actor.optim.cpu_offload=true", "actor.optim.use_distributed_optimizer=true"],
+     "actor.optim.cpu_offload=true runs megatron's HybridDeviceOptimizer, which needs CUDA"),
+    (["parallel.cp=2"], "parallel.cp=2: context parallelism is not supported yet"),
+    (["parallel.vpp=2"], "parallel.vpp=2: virtual pipeline stages are not supported yet"),
 ])
-def test_preflight_refuses_recompute_and_sequence_parallelism_it_cannot_run(tiny_models, prompt_file, overrides,
-                                                                            problem):
+def test_preflight_refuses_memory_settings_it_cannot_run(tiny_models, prompt_file, overrides, problem):
     from verl_mega.config import ConfigError, load_config
     from verl_mega.trainer.preflight import preflight_check
 

@@ -22,7 +22,8 @@ from verl_mega.trainer.rl.scoring import Scoring
 from verl_mega.trainer.rl.step import Step
 from verl_mega.trainer.rl.validation import Validation
 
-TRANSITION = ["release", "wake_up:weights", "load_weights", "wake_up:kv_cache"]
+# The parameters leave only once the engine holds its copy, before the KV cache is allocated.
+TRANSITION = ["release", "wake_up:weights", "load_weights", "release_params", "wake_up:kv_cache"]
 BACK = ["sleep", "restore"]
 
 
@@ -73,7 +74,7 @@ def parts(inputs, *overrides):
     @contextlib.contextmanager
     def training_memory():
         calls.append("release")
-        yield
+        yield lambda: calls.append("release_params")
         calls.append("restore")
 
     weights = lambda: ((name, reader.read(name)) for name in reader.names())  # noqa: E731

@@ -157,18 +157,6 @@ def test_sampling_params_refuse_nonsense(kwargs, message):
         SamplingParams(**kwargs)
 
 
-def test_training_memory_context_runs_on_cpu():
-    from verl_mega.rollout.training_memory import training_memory_released
-
-    model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.Adam(model.parameters())
-    model(torch.ones(1, 4)).sum().backward()
-    optimizer.step()
-    with training_memory_released(model, optimizer):
-        pass
-    assert all(p.grad is not None for p in model.parameters())
-
-
 VLLM_IMPORTABLE = importlib.util.find_spec("vllm") is not None
 
 

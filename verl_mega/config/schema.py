@@ -55,6 +55,12 @@ class OptimConfig:
     """Optimizer steps the decay spans; None: the run's optimizer steps."""
     lr_decay_style: str = "constant"
     """Shape of the decay after the warmup (megatron's OptimizerParamScheduler)."""
+    cpu_offload: bool = False
+    """Megatron's optimizer CPU offload (optimizer_cpu_offload, the whole of it: optimizer_offload_fraction 1):
+    the fp32 main parameters, gradients' copies and Adam's moments live on the host and the Adam step runs there,
+    through megatron's HybridDeviceOptimizer (CUDA only; needs the distributed optimizer). verl's
+    <role>.optim.override_optimizer_config.optimizer_cpu_offload; Megatron-LM's
+    --optimizer-cpu-offload --optimizer-offload-fraction 1.0."""
 
 
 @dataclass
@@ -173,7 +179,8 @@ class ParallelConfig:
     """The training layout; the data-parallel size is what the world size leaves."""
 
     RANGES: ClassVar[dict[str, Range]] = {
-        "tp": at_least(1), "pp": at_least(1), "ep": at_least(1), "rollout_tp": at_least(1),
+        "tp": at_least(1), "pp": at_least(1), "ep": at_least(1), "rollout_tp": at_least(1), "cp": at_least(1),
+        "vpp": at_least(1),
         "rollout_ranks": at_least(0, note="0: colocated"),
         "bridge_timeout_s": within(0, LONGEST_WAIT_S, low_open=True, note="seconds"),
         "weight_push_bucket_mb": at_least(1)}
@@ -184,6 +191,16 @@ class ParallelConfig:
     """Pipeline-parallel size of training."""
     ep: int = 1
     """Expert-parallel size of training (MoE models)."""
+    cp: int = 1
+    """Context-parallel size (megatron's context_parallel_size): each sequence split over this many ranks, whose
+    attention exchanges keys and values. Only the memory planner takes it yet: the pre-flight check refuses it
+    (megatron-core's context-parallel attention is transformer-engine's, and the micro-batches are not split over
+    CP ranks). verl's actor_rollout_ref.actor.megatron.context_parallel_size."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (megatron's interleaved 1F1B schedule,
+    virtual_pipeline_model_parallel_size). Only the memory planner takes it yet: the pre-flight check refuses it
+    (the roles hold one model chunk per rank). verl's
+    actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size."""
     sequence_parallel: bool | None = None
     """Megatron's sequence parallelism: the activations outside attention and the MLP (norms, dropout,
     residuals) split along the sequence over the TP ranks instead of held whole by each. null: on when tp > 1
@@ -393,12 +410,27 @@ class RecomputeConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """What the actor's training state gives back to the accelerator across the colocated rollout window (the
+    transition and the rollout), to come back bitwise before the next update (`rollout.training_memory`)."""
+
+    params: bool = False
+    """The parameters and the optimizer's fp32 main parameters wait on the host once the rollout engine has its
+    copy of the weights. verl's actor_rollout_ref.actor.megatron.param_offload."""
+    grads: bool = True
+    """The gradient buffers are dropped (the next backward refills them). verl's ...megatron.grad_offload."""
+    optimizer: bool = True
+    """Adam's moments and step counters wait on the host. verl's ...megatron.optimizer_offload."""
+
+
+@dataclass
 class ActorConfig(UpdateSchedule):
     """The policy: its update schedule, optimizer and loss."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     """The actor's, and the reference's (it follows the actor)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     router_replay: str = "off"

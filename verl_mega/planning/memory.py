@@ -13,9 +13,11 @@ fp32), fp32 main gradients (when the gradients are not fp32) and Adam's two fp32
 optimizer shards over the D ranks: fp16 params + fp16 grads 20 B (4 + 16/D distributed), bf16 params + fp32
 grads 18 B (6 + 12/D), fp32 + fp32 16 B (8 + 8/D). verl_mega's DDP reduces gradients in fp32
 (`grad_reduce_in_fp32=True` in `roles.trainable`), so a bf16/fp16 model takes the 18 B row, an fp32 one the
-16 B row. Across the rollout window (the transition and the rollout) the actor's gradient buffers are dropped
-and Adam's moments wait on the host (`rollout.training_memory`), so there it holds its parameters and fp32
-main parameters only; the critic keeps all of it; the reference holds its weights only.
+16 B row. With `optim.cpu_offload` the optimizer's part (main parameters, main gradients, moments) is on the host.
+Across the rollout window the actor holds what `actor.offload` leaves (`rollout.training_memory`): without its
+gradient buffers (grads) and Adam's moments (optimizer), and in the rollout, once the engine has its copy,
+without its parameters and fp32 main parameters (params); the critic keeps all of it; the reference holds its
+weights only.
 
 Activations per layer and micro-batch: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2) count, for a GPT layer in fp16 with a 4h GeLU MLP, dropout and a heads,
@@ -33,21 +35,29 @@ parallelism splits the 10sbh too; selective recompute drops the 5as^2b; full rec
   only the fp32 log-sum-exp, 4*asb; unfused, the softmax runs in fp32 (`attention_softmax_in_fp32`), so a 16-bit
   model keeps the fp32 probabilities (4*as^2b, softmax's output for its backward) and their 16-bit cast (e*as^2b,
   the input of the product with V);
+- RoPE, unfused (models.builder sets apply_rope_fusion=False): the fused QKV projection's output stays whole while
+  the rotary inputs view it, e*sb(a+2g)d, and rotate_half's Q and K are kept, e*sb(a+g)d;
 - SwiGLU with f = ffn_hidden_size: fc1's output is [gate, up], 2f wide, kept for silu and the product; silu's
   output (f) and the product (f, fc2's input) are kept too: e*sb*4f, where the 4h GeLU MLP keeps e*sb*2f (8sbh).
   MoE layers: each token passes top_k experts of moe_intermediate_size plus the shared experts, counted as one
   SwiGLU of that total width; the router, the token-dispatch buffers and MLA's latent projections are not
   modelled (a note says so in every MoE or MLA plan).
+Once per rank and pass beside those: unfused attention's scores buffer (megatron's global memory buffer, e*as^2b/t,
+kept after the first forward) and, in an update, the backward's working set: the larger of the logits' gradient
+and a layer's SwiGLU input gradients (2e*sbf/t), or under selective recompute with unfused attention the attention
+core run again with its probabilities' gradient (measured on CPU: bench/planner_grid).
 With pipeline parallelism under 1F1B, stage i holds min(p - i, m) micro-batches' activations when its m
 micro-batches are under way (the first stage holds p of them: p micro-batches of L/p layers, a whole model's
-worth). Full recompute (`actor.recompute`): uniform keeps one layer input per chunk of num_layers layers plus the
-chunk being recomputed; block keeps the inputs of the stage's first num_layers layers, the others' whole
-activations, and the one layer being recomputed.
+worth); with v virtual stages (the interleaved schedule), (p - 1 - i)*2 + (v - 1)*p + 1 chunk forwards of L/(pv)
+layers. Context parallelism (cp = c) splits every activation and the logits over c ranks (s/c tokens each).
+Full recompute (`actor.recompute`): uniform keeps one layer input per chunk of num_layers layers, block the inputs
+of the stage's first num_layers layers and the others' whole activations, for each micro-batch in flight; the
+chunk (uniform) or layer (block) being recomputed is held once per stage.
 
 Logits (the last stage): the output layer's [s, b, V/t] logits stay in the model dtype (`roles.logprobs`:
 `ops.token_logprobs` accumulates in fp32 and keeps the logits themselves for its backward, without an fp32
-copy), e*sbV/t kept, and as much again for their gradient at the start of the backward; a forward-only pass
-holds them once.
+copy), e*sbV/t kept; in an update their gradient, as much again, at the start of the backward (the backward's
+working set above, when it is the larger).
 
 The rollout engine (vLLM) holds its weights at parallel.rollout_tp (the HybridEngine planner's per-rank bytes)
 and a KV cache: on a GPU of known size it takes rollout.gpu_memory_utilization of it, weights included; otherwise
@@ -73,7 +83,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from verl_mega.config.schema import RecomputeConfig, TrainConfig
+from verl_mega.config.schema import OffloadConfig, RecomputeConfig, TrainConfig
 from verl_mega.models import load_hf_model_config
 from verl_mega.models.builder import DTYPES, padded_vocab_size
 from verl_mega.models.expected_shapes import expected_hf_shapes
@@ -113,13 +123,14 @@ class LayerShape:
     dropout: bool = False
     softmax_fp32: bool = True  # unfused attention: megatron's attention_softmax_in_fp32
     flash: bool = True  # a fused attention kernel keeps no s^2 matrix
+    unfused_rope: bool = True  # models.builder's apply_rope_fusion=False: RoPE's inputs and rotate_half kept
 
 
 def korthikanti_shape(hidden: int, heads: int) -> LayerShape:
     """The layer Korthikanti et al.'s Table 2 counts: 4h GeLU MLP, dropout, full multi-head attention, fp16
     softmax, unfused."""
     return LayerShape(hidden, heads, heads, hidden // heads, 4 * hidden, gated=False, dropout=True,
-                      softmax_fp32=False, flash=False)
+                      softmax_fp32=False, flash=False, unfused_rope=False)
 
 
 def model_layer_shape(hf_config: HFModelConfig, attention: str = FLASH) -> LayerShape:
@@ -144,6 +155,8 @@ def layer_activation_bytes(shape: LayerShape, seq: int, batch: int, tp: int, sp:
     replicated = 4 * e * tokens * shape.hidden + (2 * tokens * shape.hidden if shape.dropout else 0)
     kv = shape.kv_heads if shape.flash else a  # the local attention repeats K, V to every head
     attention = e * tokens * d * (a + 2 * kv) + e * tokens * a * d  # Q, K, V; the output projection's input
+    if shape.unfused_rope:  # the fused QKV output the rotary inputs view, and rotate_half's Q and K
+        attention += e * tokens * d * ((a + 2 * shape.kv_heads) + (a + shape.kv_heads))
     mlp = e * tokens * shape.ffn * (4 if shape.gated else 2)
     if selective:
         core = 0
@@ -153,6 +166,25 @@ def layer_activation_bytes(shape: LayerShape, seq: int, batch: int, tp: int, sp:
         probs = e + (FP32_BYTES if shape.softmax_fp32 and e < FP32_BYTES else 0)
         core = a * seq * tokens * (probs + (1 + e if shape.dropout else 0))  # + the dropout mask and output
     return replicated / (tp if sp else 1) + (attention + mlp + core) / tp
+
+
+def attention_buffer_bytes(shape: LayerShape, seq: int, batch: int, tp: int, act_bytes: int) -> float:
+    """Unfused attention computes the scores into megatron's global memory buffer, e*as^2b/t, allocated at the
+    first forward and kept by the process; a fused kernel has none."""
+    return 0.0 if shape.flash else act_bytes * shape.heads * seq * seq * batch / tp
+
+
+def backward_working_bytes(shape: LayerShape, seq: int, batch: int, tp: int, selective: bool,
+                           act_bytes: int) -> float:
+    """The most a layer's backward allocates beside what the forward kept (measured on CPU, bench/planner_grid):
+    the SwiGLU's two f-wide input gradients (fc1's [gate, up] output's), or under selective recompute with unfused
+    attention the attention core run again and its probabilities' gradient."""
+    tokens, e = seq * batch, act_bytes
+    mlp = e * tokens * shape.ffn * (2 if shape.gated else 1) / tp
+    if not (selective and not shape.flash):
+        return mlp
+    probs = e + (FP32_BYTES if shape.softmax_fp32 and e < FP32_BYTES else 0)
+    return max(mlp, shape.heads * seq * tokens * (probs + e) / tp)
 
 
 def layer_input_bytes(shape: LayerShape, seq: int, batch: int, tp: int, sp: bool, act_bytes: int) -> float:
@@ -175,14 +207,32 @@ def stage_activation_bytes(shape: LayerShape, layers: int, seq: int, batch: int,
     return chunk * given + (layers - chunk) * whole + (whole if chunk else 0)
 
 
-def in_flight_micro_batches(stage: int, pp: int, micro_batches: int) -> int:
-    """Micro-batches whose activations pipeline stage `stage` holds at once under 1F1B."""
-    return min(pp - stage, micro_batches)
+def rebuilt_bytes(shape: LayerShape, layers: int, seq: int, batch: int, tp: int, sp: bool,
+                  recompute: RecomputeConfig, act_bytes: int) -> float:
+    """The part of `stage_activation_bytes` that full recompute rebuilds during the backward: one chunk at a time
+    on the stage, so held once however many micro-batches are in flight."""
+    if recompute.granularity != "full":
+        return 0.0
+    whole = layer_activation_bytes(shape, seq, batch, tp, sp, False, act_bytes)
+    chunk = min(recompute.num_layers, layers)
+    return chunk * whole if recompute.method == "uniform" else (whole if chunk else 0.0)
 
 
-def logits_bytes(seq: int, batch: int, padded_vocab: int, tp: int, act_bytes: int, backward: bool) -> float:
-    """The last stage's vocabulary-parallel logits, and with `backward` their gradient."""
-    return (2 if backward else 1) * act_bytes * seq * batch * padded_vocab / tp
+def in_flight_micro_batches(stage: int, pp: int, micro_batches: int, vpp: int = 1) -> float:
+    """Micro-batches' worth of a whole stage's activations that pipeline rank `stage` holds at once under 1F1B; with
+    `vpp` virtual stages (megatron's interleaved schedule) the warm-up runs (p - 1 - stage) * 2 + (vpp - 1) * p
+    chunk forwards before the first backward, each over 1/vpp of the rank's layers, and the steady state one more
+    (every forward first when there are only p micro-batches)."""
+    if vpp == 1:
+        return min(pp - stage, micro_batches)
+    chunks = micro_batches * vpp
+    warmup = chunks if micro_batches == pp else min((pp - 1 - stage) * 2 + (vpp - 1) * pp, chunks)
+    return min(warmup + 1, chunks) / vpp
+
+
+def logits_bytes(seq: int, batch: int, padded_vocab: int, tp: int, act_bytes: int) -> float:
+    """The last stage's vocabulary-parallel logits (or their gradient)."""
+    return act_bytes * seq * batch * padded_vocab / tp
 
 
 @dataclass(frozen=True)
@@ -198,16 +248,23 @@ class Layout:
     distributed_optimizer: bool
     recompute: RecomputeConfig
     micro_batch: int
+    cp: int = 1
+    vpp: int = 1
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)  # the actor's, in the rollout window
+    cpu_offload: bool = False  # the actor's optimizer on the host (actor.optim.cpu_offload)
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     def describe(self) -> str:
         recompute = self.recompute.granularity
         if recompute == "full":
             recompute += f"/{self.recompute.method}/{self.recompute.num_layers}"
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep} rollout_tp={self.rollout_tp} "
+        extra = "".join(f" {name}={value}" for name, value in (("cp", self.cp), ("vpp", self.vpp)) if value > 1)
+        offloaded = [part for part in ("params", "grads", "optimizer") if getattr(self.offload, part)]
+        extra += f" offload={'+'.join(offloaded) or 'none'}" + (" optim_cpu_offload=on" if self.cpu_offload else "")
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} ep={self.ep} rollout_tp={self.rollout_tp} "
                 f"sp={'on' if self.sequence_parallel else 'off'} recompute={recompute} "
                 f"distributed_optimizer={'on' if self.distributed_optimizer else 'off'} micro_batch={self.micro_batch}")
 
@@ -216,8 +273,9 @@ def layout_of(config: TrainConfig, gpus: int | None = None) -> Layout:
     """The config's layout on `gpus` ranks (None: one data-parallel replica, tp x pp)."""
     p = config.parallel
     sp = p.tp > 1 if p.sequence_parallel is None else p.sequence_parallel
-    return Layout(gpus or p.tp * p.pp, p.tp, p.pp, p.ep, p.rollout_tp, sp,
-                  config.actor.optim.use_distributed_optimizer, config.actor.recompute, config.actor.micro_batch_size)
+    return Layout(gpus or p.tp * p.pp * p.cp, p.tp, p.pp, p.ep, p.rollout_tp, sp,
+                  config.actor.optim.use_distributed_optimizer, config.actor.recompute, config.actor.micro_batch_size,
+                  p.cp, p.vpp, config.actor.offload, config.actor.optim.cpu_offload)
 
 
 @dataclass(frozen=True)
@@ -239,10 +297,11 @@ class Model:
         self._plans: dict[tuple[int, ...], Plan] = {}
 
     def transition(self, layout: Layout) -> Plan:
-        key = (layout.tp, layout.pp, layout.dp, layout.ep, layout.rollout_tp)
+        # The CP ranks of a replica hold its weights as DP ranks do.
+        key = (layout.tp, layout.pp, layout.dp * layout.cp, layout.ep, layout.rollout_tp)
         if key not in self._plans:
             self._plans[key] = transition_plan(
-                self.config.model.hf_path, layout.tp, layout.pp, layout.dp, layout.rollout_tp, ep=layout.ep,
+                self.config.model.hf_path, layout.tp, layout.pp, layout.dp * layout.cp, layout.rollout_tp, ep=layout.ep,
                 dtype=self.rollout_dtype, family_spec=self.config.model.family_spec or None)
         return self._plans[key]
 
@@ -376,6 +435,10 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     """The plan of `model`'s run at `layout`; ValueError (naming the size) for a layout the model cannot take."""
     config, hf = model.config, model.hf_config
     e, seq = model.act_bytes, sequence_length(config)
+    local_seq = seq / layout.cp  # context parallelism: each rank's share of every sequence
+    if layout.vpp > 1 and (layout.pp == 1 or hf.num_layers % (layout.pp * layout.vpp)):
+        raise ValueError(f"vpp={layout.vpp}: the interleaved schedule needs pp > 1 and pp x vpp dividing the "
+                         f"{hf.num_layers} layers (pp={layout.pp})")
     transition = model.transition(layout)
     stage_params = model.stage_parameters(layout)
     shape = model_layer_shape(hf, attention)
@@ -385,9 +448,10 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
 
     def resident(stage: int) -> dict[str, dict[str, float]]:
         params = stage_params[stage]
-        held = {"actor": _trained(params, e, layout.distributed_optimizer, layout.dp)}
+        held = {"actor": _trained(params, e, layout.distributed_optimizer, layout.dp, layout.cpu_offload)}
         if roles.critic:
-            held["critic"] = _trained(params, e, critic.optim.use_distributed_optimizer, layout.dp)
+            held["critic"] = _trained(params, e, critic.optim.use_distributed_optimizer, layout.dp,
+                                      critic.optim.cpu_offload)
         if roles.reference:
             held["reference"] = {"params": params * e}
         return held
@@ -395,27 +459,41 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     def resident_bytes(stage: int) -> float:
         return sum(sum(parts.values()) for parts in resident(stage).values())
 
-    def awake_resident_bytes(stage: int) -> float:
-        """What stays on the device in the rollout window: less the actor's gradients and Adam moments."""
-        released = GRAD_BYTES + ADAM_MOMENTS * FP32_BYTES / (layout.dp if layout.distributed_optimizer else 1)
+    def awake_resident_bytes(stage: int, engine_loaded: bool) -> float:
+        """What stays on the device in the rollout window: less what `actor.offload` sends away (the parameters
+        only once the engine has loaded its copy)."""
+        per_parameter = optimizer_bytes_per_parameter(e, GRAD_BYTES, layout.distributed_optimizer, layout.dp)
+        sharded = layout.dp if layout.distributed_optimizer else 1
+        released = GRAD_BYTES if layout.offload.grads else 0
+        if layout.offload.optimizer and not layout.cpu_offload:
+            released += ADAM_MOMENTS * FP32_BYTES / sharded
+        if layout.offload.params and engine_loaded:
+            main_params = 0 if layout.cpu_offload or e == FP32_BYTES else FP32_BYTES / sharded
+            released += per_parameter["params"] + main_params
         return resident_bytes(stage) - stage_params[stage] * released
 
     def update(stage: int, schedule, recompute: RecomputeConfig, micro: int, with_logits: bool) -> Phase:
         rows = micro_batch_rows(micro, schedule.max_tokens_per_micro_batch, seq)
         micro_batches = max(1, schedule.mini_batch_size // (layout.dp * rows))
-        held = in_flight_micro_batches(stage, layout.pp, micro_batches)
-        parts = {"activations": held * stage_activation_bytes(shape, layers, seq, rows, layout.tp,
-                                                              layout.sequence_parallel, recompute, e)}
+        held = in_flight_micro_batches(stage, layout.pp, micro_batches, layout.vpp)
+        sizes = (shape, layers // layout.vpp, local_seq, rows, layout.tp, layout.sequence_parallel, recompute, e)
+        rebuilt = rebuilt_bytes(*sizes)
+        parts = {"activations": held * layout.vpp * (stage_activation_bytes(*sizes) - rebuilt) + rebuilt,
+                 "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
+        working = backward_working_bytes(shape, local_seq, rows, layout.tp, recompute.granularity == "selective", e)
         if with_logits and stage == layout.pp - 1:
-            parts["logits"] = logits_bytes(seq, rows, vocab, layout.tp, e, backward=True)
+            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e)
+            working = max(working, parts["logits"])  # the logits' gradient, at the start of the backward
+        parts["backward"] = working
         return Phase(stage, resident_bytes(stage), parts)
 
     def forward(stage: int, schedule, micro: int, with_logits: bool) -> Phase:
         rows = micro_batch_rows(micro, schedule.max_tokens_per_micro_batch, seq)
-        parts = {"activations": layer_activation_bytes(shape, seq, rows, layout.tp, layout.sequence_parallel,
-                                                       False, e)}  # one layer's, freed as the next runs
+        parts = {"activations": layer_activation_bytes(shape, local_seq, rows, layout.tp, layout.sequence_parallel,
+                                                       False, e),  # one layer's, freed as the next runs
+                 "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
         if with_logits and stage == layout.pp - 1:
-            parts["logits"] = logits_bytes(seq, rows, vocab, layout.tp, e, backward=False)
+            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e)
         return Phase(stage, resident_bytes(stage), parts)
 
     rollout_weights = max(rank.rollout_bytes for rank in transition.ranks)
@@ -428,7 +506,7 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
             sequences = config.data.batch_size * config.rollout.n * layout.rollout_tp / layout.gpus
             kv = kv_cache_bytes(hf, DTYPES[model.rollout_dtype], math.ceil(sequences) * seq)
             engine = {"weights": rollout_weights, "kv_cache": kv / min(layout.rollout_tp, hf.num_kv_heads)}
-        return Phase(stage, awake_resident_bytes(stage), engine)
+        return Phase(stage, awake_resident_bytes(stage, engine_loaded=True), engine)
 
     candidates: dict[str, list[Phase]] = {name: [] for name in (
         "actor.update", "actor.log_prob", "reference.log_prob", "critic.update", "critic.values", "transition",
@@ -442,8 +520,8 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
             candidates["critic.update"].append(update(stage, critic, critic.recompute, critic.micro_batch_size,
                                                       False))
             candidates["critic.values"].append(forward(stage, critic, critic.micro_batch_size, False))
-        candidates["transition"].append(Phase(stage, awake_resident_bytes(stage), {"weights": rollout_weights,
-                                                                             "buffers": transfer}))
+        candidates["transition"].append(Phase(stage, awake_resident_bytes(stage, engine_loaded=False),
+                                              {"weights": rollout_weights, "buffers": transfer}))
         candidates["rollout"].append(rollout(stage))
     phases = {name: max(found, key=lambda phase: phase.total_bytes) for name, found in candidates.items() if found}
     largest_stage = max(range(layout.pp), key=lambda stage: stage_params[stage])
@@ -457,8 +535,12 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
                       gpu_memory_gb, weights_fit, notes)
 
 
-def _trained(params: int, act_bytes: int, distributed: bool, dp: int) -> dict[str, float]:
+def _trained(params: int, act_bytes: int, distributed: bool, dp: int, cpu_offload: bool = False) -> dict[str, float]:
+    """A trained role's bytes on the device; with `cpu_offload` (megatron's HybridDeviceOptimizer, all of it) the
+    optimizer's part lives on the host."""
     per_parameter = optimizer_bytes_per_parameter(act_bytes, GRAD_BYTES, distributed, dp)
+    if cpu_offload:
+        per_parameter["optimizer"] = 0
     return {part: params * value for part, value in per_parameter.items()}
 
 
@@ -514,10 +596,11 @@ def step_bytes_moved(model: Model, layout: Layout, roles: Roles, transition: Pla
 
 
 def candidate_layouts(config: TrainConfig, gpus: int) -> list[Layout]:
-    """The layouts `suggest_layouts` tries on `gpus` ranks, cheapest first: least recompute, then fewest
+    """The layouts `suggest_layouts` tries on `gpus` ranks, cheapest first: least recompute, then without the
+    optimizer's CPU offload (the distributed optimizer's only, as the pre-flight check requires), then fewest
     model-parallel ranks (tp x pp; tp before pp), then the smallest rollout_tp (the config's where it divides tp,
     else tp), then without the distributed optimizer, then the largest micro-batch. Sizes are powers of two
-    dividing `gpus`; ep stays the config's."""
+    dividing `gpus`; ep and actor.offload stay the config's; cp and vpp, which training refuses yet, are 1."""
     base = layout_of(config, gpus)
     sizes = [size for size in (2**k for k in range(int(math.log2(gpus)) + 1)) if gpus % size == 0]
     micro = []
@@ -527,12 +610,15 @@ def candidate_layouts(config: TrainConfig, gpus: int) -> list[Layout]:
         size //= 2
     recomputes = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full", "uniform", 1)]
     layouts = [dataclasses.replace(base, tp=tp, pp=pp, sequence_parallel=tp > 1, recompute=recompute,
-                                   distributed_optimizer=distributed, micro_batch=rows, rollout_tp=rollout_tp)
+                                   distributed_optimizer=distributed, micro_batch=rows, rollout_tp=rollout_tp,
+                                   cp=1, vpp=1, cpu_offload=cpu_offload)
                for recompute in recomputes for tp in sizes for pp in sizes if gpus % (tp * pp) == 0
                for rollout_tp in sorted({base.rollout_tp if tp % base.rollout_tp == 0 else tp, tp})
-               for distributed in (False, True) for rows in micro]
-    return sorted(layouts, key=lambda lay: (RECOMPUTE_COST[lay.recompute.granularity], lay.tp * lay.pp, lay.pp,
-                                            lay.rollout_tp, lay.distributed_optimizer, -lay.micro_batch))
+               for distributed in (False, True) for cpu_offload in (False, True)[:1 + distributed]
+               for rows in micro]
+    return sorted(layouts, key=lambda lay: (RECOMPUTE_COST[lay.recompute.granularity], lay.cpu_offload,
+                                            lay.tp * lay.pp, lay.pp, lay.rollout_tp, lay.distributed_optimizer,
+                                            -lay.micro_batch))
 
 
 def suggest_layouts(model: Model, roles: Roles, gpus: int, gpu_memory_gb: float, limit: int = 10,

@@ -14,6 +14,25 @@ from .megatron_step import LossFn, forward_backward
 LR_DECAY_STYLES = ("constant", "linear", "cosine")  # megatron's OptimizerParamScheduler's
 
 
+def optimizer_config(optim: OptimConfig, config):
+    """megatron's OptimizerConfig of `optim` for a model of TransformerConfig `config`."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        # Megatron reports the grad norm only while clipping; an infinite bound clips nothing.
+        clip_grad=optim.clip_grad if optim.clip_grad > 0 else math.inf,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+        bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+        # fp16's dynamic loss scale starts where torch's GradScaler does: megatron's 2**32 overflows
+        # and skips the first ~16 steps, a whole short RL run.
+        initial_loss_scale=2.0**16,
+        # All of the optimizer on the host (megatron's HybridDeviceOptimizer), as Megatron-LM recommends it.
+        optimizer_cpu_offload=optim.cpu_offload, optimizer_offload_fraction=1.0 if optim.cpu_offload else 0.0,
+    )
+
+
 class TrainableModel:
     """Wraps a GPTModel for training; `model` is the DDP wrapper the pipeline schedules run.
 
@@ -25,7 +44,7 @@ class TrainableModel:
         """`schedule_steps`: the optimizer steps the role takes over the run, the LR schedule's length.
         `packed`: forward the micro-batches as padding-free THD rows (see `megatron_step.stage_forward`)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         if optim.lr_decay_style not in LR_DECAY_STYLES:
@@ -40,20 +59,7 @@ class TrainableModel:
             module=module,
         )
         accumulate_weight_gradients_in_place(self.model)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                # Megatron reports the grad norm only while clipping; an infinite bound clips nothing.
-                clip_grad=optim.clip_grad if optim.clip_grad > 0 else math.inf,
-                use_distributed_optimizer=optim.use_distributed_optimizer,
-                bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
-                # fp16's dynamic loss scale starts where torch's GradScaler does: megatron's 2**32 overflows
-                # and skips the first ~16 steps, a whole short RL run.
-                initial_loss_scale=2.0**16,
-            ),
-            [self.model],
-        )
+        self.optimizer = get_megatron_optimizer(optimizer_config(optim, config), [self.model])
         use_fused_adam(self.optimizer)
         # What megatron's training loop installs: the schedules call these after the last backward.
         config.finalize_model_grads_func = finalize_model_grads

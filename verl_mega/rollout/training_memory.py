@@ -1,38 +1,108 @@
-"""Give the actor's gradient and optimizer memory back to the accelerator while the rollout generates.
+"""Give the actor's training memory back to the accelerator while the colocated rollout generates (`actor.offload`:
+verl's grad_offload / optimizer_offload / param_offload).
 
-Gradients are dropped (the next backward refills them; megatron's contiguous grad buffers are shrunk to
-nothing and regrown zeroed); optimizer state waits on the host. On CPU there is nothing to give back, so
-the context runs its body unchanged, which keeps the call sites identical on both.
+Each part `actor.offload` names leaves the device for the rollout window and comes back bitwise before the next
+update:
+- grads: megatron DDP's contiguous gradient buffers shrink to nothing and regrow zeroed (nothing is copied: the
+  next backward refills them);
+- optimizer: Adam's moments and step counters wait on the host;
+- params: once the rollout engine holds its own copy of the weights (the transition reads them), the parameters,
+  their saved buffers and the optimizer's fp32 main parameters wait on the host.
+What waits on the host is each storage's bytes: the storage itself is resized to nothing and back, as verl does,
+so every tensor keeps its identity and every view stays valid (DDP's per-parameter views of its buffers, the
+HybridEngine's, the distributed optimizer's shards). The same code runs on CPU, where the host copy takes what
+the storage gave back: it saves nothing there, and it is what the tests exercise.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from verl_mega.config.schema import OffloadConfig
+from verl_mega.models.builder import checkpoint_tensors, unwrap_model
+
+
+class HostCopies:
+    """Storages whose bytes wait on the host (`offload`), each resized to nothing until `restore`."""
+
+    def __init__(self):
+        self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(host.numel() for _, host in self._held)
+
+    def offload(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Each distinct non-empty storage under `tensors` once (views of one buffer share it); with a GPU, only
+        those on it (megatron's CPU-offloaded optimizer keeps its state on the host already)."""
+        pinned = torch.cuda.is_available()
+        for storage in _distinct_storages(tensors):
+            if pinned and storage.device.type == "cpu":
+                continue
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pinned)
+            host.copy_(_as_bytes(storage))
+            storage.resize_(0)
+            self._held.append((storage, host))
+
+    def restore(self) -> None:
+        for storage, host in self._held:
+            storage.resize_(host.numel())
+            _as_bytes(storage).copy_(host)
+        self._held.clear()
+
+
+def _distinct_storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.UntypedStorage]:
+    seen = set()
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            yield storage
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
 
 @contextlib.contextmanager
-def training_memory_released(model: torch.nn.Module, optimizer=None):
-    if not torch.cuda.is_available():
-        yield
-        return
-    grad_buffers = [buffer.grad_data for buffer in _megatron_grad_buffers(model)]
+def training_memory_released(model: torch.nn.Module, optimizer, offload: OffloadConfig
+                             ) -> Iterator[Callable[[], None]]:
+    """For the body, the actor's gradients and optimizer state released as `offload` says; yields `release_params`,
+    which the body calls once the rollout engine holds its copy of the weights (it offloads the parameters and the
+    fp32 main parameters where `offload.params`, else does nothing). Everything is back on exit."""
+    grad_buffers = [buffer.grad_data for buffer in _megatron_grad_buffers(model)] if offload.grads else []
     sizes = [grad.untyped_storage().size() for grad in grad_buffers]
     for grad in grad_buffers:
         grad.untyped_storage().resize_(0)
-    for param in model.parameters():
-        param.grad = None
-    states = _optimizer_state_to_host(optimizer)
-    torch.cuda.empty_cache()
+    if offload.grads:
+        for param in model.parameters():
+            param.grad = None
+    held = HostCopies()
+    if offload.optimizer:
+        held.offload(_optimizer_state_tensors(optimizer))
+    _empty_cache()
+
+    def release_params() -> None:
+        if offload.params:
+            held.offload([*checkpoint_tensors(unwrap_model(model)).values(), *_main_parameters(optimizer)])
+            _empty_cache()
+
     try:
-        yield
+        yield release_params
     finally:
+        held.restore()
         for grad, size in zip(grad_buffers, sizes):
             grad.untyped_storage().resize_(size)
             grad.zero_()
-        for holder, key, device in states:
-            holder[key] = holder[key].to(device)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _megatron_grad_buffers(model: torch.nn.Module):
@@ -46,22 +116,22 @@ def _megatron_grad_buffers(model: torch.nn.Module):
     return found
 
 
-def _optimizer_state_to_host(optimizer) -> list[tuple[dict, str, torch.device]]:
-    """Move each state tensor to the host; returns where each came from (no device tensor stays referenced)."""
-    moved = []
-    for holder, key, tensor in _optimizer_state_tensors(optimizer):
-        moved.append((holder, key, tensor.device))
-        holder[key] = tensor.to("cpu")
-    return moved
-
-
-def _optimizer_state_tensors(optimizer):
-    """(dict, key, tensor) for each state tensor; megatron's optimizers wrap torch ones (`.optimizer`)."""
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's (chained, mixed-precision or distributed) wrappers."""
     if optimizer is None:
-        return
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", inner)
+        return []
+    return [getattr(inner, "optimizer", inner) for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _optimizer_state_tensors(optimizer) -> Iterator[torch.Tensor]:
+    for torch_optimizer in _torch_optimizers(optimizer):
         for state in torch_optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.is_cuda:
-                    yield state, key, value
+            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def _main_parameters(optimizer) -> Iterator[torch.Tensor]:
+    """What the torch optimizers step: the fp32 main parameters (whole, or the distributed optimizer's shards), or
+    for an fp32 model the parameters themselves (their storage then offloaded once)."""
+    for torch_optimizer in _torch_optimizers(optimizer):
+        for group in torch_optimizer.param_groups:
+            yield from group["params"]

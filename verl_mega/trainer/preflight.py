@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from verl_mega.algorithms import (
     ADV_ESTIMATORS, BYPASS_LOSS_TYPES, DISTILL_LOSSES, EXHAUSTED_POLICIES, IS_LEVELS, KL_CONTROLLERS, KL_ESTIMATORS,
     LOSS_AGG_MODES, POLICY_LOSSES, PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, estimator_inputs,
@@ -107,6 +109,7 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
              f"{role}.use_packed_sequences=true needs transformer-engine on a GPU (THD packed attention); set it "
              "to auto (packs where transformer-engine runs in bf16/fp16) or false")
     _check_sequence_parallel(config, need)
+    _check_unsupported_memory_settings(config, need)
     if config.job in ("sft", "preference"):
         need(reward_fn is None, f"reward_fn: the {config.job} job learns from its data, not from a reward function")
         _check_offline(config, dp, check_files, check, need, known, layout_in_range)
@@ -453,6 +456,24 @@ def _check_sequence_parallel(config: TrainConfig, need) -> None:
     for role in lora_roles(config):
         need(not (p.sequence_parallel and getattr(config, role).lora.rank), f"{role}.lora: the adapters take no "
              "sequence-split input: set parallel.sequence_parallel to null (off for roles with adapters) or false")
+
+
+def _check_unsupported_memory_settings(config: TrainConfig, need) -> None:
+    """The memory settings the planner models that training does not run here (docs/memory.md says why)."""
+    p = config.parallel
+    need(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not supported yet (megatron-core's context-parallel "
+         "attention needs transformer-engine, and verl_mega does not split micro-batches over CP ranks); set it to 1 "
+         "(`verl-mega plan --memory` models it)")
+    need(p.vpp == 1, f"parallel.vpp={p.vpp}: virtual pipeline stages are not supported yet (the roles hold one "
+         "model chunk per pipeline rank, megatron's interleaved schedule needs several); set it to 1 "
+         "(`verl-mega plan --memory` models it)")
+    for role in lora_roles(config):
+        optim = getattr(config, role).optim
+        if optim.cpu_offload:
+            need(torch.cuda.is_available(), f"{role}.optim.cpu_offload=true runs megatron's HybridDeviceOptimizer, "
+                 "which needs CUDA (and on a CPU-only machine the optimizer is on the host already): set it to false")
+            need(optim.use_distributed_optimizer, f"{role}.optim.cpu_offload=true needs "
+                 f"{role}.optim.use_distributed_optimizer=true (megatron offloads the distributed optimizer's shards)")
 
 
 def _check_recompute_layers(config: TrainConfig, stage_layers: int, need) -> None:

@@ -62,7 +62,8 @@ def make_agent_loop(config: TrainConfig, tokenizer, stop_token_ids: list[int]) -
 class Generation:
     """What the step and validation generate with. `engine` (colocated) or `remote` (rollout ranks of their own);
     `weights()` streams the actor's current weights in the rollout layout; `training_memory()` releases the
-    training side's memory for as long as the engine is awake."""
+    training side's memory for as long as the engine is awake, and yields what releases the parameters once the
+    engine has loaded its copy (`rollout.training_memory`)."""
 
     def __init__(self, config: TrainConfig, layout: ParallelLayout, engine: RolloutEngine | None,
                  remote: RemoteRollout | None, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
@@ -101,7 +102,8 @@ class Generation:
                             "return the experts it routed each token to; set rollout.engine=embedded or "
                             "actor.router_replay=off")
         return cls(config, layout, engine, remote, hybrid.stream,
-                   lambda: training_memory_released(actor.model, actor.trainable.optimizer), agent, eos_ids,
+                   lambda: training_memory_released(actor.model, actor.trainable.optimizer, config.actor.offload),
+                   agent, eos_ids,
                    records_routing)
 
     @property
@@ -126,10 +128,11 @@ class Generation:
                     self.remote.push(version)
             yield
             return
-        with self.training_memory():
+        with self.training_memory() as release_params:
             with timer("transition"):
                 self.engine.wake_up(["weights"])
                 self.engine.load_weights(self.weights())
+                release_params()  # the engine holds its copy now
                 self.engine.wake_up(["kv_cache"])
             yield
             with timer("transition"):
