@@ -158,11 +158,13 @@ def test_dataset_splits_in_the_hub_parquet_layout(hub, home):
 
 def test_config_inputs_become_snapshots(hub, home, tiny_models):
     config = load_config(None, values={"model.hf_path": "org/tiny@v2", "reward.reward_model": "org/tiny",
+                                       "teacher.hf_path": "org/tiny@v2",
                                        "data.train_files": ["hf://datasets/org/rows/train"],
                                        "data.val_files": ["hf://datasets/org/rows/test", "local.parquet"]})
     resolve_inputs(config)
     assert hub_origin(config.model.hf_path)["commit"] == hub.commits["v2"]
     assert hub_origin(config.reward.reward_model)["commit"] == hub.commits["main"]
+    assert hub_origin(config.teacher.hf_path)["commit"] == hub.commits["v2"]
     assert [Path(file).name for file in config.data.train_files] == ["train-00000-of-00002.parquet",
                                                                      "train-00001-of-00002.parquet"]
     assert Path(config.data.val_files[0]).is_file() and config.data.val_files[1] == "local.parquet"

@@ -1,7 +1,7 @@
 """A run's Hub inputs replaced by their local snapshots, before the pre-flight check reads them.
 
-model.hf_path, model.critic_hf_path and reward.reward_model may name a Hub model (`org/name[@revision]`; the
-reference follows the actor); data.train_files and data.val_files may hold `hf://datasets/...` entries, each
+model.hf_path, model.critic_hf_path, reward.reward_model and teacher.hf_path may name a Hub model
+(`org/name[@revision]`; the reference follows the actor); data.train_files and data.val_files may hold `hf://datasets/...` entries, each
 replaced by the files it names. The launcher does it once per node before the ranks start (so they find the
 cache warm), and every rank does it again at start-up (no download then: the node lock makes the others wait
 for the first). The snapshot paths say where they came from (`hub_origin`), which the provenance records.
@@ -13,7 +13,8 @@ from verl_mega.config import TrainConfig
 from .refs import dataset_ref, model_ref
 from .resolve import HubError, resolve_dataset, resolve_model
 
-MODEL_KEYS = (("model", "hf_path"), ("model", "critic_hf_path"), ("reward", "reward_model"))
+MODEL_KEYS = (("model", "hf_path"), ("model", "critic_hf_path"), ("reward", "reward_model"),
+              ("teacher", "hf_path"))
 DATA_KEYS = ("train_files", "val_files")
 
 
