@@ -642,6 +642,16 @@ class RewardCodeConfig:
 
 
 @dataclass
+class RewardMathConfig:
+    """The math-verify rewards (`math`, `dapo`, and `default` on the data sources it scores with them)."""
+
+    final_form: bool = False
+    """Pay only answers in final form: math-verify evaluates what it reads, so "26 - 10 =" equals 16. true scores 0
+    an answer that still holds an operation on written numbers (26-10, 2^{10}, 16/2; not x^2+7x, 2+\\sqrt{3},
+    \\frac{1}{2}) or a response ending on an operator, before math-verify compares."""
+
+
+@dataclass
 class RewardConfig:
     """What scores a response (rl)."""
 
@@ -662,6 +672,7 @@ class RewardConfig:
     """HF sequence-classification folder; replaces `function` when set (not with reward.remote.url)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     code: RewardCodeConfig = field(default_factory=RewardCodeConfig)
+    math: RewardMathConfig = field(default_factory=RewardMathConfig)
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
 
