@@ -159,4 +159,6 @@ def serve(conn: Connection) -> None:
 
 if __name__ == "__main__":
     _die_with_parent(int(sys.argv[2]))
+    # A terminal's Ctrl-C reaches the whole process group; the trainer decides what it means (save, then stop).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(Connection(int(sys.argv[1])))

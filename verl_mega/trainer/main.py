@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import signal
 import sys
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 from verl_mega.run.checkpoints import complete_checkpoints, model_fingerprint
 from verl_mega.run.continuity import check_continuation
-from verl_mega.run.folder import RunFolder, layout_name
+from verl_mega.run.folder import RunFolder, checkpoint_step, layout_name
 from verl_mega.run.lock import claim_run_folder
 from verl_mega.run.provenance import write_provenance
 from verl_mega.parallel.bridge import PeerFailed, init_placement
@@ -36,7 +37,7 @@ from verl_mega.parallel.placement import placement_for
 from verl_mega.parallel.world import read_world
 
 from .metrics import print_note
-from .preemption import StopRequest, requeue_slurm_job
+from .preemption import StopRequest, requeue_slurm_job, slurm_job, stop_line
 from .preference import PreferenceJob
 from .preflight import preflight_check
 from .rl import RLJob
@@ -45,6 +46,7 @@ from .rl.rollout_service import RolloutService
 from .sft import SFTJob
 
 PEER_FAILED_EXIT_CODE = 3  # a rank of the other role (disaggregated placement) died or hung
+STOPPED_AT_ONCE_EXIT_CODE = 128 + 2  # as a shell reports a process that SIGINT ended
 OFFLINE_JOBS = {"sft": SFTJob, "preference": PreferenceJob}
 
 
@@ -65,6 +67,11 @@ def main(argv: list[str] | None = None, job: str | None = None) -> int:
     except PeerFailed as err:  # the other role's rank, named; this one's state needs no traceback
         print(f"{command}: error: {err}", file=sys.stderr)
         return PEER_FAILED_EXIT_CODE
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one stops after the step, saved)
+        print(f"{command}: stopped at once by a second Ctrl-C; the newest checkpoint is the last one saved",
+              file=sys.stderr)
+        return STOPPED_AT_ONCE_EXIT_CODE
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # all is saved: what is left of the exit has nothing to stop
     return 0
 
 
@@ -115,7 +122,7 @@ def train(config, reward_fn=None) -> None:
             bridge.close()
         destroy_parallel()
     if not finished and layout.rank == 0:
-        requeue_slurm_job(config.trainer.log_format)
+        requeue_slurm_job()
 
 
 def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=None) -> bool:
@@ -136,19 +143,27 @@ def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=No
         # inside are found by their names, wherever the run folder is moved.
         for role, ckpt in ckpts.items():
             setattr(config.model, f"{role}_ckpt", str(ckpt))
-    stop = StopRequest().install()
-    if config.job == "rl":
-        critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
-        job = RLJob(config, layout, stop, checksums, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt,
-                    reward_fn=reward_fn, bridge=bridge, placement=placement)
-    else:
-        job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, actor_ckpt=ckpts["actor"])
-    # Written once the job has been built and has resumed: a start refused on the way changes neither.
-    if layout.rank == 0:
-        atomic_write_text(folder.config, to_yaml(config))
-        write_provenance(run_dir, config, checksums, reward_fn)
-    finished = job.fit()
-    job.close()
+    stop = StopRequest(announce=layout.rank == 0).install()
+    try:
+        if config.job == "rl":
+            critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
+            job = RLJob(config, layout, stop, checksums, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt,
+                        reward_fn=reward_fn, bridge=bridge, placement=placement)
+        else:
+            job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, actor_ckpt=ckpts["actor"])
+        # Written once the job has been built and has resumed: a start refused on the way changes neither.
+        if layout.rank == 0:
+            atomic_write_text(folder.config, to_yaml(config))
+            write_provenance(run_dir, config, checksums, reward_fn)
+        finished = job.fit()
+        job.close()
+    finally:  # the process's own handlers again (the Python API's caller's)
+        stop.restore()
+    if not finished and layout.rank == 0:
+        saved = complete_checkpoints(run_dir)
+        checkpoint = saved[-1] if saved and checkpoint_step(saved[-1]) == job.step else None
+        print_note(stop_line(stop.received, job.step, config.trainer.total_steps, checkpoint, run_dir, slurm_job()),
+                   config.trainer.log_format)
     return finished
 
 
