@@ -85,6 +85,8 @@ def test_sigterm_to_a_local_launch_saves_says_where_and_its_commands_resume_and_
     stdout, stderr = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, stderr[-3000:]
 
+    # What a person saw before the first step: each phase's start (the heartbeat fills any silence past 30 s).
+    assert "loading the models from " in stdout and "step 1: the first rollout (4 prompts x 2) ..." in stdout
     lines = [line for line in stdout.splitlines() if line.startswith("stopped by")]
     assert len(lines) == 1, stdout
     found = re.fullmatch(r"stopped by SIGTERM at step (\d+) of 40: checkpoint (\S+) holds it; to resume, run (.+) "

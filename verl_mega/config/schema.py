@@ -761,7 +761,8 @@ class TrainerConfig:
     health_port: int = 0
     """Port of rank 0's GET /healthz endpoint; 0: no health endpoint."""
     progress_bar: bool = True
-    """A progress bar on rank 0's stderr."""
+    """A progress bar on rank 0's stderr, over the steps and through each validation (on a terminal; elsewhere a
+    validation prints a line of its progress every 10 s)."""
     nonfinite: str = "error"
     """A NaN/inf reward, advantage or gradient: "error" stops the run before applying it; "skip" drops that
     batch (or optimizer step) and counts it in the metrics (trainer/nonfinite_skipped)."""

@@ -40,6 +40,7 @@ from .metrics import print_note
 from .preemption import StopRequest, requeue_slurm_job, slurm_job, stop_line
 from .preference import PreferenceJob
 from .preflight import preflight_check
+from .progress import Progress
 from .rl import RLJob
 from .rl.needs import uses_critic
 from .rl.rollout_service import RolloutService
@@ -126,8 +127,18 @@ def train(config, reward_fn=None) -> None:
 
 
 def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=None) -> bool:
+    progress = Progress(layout.rank == 0, config.trainer.log_format, config.trainer.progress_bar)
+    progress.start_heartbeat()
+    try:
+        return _prepare_and_fit(config, layout, run_dir, reward_fn, bridge, placement, progress)
+    finally:
+        progress.stop_heartbeat()
+
+
+def _prepare_and_fit(config, layout, run_dir: Path, reward_fn, bridge, placement, progress: Progress) -> bool:
     # Read once per run, by rank 0: the weights' checksums, for the provenance record and the conversion cache.
-    checksums = [model_checksums(config) if layout.rank == 0 else None]
+    with progress.phase(f"reading the checksum of {config.model.hf_path}", lines=False):
+        checksums = [model_checksums(config) if layout.rank == 0 else None]
     dist.broadcast_object_list(checksums, src=0)
     checksums = checksums[0]
     folder = RunFolder(run_dir)
@@ -137,7 +148,8 @@ def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=No
         raise UserError(f"model.sha256: {config.model.hf_path} has sha256 {checksums['actor']}, not the expected "
                         f"{config.model.sha256}; point model.hf_path at the expected model or update model.sha256")
     # The converted checkpoint each role starts from: given, or converted from its HF folder.
-    ckpts = {role: prepare_checkpoint(config, layout, run_dir, role, checksum) for role, checksum in checksums.items()}
+    ckpts = {role: prepare_checkpoint(config, layout, run_dir, role, checksum, progress)
+             for role, checksum in checksums.items()}
     if config.model.conversion_cache:
         # The saved config names conversions outside the run folder (`verl-mega export --step` reads it); those
         # inside are found by their names, wherever the run folder is moved.
@@ -145,12 +157,14 @@ def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=No
             setattr(config.model, f"{role}_ckpt", str(ckpt))
     stop = StopRequest(announce=layout.rank == 0).install()
     try:
-        if config.job == "rl":
-            critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
-            job = RLJob(config, layout, stop, checksums, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt,
-                        reward_fn=reward_fn, bridge=bridge, placement=placement)
-        else:
-            job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, actor_ckpt=ckpts["actor"])
+        with progress.phase(f"loading the models from {ckpts['actor']}"):
+            if config.job == "rl":
+                critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt
+                                                      else None)
+                job = RLJob(config, layout, stop, checksums, progress, actor_ckpt=ckpts["actor"],
+                            critic_ckpt=critic_ckpt, reward_fn=reward_fn, bridge=bridge, placement=placement)
+            else:
+                job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, progress, actor_ckpt=ckpts["actor"])
         # Written once the job has been built and has resumed: a start refused on the way changes neither.
         if layout.rank == 0:
             atomic_write_text(folder.config, to_yaml(config))
@@ -176,7 +190,7 @@ def model_checksums(config) -> dict[str, str]:
     return checksums
 
 
-def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str) -> Path:
+def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str, progress: Progress) -> Path:
     """`role`'s converted checkpoint: given (model.<role>_ckpt), or converted from its HF folder by rank 0 once
     per layout, into model.conversion_cache under the folder's `checksum` when set, else into the run folder."""
     given = getattr(config.model, f"{role}_ckpt")
@@ -189,10 +203,10 @@ def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str) 
             raise UserError(f"{ckpt} exists but is no converted checkpoint (no {MANIFEST_NAME}); remove it")
         print_note(f"using the converted {role} checkpoint {ckpt}", config.trainer.log_format)
     elif layout.rank == 0:
-        print_note(f"converting the {role}'s {hf_path} into {ckpt}", config.trainer.log_format)
         p = config.parallel
-        convert_hf_to_mcore(hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype,
-                            family_spec=config.model.family_spec or None)
+        with progress.phase(f"converting the {role}'s {hf_path} into {ckpt}"):
+            convert_hf_to_mcore(hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype,
+                                family_spec=config.model.family_spec or None)
     dist.barrier()
     return ckpt
 
