@@ -6,7 +6,7 @@ import shlex
 import subprocess
 import sys
 
-from verl_mega.parallel.spawn import LAUNCH_COMMAND_ENV, run_torchrun
+from verl_mega.parallel.spawn import LAUNCH_COMMAND_ENV, StoppedBySignal, run_torchrun
 
 from .payload import (
     add_payload_arguments, add_rollout_ranks, check_trainer_config, parse_env, payload_from_args, split_passthrough,
@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         run_torchrun(world, payload.module, list(payload.args), env=env)
     except subprocess.CalledProcessError as error:  # the failed rank's message is already the last line
         return error.returncode
+    except StoppedBySignal:  # saved: the trainer's last line says where, and how to resume
+        return 0
     return 0
 
 

@@ -48,9 +48,9 @@ def test_the_line_names_step_checkpoint_and_commands(monkeypatch, tmp_path):
 def test_forwarding_hands_the_signal_to_the_targets_and_acts_here_without_any():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        with forwarding(lambda: [child.pid]):
+        with forwarding(lambda: [child.pid]) as passed:
             os.kill(os.getpid(), signal.SIGTERM)  # would end this process without the forwarding
-        assert child.wait(timeout=30) == -signal.SIGTERM
+        assert child.wait(timeout=30) == -signal.SIGTERM and passed == [signal.SIGTERM]
     finally:
         child.kill()
         child.wait()

@@ -19,16 +19,20 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 @contextlib.contextmanager
-def forwarding(targets: Callable[[], list[int]]) -> Iterator[None]:
+def forwarding(targets: Callable[[], list[int]]) -> Iterator[list[int]]:
     """Within the block, each FORWARDED signal this process receives goes to the processes `targets()` names at
     that moment, instead of acting here; while there are none (the agent before it starts its ranks) the signal
-    acts here as it would have. Outside the main thread (where no handler can be set) it does nothing."""
+    acts here as it would have. Yields the list of the signals passed on, as they come. Outside the main thread
+    (where no handler can be set) it does nothing."""
+    passed: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield passed
         return
 
     def forward(signum, frame) -> None:
         pids = targets()
+        if pids:
+            passed.append(signum)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
@@ -37,7 +41,7 @@ def forwarding(targets: Callable[[], list[int]]) -> Iterator[None]:
 
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
     try:
-        yield
+        yield passed
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
