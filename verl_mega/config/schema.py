@@ -662,8 +662,8 @@ class RewardConfig:
     """A registered reward function's name (the rewards page lists them; `default` picks one by each row's
     data_source) or "module:function"."""
     timeout_s: float = 5.0
-    """Hard time limit per answer, in seconds: a named function other than exact_match / copy / add runs in a
-    worker process that is killed and replaced when an answer takes longer (it scores 0, counted in
+    """Hard time limit per answer, in seconds: a named function other than exact_match / copy / add / number runs
+    in a worker process that is killed and replaced when an answer takes longer (it scores 0, counted in
     reward/timeouts). 0: no worker, no limit."""
     memory_limit_mb: int = 4096
     """Heap cap of that worker process (RLIMIT_DATA), in MiB: an answer whose parsing allocates more scores 0
