@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import subprocess
 import sys
 
-from verl_mega.parallel.spawn import run_torchrun
+from verl_mega.parallel.spawn import LAUNCH_COMMAND_ENV, StoppedBySignal, run_torchrun
 
 from .payload import (
     add_payload_arguments, add_rollout_ranks, check_trainer_config, parse_env, payload_from_args, split_passthrough,
@@ -26,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, passthrough = split_passthrough(argv)
     parser = build_parser()
     args = parser.parse_args(own)
     if args.nproc < 1:
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         add_rollout_ranks(args, args.rollout_nproc, "--rollout-nproc")
         payload = payload_from_args(args, passthrough)
         env = parse_env(args.env)
+        # What a rank of a stopped run tells the user to run again to resume.
+        env.setdefault(LAUNCH_COMMAND_ENV, shlex.join(["verl-mega", "launch", "local", *argv]))
         check_trainer_config(args, passthrough, world)
     except ValueError as error:
         parser.error(str(error))
@@ -45,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         run_torchrun(world, payload.module, list(payload.args), env=env)
     except subprocess.CalledProcessError as error:  # the failed rank's message is already the last line
         return error.returncode
+    except StoppedBySignal:  # saved: the trainer's last line says where, and how to resume
+        return 0
     return 0
 
 

@@ -66,7 +66,7 @@ def test_registry_by_module_function(tmp_path, monkeypatch):
 
 def test_unknown_name_lists_registered_names():
     with pytest.raises(ValueError, match=r"unknown reward function 'nosuch'; registered: add, code_tests, copy, dapo, default, "
-                                         r"exact_match, gsm8k, math \(or give 'module:function'\)"):
+                                         r"exact_match, gsm8k, math, number \(or give 'module:function'\)"):
         get_reward_fn("nosuch")
 
 

@@ -2,6 +2,7 @@
 import pytest
 
 from verl_mega.config.errors import UserError
+from verl_mega.rewards.final_number import number_score
 from verl_mega.rewards.math_answers import dapo_score, gsm8k_score, math_score
 from verl_mega.rewards.registry import REWARD_FUNCTIONS, get_reward_fn
 from verl_mega.rewards.router import default_score, scorer_for
@@ -62,7 +63,7 @@ def test_registered_names():
 
 
 @pytest.mark.parametrize("source, scorer", [
-    ("openai/gsm8k", gsm8k_score),
+    ("openai/gsm8k", number_score),  # not verl's: its gsm8k scorer pays only a #### line
     ("lighteval/MATH", math_score),
     ("DigitalLearningGmbH/MATH-lighteval", math_score),
     ("HuggingFaceH4/MATH-500", math_score),
@@ -78,9 +79,12 @@ def test_router_picks_the_scorer_verl_picks(source, scorer):
 
 
 def test_router_scores_each_row_by_its_own_source():
-    # The same text is right by GSM8K's strict line and by MATH's boxed answer only where each reads it.
+    # GSM8K's final number (its #### line first), MATH's boxed answer, DAPO's plus or minus one.
     assert default_score("openai/gsm8k", "#### 72", "72") == 1.0
-    assert default_score("openai/gsm8k", "\\boxed{72}", "72") == 0.0
+    assert default_score("openai/gsm8k", "#### 72\nsince 8 * 9 = 72", "72") == 1.0
+    assert default_score("openai/gsm8k", "she has 26 - 10 =", "16") == 0.0
+    assert default_score("openai/gsm8k", "\\boxed{72}", "72") == 1.0
+    assert default_score("HuggingFaceH4/MATH-500", "\\frac{144}{2}", "72") == 1.0
     assert default_score("HuggingFaceH4/MATH-500", "\\boxed{72}", "72") == 1.0
     assert default_score("aime24", "\\boxed{72}", "71")["score"] == -1.0
 

@@ -35,7 +35,7 @@ from verl_mega.data.synthetic import make_task_rows, preference_pairs, sft_conve
 from verl_mega.data.tables import write_rows
 from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.models.tiny import make_tiny_hf_model
-from verl_mega.parallel.spawn import run_torchrun
+from verl_mega.parallel.spawn import StoppedBySignal, run_torchrun
 from verl_mega.rewards.registry import get_reward_fn
 from verl_mega.run.checkpoints import complete_checkpoints
 from verl_mega.run.folder import RunFolder, checkpoint_step
@@ -310,7 +310,10 @@ def training_seeds(seed: int) -> list[str]:
 
 
 def train(config: Path, procs: int, overrides: list[str]) -> None:
-    run_torchrun(procs, "verl_mega.trainer.main", ["--config", str(config), *overrides])
+    try:
+        run_torchrun(procs, "verl_mega.trainer.main", ["--config", str(config), *overrides])
+    except StoppedBySignal as stopped:  # the run saved and said where; the demo's later parts need it finished
+        raise SystemExit(f"demo: {stopped}") from None
 
 
 def _chat_prompt(tokenizer, row: dict) -> list[int]:

@@ -718,6 +718,16 @@ class RewardCodeConfig:
 
 
 @dataclass
+class RewardMathConfig:
+    """The math-verify rewards (`math`, `dapo`, and `default` on the data sources it scores with them)."""
+
+    final_form: bool = False
+    """Pay only answers in final form: math-verify evaluates what it reads, so "26 - 10 =" equals 16. true scores 0
+    an answer that still holds an operation on written numbers (26-10, 2^{10}, 16/2; not x^2+7x, 2+\\sqrt{3},
+    \\frac{1}{2}) or a response ending on an operator, before math-verify compares."""
+
+
+@dataclass
 class RewardConfig:
     """What scores a response (rl)."""
 
@@ -728,8 +738,8 @@ class RewardConfig:
     """A registered reward function's name (the rewards page lists them; `default` picks one by each row's
     data_source) or "module:function"; empty with algorithm.distill.loss set: the teacher's signal alone."""
     timeout_s: float = 5.0
-    """Hard time limit per answer, in seconds: a named function other than exact_match / copy / add runs in a
-    worker process that is killed and replaced when an answer takes longer (it scores 0, counted in
+    """Hard time limit per answer, in seconds: a named function other than exact_match / copy / add / number runs
+    in a worker process that is killed and replaced when an answer takes longer (it scores 0, counted in
     reward/timeouts). 0: no worker, no limit."""
     memory_limit_mb: int = 4096
     """Heap cap of that worker process (RLIMIT_DATA), in MiB: an answer whose parsing allocates more scores 0
@@ -738,6 +748,7 @@ class RewardConfig:
     """HF sequence-classification folder (or Hub id); replaces `function` when set (not with reward.remote.url)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     code: RewardCodeConfig = field(default_factory=RewardCodeConfig)
+    math: RewardMathConfig = field(default_factory=RewardMathConfig)
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
 
@@ -826,7 +837,8 @@ class TrainerConfig:
     health_port: int = 0
     """Port of rank 0's GET /healthz endpoint; 0: no health endpoint."""
     progress_bar: bool = True
-    """A progress bar on rank 0's stderr."""
+    """A progress bar on rank 0's stderr, over the steps and through each validation (on a terminal; elsewhere a
+    validation prints a line of its progress every 10 s)."""
     nonfinite: str = "error"
     """A NaN/inf reward, advantage or gradient: "error" stops the run before applying it; "skip" drops that
     batch (or optimizer step) and counts it in the metrics (trainer/nonfinite_skipped)."""

@@ -3,12 +3,26 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from .safe_path import SAFE_PATH_ENV
+from .stop_signals import forwarding
+
+# The command line a launcher was started with (shell-quoted), for its ranks to say how the run resumes.
+LAUNCH_COMMAND_ENV = "VERL_MEGA_COMMAND"
+
+
+class StoppedBySignal(Exception):
+    """The ranks stopped early on a signal this process passed on to them (and, the trainer's, saved and said
+    where): the caller decides whether that ends it too."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 # The lowest port `free_port` picks: above the registered services most machines run.
 LOWEST_PICKED_PORT = 10000
@@ -55,10 +69,20 @@ def run_torchrun(nproc: int, module: str, args: list[str], env: dict[str, str] |
                  capture_output: bool = False) -> subprocess.CompletedProcess:
     """torchrun --nproc-per-node nproc -m module args; raises CalledProcessError (with the output when
     captured) carrying the first failed rank's exit code, its message the last line on stderr. The agent and the
-    ranks import nothing from the working folder (`safe_path`)."""
+    ranks import nothing from the working folder (`safe_path`). The agent runs in a session of its own and gets
+    the stop signals this process receives, once each (`stop_signals`); StoppedBySignal when the ranks then
+    ended well."""
     command = torchrun_command(nproc, module, args)
     child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}), **SAFE_PATH_ENV}
-    return subprocess.run(command, check=True, env=child_env, capture_output=capture_output, text=capture_output)
+    pipe = subprocess.PIPE if capture_output else None
+    with subprocess.Popen(command, env=child_env, stdout=pipe, stderr=pipe, text=capture_output,
+                          start_new_session=True) as agent, forwarding(lambda: [agent.pid]) as passed:
+        stdout, stderr = agent.communicate()
+    if agent.returncode:
+        raise subprocess.CalledProcessError(agent.returncode, command, stdout, stderr)
+    if passed:
+        raise StoppedBySignal(passed[0])
+    return subprocess.CompletedProcess(command, 0, stdout, stderr)
 
 
 def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:

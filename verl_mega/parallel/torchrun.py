@@ -5,8 +5,11 @@
 - Ranks outlive a killed launcher: torchrun starts each rank in its own session, so killing the launcher's
   process group leaves them training. Every rank asks the kernel for SIGKILL when its parent (the torchrun
   agent) dies (`exit_with_agent`, called from `init_parallel`), and so does every process a rank forks; the
-  agent likewise asks for SIGTERM (which torchrun turns into stopping its ranks) when the launcher above it
-  dies.
+  agent likewise asks for SIGTERM when the launcher above it dies.
+- torchrun answers SIGTERM or Ctrl-C by stopping its ranks and killing them 30 s later, whether or not they have
+  saved, and then fails with a traceback. Here the agent passes SIGINT, SIGTERM and SIGUSR1 to its ranks once
+  each (`stop_signals`) and keeps watching them: a rank finishes its step, saves, says where, and exits 0, and
+  so does the agent. An explicit `--signals-to-handle` keeps torchrun's own handling of the signals it names.
 
 `python -m verl_mega.parallel.torchrun ARGS` takes torchrun's own arguments.
 """
@@ -18,11 +21,14 @@ import signal
 import sys
 
 from .process_exit import exit_process
+from .stop_signals import child_pids, forwarding
 
 # The agent's pid, exported to its ranks: a rank whose parent is no longer this pid has lost its agent.
 AGENT_PID_ENV = "VERL_MEGA_TORCHRUN_AGENT_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _NO_MESSAGE = "To enable traceback"  # torchrun's placeholder when a rank left no error record
+# What torchrun still handles itself (it stops the ranks and exits): the signals not forwarded.
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 
 
 def signal_on_parent_death(signum: int) -> bool:
@@ -52,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal_on_parent_death(signal.SIGTERM)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(arg.startswith(("--signals-to-handle", "--signals_to_handle")) for arg in argv):
+        argv.insert(0, f"--signals-to-handle={TORCHRUN_SIGNALS}")
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        with forwarding(child_pids):
+            run(parse_args(argv))
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else ""

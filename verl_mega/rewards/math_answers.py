@@ -2,6 +2,10 @@
 `#### N`, else the last LaTeX or plain expression) against the ground truth, equal as numbers, fractions,
 expressions, sets or intervals as math-verify decides.
 
+math-verify evaluates what it reads, so `"so she has 26 - 10 ="` equals 16. `reward.math.final_form` (`configure`)
+refuses, before math-verify compares, an answer that still holds an operation on written numbers or a response
+that ends on an operator (`final_number.holds_operation`, `ends_unfinished`).
+
 math-verify's own time limits are switched off (`parsing_timeout=None`, `timeout_seconds=None`): they use
 signal.alarm, which works only in the main thread and cannot interrupt C code. The hard limit is the scoring
 worker's (`worker`), which these functions run under whenever `reward.timeout_s` is set.
@@ -14,10 +18,22 @@ from decimal import Decimal, InvalidOperation
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from verl_mega.config.schema import RewardMathConfig
+
+from .final_number import ends_unfinished, holds_operation
+
 # GSM8K's answer line: "#### 1,234". The number is read loosely here and checked by Decimal, so the pattern
 # has no nested repetition to backtrack over on a long hostile string.
 GSM8K_MARKER = re.compile(r"####\s*(-?[0-9.,]+)")
 ANSWER_TARGETS = (LatexExtractionConfig(), ExprExtractionConfig())  # LaTeX first: a \boxed{} wins
+
+_settings = RewardMathConfig()
+
+
+def configure(config: RewardMathConfig) -> None:
+    """The options of this process's math scoring (the scoring worker's, or the trainer's without one)."""
+    global _settings
+    _settings = config
 
 
 class _NoTimeoutWarning(logging.Filter):
@@ -55,11 +71,22 @@ def parse_answer(solution_str: str) -> list:
     return parse(solution_str, ANSWER_TARGETS, parsing_timeout=None)
 
 
+def in_final_form(solution_str: str, written: str) -> bool:
+    """reward.math.final_form's test: the answer as written (a GSM8K line whole: `#### 26 - 10` is read as 26)
+    holds no operation left to carry out, and the response does not end on an operator."""
+    if GSM8K_MARKER.search(solution_str):
+        written = solution_str[solution_str.rfind("####") + 4:].split("\n", 1)[0]
+    return not holds_operation(written) and not ends_unfinished(solution_str)
+
+
 def is_correct(solution_str: str, ground_truth) -> tuple[bool, str]:
-    """Whether the response's final answer equals the ground truth, and that answer as written ("" if none)."""
+    """Whether the response's final answer equals the ground truth (and, under reward.math.final_form, is
+    written in final form), and that answer as written ("" if none)."""
     answer = parse_answer(solution_str)
     written = str(answer[-1]) if answer else ""
-    return bool(answer) and verify(parse_gold(ground_truth), answer, timeout_seconds=None), written
+    if not answer or (_settings.final_form and not in_final_form(solution_str, written)):
+        return False, written
+    return verify(parse_gold(ground_truth), answer, timeout_seconds=None), written
 
 
 def math_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:

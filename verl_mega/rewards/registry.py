@@ -10,6 +10,7 @@ from typing import Any, Callable
 from verl_mega.config.errors import UserError
 
 from .code_tests import code_tests_score
+from .final_number import number_score
 from .math_answers import dapo_score, gsm8k_score, math_score
 from .router import default_score
 from .rules import add_score, copy_score, exact_match_score
@@ -20,6 +21,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "exact_match": exact_match_score,
     "copy": copy_score,
     "add": add_score,
+    "number": number_score,
     "math": math_score,
     "gsm8k": gsm8k_score,
     "dapo": dapo_score,
@@ -27,7 +29,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "default": default_score,
 }
 # String comparisons linear in the answer's length: they run in the trainer's process, with no worker.
-LINEAR_TIME = frozenset({"exact_match", "copy", "add"})
+LINEAR_TIME = frozenset({"exact_match", "copy", "add", "number"})
 
 
 def get_reward_fn(spec: str | RewardFn) -> RewardFn:

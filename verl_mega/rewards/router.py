@@ -1,5 +1,7 @@
 """`default`: the scorer for each row chosen by its data_source, as verl's `default_compute_score` chooses
-(a verl data file, with its data_source column, scores the same here without naming a function).
+(a verl data file, with its data_source column, scores here without naming a function). One choice differs:
+GSM8K is scored by `number`, which pays the final number stated (its `####` line when there is one) where verl
+pays only a `####` line.
 
 verl's code sources run their test cases (`code_tests`, as verl's prime_code scorer). Its retrieval-QA and
 geometry sources have no scorer here: a data_source outside the table stops the run naming it and the known
@@ -9,11 +11,14 @@ from __future__ import annotations
 from verl_mega.config.errors import UserError
 
 from .code_tests import code_tests_score
-from .math_answers import dapo_score, gsm8k_score, math_score
+from .final_number import number_score
+from .math_answers import dapo_score, math_score
 from .rules import add_score, copy_score
 
 SCORER_BY_SOURCE = {
-    "openai/gsm8k": gsm8k_score,
+    # Arithmetic with a whole-number answer: the final number stated, its `####` line when it has one (verl's
+    # gsm8k scorer pays only that line; a math-verify one pays "26 - 10 =" for 16).
+    "openai/gsm8k": number_score,
     # MATH and its re-publications: verl's math_reward (or its math-verify variant); 1 / 0.
     "lighteval/MATH": math_score,
     "DigitalLearningGmbH/MATH-lighteval": math_score,

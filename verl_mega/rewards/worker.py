@@ -23,10 +23,10 @@ import sys
 import weakref
 from multiprocessing.connection import Connection, Pipe
 
-from verl_mega.config.schema import RewardCodeConfig
+from verl_mega.config.schema import RewardCodeConfig, RewardMathConfig
 from verl_mega.parallel.safe_path import SAFE_PATH_ENV
 
-from . import code_tests
+from . import code_tests, math_answers
 
 from .registry import get_reward_fn
 from .results import Died, Stopped, Verdict, call_reward, from_wire, to_wire
@@ -39,12 +39,12 @@ PR_SET_PDEATHSIG = 1
 class ScoringWorker:
     """Scores rows `(data_source, solution_str, ground_truth, extra_info)` with the function named `function`
     in a child process; `timeout_s` per answer, `memory_limit_mb` for the child's heap (0: no cap), `code` the
-    limits of the code tests it runs (reward.code)."""
+    limits of the code tests it runs (reward.code), `math` the math-verify rewards' options (reward.math)."""
 
     def __init__(self, function: str, timeout_s: float, memory_limit_mb: int,
-                 code: RewardCodeConfig = RewardCodeConfig()):
+                 code: RewardCodeConfig = RewardCodeConfig(), math: RewardMathConfig = RewardMathConfig()):
         self.function, self.timeout_s, self.memory_limit_mb = function, timeout_s, memory_limit_mb
-        self.code = code
+        self.code, self.math = code, math
         self.process: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._finalizer = None
@@ -89,7 +89,7 @@ class ScoringWorker:
         self._conn = parent
         self._finalizer = weakref.finalize(self, _kill, self.process, parent)  # at exit too
         parent.send({"sys_path": sys.path, "function": self.function, "memory_limit_mb": self.memory_limit_mb,
-                     "code": dataclasses.asdict(self.code)})
+                     "code": dataclasses.asdict(self.code), "math": dataclasses.asdict(self.math)})
         if not (parent.poll(STARTUP_TIMEOUT_S) and _received(parent) == READY):
             code = self.process.poll()
             self.close()
@@ -140,6 +140,7 @@ def serve(conn: Connection) -> None:
     sys.path[:] = setup["sys_path"]  # the parent's, so "module:function" imports the same module
     _cap_heap(setup["memory_limit_mb"])
     code_tests.configure(RewardCodeConfig(**setup["code"]))
+    math_answers.configure(RewardMathConfig(**setup["math"]))
     fn = get_reward_fn(setup["function"])
     conn.send_bytes(READY)
     while True:
@@ -158,4 +159,6 @@ def serve(conn: Connection) -> None:
 
 if __name__ == "__main__":
     _die_with_parent(int(sys.argv[2]))
+    # A terminal's Ctrl-C reaches the whole process group; the trainer decides what it means (save, then stop).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(Connection(int(sys.argv[1])))

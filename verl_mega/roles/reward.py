@@ -22,10 +22,10 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from verl_mega.config.errors import UserError
-from verl_mega.config.schema import REMOTE_KINDS, RemoteRewardConfig, RewardCodeConfig, RewardConfig
+from verl_mega.config.schema import REMOTE_KINDS, RemoteRewardConfig, RewardCodeConfig, RewardConfig, RewardMathConfig
 from verl_mega.data.prompts import as_messages, encode_chat
 from verl_mega.data.tokenizer import load_tokenizer
-from verl_mega.rewards import code_tests
+from verl_mega.rewards import code_tests, math_answers
 from verl_mega.rewards.judge import Judge, check_template, compile_pattern, load_template
 from verl_mega.rewards.registry import RewardFn, get_reward_fn, needs_time_limit, reward_fn_name
 from verl_mega.rewards.results import Died, OutOfRange, Scored, Stopped, Verdict, as_number, call_reward, described
@@ -99,17 +99,19 @@ def decode_responses(tokenizer, responses: torch.Tensor, response_mask: torch.Te
 class RuleReward:
     """A rule reward function over decoded responses. `timeout_s` > 0 runs a named function (except the
     linear-time ones) in the scoring worker, with that limit per answer and `memory_limit_mb` for its heap;
-    `code`: the limits of code tests (reward.code), wherever they run. `close()` ends the worker."""
+    `code`: the limits of code tests (reward.code), `math` the math-verify rewards' options (reward.math),
+    wherever they run. `close()` ends the worker."""
 
     def __init__(self, tokenizer, reward_fn: str | RewardFn = "exact_match",
                  timeout_s: float = RewardConfig.timeout_s, memory_limit_mb: int = RewardConfig.memory_limit_mb,
-                 code: RewardCodeConfig = RewardCodeConfig()):
+                 code: RewardCodeConfig = RewardCodeConfig(), math: RewardMathConfig = RewardMathConfig()):
         self.tokenizer = tokenizer
         self.name = reward_fn_name(reward_fn)
         self.reward_fn = get_reward_fn(reward_fn)
         code_tests.configure(code)
+        math_answers.configure(math)
         limited = timeout_s > 0 and needs_time_limit(reward_fn)
-        self.worker = ScoringWorker(self.name, timeout_s, memory_limit_mb, code) if limited else None
+        self.worker = ScoringWorker(self.name, timeout_s, memory_limit_mb, code, math) if limited else None
 
     def decode(self, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         return decode_responses(self.tokenizer, responses, response_mask)

@@ -30,6 +30,7 @@ from verl_mega.run.role_weights import save_role_weights
 
 from .health import HealthServer
 from .metrics import MetricsLogger, PeakMemory, print_note
+from .progress import Progress
 
 
 class TrainingJob:
@@ -39,11 +40,13 @@ class TrainingJob:
     validates_before_training = False
 
     def __init__(self, config: TrainConfig, layout: ParallelLayout, stop_requested=lambda: False,
-                 base_checksums: dict[str, str] | None = None, **inputs):
+                 base_checksums: dict[str, str] | None = None, progress: Progress | None = None, **inputs):
         """`stop_requested()`: whether a signal asked this rank to save and stop (preemption). `base_checksums`:
         role -> sha256 of its HF folder, recorded in checkpoints (a LoRA role resumes on that base only).
-        `inputs`: what the job's `build` takes (the checkpoints its roles start from, ...)."""
+        `progress`: the lines a person watching sees (none by default). `inputs`: what the job's `build` takes
+        (the checkpoints its roles start from, ...)."""
         self.config, self.layout = config, layout
+        self.progress = progress or Progress(enabled=False)
         self.base_checksums = base_checksums
         self.run_dir = Path(config.trainer.run_dir)
         self.hf_config, self.family = load_hf_model_config(config.model.hf_path, config.model.family_spec or None)
@@ -102,7 +105,7 @@ class TrainingJob:
 
     def validate(self) -> dict[str, float]:
         """Metrics on data.val_files (logged under `val/`); {} when the job has nothing to validate on.
-        Collective: every rank calls it at the same steps."""
+        Collective: every rank calls it at the same steps. Its lines: `self.progress.phase` and `.batches`."""
         return {}
 
     def close(self) -> None:
@@ -113,22 +116,25 @@ class TrainingJob:
     def fit(self) -> bool:
         """Train to `trainer.total_steps`; returns False if a stop was requested and the run saved early."""
         trainer = self.config.trainer
-        progress = _progress(trainer.total_steps, self.step, self.layout.rank == 0 and trainer.progress_bar,
-                             self.name)
+        progress = _progress(trainer.total_steps, self.step, self.progress.bar, self.name)
         stopped = False
         if self.step == 0 and self.validates_before_training:
             baseline = self._validation()
             if baseline:
                 self.logger.log(0, baseline)
+        first = self.step + 1  # this process's first step: the lines of its phases, and the heartbeat until then
         while self.step < trainer.total_steps and not stopped:
             self._set_health("training")
-            with self._profiled(self.step + 1), PeakMemory(self.measures_memory) as memory:
+            with (self._profiled(self.step + 1), PeakMemory(self.measures_memory) as memory,
+                  self.progress.phase(f"step {first}, the first of this run") if self.step + 1 == first
+                  else contextlib.nullcontext()):
                 metrics = self.train_step()
             metrics.update(memory.metrics())
             self.step += 1
             if (trainer.val_every > 0 and self.step % trainer.val_every == 0) or self.step == trainer.total_steps:
                 metrics.update(self._validation())
             self.logger.log(self.step, metrics)
+            self.progress.stop_heartbeat()
             progress.update(1)
             stopped = self._any_rank_asked_to_stop()
             due = trainer.save_every > 0 and self.step % trainer.save_every == 0

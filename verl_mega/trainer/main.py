@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import signal
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import destroy_parallel, init_parallel
 from verl_mega.run.checkpoints import complete_checkpoints, model_fingerprint
 from verl_mega.run.continuity import check_continuation
-from verl_mega.run.folder import RunFolder, layout_name
+from verl_mega.run.folder import RunFolder, checkpoint_step, layout_name
 from verl_mega.run.lock import claim_run_folder
 from verl_mega.run.provenance import write_provenance
 from verl_mega.parallel.bridge import PeerFailed, init_placement
@@ -39,15 +40,17 @@ from verl_mega.parallel.placement import placement_for
 from verl_mega.parallel.world import read_world
 
 from .metrics import print_note
-from .preemption import StopRequest, requeue_slurm_job
+from .preemption import StopRequest, requeue_slurm_job, slurm_job, stop_line
 from .preference import PreferenceJob
 from .preflight import preflight_check
+from .progress import Progress
 from .rl import RLJob
 from .rl.needs import TEACHER_OF, teacher_folders, uses_critic
 from .rl.rollout_service import RolloutService
 from .sft import SFTJob
 
 PEER_FAILED_EXIT_CODE = 3  # a rank of the other role (disaggregated placement) died or hung
+STOPPED_AT_ONCE_EXIT_CODE = 128 + 2  # as a shell reports a process that SIGINT ended
 OFFLINE_JOBS = {"sft": SFTJob, "preference": PreferenceJob}
 
 
@@ -68,6 +71,11 @@ def main(argv: list[str] | None = None, job: str | None = None) -> int:
     except PeerFailed as err:  # the other role's rank, named; this one's state needs no traceback
         print(f"{command}: error: {err}", file=sys.stderr)
         return PEER_FAILED_EXIT_CODE
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one stops after the step, saved)
+        print(f"{command}: stopped at once by a second Ctrl-C; the newest checkpoint is the last one saved",
+              file=sys.stderr)
+        return STOPPED_AT_ONCE_EXIT_CODE
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # all is saved: what is left of the exit has nothing to stop
     return 0
 
 
@@ -118,12 +126,22 @@ def train(config, reward_fn=None) -> None:
             bridge.close()
         destroy_parallel()
     if not finished and layout.rank == 0:
-        requeue_slurm_job(config.trainer.log_format)
+        requeue_slurm_job()
 
 
 def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=None) -> bool:
+    progress = Progress(layout.rank == 0, config.trainer.log_format, config.trainer.progress_bar)
+    progress.start_heartbeat()
+    try:
+        return _prepare_and_fit(config, layout, run_dir, reward_fn, bridge, placement, progress)
+    finally:
+        progress.stop_heartbeat()
+
+
+def _prepare_and_fit(config, layout, run_dir: Path, reward_fn, bridge, placement, progress: Progress) -> bool:
     # Read once per run, by rank 0: the weights' checksums, for the provenance record and the conversion cache.
-    checksums = [model_checksums(config) if layout.rank == 0 else None]
+    with progress.phase(f"reading the checksum of {config.model.hf_path}", lines=False):
+        checksums = [model_checksums(config) if layout.rank == 0 else None]
     dist.broadcast_object_list(checksums, src=0)
     checksums = checksums[0]
     folder = RunFolder(run_dir)
@@ -133,7 +151,8 @@ def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=No
         raise UserError(f"model.sha256: {config.model.hf_path} has sha256 {checksums['actor']}, not the expected "
                         f"{config.model.sha256}; point model.hf_path at the expected model or update model.sha256")
     # The converted checkpoint each role starts from: given, or converted from its HF folder.
-    ckpts = {role: prepare_checkpoint(config, layout, run_dir, role, checksum) for role, checksum in checksums.items()}
+    ckpts = {role: prepare_checkpoint(config, layout, run_dir, role, checksum, progress)
+             for role, checksum in checksums.items()}
     if config.model.conversion_cache:
         # The saved config names conversions outside the run folder (`verl-mega export --step` reads it); those
         # inside are found by their names, wherever the run folder is moved.
@@ -141,19 +160,30 @@ def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=No
         for role, ckpt in ckpts.items():
             if not role.startswith(TEACHER_OF):
                 setattr(*given_ckpt_key(config, role), str(ckpt))
-    stop = StopRequest().install()
-    if config.job == "rl":
-        critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt else None)
-        job = RLJob(config, layout, stop, checksums, actor_ckpt=ckpts["actor"], critic_ckpt=critic_ckpt,
-                    reward_fn=reward_fn, bridge=bridge, placement=placement, teacher_ckpts=teacher_ckpts(config, ckpts))
-    else:
-        job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, actor_ckpt=ckpts["actor"])
-    # Written once the job has been built and has resumed: a start refused on the way changes neither.
-    if layout.rank == 0:
-        atomic_write_text(folder.config, to_yaml(config))
-        write_provenance(run_dir, config, checksums, reward_fn)
-    finished = job.fit()
-    job.close()
+    stop = StopRequest(announce=layout.rank == 0).install()
+    try:
+        with progress.phase(f"loading the models from {ckpts['actor']}"):
+            if config.job == "rl":
+                critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt
+                                                      else None)
+                job = RLJob(config, layout, stop, checksums, progress, actor_ckpt=ckpts["actor"],
+                            critic_ckpt=critic_ckpt, reward_fn=reward_fn, bridge=bridge, placement=placement,
+                            teacher_ckpts=teacher_ckpts(config, ckpts))
+            else:
+                job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, progress, actor_ckpt=ckpts["actor"])
+        # Written once the job has been built and has resumed: a start refused on the way changes neither.
+        if layout.rank == 0:
+            atomic_write_text(folder.config, to_yaml(config))
+            write_provenance(run_dir, config, checksums, reward_fn)
+        finished = job.fit()
+        job.close()
+    finally:  # the process's own handlers again (the Python API's caller's)
+        stop.restore()
+    if not finished and layout.rank == 0:
+        saved = complete_checkpoints(run_dir)
+        checkpoint = saved[-1] if saved and checkpoint_step(saved[-1]) == job.step else None
+        print_note(stop_line(stop.received, job.step, config.trainer.total_steps, checkpoint, run_dir, slurm_job()),
+                   config.trainer.log_format)
     return finished
 
 
@@ -181,7 +211,7 @@ def given_ckpt_key(config, role: str) -> tuple[object, str]:
     return (config.teacher, "ckpt") if role == "teacher" else (config.model, f"{role}_ckpt")
 
 
-def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str) -> Path:
+def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str, progress: Progress) -> Path:
     """`role`'s converted checkpoint: given (model.<role>_ckpt), or converted from its HF folder by rank 0 once
     per layout, into model.conversion_cache under the folder's `checksum` when set, else into the run folder."""
     given = "" if role.startswith(TEACHER_OF) else getattr(*given_ckpt_key(config, role))
@@ -194,10 +224,10 @@ def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str) 
             raise UserError(f"{ckpt} exists but is no converted checkpoint (no {MANIFEST_NAME}); remove it")
         print_note(f"using the converted {role} checkpoint {ckpt}", config.trainer.log_format)
     elif layout.rank == 0:
-        print_note(f"converting the {role}'s {hf_path} into {ckpt}", config.trainer.log_format)
         p = config.parallel
-        convert_hf_to_mcore(hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype,
-                            family_spec=config.model.family_spec or None)
+        with progress.phase(f"converting the {role}'s {hf_path} into {ckpt}"):
+            convert_hf_to_mcore(hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype,
+                                family_spec=config.model.family_spec or None)
     dist.barrier()
     return ckpt
 

@@ -95,13 +95,22 @@ class OfflineJob(TrainingJob):
                 **step_performance(timer, batch["attention_mask"].sum().item())}
 
     def validate(self) -> dict[str, float]:
-        return self.validation_metrics(self.chunks(self.val_examples)) if self.val_examples else {}
+        if not self.val_examples:
+            return {}
+        size = self.config.data.batch_size
+        with self.progress.phase(f"validation after step {self.step} ({len(self.val_examples)} examples)"):
+            batches = self.progress.batches(-(-len(self.val_examples) // size), f"validation after step {self.step}")
+            try:
+                return self.validation_metrics(self.chunks(self.val_examples, batches.advance))
+            finally:
+                batches.close()
 
-    def chunks(self, examples: list) -> Iterator[tuple[dict, int]]:
+    def chunks(self, examples: list, advance=lambda: None) -> Iterator[tuple[dict, int]]:
         """`examples` in batches of `data.batch_size` examples, with their number of real rows; the last is filled
         up with copies of its first example (every rank and micro-batch then gets whole rows) that results leave
-        out."""
+        out. `advance()` after each batch is used (a validation's progress)."""
         size = self.config.data.batch_size
         for start in range(0, len(examples), size):
             chunk = examples[start:start + size]
             yield self.make_batch(chunk + [chunk[0]] * (size - len(chunk))), len(chunk) * self.rows_per_example
+            advance()

@@ -19,6 +19,7 @@ slices. Validation (data.val_files) runs the same transition and engine, greedil
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from verl_mega.config.errors import UserError
@@ -63,6 +64,7 @@ class RLJob(TrainingJob):
         self.generation = Generation.build(config, self.layout, tokenizer, self.hf_config, self.family,
                                            self.models.actor, bridge, placement)
         self.scoring = scoring
+        self.rolled_out = False  # this process's first rollout says when it starts and ends
         self.advantages = Advantages(config)
         self.sampling = Sampling(config, dataset, self.generation, scoring, tokenizer.pad_token_id, self.note,
                                  self.hf_config.vocab_size)
@@ -95,15 +97,19 @@ class RLJob(TrainingJob):
 
     def train_step(self) -> dict[str, float]:
         step = Step(self.step)
+        first_rollout, self.rolled_out = not self.rolled_out, True
         for stage in self.stages:
-            stage.run(step)
+            with (self.progress.phase(f"step {self.step + 1}: the first rollout ({self.config.data.batch_size} "
+                                      f"prompts x {self.config.rollout.n})")
+                  if first_rollout and stage is self.sampling else contextlib.nullcontext()):
+                stage.run(step)
             if step.ended:
                 break
         self.sampling.settle()
         return step_metrics(step, self.nonfinite_skipped, self.generation.push_metrics())
 
     def validate(self) -> dict[str, float]:
-        return self.validation.run(self.step) if self.validation is not None else {}
+        return self.validation.run(self.step, self.progress) if self.validation is not None else {}
 
     def note(self, step_number: int, message: str) -> None:
         self.logger.note(step_number, message)

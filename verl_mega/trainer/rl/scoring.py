@@ -46,8 +46,8 @@ class Scoring:
         reward = config.reward
         if reward.remote.url:
             return cls(config, None, None, world_size, note, RemoteReward(tokenizer, reward.remote))
-        rule = RuleReward(tokenizer, reward_fn or reward.function or no_outcome_score, reward.timeout_s, reward.memory_limit_mb,
-                          reward.code)
+        rule = RuleReward(tokenizer, reward_fn or reward.function or no_outcome_score, reward.timeout_s,
+                          reward.memory_limit_mb, reward.code, reward.math)
         model = HFRewardModel(reward.reward_model) if reward.reward_model else None
         return cls(config, rule, model, world_size, note)
 

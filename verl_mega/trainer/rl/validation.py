@@ -12,6 +12,7 @@ from verl_mega.rewards.remote import RemoteStats
 from verl_mega.rollout.engine import Response, SamplingParams
 
 from ..metrics import StageTimer
+from ..progress import Progress
 from ..rollout_batch import response_tokens
 from .generation import Generation
 from .rows import PROMPT_FIELDS, responses_batch, with_episodes
@@ -24,11 +25,16 @@ class Validation:
         self.config, self.dataset, self.generation, self.scoring = config, dataset, generation, scoring
         self.pad_token_id = pad_token_id
 
-    def run(self, version: int) -> dict[str, float]:
+    def run(self, version: int, progress: Progress) -> dict[str, float]:
         """Collective. Each rollout replica generates and scores its share (every replicas-th prompt, in batches
         of data.batch_size) with the weights after `version` optimizer steps; the sums are gathered from every
         replica's leader. With rollout ranks of their own, they generate every batch (split over their replicas)
-        and the first training rank scores it."""
+        and the first training rank scores it. `progress` shows the start, rank 0's batches and the end."""
+        what = f"validation after step {version}"
+        with progress.phase(f"{what} ({len(self.dataset)} prompts)"):
+            return self._run(version, progress, what)
+
+    def _run(self, version: int, progress: Progress, what: str) -> dict[str, float]:
         config, generation, layout = self.config, self.generation, self.generation.layout
         if generation.remote is not None:
             mine, leads = [self.dataset[i] for i in range(len(self.dataset))], layout.rank == 0
@@ -36,6 +42,7 @@ class Validation:
             coordinates = generation.rollout_coordinates()
             mine = [self.dataset[i] for i in range(coordinates.replica, len(self.dataset), coordinates.replicas)]
             leads = coordinates.leads_replica
+        batches = progress.batches(-(-len(mine) // config.data.batch_size), what)  # this replica's share
         greedy = SamplingParams(temperature=0.0, max_new_tokens=config.data.max_response_length,
                                 seed=config.rollout.seed)
         # data_source -> [reward sum, rows, response tokens, timeouts, worker deaths]
@@ -46,6 +53,7 @@ class Validation:
                 items = mine[start:start + config.data.batch_size]
                 rows = {key: [item.get(key) for item in items] for key in ("input_ids", *PROMPT_FIELDS)}
                 responses = self.responses(rows, greedy)
+                batches.advance()
                 if not leads:  # its replica's leader scores the same responses
                     continue
                 rows = with_episodes(rows, responses)
@@ -60,6 +68,7 @@ class Validation:
                     entry[3] += row in reward.timeouts
                     entry[4] += row in reward.worker_deaths
                 add_field_sums(field_sums, reward.extras)
+        batches.close()
         metrics = self.metrics(sum_over_ranks(sums, layout.world_size), sum_over_ranks(field_sums, layout.world_size))
         if self.scoring.remote is not None:  # every replica leader asked the service for its share
             metrics.update(gathered_stats(self.scoring.remote_stats(), layout.world_size).metrics())
