@@ -77,7 +77,8 @@ class Generation:
               bridge: Bridge | None = None, placement: RolePlacement | None = None) -> "Generation":
         """The HybridEngine over the actor and the rollout engine behind it, or the client of the rollout ranks."""
         rollout_dtype = DTYPES[resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, config.model.dtype)]
-        hybrid = HybridEngine(actor.model, hf_config, family, config.parallel.rollout_tp, dtype=rollout_dtype)
+        hybrid = HybridEngine(actor.model, hf_config, family, config.parallel.rollout_tp, dtype=rollout_dtype,
+                              quantization=config.rollout.quantization)
         eos_ids = eos_token_ids(hf_config.raw, tokenizer)
         agent = make_agent_loop(config, tokenizer, eos_ids)
         # A multi-turn turn may ask for the longest budget left in its batch on top of a context of up to the
@@ -90,7 +91,8 @@ class Generation:
         else:
             engine = make_rollout_engine(config.rollout.engine, config.model.hf_path, hf_config.raw, hybrid.feed,
                                          max_model_len=config.data.max_prompt_length + responses, dtype=rollout_dtype,
-                                         gpu_memory_utilization=config.rollout.gpu_memory_utilization)
+                                         gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+                                         quantization=config.rollout.quantization)
         # An MoE model's rollout routing, where the engine can record it: replayed (actor.router_replay), and
         # compared with the trainer's own either way (actor/router_mismatch). The trajectory buffer of the other
         # rollout modes holds none.
