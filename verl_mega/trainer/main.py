@@ -10,7 +10,6 @@ way in for the command line and the Python API (`verl_mega.api`), which may hand
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import sys
 from pathlib import Path
@@ -39,6 +38,7 @@ from .metrics import print_note
 from .preemption import StopRequest, requeue_slurm_job
 from .preference import PreferenceJob
 from .preflight import preflight_check
+from .quantized_rollout import tis_note, with_quantization_tis
 from .rl import RLJob
 from .rl.needs import uses_critic
 from .rl.rollout_service import RolloutService
@@ -80,6 +80,9 @@ def run(config, reward_fn=None) -> None:
     """Validate `config` for this job's world size, then train. `reward_fn`: a callable scoring responses in
     place of `reward.function` (the RL job only)."""
     preflight_check(config, read_world().size, reward_fn=reward_fn)
+    note = tis_note(config)
+    if note and read_world().rank == 0:
+        print_note(note, config.trainer.log_format)
     train(config, reward_fn)
 
 
@@ -106,7 +109,7 @@ def train(config, reward_fn=None) -> None:
         lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)),
                                 layout.rank, config.model.family_spec or None)
         try:
-            finished = _run_job(copy.deepcopy(config), layout, run_dir, reward_fn, bridge, placement)
+            finished = _run_job(with_quantization_tis(config), layout, run_dir, reward_fn, bridge, placement)
         finally:
             if lock is not None:
                 lock.release()
