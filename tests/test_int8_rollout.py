@@ -82,3 +82,29 @@ def test_int8_engine_reloads_in_place(tiny_models):
 def test_embedded_engine_refuses_fp8(tiny_models):
     with pytest.raises(ValueError, match="none or int8"):
         EmbeddedEngine(HFModelConfig.read_raw(tiny_models["qwen2"]), device="cpu", quantization="fp8")
+
+
+def _scale_swapped(stream, target: str):
+    """The stream with `target`'s per-channel scales reversed: a planted error in one quantized tensor."""
+    for name, tensor in stream:
+        yield name, tensor.flip(0) if name == target else tensor
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_first_transition_probe_passes_int8_and_names_a_swapped_scale(tiny_models, family):
+    from verl_mega.config.errors import UserError
+    from verl_mega.rollout.quantization_probe import check_quantized_rollout
+
+    hf_dir = tiny_models[family]
+    raw = HFModelConfig.read_raw(hf_dir)
+    weights = _weights(hf_dir)
+    reference = EmbeddedEngine(raw, device="cpu")
+    reference.load_weights(weights)
+    engine = EmbeddedEngine(raw, device="cpu", quantization="int8")
+    engine.load_weights(quantized_stream(weights, "int8"))
+    assert 0 < check_quantized_rollout(engine, reference, raw["vocab_size"]) < 1e-4  # measured 1e-5
+    planted = "model.layers.2.mlp.down_proj.weight_scale"
+    engine.load_weights(_scale_swapped(quantized_stream(weights, "int8"), planted))
+    with pytest.raises(UserError, match="furthest tensor is 'model.layers.2.mlp.down_proj.weight'") as err:
+        check_quantized_rollout(engine, reference, raw["vocab_size"])
+    assert "\n" not in str(err.value)

@@ -183,11 +183,12 @@ class HybridEngine:
 
     # --- the transition ----------------------------------------------------------------------------
 
-    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(self, quantized: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor of this rank's rollout slice (vocabulary padding removed), one at a time, in the rollout
-        dtype or quantized. The cast and the quantization run after the collectives: they move the training
-        shards as they are, and the cast copy is one tensor at a time (same dtype: the tensor itself, no copy)."""
-        return quantized_stream(self._slices(), self.quantization, self.dtype)
+        dtype or quantized (`quantized=False`: none quantized, for the first transition's probe). The cast and
+        the quantization run after the collectives: they move the training shards as they are, and the cast copy
+        is one tensor at a time (same dtype: the tensor itself, no copy)."""
+        return quantized_stream(self._slices(), self.quantization if quantized else "none", self.dtype)
 
     def _slices(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor of this rank's rollout slice in the training dtype."""

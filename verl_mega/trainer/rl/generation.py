@@ -21,9 +21,11 @@ from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.bridge import Bridge
 from verl_mega.parallel.layout import ParallelLayout, RolePlacement, RolloutCoordinates, rollout_coordinates
 from verl_mega.rollout.agent_loop import AgentLoop
+from verl_mega.rollout.embedded import EmbeddedEngine
 from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
+from verl_mega.rollout.quantization_probe import probe_first_load
 from verl_mega.rollout.training_memory import training_memory_released
 from verl_mega.tools import ToolSet
 
@@ -67,8 +69,10 @@ class Generation:
     def __init__(self, config: TrainConfig, layout: ParallelLayout, engine: RolloutEngine | None,
                  remote: RemoteRollout | None, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
                  training_memory: Callable[[], ContextManager], agent: AgentLoop | None, eos_ids: list[int],
-                 records_routing: bool = False):
+                 records_routing: bool = False, probe: Callable[[], float] | None = None):
+        """`probe`: run once after the first transition (the int8 rollout's check, `quantization_probe`)."""
         self.config, self.layout = config, layout
+        self.probe = probe
         self.engine, self.remote, self.weights, self.training_memory = engine, remote, weights, training_memory
         self.agent, self.eos_token_ids, self.records_routing = agent, eos_ids, records_routing
 
@@ -102,9 +106,13 @@ class Generation:
             raise UserError(f"actor.router_replay=rollout: the {type(engine).__name__} rollout engine cannot "
                             "return the experts it routed each token to; set rollout.engine=embedded or "
                             "actor.router_replay=off")
+        probe = None
+        if isinstance(engine, EmbeddedEngine) and config.rollout.quantization == "int8":
+            def probe() -> float:
+                return probe_first_load(engine, hf_config.raw, hybrid.stream(quantized=False), rollout_dtype)
         return cls(config, layout, engine, remote, hybrid.stream,
                    lambda: training_memory_released(actor.model, actor.trainable.optimizer), agent, eos_ids,
-                   records_routing)
+                   records_routing, probe)
 
     @property
     def replicas(self) -> int:
@@ -132,6 +140,9 @@ class Generation:
             with timer("transition"):
                 self.engine.wake_up(["weights"])
                 self.engine.load_weights(self.weights())
+                if self.probe is not None:
+                    self.probe()
+                    self.probe = None
                 self.engine.wake_up(["kv_cache"])
             yield
             with timer("transition"):
