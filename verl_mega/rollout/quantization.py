@@ -44,7 +44,12 @@ _LINEAR = re.compile(r"\.layers\.\d+\..*(_proj|_proj_with_mqa|\.w[123])\.weight$
 
 def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
     """Whether the rollout receives this HF tensor quantized: a 2-D projection weight inside a layer."""
-    return tensor.dim() == 2 and _LINEAR.search(name) is not None
+    return is_quantized_linear_shape(name, tensor.shape)
+
+
+def is_quantized_linear_shape(name: str, shape) -> bool:
+    """`is_quantized_linear` from the tensor's name and shape alone (the planner has no tensors)."""
+    return len(shape) == 2 and _LINEAR.search(name) is not None
 
 
 def scale_name(name: str, fmt: str) -> str:
