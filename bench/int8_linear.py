@@ -1,0 +1,82 @@
+"""The int8 rollout's linear layers against fp32, at the ~100M model's shapes (bench/vs_trl.py's LLAMA_100M).
+
+    python -m bench.int8_linear [--rows 32] [--rounds 20] [--threads 1]
+
+Per projection of a decoder layer (q, k, v, o, gate, up, down) and for the whole layer's seven: the median time of
+the embedded engine's fp32 `torch.nn.Linear` and of its `Int8Linear` (oneDNN s8 GEMM, per-token dynamic
+activation quantization included) on the same input, `--rows` rows (32: a decode step of bench.vs_trl's 32
+sequences; 2048: their prefill). fp32 and int8 calls alternate call by call within each round, so a busy
+neighbour slows both alike; the ratio int8 / fp32 is the median over rounds of the per-round ratio. On a shared
+machine the figures are indicative only: rerun on an idle one for the issue's record.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.vs_trl import LLAMA_100M
+from verl_mega.rollout.int8_linear import Int8Linear
+from verl_mega.rollout.quantization import quantize_int8
+
+
+def projections(config: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear of a Llama decoder layer."""
+    hidden, ffn = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    return {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+            "gate_proj": (hidden, ffn), "up_proj": (hidden, ffn), "down_proj": (ffn, hidden)}
+
+
+def int8_twin(linear: torch.nn.Linear) -> Int8Linear:
+    layer = Int8Linear.replacing(linear)
+    q, scale = quantize_int8(linear.weight)
+    layer.weight.copy_(q)
+    layer.weight_scale.copy_(scale)
+    layer.pack()
+    return layer
+
+
+def timed(layer: torch.nn.Module, x: torch.Tensor, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        layer(x)
+    return (time.perf_counter() - start) / calls
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.int8_linear", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=10, help="calls per timing")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    pairs = {}
+    for name, (fan_in, fan_out) in projections(LLAMA_100M).items():
+        linear = torch.nn.Linear(fan_in, fan_out, bias=False)
+        pairs[name] = (linear, int8_twin(linear), torch.randn(args.rows, fan_in))
+    times = {name: ([], []) for name in pairs}
+    with torch.no_grad():
+        for layers in pairs.values():  # warm-up: first calls allocate and JIT oneDNN primitives
+            timed(layers[0], layers[2], 2), timed(layers[1], layers[2], 2)
+        for _ in range(args.rounds):
+            for name, (fp32, int8, x) in pairs.items():
+                times[name][0].append(timed(fp32, x, args.calls))
+                times[name][1].append(timed(int8, x, args.calls))
+    print(f"~100M decoder layer (hidden {LLAMA_100M['hidden_size']}, ffn {LLAMA_100M['intermediate_size']}), "
+          f"{args.rows} rows, {args.threads} thread(s), {args.rounds} interleaved rounds x {args.calls} calls")
+    print(f"{'linear':<10} {'fp32 ms':>9} {'int8 ms':>9} {'int8/fp32':>10}")
+    layer_fp32 = [sum(times[name][0][r] for name in pairs) for r in range(args.rounds)]
+    layer_int8 = [sum(times[name][1][r] for name in pairs) for r in range(args.rounds)]
+    for name, (fp32, int8) in [*times.items(), ("layer", (layer_fp32, layer_int8))]:
+        ratio = statistics.median(b / a for a, b in zip(fp32, int8))
+        print(f"{name:<10} {1e3 * statistics.median(fp32):>9.3f} {1e3 * statistics.median(int8):>9.3f} {ratio:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
