@@ -1,7 +1,5 @@
 """rollout.quantization in the config: the pre-flight's one-line refusals (fp8 without vLLM on a GPU, int8 outside
 the embedded engine on CPU), and the recommended token TIS with its note."""
-import json
-
 import pytest
 
 from verl_mega.config import ConfigError, load_config
@@ -10,11 +8,8 @@ from verl_mega.trainer.quantized_rollout import tis_note, with_quantization_tis
 
 
 @pytest.fixture
-def overrides(tiny_models, tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": f"copy: {i}", "reward_model": {"ground_truth": str(i)}})
-                                 for i in range(8)))
-    return [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompts}]", "data.batch_size=4",
+def overrides(tiny_models, prompt_file):
+    return [f"model.hf_path={tiny_models['qwen2']}", f"data.train_files=[{prompt_file}]", "data.batch_size=4",
             "actor.mini_batch_size=4", "critic.mini_batch_size=4"]
 
 
