@@ -86,7 +86,10 @@ def check_quantized_rollout(quantized: EmbeddedEngine, reference: EmbeddedEngine
 def probe_first_load(engine: EmbeddedEngine, raw_hf_config: dict, weights: Iterable[tuple[str, torch.Tensor]],
                      dtype: torch.dtype) -> float:
     """`check_quantized_rollout` of `engine`, just loaded, against a reference engine in `dtype` built for the
-    probe from `weights` (the same transition's stream, unquantized) and dropped after it."""
-    reference = EmbeddedEngine(raw_hf_config, dtype=dtype, device=engine.device)
-    reference.load_weights(weights)
-    return check_quantized_rollout(engine, reference, raw_hf_config["vocab_size"])
+    probe from `weights` (the same transition's stream, unquantized) and dropped after it. The global random state
+    is left as it was (building the reference draws its initial weights): a resumed run, which probes again at its
+    first transition, draws what the uninterrupted run drew."""
+    with torch.random.fork_rng(devices=[]):
+        reference = EmbeddedEngine(raw_hf_config, dtype=dtype, device=engine.device)
+        reference.load_weights(weights)
+        return check_quantized_rollout(engine, reference, raw_hf_config["vocab_size"])

