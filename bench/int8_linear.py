@@ -52,7 +52,7 @@ def timed(layer: torch.nn.Module, x: torch.Tensor, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def rollout_ratio(rounds: int) -> None:
+def rollout_ratio(rounds: int) -> str:
     """bench.vs_trl's ~100M rollout in the embedded engine, fp32 and int8 alternating (see the module docstring)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -77,23 +77,24 @@ def rollout_ratio(rounds: int) -> None:
             engine.generate(prompts, params)
             seconds[name].append(time.perf_counter() - start)
     ratio = statistics.median(b / a for a, b in zip(seconds["fp32"], seconds["int8"]))
-    print(f"~100M rollout, {PROMPTS_PER_STEP} x {SAMPLES_PER_PROMPT} sequences, {settings['max_new_tokens']} new "
-          f"tokens, {rounds} interleaved rounds: fp32 {statistics.median(seconds['fp32']):.2f} s, int8 "
-          f"{statistics.median(seconds['int8']):.2f} s, int8/fp32 {ratio:.2f} (speed-up {1 / ratio:.2f}x)")
+    return (f"~100M rollout, {PROMPTS_PER_STEP} x {SAMPLES_PER_PROMPT} sequences, {settings['max_new_tokens']} new "
+            f"tokens, {rounds} interleaved rounds: fp32 {statistics.median(seconds['fp32']):.2f} s, int8 "
+            f"{statistics.median(seconds['int8']):.2f} s, int8/fp32 {ratio:.2f} (speed-up {1 / ratio:.2f}x)")
 
 
 def main(argv=None) -> None:
+    """The linears' table; with --rollout, the whole generation's ratio instead."""
     parser = argparse.ArgumentParser(prog="bench.int8_linear", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rollout", action="store_true", help="the whole ~100M rollout instead of its linears")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=10, help="calls per timing")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rollout", action="store_true", help="the whole ~100M rollout instead of its linears")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.rollout:
-        rollout_ratio(args.rounds)
+        print(rollout_ratio(args.rounds))
         return
     pairs = {}
     for name, (fan_in, fan_out) in projections(LLAMA_100M).items():
