@@ -14,7 +14,8 @@
 # float64 and faster than log_softmax+gather and verl's GAE loop (gpu_kernels_check); PPO+GAE over NCCL
 # against gloo on the CPU, and the embedded engine's greedy tokens against transformers' (gpu_ppo_check);
 # bf16 step throughput and MFU (gpu_throughput_check); with transformer-engine, conversion parity and THD
-# packing (gpu_packing_check); with vLLM, rollout through the HybridEngine (gpu_rollout_check). Logs go to
+# packing (gpu_packing_check); with vLLM, rollout through the HybridEngine, in fp32 and in block FP8
+# (gpu_rollout_check). Logs go to
 # build/gpu-check/.
 set -uo pipefail
 PYTHON=$(command -v "${PYTHON:-python3}") || { echo "FAIL environment: no ${PYTHON:-python3}"; exit 1; }
@@ -160,6 +161,7 @@ else
 fi
 if has vllm; then
     run vllm-rollout-tp1 150 "$PYTHON" -P -m torch.distributed.run --nproc-per-node 1 "$REPO/bench/gpu_rollout_check.py" "$WORK" 1
+    run vllm-rollout-fp8 150 "$PYTHON" -P -m torch.distributed.run --nproc-per-node 1 "$REPO/bench/gpu_rollout_check.py" "$WORK" 1 fp8
 else
     skip vllm-rollout "vLLM is not installed (its GPU wheels are far over the 64 MiB that travel)"
 fi

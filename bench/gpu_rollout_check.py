@@ -1,10 +1,12 @@
 """vLLM rollout through the HybridEngine on GPUs, for `bench/gpu_check.sh`:
 
-    python -m torch.distributed.run --nproc-per-node N bench/gpu_rollout_check.py WORK ROLLOUT_TP
+    python -m torch.distributed.run --nproc-per-node N bench/gpu_rollout_check.py WORK ROLLOUT_TP [fp8]
 
 The actor's megatron shards (TP = N, WORK/ckpt_tpN) stream into vLLM at ROLLOUT_TP; greedy tokens must equal
 transformers' on the same HF weights (float32 on both sides, so that the comparison is exact), an update
-must reach vLLM, and reloading the first weights must bring the first generations back.
+must reach vLLM, and reloading the first weights must bring the first generations back. With fp8
+(`rollout.quantization`), the stream carries block-FP8 weights and vLLM runs its FP8 layers in bf16: instead of
+equal tokens, transformers' fp32 log-probs of vLLM's greedy tokens must be within FP8_MEAN_K3 (mean k3) of vLLM's.
 """
 import os
 import sys
@@ -23,16 +25,19 @@ from verl_mega.rollout.training_memory import training_memory_released
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 NEW_TOKENS = 16
+FP8_MEAN_K3 = 0.05  # far above fp8 weights and activations' rounding (tests/test_fp8_rollout_seam.py: 3 % per layer)
 
 
-def main(work: str, rollout_tp: int) -> None:
+def main(work: str, rollout_tp: int, quantization: str = "none") -> None:
     layout = init_parallel(tp=int(os.environ["WORLD_SIZE"]))
     model, _, hf_config, family = build_model_from_checkpoint(f"{work}/ckpt_tp{layout.tp}")
-    hybrid = HybridEngine(model, hf_config, family, rollout_tp=rollout_tp, measure_peak=True)
-    # fp32 on both sides, so greedy tokens can be compared with fp32 transformers.
+    # fp32 on both sides, so greedy tokens can be compared with fp32 transformers; vLLM's FP8 layers take bf16.
+    dtype = torch.float32 if quantization == "none" else torch.bfloat16
+    hybrid = HybridEngine(model, hf_config, family, rollout_tp=rollout_tp, dtype=dtype, measure_peak=True,
+                          quantization=quantization)
     rollout = make_rollout_engine("vllm", f"{work}/hf", hf_config.raw, hybrid.feed, max_model_len=64,
-                                  dtype=torch.float32)
-    params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS)
+                                  dtype=dtype, quantization=quantization)
+    params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, logprobs=quantization != "none")
     original = [p.detach().clone() for p in model.parameters()]
 
     def transition_and_generate(label):
@@ -47,16 +52,39 @@ def main(work: str, rollout_tp: int) -> None:
         if layout.rank == 0:
             print(f"{label}: {loaded} tensors in {seconds:.3f} s, peak transfer buffers {hybrid.tracker.peak} B",
                   flush=True)
+        if quantization != "none":
+            check_fp8_logprobs(responses, label)
         return [r.token_ids for r in responses]
 
-    first = transition_and_generate("load")
     reference = AutoModelForCausalLM.from_pretrained(f"{work}/hf", dtype=torch.float32).cuda().eval()
-    expected = []
-    for prompt in PROMPTS:
-        out = reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False)
-        expected.append(out[0, len(prompt):].tolist())
-    assert [tokens[:len(e)] for tokens, e in zip(first, expected)] == expected, \
-        f"vLLM greedy {first} differs from transformers' {expected}"
+
+    def check_fp8_logprobs(responses, label):
+        """transformers' fp32 log-probs of vLLM's tokens, by teacher forcing, against vLLM's own (on the first
+        weights only: the reference holds those)."""
+        if label != "load":
+            return
+        k3 = []
+        for prompt, response in zip(PROMPTS, responses):
+            ids = torch.tensor([prompt + response.token_ids], device="cuda")
+            with torch.no_grad():
+                logits = reference(ids).logits[0, len(prompt) - 1:-1].float()
+            train = logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0].double().cpu()
+            log_ratio = train - torch.tensor(response.logprobs, dtype=torch.float64)
+            k3.append(log_ratio.exp() - 1 - log_ratio)
+        mean_k3 = torch.cat(k3).mean().item()
+        if layout.rank == 0:
+            print(f"fp8 rollout: mean k3 {mean_k3:.3g} against transformers fp32 (limit {FP8_MEAN_K3})", flush=True)
+        assert mean_k3 < FP8_MEAN_K3, f"fp8 rollout's log-probs are off fp32 by mean k3 {mean_k3}"
+
+    first = transition_and_generate("load")
+    if quantization == "none":
+        expected = []
+        for prompt in PROMPTS:
+            out = reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS,
+                                     do_sample=False)
+            expected.append(out[0, len(prompt):].tolist())
+        assert [tokens[:len(e)] for tokens, e in zip(first, expected)] == expected, \
+            f"vLLM greedy {first} differs from transformers' {expected}"
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.5)
@@ -72,4 +100,4 @@ def main(work: str, rollout_tp: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])

@@ -191,7 +191,7 @@ def step_overrides(scale: str) -> list[str]:
             "model.dtype=fp32"]
 
 
-def run_step(hf_dir: Path, work: Path, scale: str, steps: int) -> dict:
+def run_step(hf_dir: Path, work: Path, scale: str, steps: int, quantization: str = "none") -> dict:
     """The last step's metrics of a real GRPO run (the earlier steps are warm-up)."""
     from verl_mega.data.tables import write_rows
     from verl_mega.demo import EXAMPLES, train
@@ -201,7 +201,7 @@ def run_step(hf_dir: Path, work: Path, scale: str, steps: int) -> dict:
     data = write_rows(copy_rows(PROMPTS_PER_STEP * steps), work / "copy.jsonl")
     train(EXAMPLES / "grpo_demo.yaml", 1, [f"model.hf_path={hf_dir}", f"data.train_files=[{data}]",
                                            f"trainer.run_dir={work / 'run'}", f"trainer.total_steps={steps}",
-                                           *step_overrides(scale)])
+                                           *step_overrides(scale), f"rollout.quantization={quantization}"])
     return read_metrics(RunFolder(work / "run").metrics)[-1]
 
 
@@ -374,7 +374,7 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2 ** 20:.1f} MiB" if nbytes >= 2 ** 20 else f"{nbytes / 2 ** 10:.1f} KiB"
 
 
-def bench_scale(scale: str, work: Path, threads: int, steps: int) -> None:
+def bench_scale(scale: str, work: Path, threads: int, steps: int, quantization: str = "none") -> None:
     hf_dir = BUILDERS[scale](work / "hf")
     shape = Shape.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
     # The step's token counts are known only after it ran: the first GEMM measurement takes the configured
@@ -383,7 +383,7 @@ def bench_scale(scale: str, work: Path, threads: int, steps: int) -> None:
     planned = StepTokens(SEQUENCES_PER_STEP, settings["max_prompt_length"] / 2, settings["max_new_tokens"])
     before = (gemm_rate(micro_batch_gemms(shape, planned)), copy_bandwidth())
     load_before = os.getloadavg()[0]
-    record = run_step(hf_dir, work, scale, steps)
+    record = run_step(hf_dir, work, scale, steps, quantization)
     transition = run_transition(hf_dir, work, threads)
     tokens = step_tokens(record)
     # Bounds measured before and after the step; the better of each is the machine's.
@@ -403,6 +403,8 @@ def main(argv=None) -> None:
     parser.add_argument("--scale", choices=[*SCALES, "both"], default="both")
     parser.add_argument("--threads", type=int, default=2, help="torch threads: the trainer and the bounds")
     parser.add_argument("--steps", type=int, default=3, help="trainer steps; the last is reported")
+    parser.add_argument("--quantization", choices=["none", "int8"], default="none",
+                        help="rollout.quantization of the trainer's step (the bounds stay fp32's)")
     parser.add_argument("--transition-worker", nargs=3, metavar=("HF", "CKPT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.transition_worker:
@@ -414,7 +416,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for scale in SCALES if args.scale == "both" else [args.scale]:
             (Path(tmp) / scale).mkdir()
-            bench_scale(scale, Path(tmp) / scale, args.threads, args.steps)
+            bench_scale(scale, Path(tmp) / scale, args.threads, args.steps, args.quantization)
 
 
 if __name__ == "__main__":

@@ -227,7 +227,8 @@ trainer: {{total_steps: {steps}, seed: 1, progress_bar: false}}
 """
 
 
-def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path) -> dict:
+def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path,
+                  quantization: str = "none") -> dict:
     from verl_mega.data.tables import write_rows
     from verl_mega.parallel.spawn import torchrun_command
     from verl_mega.run.folder import RunFolder
@@ -239,6 +240,7 @@ def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, th
     run_dir = out / "run"
     lines, wall = timed_lines(torchrun_command(1, "verl_mega.trainer.main", [
         "--config", str(config), f"model.hf_path={hf_dir}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
+        f"rollout.quantization={quantization}",
     ]), {"OMP_NUM_THREADS": str(threads)})
     records = read_metrics(RunFolder(run_dir).metrics)
     stage_seconds = [{"step": record["perf/step_seconds"], "step_cpu": record["perf/step_cpu_seconds"],
@@ -319,6 +321,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="trainer steps per system; the first is warm-up")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both systems")
     parser.add_argument("--rounds", type=int, default=2, help="TRL then verl_mega, this many times per scale")
+    parser.add_argument("--quantization", choices=["none", "int8"], default="none",
+                        help="verl_mega's rollout.quantization (TRL stays on its defaults)")
     parser.add_argument("--trl-micro-batch", type=int, default=SEQUENCES_PER_STEP,
                         help=f"sequences per TRL forward/backward (a divisor of {SEQUENCES_PER_STEP}; 8 was its best "
                              "on a real 135M model)")
@@ -353,7 +357,7 @@ def main(argv=None) -> int:
                 rounds.append((run_trl(hf_dir, rows, SCALES[scale], args.steps, args.threads,
                                        tmp / scale / f"trl{number}", args.trl_micro_batch),
                                run_verl_mega(hf_dir, rows, SCALES[scale], args.steps, args.threads,
-                                             tmp / scale / f"verl_mega{number}")))
+                                             tmp / scale / f"verl_mega{number}", args.quantization)))
             report(scale, rounds)
     return 0
 

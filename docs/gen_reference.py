@@ -39,6 +39,7 @@ from verl_mega.rewards.registry import REWARD_FUNCTIONS
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.rollout.agent_loop import TOOL_CALL_FORMATS
 from verl_mega.rollout.factory import ENGINES
+from verl_mega.rollout.quantization import FORMATS as QUANTIZATION_FORMATS
 from verl_mega.trainer.rl.schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
@@ -54,6 +55,7 @@ CHOICES = {
     (schema.DataConfig, "truncation"): TRUNCATION_SIDES,
     (schema.RolloutConfig, "engine"): ENGINES,
     (schema.RolloutConfig, "dtype"): ["auto", *DTYPES],
+    (schema.RolloutConfig, "quantization"): QUANTIZATION_FORMATS,
     (schema.RolloutConfig, "mode"): ROLLOUT_MODES,
     (schema.RolloutConfig, "partial"): PARTIAL_POLICIES,
     (schema.MultiTurnConfig, "tool_call_format"): TOOL_CALL_FORMATS,

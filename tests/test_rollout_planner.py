@@ -64,3 +64,20 @@ def test_a_lora_rank_training_would_refuse_is_refused_by_the_plan_too(tiny_model
         plan(tiny_models["llama"], 1, 1, 1, 1, lora_rank=99999, lora_targets=["linear_qkv"])
     with pytest.raises(ValueError, match="^lora.targets: q_proj unknown"):
         plan(tiny_models["llama"], 1, 1, 1, 1, lora_rank=2, lora_targets=["q_proj"])
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_quantized_rollout_holds_what_the_quantized_stream_carries(tiny_models, family, fmt):
+    """The planned rollout bytes at rollout TP 1 are the bytes of the quantized stream of the checkpoint's tensors."""
+    from verl_mega.checkpoint.safetensors_io import SafetensorsReader
+    from verl_mega.rollout.quantization import quantized_stream
+
+    reader = SafetensorsReader(tiny_models[family])
+    streamed = sum(t.numel() * t.element_size() for _, t in quantized_stream(
+        ((name, reader.read(name)) for name in reader.names()), fmt))
+    quantized = plan(tiny_models[family], 2, 1, 1, 1, quantization=fmt)
+    plain = plan(tiny_models[family], 2, 1, 1, 1)
+    assert all(rank.rollout_bytes == streamed < plain.ranks[0].rollout_bytes for rank in quantized.ranks)
+    # quantizing a tensor holds fp32 copies of it beside the transfer buffers
+    assert quantized.ranks[0].transition_peak_bytes > plain.ranks[0].transition_peak_bytes

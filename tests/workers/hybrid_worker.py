@@ -7,7 +7,9 @@ the next transition must carry the moved weights. With --greedy, the embedded en
 stream must generate what transformers generates from the exported checkpoint. With --lora FAMILY, that
 family's model gains LoRA adapters on its four linears: the stream must equal, bit for bit, the stream of a
 model built with W + scale * B @ A written into its weights by hand, and stay within the planner's peak; then the
-same for the model built in bf16 (bf16 adapters, merged in fp32 and rounded once).
+same for the model built in bf16 (bf16 adapters, merged in fp32 and rounded once). Quantized (rollout.quantization
+int8 and fp8), each rank's stream must equal the quantizer applied to its expected slices, bit for bit, and hold
+what the planner plans.
 
     --tp TP --pp PP --case FAMILY,HF_DIR,CKPT_DIR,EP [--case ...] [--greedy FAMILY=EXPORTED_HF_DIR ...]
         [--lora FAMILY ...] [--next --tp TP --pp PP --case ...]
@@ -33,6 +35,7 @@ from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.planner import plan
+from verl_mega.rollout.quantization import quantized_stream
 
 TRAINING_STEP_SHIFT = 0.5
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
@@ -84,6 +87,30 @@ def check_transition(engine: HybridEngine, reader, hf_dir: str, cfg, family, pad
         f"{label} rank {layout.rank}: measured peak {engine.tracker.peak} B > planned {figures.transition_peak_bytes} B")
     if layout.rank == 0:
         print(f"{label}: ok, peak {engine.tracker.peak} B <= planned {figures.transition_peak_bytes} B", flush=True)
+
+
+def check_quantized_transition(model, cfg, family, rollout_tp: int, reader, hf_dir: str, padded_vocab: int,
+                                label: str) -> None:
+    """Quantized streams: the quantizer's output on the expected slices, bit for bit, and the planned bytes."""
+    layout = current_layout()
+    for fmt in ("int8", "fp8"):
+        engine = HybridEngine(model, cfg, family, rollout_tp, measure_peak=True, quantization=fmt)
+        received = {name: tensor.clone() for name, tensor in engine.stream()}
+        slices = expected_rollout_slice(reader, cfg, family, padded_vocab, engine.rollout_tp_rank, rollout_tp, 0.0)
+        expected = dict(quantized_stream(slices.items(), fmt))
+        assert set(received) == set(expected), f"{label} {fmt}: names differ"
+        for name, want in expected.items():
+            got = received[name]
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
+                                                           want.view(torch.uint8) if want.dtype.itemsize == 1 else want), (
+                f"{label} {fmt} rank {layout.rank}: '{name}' differs")
+        figures = plan(hf_dir, layout.tp, layout.pp, layout.dp, rollout_tp, ep=layout.ep,
+                       quantization=fmt).ranks[layout.rank]
+        held = sum(t.numel() * t.element_size() for t in received.values())
+        assert held == figures.rollout_bytes, f"{label} {fmt}: rollout bytes {held} != planned {figures.rollout_bytes}"
+        assert engine.tracker.peak <= figures.transition_peak_bytes, f"{label} {fmt}: peak over the plan"
+    if layout.rank == 0:
+        print(f"{label}: int8 and fp8 streams are the quantizer's, bytes as planned", flush=True)
 
 
 def check_feed_describes_stream(engine: HybridEngine, received: dict, reader, cfg, family, label: str) -> None:
@@ -179,6 +206,8 @@ def run_case(family_name: str, hf_dir: str, ckpt_dir: str, ep: int, tp: int, pp:
     for engine in engines:
         label = f"{family_name} tp={tp} pp={pp} dp={layout.dp} ep={ep} -> t_g={engine.rollout_tp}"
         check_transition(engine, reader, hf_dir, cfg, family, manifest.padded_vocab_size, 0.0, label)
+        check_quantized_transition(model, cfg, family, engine.rollout_tp, reader, hf_dir, manifest.padded_vocab_size,
+                                   label)
     if greedy_export:
         check_greedy_parity(engines[0], cfg, greedy_export, f"{family_name} tp={tp} pp={pp}")
     with torch.no_grad():  # a step moves the parameters and (DeepSeek-V3) the router's expert bias

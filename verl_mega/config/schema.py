@@ -304,6 +304,16 @@ class RolloutConfig:
     dtype: str = "auto"
     """What the rollout engine runs and the HybridEngine streams; auto: bf16 for vLLM, model.dtype for the
     embedded engine."""
+    quantization: str = "none"
+    """The rollout's linear weights in lower precision than training (docs/low-precision-rollouts.md): none, int8
+    (per-channel weights, activations quantized per token on the fly; the embedded engine on CPU, through oneDNN)
+    or fp8 (128 x 128 block-wise e4m3, DeepSeek-V3's weight_scale_inv; vLLM on a GPU). The training weights keep
+    their dtype; the HybridEngine hands the engine quantized weights and scales. Turns token-level TIS on
+    (algorithm.rollout_correction.rollout_is=token, cap 2: verl's decoupled_token_is) where rollout_is is null,
+    unless rollout.quantization_tis is false."""
+    quantization_tis: bool = True
+    """With rollout.quantization: correct the quantized rollout's mismatch by token TIS when
+    algorithm.rollout_correction.rollout_is is null (false: leave it off)."""
     gpu_memory_utilization: float = 0.4
     """vLLM's fraction of each GPU (weights, activations, KV cache), in (0, 1]. It must be free when vLLM starts,
     after actor, critic and reference are built: per bf16 parameter of a TP x PP shard they hold 22 B (2 B weights

@@ -63,6 +63,9 @@ The rollout engine (vLLM) holds its weights at parallel.rollout_tp (the HybridEn
 and a KV cache: on a GPU of known size it takes rollout.gpu_memory_utilization of it, weights included; otherwise
 the KV cache of the batch's sequences at full length, split over rollout_tp (`kv_cache_bytes`). The transition
 from training to rollout holds vLLM's weights and the planner's transfer buffers before the KV cache exists.
+A quantized rollout (rollout.quantization int8 / fp8) holds its linear weights at 1 byte per element plus their
+fp32 scales (the transition plan's rollout bytes); its KV cache stays in the rollout dtype (fp8 KV caches are not
+in this project's rollouts), so the KV cache is counted as before.
 
 FLOPs of the step (every sequence at full length: an upper bound): a forward over T tokens is
 F = T(2N + 2hV) + (T/s) * 4Lds^2a, N the parameters outside embedding and output layer (an MoE layer's routed
@@ -301,8 +304,9 @@ class Model:
         key = (layout.tp, layout.pp, layout.dp * layout.cp, layout.ep, layout.rollout_tp)
         if key not in self._plans:
             self._plans[key] = transition_plan(
-                self.config.model.hf_path, layout.tp, layout.pp, layout.dp * layout.cp, layout.rollout_tp, ep=layout.ep,
-                dtype=self.rollout_dtype, family_spec=self.config.model.family_spec or None)
+                self.config.model.hf_path, layout.tp, layout.pp, layout.dp * layout.cp, layout.rollout_tp,
+                ep=layout.ep, dtype=self.rollout_dtype, family_spec=self.config.model.family_spec or None,
+                quantization=self.config.rollout.quantization)
         return self._plans[key]
 
     def stage_parameters(self, layout: Layout) -> list[int]:

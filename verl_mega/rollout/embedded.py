@@ -9,6 +9,11 @@ The stream carries checkpoint names (`block_sparse_moe.experts.3.w1.weight`); tr
 them fused in memory (`mlp.experts.gate_up_proj`). Where each checkpoint tensor lives inside the fused
 parameters is learned once, by running transformers' own reverse conversion on tensors of element indices,
 so no family knowledge is repeated here.
+
+With `quantization="int8"` (`rollout.quantization`) the linear layers inside the transformer blocks become
+`Int8Linear`s (oneDNN int8 GEMMs), whose int8 weights and scales the stream fills under their checkpoint names
+and which are packed for oneDNN after each load. A quantized tensor aimed at a parameter kept in the engine's dtype
+(transformers' fused MoE experts) is dequantized into it: the same values, run by an ordinary GEMM.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from .decode_attention import use_decode_attention
 from .decoding import decode
 from .engine import Response, RolloutEngine, SamplingParams
+from .int8_linear import Int8Linear, int8_linears
+from .quantization import SCALE_SUFFIX, dequantize_int8, is_quantized_linear
 from .routing import RouterRecorder
 
 
@@ -31,13 +38,20 @@ class EmbeddedEngine(RolloutEngine):
     records_routing = True  # through forward hooks on the transformers model's routers (`rollout.routing`)
 
     def __init__(self, raw_hf_config: dict, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, quantization: str = "none"):
         from transformers import AutoModelForCausalLM
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         config = CONFIG_MAPPING[raw_hf_config["model_type"]].from_dict(raw_hf_config)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(self.device).eval()
+        if quantization not in ("none", "int8"):
+            raise ValueError(f"the embedded rollout engine runs rollout.quantization none or int8, not {quantization}")
+        if quantization == "int8":
+            if self.device.type != "cpu":
+                raise ValueError("the embedded engine's int8 rollout runs on CPU (oneDNN); on a GPU use "
+                                 "rollout.engine=vllm with rollout.quantization=fp8")
+            int8_linears(self.model, is_quantized_linear)
         use_decode_attention(self.model)
         self._targets = _checkpoint_targets(self.model)
         eos = config.eos_token_id
@@ -46,9 +60,17 @@ class EmbeddedEngine(RolloutEngine):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         loaded, params = set(), checkpoint_tensors(self.model)
+        awaiting_scale: dict[str, torch.Tensor] = {}  # int8 weights bound for a parameter in the engine's dtype
         with torch.no_grad(), cuda_device_rewrite_paused():
             for name, tensor in weights:
                 target = self._targets.get(name)
+                if target is not None and tensor.dtype == torch.int8 and params[target.param_name].dtype != torch.int8:
+                    awaiting_scale[name] = tensor.clone()  # the stream's tensor is valid until the next one
+                    continue
+                weight_name = name.removesuffix(SCALE_SUFFIX["int8"]) + "weight"
+                if target is None and weight_name in awaiting_scale:
+                    name, tensor = weight_name, dequantize_int8(awaiting_scale.pop(weight_name), tensor)
+                    target = self._targets[name]
                 if target is None:
                     raise KeyError(f"the embedded engine's model has no parameter '{name}' (is the stream for "
                                    f"this model family?)")
@@ -59,9 +81,12 @@ class EmbeddedEngine(RolloutEngine):
                     )
                 target.copy_(params[target.param_name], tensor)
                 loaded.add(name)
-        missing = sorted(set(self._targets) - loaded)
+        missing = sorted(set(self._targets) - loaded) + sorted(f"{name}'s scales" for name in awaiting_scale)
         if missing:
             raise ValueError(f"the weight stream lacked {len(missing)} parameters, e.g. {missing[:3]}")
+        for module in self.model.modules():
+            if isinstance(module, Int8Linear):
+                module.pack()
         return len(loaded)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Response]:

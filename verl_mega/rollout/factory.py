@@ -55,11 +55,12 @@ def resolve_rollout_dtype(engine: str, dtype: str, model_dtype: str) -> str:
 
 def make_rollout_engine(engine: str, hf_dir: str | Path, raw_hf_config: dict, feed: WeightFeed, *, max_model_len: int,
                         dtype: torch.dtype = torch.float32,
-                        gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization) -> RolloutEngine:
+                        gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization,
+                        quantization: str = "none") -> RolloutEngine:
     """`dtype`: what the engine runs, the HybridEngine's stream dtype (`resolve_rollout_dtype`'s name, converted
     once by the caller for both). `gpu_memory_utilization`: `rollout.gpu_memory_utilization`, vLLM's share of
-    each GPU."""
+    each GPU. `quantization`: `rollout.quantization`, the format the HybridEngine streams the linear weights in."""
     if resolve_engine(engine, feed.rollout_tp) == "vllm":
         return VLLMEngine(hf_dir, feed, max_model_len=max_model_len, dtype=dtype,
-                          gpu_memory_utilization=gpu_memory_utilization)
-    return EmbeddedEngine(raw_hf_config, dtype=dtype)
+                          gpu_memory_utilization=gpu_memory_utilization, quantization=quantization)
+    return EmbeddedEngine(raw_hf_config, dtype=dtype, quantization=quantization)

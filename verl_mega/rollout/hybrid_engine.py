@@ -40,6 +40,7 @@ from verl_mega.parallel.state import current_layout
 
 from .engine import WeightFeed
 from .live_bytes import LiveBytes
+from .quantization import quantized_stream
 
 
 def transfer_order(hf_config: HFModelConfig, family: FamilySpec, pp: int,
@@ -89,14 +90,16 @@ class HybridEngine:
     """
 
     def __init__(self, model: torch.nn.Module, hf_config: HFModelConfig, family: FamilySpec, rollout_tp: int = 1,
-                 dtype: torch.dtype | None = None, measure_peak: bool = False):
+                 dtype: torch.dtype | None = None, measure_peak: bool = False, quantization: str = "none"):
         """`dtype`: what the rollout engine runs (default: the model's); the tensors are streamed in it.
+        `quantization` (`rollout.quantization`): the linear weights are streamed quantized from their training
+        dtype, each followed by its scales (`rollout.quantization.quantized_stream`).
         `measure_peak`: track the transition's live bytes (tests, benchmarks). Off in training: the tracking
         dispatch mode handles every op of the transition in Python, 40 % of a tiny model's transition.
         A model with LoRA adapters (`models.lora.apply_lora`) streams its adapted linears merged."""
         from megatron.core import parallel_state as ps
 
-        self.hf_config, self.family, self.dtype = hf_config, family, dtype
+        self.hf_config, self.family, self.dtype, self.quantization = hf_config, family, dtype, quantization
         self.layout = current_layout()
         coordinates = rollout_coordinates(self.layout.rank, self.layout.world_size, self.layout.tp, rollout_tp)
         self.rollout_tp = rollout_tp
@@ -180,8 +183,15 @@ class HybridEngine:
 
     # --- the transition ----------------------------------------------------------------------------
 
-    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every HF tensor of this rank's rollout slice (vocabulary padding removed), one at a time."""
+    def stream(self, quantized: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor of this rank's rollout slice (vocabulary padding removed), one at a time, in the rollout
+        dtype or quantized (`quantized=False`: none quantized, for the first transition's probe). The cast and
+        the quantization run after the collectives: they move the training shards as they are, and the cast copy
+        is one tensor at a time (same dtype: the tensor itself, no copy)."""
+        return quantized_stream(self._slices(), self.quantization if quantized else "none", self.dtype)
+
+    def _slices(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor of this rank's rollout slice in the training dtype."""
         layout = self.layout
         tracking = self.tracker if self.tracker is not None else contextlib.nullcontext()
         if self.tracker is not None:
@@ -192,10 +202,7 @@ class HybridEngine:
                 parts = [(name, self._real_vocab_rows(slot, tensor))
                          for name, tensor in self._hf_slices(slot, stage, ep_rank)]
             while parts:
-                name, tensor = parts.pop(0)
-                # Cast after the collectives: they move the training shards as they are, and the cast copy
-                # is one tensor at a time. Same dtype: the tensor itself, no copy.
-                yield name, tensor if self.dtype is None else tensor.to(self.dtype)
+                yield parts.pop(0)
 
     def _shard_at_this_rank(self, slot: TensorSlot, stage: int, ep_rank: int,
                             into: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,7 +7,10 @@ large run can be planned before its checkpoint is downloaded).
 
 The figures follow what `HybridEngine.stream` does, tensor by tensor, so its measured peak can be
 checked against `RankPlan.transition_peak_bytes`. With LoRA, a targeted tensor's merged shard is one
-more buffer while it is regrouped (and its fp32 merge before that).
+more buffer while it is regrouped (and its fp32 merge before that). With a quantized rollout
+(`rollout.quantization`), the engine holds each linear weight in 1 byte per element plus its fp32 scales
+(`quantization.quantized_weight_bytes`), and quantizing one tensor holds up to three fp32 copies of it (its
+float copy, the quotient, fp8's padded magnitudes) beside the transfer buffers.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ from verl_mega.parallel.layout import (
 )
 
 from .hybrid_engine import slice_is_gathered_shards, transfer_order
+from .quantization import FORMATS as QUANTIZATION_FORMATS, is_quantized_linear_shape, quantized_weight_bytes
+
+QUANTIZING_FP32_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -75,12 +81,14 @@ class Plan:
 
 def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: int, *, ep: int = 1,
          dtype: str = "fp32", make_vocab_size_divisible_by: int = 128, family_spec: str | None = None,
-         lora_rank: int = 0, lora_targets: Sequence[str] = ()) -> Plan:
+         lora_rank: int = 0, lora_targets: Sequence[str] = (), quantization: str = "none") -> Plan:
     """Per-rank bytes of the transition; raises ValueError naming the size that makes a layout impossible.
     `lora_rank` > 0: the actor has adapters on the linears named in `lora_targets` (megatron's names), which
-    the transition streams merged."""
+    the transition streams merged. `quantization`: the rollout's format (`rollout.quantization`)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    if quantization not in QUANTIZATION_FORMATS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_FORMATS)}, got '{quantization}'")
     names = {"tp": "--train-tp", "pp": "--train-pp", "ep": "--ep", "dp": "--dp", "rollout_tp": "--rollout-tp"}
     if type(lora_rank) is not int or lora_rank < 0:
         raise ValueError(f"--lora-rank must be a whole number >= 0, got {lora_rank!r}")
@@ -120,6 +128,25 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
         narrower = item(slot) != 4  # an fp32 weight and its factors are used as they are, without fp32 copies
         return 4 * rows * cols + narrower * (item(slot) * rows * cols + 4 * lora_rank * (rows + cols))
 
+    def quantized_parts(slot) -> list[tuple[int, ...]]:
+        """The rollout slice shapes of the slot's HF tensors the rollout receives quantized."""
+        if quantization == "none":
+            return []
+        parts = []
+        for name in slot.hf_names:
+            shape = list(hf_shapes[name])
+            if is_quantized_linear_shape(name, shape):
+                if slot.rule.tp_dim is not None:
+                    shape[slot.rule.tp_dim] //= rollout_tp
+                parts.append(tuple(shape))
+        return parts
+
+    def held_bytes(slot, slice_bytes: int) -> int:
+        """The rollout slice's bytes as the engine holds it: quantized parts at 1 B + scales, the rest as is."""
+        parts = quantized_parts(slot)
+        plain = slice_bytes - sum(math.prod(shape) for shape in parts) * item(slot)
+        return plain + sum(quantized_weight_bytes(shape, quantization) for shape in parts)
+
     transfers = [(stage, owner_ep, slot, shard_bytes(slot))
                  for stage, owner_ep, slot in transfer_order(hf_config, family, train_pp, ep)]
     model_bytes = sum(math.prod(hf_shapes[n]) * item(slot) for _, _, slot, _ in transfers for n in slot.hf_names)
@@ -140,7 +167,7 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
                 rows = rollout_vocab_rows(padded_vocab, hf_config.vocab_size, rollout_tp_rank, rollout_tp)
                 rollout += slice_bytes // (padded_vocab // rollout_tp) * len(rows)
             else:
-                rollout += slice_bytes
+                rollout += held_bytes(slot, slice_bytes)
             at_stage = pp_rank == stage
             owns = at_stage and (not slot.rule.per_expert or ep_rank == owner_ep)
             if slot.rule.per_expert and ep > 1 and at_stage:
@@ -155,7 +182,8 @@ def plan(hf_dir: str | Path, train_tp: int, train_pp: int, dp: int, rollout_tp: 
             merging = merge_bytes(slot)
             # The owner's merged shard is held through the regroup like a received one.
             buffers = _transient_bytes(slot.rule, shard, slice_bytes, owns and not merging, split and micro_dp > 1)
-            peak = max(peak, buffers, merging if owns else 0)
+            quantizing = QUANTIZING_FP32_COPIES * 4 * max((math.prod(s) for s in quantized_parts(slot)), default=0)
+            peak = max(peak, buffers + quantizing, merging if owns else 0)
             largest_output = max(largest_output, slice_bytes)
         # The consumer still holds the previous tensor while the next one is being assembled.
         ranks.append(RankPlan(at, rollout_tp_rank, train, rollout, peak + largest_output, send, recv))

