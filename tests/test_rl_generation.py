@@ -16,6 +16,7 @@ from verl_mega.roles.reward import RuleReward
 from verl_mega.rollout.embedded import EmbeddedEngine
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import HFModelConfig
+from verl_mega.trainer.progress import Progress
 from verl_mega.trainer.rl.generation import Generation, eos_token_ids
 from verl_mega.trainer.rl.sampling import Sampling
 from verl_mega.trainer.rl.scoring import Scoring
@@ -94,7 +95,7 @@ def test_memory_is_released_before_the_engine_wakes_at_every_step_and_validation
     passes = []
     for index in range(2):
         calls.clear()
-        validation.run(index)
+        validation.run(index, Progress(enabled=False))
         passes.append(list(calls))
         calls.clear()
         sampling.run(Step(index))
