@@ -79,6 +79,10 @@ def in_process(tokenizer, engine, params, conversations=ROWS, **limits):
         return loop.run(engine, conversations, params)
 
 
+def rewards(result) -> list:
+    return [None if response is None else response.episode.agent_reward for response in result.responses]
+
+
 def same_trajectories(ours, theirs) -> None:
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs):
@@ -102,7 +106,7 @@ def test_greedy_episodes_through_the_endpoint_are_the_in_process_loops_token_for
     first = result.responses[0].episode
     assert first.tool_calls == [{"turn": 0, "name": "calculator", "arguments": {"expression": "23*7"}}]
     assert [m["content"] for m in first.messages[2:]] == ["161", "161"]
-    assert result.rewards == ([None, None] if agent is calculator_agent else [1.0, 1.0])
+    assert rewards(result) == ([None, None] if agent is calculator_agent else [1.0, 1.0])
     assert result.metrics["endpoint/engine_calls"] == 2 and result.metrics["endpoint/dropped"] == 0
 
 
@@ -244,7 +248,7 @@ def test_a_session_is_ended_by_its_token_budget(memorized):
 
 
 def flooding_agent(messages, base_url, session_id):
-    """Twenty requests at once on its own session, then a normal episode."""
+    """Twenty requests at once on its own session; the status of each in `flooding_agent.codes`."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
     codes = []
 
@@ -260,20 +264,20 @@ def flooding_agent(messages, base_url, session_id):
         thread.start()
     for thread in threads:
         thread.join()
-    return float(codes.count(200) * 100 + codes.count(409) + codes.count(400) * 1000)
+    flooding_agent.codes = codes
 
 
-def test_a_flooding_agent_gets_one_turn_at_a_time_and_the_rest_409(memorized):
+def test_a_flooding_agent_gets_one_turn_at_a_time_and_the_rest_refused(memorized):
+    """One request is answered; the others find the session busy (409) or, once its turn (cut at max_tokens)
+    ended the session, ended (410)."""
     tokenizer, engine = memorized
     result = endpoint(tokenizer, flooding_agent, batch_wait_s=0.2).run(engine, ROWS[:1],
                                                                       SamplingParams(temperature=0.0))
-    (reward,) = result.rewards
-    served, busy = divmod(int(reward), 100)
-    # Each served request is a turn; a later one repeating the first messages does not extend the conversation
-    # (400); the rest found the session busy (409).
-    assert served >= 1 and served + busy + (int(reward) // 1000) * 0 <= 20
-    assert result.metrics["endpoint/rejected/session_busy"] == busy
-    assert len(result.responses[0].episode.turn_ends) == served
+    codes = flooding_agent.codes
+    assert len(codes) == 20 and codes.count(200) == 1 and set(codes) <= {200, 409, 410}
+    assert result.metrics["endpoint/rejected/session_busy"] == codes.count(409)
+    assert result.metrics["endpoint/rejected_requests"] == 19
+    assert len(result.responses[0].episode.turn_ends) == 1 and result.problems == []
 
 
 def context_agent(messages, base_url, session_id):
@@ -364,7 +368,7 @@ def test_completions_record_the_sampled_ids_and_mask_the_agents_text(memorized):
     added = encode(" and")
     assert response.token_ids[first_end:first_end + len(added)] == added
     assert response.loss_mask[first_end:first_end + len(added)] == [0] * len(added)
-    assert len(response.episode.turn_ends) == 2 and result.rewards == [1.0]
+    assert len(response.episode.turn_ends) == 2 and rewards(result) == [1.0]
 
 
 def test_an_agent_is_named_module_function():

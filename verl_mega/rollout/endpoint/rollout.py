@@ -66,11 +66,10 @@ def load_agent(spec: str) -> Callable:
 
 @dataclass
 class EndpointResult:
-    """Per sample (prompt-major, `n` per prompt): its Response, or None where it was dropped; the reward its
-    agent returned (None: the reward function scores it). `problems`: one line per dropped sample."""
+    """Per sample (prompt-major, `n` per prompt): its Response (with the reward its agent returned as
+    `episode.agent_reward`), or None where it was dropped. `problems`: one line per dropped sample."""
 
     responses: list[Response | None]
-    rewards: list[float | None]
     problems: list[str]
     metrics: dict[str, float]
 
@@ -317,27 +316,29 @@ class _Run:
                 loop.call_soon_threadsafe(loop.stop)
 
     def _collect(self) -> EndpointResult:
-        responses, rewards, problems, drops = [], [], [], Counter()
+        responses, problems, drops = [], [], Counter()
         for slot in self.slots.values():
             session, (kind, value) = slot.session, slot.outcome
             reason = _drop_reason(session, kind, value)
             if reason is None:
-                responses.append(session.episode.response(session.prompt_ids, self.params.logprobs))
-                rewards.append(None if kind != "returned" or value is None else float(value))
+                response = session.episode.response(session.prompt_ids, self.params.logprobs)
+                reward = None if kind != "returned" or value is None else float(value)
+                responses.append(dataclasses.replace(response, episode=dataclasses.replace(
+                    response.episode, agent_reward=reward)))
                 continue
             drops[reason[0]] += 1
             problems.append(f"sample {session.index} (session {session.id}): {reason[1]}")
             responses.append(None)
-            rewards.append(None)
         metrics = {"endpoint/sessions": len(self.slots), "endpoint/dropped": sum(drops.values()),
                    **{f"endpoint/dropped_{reason}": drops[reason] for reason in DROP_REASONS},
                    "endpoint/limit_ended": sum(slot.session.ended is not None for slot in self.slots.values()),
-                   "endpoint/agent_rewards": sum(reward is not None for reward in rewards),
+                   "endpoint/agent_rewards": sum(response is not None and response.episode.agent_reward is not None
+                                                 for response in responses),
                    "endpoint/engine_calls": len(self.batches),
                    "endpoint/batch_mean": sum(self.batches) / len(self.batches) if self.batches else 0.0,
                    "endpoint/rejected_requests": sum(self.rejected.values()),
                    **{f"endpoint/rejected/{code}": count for code, count in sorted(self.rejected.items())}}
-        return EndpointResult(responses, rewards, problems, metrics)
+        return EndpointResult(responses, problems, metrics)
 
 
 async def _cancel_tasks() -> None:

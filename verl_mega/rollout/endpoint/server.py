@@ -27,8 +27,7 @@ class EndpointServer:
 
     def __init__(self, app: App, refused: Refused, host: str = "127.0.0.1", port: int = 0):
         handler = type("Handler", (_Handler,), {"app": staticmethod(app), "refused": staticmethod(refused)})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True  # a connection an agent leaves open never holds the process
+        self.httpd = _Server((host, port), handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="rollout-endpoint", daemon=True)
 
     @property
@@ -50,6 +49,11 @@ class EndpointServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a connection an agent leaves open never holds the process
+    request_queue_size = 1024  # the listen backlog: a batch's agents connect at once (socketserver's default: 5)
 
 
 class _Handler(BaseHTTPRequestHandler):
