@@ -377,3 +377,33 @@ def test_an_agent_is_named_module_function():
                           ("tests.test_rollout_endpoint:missing", "has no function")]:
         with pytest.raises(ValueError, match=problem):
             load_agent(spec)
+
+
+@pytest.mark.slow
+def test_a_grpo_run_trains_on_the_agents_episodes_through_the_endpoint(tmp_path):
+    """Two GRPO steps of `make demo-agent-http`'s recipe (its openai agent) on the memorized prompt, one process,
+    the embedded engine: every sample is a session, the episodes call the calculator, the rollout's log-probs
+    line up with the trainer's on the sampled tokens, and greedy validation replays the memorized episode."""
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.data.tables import write_rows
+    from verl_mega.demo import EXAMPLES, train
+    from verl_mega.demo_agent_http import AGENT
+
+    hf, _ = memorized_tool_model(tmp_path / "hf", EXPECTED)
+    rows = write_rows([{**EXPECTED, "data_source": "arith_tool"}] * 4, tmp_path / "rows.jsonl")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", tp=1, pp=1)
+    run_dir = tmp_path / "run"
+    train(EXAMPLES / "agent_demo.yaml", 1, [
+        f"model.hf_path={hf}", f"model.actor_ckpt={tmp_path / 'mcore'}", f"data.train_files=[{rows}]",
+        f"data.val_files=[{rows}]", f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.val_every=2",
+        "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
+        "critic.mini_batch_size=4", "actor.optim.lr=1e-6", "actor.optim.min_lr=0", f"rollout.multi_turn.agent={AGENT}",
+        "rollout.multi_turn.tools=[]"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "reward/mean" in r]
+    assert len(trained) == 2 and all(r["endpoint/sessions"] == 4 and r["endpoint/dropped"] == 0 for r in trained)
+    assert all(r["multi_turn/tool_calls_mean"] > 0 for r in trained), trained
+    assert all(r["rollout_corr/kl_k3"] < 1e-9 for r in trained), [r["rollout_corr/kl_k3"] for r in trained]
+    validation = [r for r in records if "val/reward_mean" in r]
+    assert validation and all(r["val/reward/acc"] == 1.0 and r["val/reward/tool_correct"] == 1.0
+                              for r in validation), validation
