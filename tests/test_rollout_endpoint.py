@@ -401,7 +401,8 @@ def test_a_grpo_run_trains_on_the_agents_episodes_through_the_endpoint(tmp_path)
         "rollout.multi_turn.tools=[]"])
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "reward/mean" in r]
-    assert len(trained) == 2 and all(r["endpoint/sessions"] == 4 and r["endpoint/dropped"] == 0 for r in trained)
+    assert len(trained) == 2 and all(r["endpoint/sessions"] == 4 and r["endpoint/dropped"] == 0 for r in trained), \
+        [{k: v for k, v in r.items() if k.startswith("endpoint")} for r in trained]
     assert all(r["multi_turn/tool_calls_mean"] > 0 for r in trained), trained
     assert all(r["rollout_corr/kl_k3"] < 1e-9 for r in trained), [r["rollout_corr/kl_k3"] for r in trained]
     validation = [r for r in records if "val/reward_mean" in r]

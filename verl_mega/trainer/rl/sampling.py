@@ -102,6 +102,8 @@ class Sampling:
                              else 1, drop_constant=filter_config.enable)
         kept: list[tuple[dict, list, RewardOutput]] = []
         generated = []  # every response of the step's rounds, dropped ones too, for the metrics
+        if self.generation.endpoint is not None:  # validation's sessions since the last step: their lines only
+            self.generation.endpoint.drain(self.note, step.number)
         # One transition for all rounds: the weights do not change between them.
         with self.generation.awake(timer, step.index):
             self.schedule.fill(timer, step.index)
