@@ -16,9 +16,10 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from tests.agent_chat import memorized_tool_model, qwen_tokenizer
+from tests.agent_chat import memorized_tool_model, qwen_tokenizer, two_grpo_steps
 from tests.test_agent_loop import ANSWER, CALL, QUESTION, ReplayEngine, exactness_problems, turn
 from verl_mega.config import ToolsConfig
+from verl_mega.demo_agent_http import AGENT, calculator_agent
 from verl_mega.rollout.agent_loop import AgentLoop
 from verl_mega.rollout.embedded import EmbeddedEngine
 from verl_mega.rollout.endpoint import EndpointRollout, load_agent
@@ -29,20 +30,6 @@ ROWS = [[{"role": "user", "content": "tom has 23 boxes of 7 pens. how many pens?
         [{"role": "user", "content": "ann has 9 coins and 4 more. how many coins?"}]]
 EXPECTED = {"prompt": ROWS[0], "reward_model": {"ground_truth": "161"}, "extra_info": {"expression": "23*7"}}
 TOOLS = ToolSet(["calculator"], ToolsConfig())  # the agents' own calculator, as the in-process loop's
-
-
-def calculator_agent(messages, base_url, session_id):
-    """A plain `openai` agent: ask, run each tool call, send the results back, until the model answers."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    while True:
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS.schemas)
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            return None
-        for call in message.tool_calls:
-            result = TOOLS.call(ToolCall(call.function.name, call.function.arguments))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result.text})
 
 
 async def async_calculator_agent(messages, base_url, session_id):
@@ -372,7 +359,7 @@ def test_completions_record_the_sampled_ids_and_mask_the_agents_text(memorized):
 
 
 def test_an_agent_is_named_module_function():
-    assert load_agent("tests.test_rollout_endpoint:calculator_agent") is calculator_agent
+    assert load_agent(AGENT) is calculator_agent
     for spec, problem in [("nocolon", "must look like"), ("tests.nowhere_at_all:f", "cannot import module"),
                           ("tests.test_rollout_endpoint:missing", "has no function")]:
         with pytest.raises(ValueError, match=problem):
@@ -384,22 +371,9 @@ def test_a_grpo_run_trains_on_the_agents_episodes_through_the_endpoint(tmp_path)
     """Two GRPO steps of `make demo-agent-http`'s recipe (its openai agent) on the memorized prompt, one process,
     the embedded engine: every sample is a session, the episodes call the calculator, the rollout's log-probs
     line up with the trainer's on the sampled tokens, and greedy validation replays the memorized episode."""
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.data.tables import write_rows
-    from verl_mega.demo import EXAMPLES, train
-    from verl_mega.demo_agent_http import AGENT
-
     hf, _ = memorized_tool_model(tmp_path / "hf", EXPECTED)
-    rows = write_rows([{**EXPECTED, "data_source": "arith_tool"}] * 4, tmp_path / "rows.jsonl")
-    convert_hf_to_mcore(hf, tmp_path / "mcore", tp=1, pp=1)
-    run_dir = tmp_path / "run"
-    train(EXAMPLES / "agent_demo.yaml", 1, [
-        f"model.hf_path={hf}", f"model.actor_ckpt={tmp_path / 'mcore'}", f"data.train_files=[{rows}]",
-        f"data.val_files=[{rows}]", f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.val_every=2",
-        "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
-        "critic.mini_batch_size=4", "actor.optim.lr=1e-6", "actor.optim.min_lr=0", f"rollout.multi_turn.agent={AGENT}",
-        "rollout.multi_turn.tools=[]"])
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = two_grpo_steps(hf, EXPECTED, tmp_path, [f"rollout.multi_turn.agent={AGENT}",
+                                                      "rollout.multi_turn.tools=[]"])
     trained = [r for r in records if "reward/mean" in r]
     assert len(trained) == 2 and all(r["endpoint/sessions"] == 4 and r["endpoint/dropped"] == 0 for r in trained), \
         [{k: v for k, v in r.items() if k.startswith("endpoint")} for r in trained]
