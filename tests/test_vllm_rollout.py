@@ -129,6 +129,14 @@ def test_presliced_load_at_rollout_tp2_holds_what_a_whole_load_holds(qwen2, memo
 
 
 @pytest.mark.slow
+def test_the_rollout_endpoint_on_vllm_gives_the_agent_loops_episodes(memorized):
+    """The rollout endpoint on the vLLM engine (rollout TP 1): an openai agent's greedy episodes over HTTP are
+    the in-process loop's on the same engine."""
+    run_torchrun(1, "tests.workers.vllm_worker", ["endpoint", "--hf", str(memorized / "hf"), "--agent-row",
+                                                  str(memorized / "row.json")])
+
+
+@pytest.mark.slow
 def test_presliced_moe_load_at_rollout_tp2_holds_what_a_whole_load_holds(moe):
     """vLLM's fused-MoE loaders cut their TP rank's part out of each expert tensor themselves: the pre-sliced
     stream's expert slices must be taken as they are, like the linear layers' (not cut a second time)."""

@@ -271,6 +271,9 @@ def _check_multi_turn(config: TrainConfig, check, need, known) -> None:
          "(calculator, python, or module:function), or the agent that runs its own (rollout.multi_turn.agent)")
     if mt.agent:  # the agent's module is imported now, not at the first step
         check(lambda: load_agent(mt.agent), f"{key}.agent: ")
+        need(config.parallel.rollout_tp == 1, f"{key}.agent with parallel.rollout_tp={config.parallel.rollout_tp}: "
+             "each rank of a rollout replica would serve its own endpoint, and rounds that a slow agent splits "
+             "could differ between the ranks that decode them together; set parallel.rollout_tp=1")
     if mt.tools and not mt.agent and not limit_problems(config.tools):  # bad tools.* limits have their own line
         check(lambda: ToolSet(mt.tools, config.tools).close(), f"{key}.tools: ")
 
