@@ -382,3 +382,19 @@ def test_a_grpo_run_trains_on_the_agents_episodes_through_the_endpoint(tmp_path)
     validation = [r for r in records if "val/reward_mean" in r]
     assert validation and all(r["val/reward/acc"] == 1.0 and r["val/reward/tool_correct"] == 1.0
                               for r in validation), validation
+
+
+def test_the_preflight_check_names_a_bad_agent_and_takes_one_without_tools(tiny_models):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.trainer.preflight import preflight_check
+
+    config = load_config(None, [f"model.hf_path={tiny_models['qwen2']}", "rollout.multi_turn.enable=true",
+                                "rollout.multi_turn.agent=tests.nowhere_at_all:run", "parallel.rollout_tp=2",
+                                "rollout.multi_turn.agent_timeout_s=0"])
+    with pytest.raises(ConfigError) as error:
+        preflight_check(config, world_size=2, check_files=False)
+    message = str(error.value)
+    for problem in ("rollout.multi_turn.agent: cannot import module 'tests.nowhere_at_all'",
+                    "rollout.multi_turn.agent with parallel.rollout_tp=2", "rollout.multi_turn.agent_timeout_s"):
+        assert problem in message, message
+    assert "rollout.multi_turn.tools is empty" not in message
