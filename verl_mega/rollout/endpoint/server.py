@@ -14,6 +14,7 @@ from typing import Callable
 from .openai_format import EndpointError
 
 MAX_BODY_BYTES = 16 * 2**20
+POLL_S = 0.02
 DRAIN_BYTES = 64 * 2**20  # a body too large is read and dropped up to this size, beyond it the connection closed
 
 # (method, path, parsed JSON body or None) -> (status, JSON answer); raises EndpointError for a refusal.
@@ -28,7 +29,9 @@ class EndpointServer:
     def __init__(self, app: App, refused: Refused, host: str = "127.0.0.1", port: int = 0):
         handler = type("Handler", (_Handler,), {"app": staticmethod(app), "refused": staticmethod(refused)})
         self.httpd = _Server((host, port), handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="rollout-endpoint", daemon=True)
+        # The loop looks for `close` every POLL_S: the rollout waits that long for the server to stop.
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(POLL_S,), name="rollout-endpoint",
+                                       daemon=True)
 
     @property
     def url(self) -> str:
