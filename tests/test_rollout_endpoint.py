@@ -54,8 +54,10 @@ def memorized(tmp_path_factory):
 
 
 def endpoint(tokenizer, agent, **limits) -> EndpointRollout:
+    """The endpoint of the tests: rounds wait up to 30 s for every session (lockstep, however loaded the machine),
+    unless a test shortens it for an agent that never asks again."""
     options = {"max_turns": 3, "budget": 64, "stop_token_ids": [], "max_model_len": 256, "tool_call_format":
-               "hermes", "timeout_s": 60.0, **limits}
+               "hermes", "timeout_s": 60.0, "batch_wait_s": 30.0, **limits}
     return EndpointRollout(tokenizer, agent, **options)
 
 
