@@ -129,6 +129,7 @@ class _Run:
         self.rejected: Counter = Counter()
         self.batches: list[int] = []
         self.closed = False
+        self.loop_thread: threading.Thread | None = None  # async agents' event loop
         deadline = time.monotonic() + rollout.timeout_s
         run_id = uuid.uuid4().hex[:8]
         self.slots = {}
@@ -212,7 +213,8 @@ class _Run:
         loop = None
         if inspect.iscoroutinefunction(agent):
             loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="endpoint-agents", daemon=True).start()
+            self.loop_thread = threading.Thread(target=loop.run_forever, name="endpoint-agents", daemon=True)
+            self.loop_thread.start()
         for session_id, slot in self.slots.items():
             kwargs = {"messages": copy.deepcopy(slot.messages), "base_url": f"{base_url}/sessions/{session_id}/v1",
                       "session_id": session_id}
@@ -314,6 +316,9 @@ class _Run:
                 asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(timeout=10.0)
             finally:
                 loop.call_soon_threadsafe(loop.stop)
+                self.loop_thread.join(timeout=10.0)
+                if not self.loop_thread.is_alive():  # else an agent blocks its loop's thread: left to it
+                    loop.close()
 
     def _collect(self) -> EndpointResult:
         responses, problems, drops = [], [], Counter()
