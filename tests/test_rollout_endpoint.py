@@ -400,3 +400,21 @@ def test_the_preflight_check_names_a_bad_agent_and_takes_one_without_tools(tiny_
                     "rollout.multi_turn.agent with parallel.rollout_tp=2", "rollout.multi_turn.agent_timeout_s"):
         assert problem in message, message
     assert "rollout.multi_turn.tools is empty" not in message
+
+
+def test_an_agents_reward_replaces_the_score_at_its_last_sampled_token():
+    import torch
+
+    from verl_mega.roles.reward import RewardOutput
+    from verl_mega.rollout.engine import EpisodeInfo
+    from verl_mega.trainer.rl.scoring import with_agent_rewards
+
+    def episode(reward):
+        return EpisodeInfo([1], [], [], [], [0], False, agent_reward=reward)
+
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 0, 0]])
+    scored = RewardOutput(torch.tensor([0.25, 0.5]), torch.tensor([[0, 0, 0, 0.25, 0], [0, 0, 0.5, 0, 0]]))
+    out = with_agent_rewards(scored, {"episode": [episode(2.0), episode(None)]}, mask)
+    assert out.scores.tolist() == [2.0, 0.5]
+    assert out.token_level_rewards.tolist() == [[0, 0, 0, 2.0, 0], [0, 0, 0.5, 0, 0]]
+    assert with_agent_rewards(scored, {}, mask) is scored
