@@ -232,11 +232,7 @@ def endpoint(args) -> None:
     from verl_mega.rollout.endpoint import EndpointRollout
     from verl_mega.tools import ToolSet
 
-    init_parallel(1, 1)
-    hf_config = HFModelConfig.read_raw(args.hf)
-    vocab = hf_config["vocab_size"]
-    engine = make_rollout_engine("vllm", args.hf, hf_config, WeightFeed(1, 0, vocab, vocab), max_model_len=256,
-                                 dtype=torch.float32)
+    engine = single_rank_engine(args.hf, max_model_len=256, dtype=torch.float32)
     reader = SafetensorsReader(args.hf)
     engine.load_weights((name, reader.read(name)) for name in reader.names())
     tokenizer = AutoTokenizer.from_pretrained(args.hf)
@@ -262,12 +258,16 @@ def endpoint(args) -> None:
     destroy_parallel()
 
 
-def built(args) -> None:
+def single_rank_engine(hf: str, **options) -> VLLMEngine:
+    """One rank's vLLM engine for HF folder `hf`, fed whole tensors (rollout TP 1), built by the factory."""
     init_parallel(1, 1)
-    hf_config = HFModelConfig.read_raw(args.hf)
+    hf_config = HFModelConfig.read_raw(hf)
     vocab = hf_config["vocab_size"]
-    engine = make_rollout_engine("vllm", args.hf, hf_config, WeightFeed(1, 0, vocab, vocab), max_model_len=64,
-                                 gpu_memory_utilization=args.gpu_memory_utilization)
+    return make_rollout_engine("vllm", hf, hf_config, WeightFeed(1, 0, vocab, vocab), **options)
+
+
+def built(args) -> None:
+    engine = single_rank_engine(args.hf, max_model_len=64, gpu_memory_utilization=args.gpu_memory_utilization)
     taken = engine.llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization
     assert taken == args.gpu_memory_utilization, f"vLLM was built with gpu_memory_utilization={taken}"
     print(f"vLLM built with gpu_memory_utilization={taken}", flush=True)
