@@ -418,3 +418,41 @@ def test_an_agents_reward_replaces_the_score_at_its_last_sampled_token():
     assert out.scores.tolist() == [2.0, 0.5]
     assert out.token_level_rewards.tolist() == [[0, 0, 0, 2.0, 0], [0, 0, 0.5, 0, 0]]
     assert with_agent_rewards(scored, {}, mask) is scored
+
+
+FAILED_ONCE: set = set()
+
+
+def flaky_agent(messages, base_url, session_id):
+    """Raises the first time it meets the second prompt, then behaves."""
+    if messages[0]["content"].startswith("ann") and "ann" not in FAILED_ONCE:
+        FAILED_ONCE.add("ann")
+        raise ConnectionError("the agent's sandbox was not up yet")
+    return calculator_agent(messages, base_url, session_id)
+
+
+def broken_agent(messages, base_url, session_id):
+    raise ConnectionError("the agent's sandbox is down")
+
+
+def test_a_step_regenerates_a_group_that_lost_a_sample_and_stops_on_one_that_always_does(memorized):
+    """trainer.rl.agent_endpoint: the group whose sample was dropped is generated again, whole; its lines go to
+    the log and the drops into the step's metrics; a group short in every attempt stops the run, named."""
+    from verl_mega.config.errors import UserError
+    from verl_mega.trainer.rl.agent_endpoint import ATTEMPTS, AgentEndpoint
+
+    tokenizer, engine = memorized
+    params = SamplingParams(temperature=0.0, n=2, logprobs=True)
+    steps = AgentEndpoint(endpoint(tokenizer, flaky_agent, batch_wait_s=0.2), "tests:flaky_agent")
+    responses = steps.responses(engine, ROWS, params)
+    assert [r.prompt_index for r in responses] == [0, 0, 1, 1] and None not in responses
+    same_trajectories(responses, in_process(tokenizer, engine, params))
+    lines = []
+    metrics = steps.drain(lambda step, line: lines.append((step, line)), 3)
+    assert metrics["endpoint/sessions"] == 4 + 2 and metrics["endpoint/dropped_raised"] == 1
+    assert lines == [(3, lines[0][1])] and "the agent raised ConnectionError: the agent's sandbox was not up" \
+        in lines[0][1]
+    always = AgentEndpoint(endpoint(tokenizer, broken_agent), "tests:broken_agent")
+    with pytest.raises(UserError, match=f"lost a sample in each of {ATTEMPTS} attempts; the last: sample 1 .*"
+                                        "the agent's sandbox is down"):
+        always.responses(engine, ROWS[:1], params)
