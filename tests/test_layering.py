@@ -23,6 +23,7 @@ The layering, written down once: a package may import its own modules and packag
     10 cli, api                         the command line; the Python API (`verl_mega.Trainer`, `load_policy`)
     11 demo                             `make demo`, through the command line
     12 demo_agent                       `make demo-agent`, on the demo's helpers
+    13 demo_agent_http                  `make demo-agent-http`: demo-agent's run through the rollout endpoint
 
 Project modules are imported at the top of a file; inside a function only optional heavy dependencies
 (vLLM, transformer-engine, wandb, megatron internals) are imported, so the graph below is the real one. The one
@@ -50,6 +51,7 @@ LAYERS = [
     {"cli", "api"},
     {"demo"},
     {"demo_agent"},
+    {"demo_agent_http"},
 ]
 LAYER_OF = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 # Installed as verl_mega.converters / verl_mega.launch (setup.py's package_dir).

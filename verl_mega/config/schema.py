@@ -262,7 +262,8 @@ class MultiTurnConfig:
     """Multi-turn rollouts with tools (verl's multi_turn / agent loop): the model calls tools between turns."""
 
     RANGES: ClassVar[dict[str, Range]] = {
-        "max_turns": at_least(1), "max_tokens": at_least(0, note="0: data.max_response_length")}
+        "max_turns": at_least(1), "max_tokens": at_least(0, note="0: data.max_response_length"),
+        "agent_timeout_s": above(0), "agent_batch_wait_s": at_least(0)}
 
     enable: bool = False
     """Each response is an episode: generate a turn, run its tool calls, append the results as the chat template
@@ -278,6 +279,15 @@ class MultiTurnConfig:
     tool_call_format: str = "auto"
     """How the model writes a call: hermes (`<tool_call>{json}</tool_call>`: Hermes, Qwen2.5, Qwen3),
     llama3_json (Llama-3.1's bare JSON object), or auto (from the tokenizer's chat template)."""
+    agent: str = ""
+    """`module:function`: the user's agent drives each sample through the rollout endpoint, an OpenAI-compatible
+    server of the rollout engine (docs/agent-endpoint.md), and runs its own tools (`tools` is then unused);
+    empty: the in-process agent loop."""
+    agent_timeout_s: float = 600.0
+    """The wall clock of an agent's session: an agent not done by then loses its sample (counted)."""
+    agent_batch_wait_s: float = 1.0
+    """How long the endpoint's round waits for the sessions that have not asked yet once one has (the rounds
+    are the in-process loop's turns, seed for seed, where every agent asks within it)."""
 
 
 @dataclass

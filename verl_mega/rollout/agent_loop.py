@@ -155,8 +155,8 @@ class ChatRenderer:
 
 
 @dataclass
-class _Episode:
-    """One trajectory while it runs."""
+class EpisodeState:
+    """One trajectory while it runs (the agent loop's, or an endpoint session's)."""
 
     prompt_index: int
     messages: list[dict]
@@ -182,6 +182,55 @@ class _Episode:
     def stop(self, truncated: bool) -> None:
         self.done, self.truncated = True, truncated
 
+    def response(self, prompt_ids: list[int], logprobs: bool) -> Response:
+        """The finished trajectory as a Response with its loss mask and `EpisodeInfo`."""
+        info = EpisodeInfo(prompt_ids=prompt_ids, messages=self.messages, tool_calls=self.tool_calls,
+                           tool_results=self.tool_results, turn_ends=self.turn_ends, truncated=self.truncated)
+        return Response(self.prompt_index, self.token_ids, self.logprobs if logprobs else None,
+                        loss_mask=self.loss_mask, episode=info)
+
+
+class TurnRules:
+    """How a sampled turn extends a trajectory, the same for the agent loop and the rollout endpoint: the turn's
+    ids cut to the budget, its message, whether it ended (at one of `stop_token_ids`) with or without tool calls
+    (`tool_call_format`), `max_turns`; and the template's ids for the messages that follow a turn."""
+
+    def __init__(self, tokenizer, renderer: ChatRenderer, tool_call_format: str, max_turns: int,
+                 stop_token_ids: Sequence[int]):
+        self.tokenizer, self.renderer, self.format, self.max_turns = tokenizer, renderer, tool_call_format, max_turns
+        self.stop_token_ids = tuple(sorted(set(stop_token_ids) | set(renderer.end_of_turn_ids())))
+
+    def take_turn(self, episode: EpisodeState, response: Response) -> list[ToolCall | str]:
+        """The sampled ids of a turn (cut to the episode's budget), its message, and whether it goes on; returns
+        the turn's tool calls where it goes on (to run them), else []."""
+        ids = response.token_ids[:episode.remaining]
+        logprobs = None if response.logprobs is None else response.logprobs[:len(ids)]
+        episode.append(ids, sampled=True, logprobs=logprobs)
+        episode.turn_ends.append(len(episode.token_ids) - 1)
+        ended = bool(ids) and ids[-1] in self.stop_token_ids and len(ids) == len(response.token_ids)
+        content = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+        episode.messages.append({"role": "assistant", "content": content})
+        calls = parse_tool_calls(content, self.format) if ended else []
+        if not ended:
+            episode.stop(truncated=True)
+        elif not calls:
+            episode.stop(truncated=False)
+        elif len(episode.turn_ends) == self.max_turns:  # it asked for a tool it may not call any more
+            episode.stop(truncated=True)
+        return [] if episode.done else calls
+
+    def append_messages(self, episode: EpisodeState, messages: list[dict]) -> None:
+        """`messages` (tool results, a user's reply) after the episode's last assistant turn: the template's ids
+        for them and the next assistant header, masked; the episode stops (truncated) where they and a token of
+        the next turn do not fit its budget."""
+        stop_text = self.tokenizer.decode(episode.token_ids[-1:], skip_special_tokens=False)
+        ids = self.renderer.tool_turn_ids(episode.messages, messages, stop_text)
+        episode.messages.extend(messages)
+        if len(ids) >= episode.remaining:  # no room for the results and a token of the next turn
+            episode.stop(truncated=True)
+            return
+        episode.append(ids, sampled=False)
+
 
 class AgentLoop:
     """Runs episodes of `max_turns` assistant turns at most and `budget` response tokens (model and template
@@ -197,7 +246,8 @@ class AgentLoop:
         self.renderer = ChatRenderer(tokenizer, toolset.schemas)
         self.format = resolve_tool_call_format(tool_call_format, tokenizer.chat_template)
         self.max_turns, self.budget = max_turns, budget
-        self.stop_token_ids = tuple(sorted(set(stop_token_ids) | set(self.renderer.end_of_turn_ids())))
+        self.rules = TurnRules(tokenizer, self.renderer, self.format, max_turns, stop_token_ids)
+        self.stop_token_ids = self.rules.stop_token_ids
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """A prompt as the episodes start from it: its messages rendered with the tools' schemas."""
@@ -208,7 +258,7 @@ class AgentLoop:
         """`params.n` episodes per conversation, prompt-major as `RolloutEngine.generate` returns responses;
         each Response carries its loss mask and its `EpisodeInfo`."""
         prompts = [self.prompt_ids(list(messages)) for messages in conversations]
-        episodes = [_Episode(index, list(messages), self.budget) for index, messages in enumerate(conversations)
+        episodes = [EpisodeState(index, list(messages), self.budget) for index, messages in enumerate(conversations)
                     for _ in range(params.n)]
         turn_params = dataclasses.replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids)
                                                                            | set(self.stop_token_ids))))
@@ -216,13 +266,13 @@ class AgentLoop:
             live = [episode for episode in episodes if not episode.done]
             if not live:
                 break
-            self._decode_turn(engine, prompts, live, turn_params, turn)
-            self._run_tools([episode for episode in live if not episode.done], turn)
-        return [self._response(episode, prompts[episode.prompt_index], params.logprobs) for episode in episodes]
+            calls = self._decode_turn(engine, prompts, live, turn_params, turn)
+            self._run_tools([episode for episode in live if not episode.done], calls, turn)
+        return [episode.response(prompts[episode.prompt_index], params.logprobs) for episode in episodes]
 
-    def _decode_turn(self, engine: RolloutEngine, prompts: list[list[int]], live: list[_Episode],
-                     params: SamplingParams, turn: int) -> None:
-        """One assistant turn of every live episode, appended to it."""
+    def _decode_turn(self, engine: RolloutEngine, prompts: list[list[int]], live: list[EpisodeState],
+                     params: SamplingParams, turn: int) -> list[list[ToolCall | str]]:
+        """One assistant turn of every live episode, appended to it; the calls of those that go on."""
         longest = max(episode.remaining for episode in live)
         if turn == 0:  # every episode is live: the engine samples the n of each prompt as a single turn does
             responses = engine.generate(prompts, dataclasses.replace(params, max_new_tokens=longest))
@@ -231,36 +281,19 @@ class AgentLoop:
             contexts = [prompts[episode.prompt_index] + episode.token_ids for episode in live]
             responses = engine.generate(contexts, dataclasses.replace(params, n=1, max_new_tokens=longest,
                                                                       seed=seed))
-        for episode, response in zip(live, responses, strict=True):
-            self._take_turn(episode, response)
+        return [calls for episode, response in zip(live, responses, strict=True)
+                if (calls := self.rules.take_turn(episode, response))]
 
-    def _take_turn(self, episode: _Episode, response: Response) -> None:
-        """The sampled ids of a turn (cut to the episode's budget), its message, and whether it goes on."""
-        ids = response.token_ids[:episode.remaining]
-        logprobs = None if response.logprobs is None else response.logprobs[:len(ids)]
-        episode.append(ids, sampled=True, logprobs=logprobs)
-        episode.turn_ends.append(len(episode.token_ids) - 1)
-        ended = bool(ids) and ids[-1] in self.stop_token_ids and len(ids) == len(response.token_ids)
-        content = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
-        episode.messages.append({"role": "assistant", "content": content})
-        if not ended:
-            episode.stop(truncated=True)
-        elif not parse_tool_calls(content, self.format):
-            episode.stop(truncated=False)
-        elif len(episode.turn_ends) == self.max_turns:  # it asked for a tool it may not call any more
-            episode.stop(truncated=True)
-
-    def _run_tools(self, calling: list[_Episode], turn: int) -> None:
+    def _run_tools(self, calling: list[EpisodeState], parsed: list[list[ToolCall | str]], turn: int) -> None:
         """Every calling episode's calls, all at once; then each episode's tool messages and template ids."""
-        parsed = [parse_tool_calls(episode.messages[-1]["content"], self.format) for episode in calling]
         runnable = [call for calls in parsed for call in calls if isinstance(call, ToolCall)]
         results = iter(self.toolset.call_many(runnable) if runnable else [])
-        for episode, calls in zip(calling, parsed):
+        for episode, calls in zip(calling, parsed, strict=True):
             outcomes = [(call, next(results)) if isinstance(call, ToolCall) else (None, _unreadable(call))
                         for call in calls]
             self._append_tool_turn(episode, outcomes, turn)
 
-    def _append_tool_turn(self, episode: _Episode, outcomes: list[tuple[ToolCall | None, ToolResult]],
+    def _append_tool_turn(self, episode: EpisodeState, outcomes: list[tuple[ToolCall | None, ToolResult]],
                           turn: int) -> None:
         tool_messages = []
         for call, result in outcomes:
@@ -270,20 +303,7 @@ class AgentLoop:
             episode.tool_results.append({"turn": turn, "text": result.text, "ok": result.ok, "error": result.error,
                                          "seconds": result.seconds})
             tool_messages.append({"role": "tool", "name": name, "content": result.text})
-        stop_text = self.tokenizer.decode(episode.token_ids[-1:], skip_special_tokens=False)
-        ids = self.renderer.tool_turn_ids(episode.messages, tool_messages, stop_text)
-        episode.messages.extend(tool_messages)
-        if len(ids) >= episode.remaining:  # no room for the results and a token of the next turn
-            episode.stop(truncated=True)
-            return
-        episode.append(ids, sampled=False)
-
-    def _response(self, episode: _Episode, prompt_ids: list[int], logprobs: bool) -> Response:
-        info = EpisodeInfo(prompt_ids=prompt_ids, messages=episode.messages, tool_calls=episode.tool_calls,
-                           tool_results=episode.tool_results, turn_ends=episode.turn_ends,
-                           truncated=episode.truncated)
-        return Response(episode.prompt_index, episode.token_ids, episode.logprobs if logprobs else None,
-                        loss_mask=episode.loss_mask, episode=info)
+        self.rules.append_messages(episode, tool_messages)
 
 
 def _unreadable(problem: str) -> ToolResult:

@@ -81,7 +81,9 @@ class EpisodeInfo:
     `prompt_ids`: its prompt as rendered with the tools' schemas; `messages`: the prompt's messages, then each
     assistant turn and tool result as the chat template saw them; `tool_calls` / `tool_results`: one JSON dict
     each per call, in order, with the turn it came from; `turn_ends`: the response position of each assistant
-    turn's last sampled token; `truncated`: the budget or max_turns ended it before the model did."""
+    turn's last sampled token; `truncated`: the budget or max_turns ended it before the model did;
+    `agent_reward`: the score the user's agent returned for it through the rollout endpoint, which takes the place
+    of the reward's score; None: the reward scores it."""
 
     prompt_ids: list[int]
     messages: list[dict]
@@ -89,6 +91,7 @@ class EpisodeInfo:
     tool_results: list[dict]
     turn_ends: list[int]
     truncated: bool
+    agent_reward: float | None = None
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from verl_mega.rewards.registry import RewardFn, get_reward_fn
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.roles.routing_replay import REPLAY_SETTINGS
 from verl_mega.rollout.agent_loop import TOOL_CALL_FORMATS, check_tool_template
+from verl_mega.rollout.endpoint import load_agent
 from verl_mega.rollout.factory import ENGINES, engine_records_routing, resolve_engine, resolve_rollout_dtype
 from verl_mega.rollout.quantization import FORMATS as QUANTIZATION_FORMATS
 from verl_mega.run.mirror import parse_mirror_url, require_boto3
@@ -296,9 +297,14 @@ def _check_multi_turn(config: TrainConfig, check, need, known) -> None:
     known(f"{key}.tool_call_format", mt.tool_call_format, TOOL_CALL_FORMATS)
     need(config.actor.router_replay != "rollout", f"{key}.enable with actor.router_replay=rollout: the agent loop "
          "does not record the routing of each turn; set actor.router_replay=off")
-    need(bool(mt.tools), f"{key}.tools is empty: name the tools the model may call (calculator, python, or "
-         "module:function)")
-    if mt.tools and not limit_problems(config.tools):  # bad tools.* limits have their own line
+    need(bool(mt.tools) or bool(mt.agent), f"{key}.tools is empty: name the tools the model may call "
+         "(calculator, python, or module:function), or the agent that runs its own (rollout.multi_turn.agent)")
+    if mt.agent:  # the agent's module is imported now, not at the first step
+        check(lambda: load_agent(mt.agent), f"{key}.agent: ")
+        need(config.parallel.rollout_tp == 1, f"{key}.agent with parallel.rollout_tp={config.parallel.rollout_tp}: "
+             "each rank of a rollout replica would serve its own endpoint, and rounds that a slow agent splits "
+             "could differ between the ranks that decode them together; set parallel.rollout_tp=1")
+    if mt.tools and not mt.agent and not limit_problems(config.tools):  # bad tools.* limits have their own line
         check(lambda: ToolSet(mt.tools, config.tools).close(), f"{key}.tools: ")
 
 

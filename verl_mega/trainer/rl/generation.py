@@ -30,6 +30,7 @@ from verl_mega.rollout.training_memory import training_memory_released
 from verl_mega.tools import ToolSet
 
 from ..metrics import StageTimer
+from .agent_endpoint import AgentEndpoint, make_agent_endpoint
 from .remote import RemoteRollout
 
 # Seeds of a step's later generation rounds (dynamic sampling) sit this far apart, above any step's first-round
@@ -52,9 +53,10 @@ def eos_token_ids(hf_config_raw: dict, tokenizer) -> list[int]:
 
 
 def make_agent_loop(config: TrainConfig, tokenizer, stop_token_ids: list[int]) -> AgentLoop | None:
-    """rollout.multi_turn's agent loop over its tools, or None for single-turn rollouts."""
+    """rollout.multi_turn's agent loop over its tools, or None for single-turn rollouts and the user's agent
+    (rollout.multi_turn.agent: `make_agent_endpoint`)."""
     multi_turn, data = config.rollout.multi_turn, config.data
-    if not multi_turn.enable:
+    if not multi_turn.enable or multi_turn.agent:
         return None
     return AgentLoop(tokenizer, ToolSet(multi_turn.tools, config.tools), max_turns=multi_turn.max_turns,
                      budget=multi_turn.max_tokens or data.max_response_length, stop_token_ids=stop_token_ids,
@@ -65,17 +67,20 @@ class Generation:
     """What the step and validation generate with. `engine` (colocated) or `remote` (rollout ranks of their own);
     `weights()` streams the actor's current weights in the rollout layout; `training_memory()` releases the
     training side's memory for as long as the engine is awake, and yields what releases the parameters once the
-    engine has loaded its copy (`rollout.training_memory`)."""
+    engine has loaded its copy (`rollout.training_memory`). Episodes come from `agent` (the in-process loop) or
+    `endpoint` (the user's agent through the rollout endpoint), or neither (single turns)."""
 
     def __init__(self, config: TrainConfig, layout: ParallelLayout, engine: RolloutEngine | None,
                  remote: RemoteRollout | None, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
                  training_memory: Callable[[], ContextManager], agent: AgentLoop | None, eos_ids: list[int],
-                 records_routing: bool = False, probe: Callable[[], float] | None = None):
+                 records_routing: bool = False, probe: Callable[[], float] | None = None,
+                 endpoint: AgentEndpoint | None = None):
         """`probe`: run once after the first transition (the int8 rollout's check, `quantization_probe`)."""
         self.config, self.layout = config, layout
         self.probe = probe
         self.engine, self.remote, self.weights, self.training_memory = engine, remote, weights, training_memory
         self.agent, self.eos_token_ids, self.records_routing = agent, eos_ids, records_routing
+        self.endpoint = endpoint
 
     @classmethod
     def build(cls, config: TrainConfig, layout: ParallelLayout, tokenizer, hf_config, family, actor,
@@ -88,7 +93,8 @@ class Generation:
         agent = make_agent_loop(config, tokenizer, eos_ids)
         # A multi-turn turn may ask for the longest budget left in its batch on top of a context of up to the
         # prompt and a whole budget: the engine's context limit holds both.
-        responses = config.data.max_response_length * (2 if agent is not None else 1)
+        episodes = config.rollout.multi_turn.enable
+        responses = config.data.max_response_length * (2 if episodes else 1)
         engine = remote = None
         if placement is not None and placement.disaggregated:
             remote = RemoteRollout(bridge, placement, hybrid, config.parallel.weight_push_bucket_mb,
@@ -112,9 +118,10 @@ class Generation:
                 return probe_first_load(engine, hf_config.raw, hybrid.stream(quantized=False), rollout_dtype)
         else:
             probe = None
+        endpoint = make_agent_endpoint(config, tokenizer, eos_ids, config.data.max_prompt_length + responses)
         return cls(config, layout, engine, remote, hybrid.stream,
                    lambda: training_memory_released(actor.model, actor.trainable.optimizer, config.actor.offload),
-                   agent, eos_ids, records_routing, probe)
+                   agent, eos_ids, records_routing, probe, endpoint)
 
     @property
     def replicas(self) -> int:
@@ -186,8 +193,10 @@ class Generation:
 
     def responses(self, prompts: list[list[int]], conversations: list | None, params: SamplingParams
                   ) -> list[Response]:
-        """This replica's responses: multi-turn episodes through the agent loop where it runs (from the
-        conversations), else the engine's single turns."""
+        """This replica's responses: multi-turn episodes through the agent loop or the user's agent where one
+        runs (from the conversations), else the engine's single turns."""
+        if self.endpoint is not None:
+            return self.endpoint.responses(self.engine, conversations, params)
         if self.agent is None:
             return self.engine.generate(prompts, params)
         return self.agent.run(self.engine, [as_messages(prompt) for prompt in conversations], params)

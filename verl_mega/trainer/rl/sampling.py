@@ -102,6 +102,8 @@ class Sampling:
                              else 1, drop_constant=filter_config.enable)
         kept: list[tuple[dict, list, RewardOutput]] = []
         generated = []  # every response of the step's rounds, dropped ones too, for the metrics
+        if self.generation.endpoint is not None:  # validation's sessions since the last step: their lines only
+            self.generation.endpoint.drain(self.note, step.number)
         # One transition for all rounds: the weights do not change between them.
         with self.generation.awake(timer, step.index):
             self.schedule.fill(timer, step.index)
@@ -124,6 +126,8 @@ class Sampling:
         rows["uid"] = [row // n for row in range(len(responses))]  # a group per prompt drawn, even drawn twice
         step.rows, step.reward = rows, reward
         step.metrics.update(self.sampling_metrics(concat_rows(generated), rows, groups))
+        if self.generation.endpoint is not None:  # this replica's sessions, and the lines of its dropped samples
+            step.metrics.update(self.generation.endpoint.drain(self.note, step.number))
         if not responses:
             self.note(step.number, "no group to train on: this step updates nothing")
             step.ended = True
@@ -146,7 +150,7 @@ class Sampling:
             metrics["reward/worker_deaths"] = int(generated["worker_deaths"].sum())
         if self.scoring.remote is not None:  # every request of the step's rounds and baselines
             metrics.update(self.scoring.remote_stats().metrics())
-        if self.generation.agent is not None:
+        if "episode" in rows:
             metrics.update(episode_metrics(rows["episode"]))
         return metrics
 

@@ -89,7 +89,7 @@ class Scoring:
         """Collective: `score`, rank 0's on every rank. A service is asked by rank 0 only; its failure (the line
         that stops the run) is raised on every rank."""
         if self.world_size == 1:
-            return self.score(batch, rows, step_number)
+            return with_agent_rewards(self.score(batch, rows, step_number), rows, batch["response_mask"])
         if self.remote is None:
             shared = [self.score(batch, rows, step_number)]
         else:
@@ -97,7 +97,7 @@ class Scoring:
         dist.broadcast_object_list(shared, src=0)
         if isinstance(shared[0], UserError):
             raise shared[0]
-        return shared[0]
+        return with_agent_rewards(shared[0], rows, batch["response_mask"])
 
     def remote_outcome(self, batch: dict, rows: dict, step_number: int) -> RewardOutput | UserError:
         try:
@@ -152,3 +152,16 @@ class Scoring:
     def close(self) -> None:
         if self.rule is not None:
             self.rule.close()
+
+
+def with_agent_rewards(reward: RewardOutput, rows: dict, response_mask: torch.Tensor) -> RewardOutput:
+    """The rows whose agent returned a reward through the rollout endpoint (`EpisodeInfo.agent_reward`, the same
+    on every rank) scored by it, at their last response token, in place of the reward's score."""
+    episodes = rows.get("episode") or []
+    own = [row for row, episode in enumerate(episodes) if episode.agent_reward is not None]
+    if not own:
+        return reward
+    scores, token_level = reward.scores.clone(), reward.token_level_rewards.clone()
+    scores[own] = torch.tensor([episodes[row].agent_reward for row in own], dtype=scores.dtype)
+    token_level[own] = scores_to_token_rewards(scores[own], response_mask[own]).to(token_level)
+    return reward._replace(scores=scores, token_level_rewards=token_level)

@@ -1,0 +1,108 @@
+"""The rollout endpoint's overhead: the same batch of calculator episodes through the in-process agent loop and
+through the endpoint (an `openai` agent per sample, real HTTP), on the embedded engine, CPU.
+
+    OMP_NUM_THREADS=1 python -m bench.agent_endpoint_overhead [--batch 32] [--repeats 3] [--hidden-size 64]
+
+A tiny model is warmed up on `make demo-agent`'s formatted episodes (so its episodes call the calculator, two
+turns each), then each way runs `--repeats` times under the same seed; the fastest of each is compared. The
+episodes must be the same token for token (checked), so both ways decode the same tokens in the same rounds and
+the difference is the endpoint's: HTTP, JSON, the chat template on the agent's messages, the agents' threads.
+Goal: endpoint / in-process <= 1.2 at the same batch. A tiny model makes the engine's share small and the
+ratio the worst case; measure on an idle machine (other processes inflate the agents' threads most).
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from verl_mega.config import ToolsConfig
+from verl_mega.demo_agent import problems, save_tokenizer, sft_warmup
+from verl_mega.demo_agent_http import calculator_agent
+from verl_mega.models.tiny import make_tiny_hf_model
+from verl_mega.rollout.agent_loop import AgentLoop, ChatRenderer
+from verl_mega.rollout.embedded import EmbeddedEngine
+from verl_mega.rollout.endpoint import EndpointRollout
+from verl_mega.rollout.engine import SamplingParams
+from verl_mega.tools import ToolSet
+
+BUDGET, MAX_TURNS = 96, 3
+
+
+class TimedEngine:
+    """The engine, with the seconds spent in `generate` summed."""
+
+    def __init__(self, engine: EmbeddedEngine):
+        self.engine, self.seconds = engine, 0.0
+
+    def generate(self, prompts, params):
+        start = time.perf_counter()
+        try:
+            return self.engine.generate(prompts, params)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def warm_model(workdir: Path, hidden_size: int, warmup_steps: int) -> Path:
+    hf = make_tiny_hf_model(workdir / "random", "qwen2", vocab_size=72, hidden_size=hidden_size,
+                            intermediate_size=2 * hidden_size)
+    tokenizer = save_tokenizer(hf)
+    with ToolSet(["calculator"], ToolsConfig()) as tools:
+        return sft_warmup(hf, ChatRenderer(tokenizer, tools.schemas), problems(512, "warmup"), workdir / "warm",
+                          warmup_steps)
+
+
+def timed(label: str, run, engine: TimedEngine, repeats: int):
+    """(responses, fastest wall seconds, the engine's seconds in that run)."""
+    best = None
+    for _ in range(repeats):
+        engine.seconds = 0.0
+        start = time.perf_counter()
+        responses = run()
+        wall = time.perf_counter() - start
+        if best is None or wall < best[1]:
+            best = (responses, wall, engine.seconds)
+    print(f"{label:>11}: {best[1]:.3f} s wall, {best[2]:.3f} s in engine.generate (fastest of {repeats})",
+          flush=True)
+    return best
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.agent_endpoint_overhead")
+    parser.add_argument("--batch", type=int, default=32, help="episodes per rollout (prompts x n)")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--warmup-steps", type=int, default=150)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = warm_model(Path(tmp), args.hidden_size, args.warmup_steps)
+        tokenizer = save_tokenizer(hf)
+        engine = EmbeddedEngine(AutoConfig.from_pretrained(hf).to_dict(), device="cpu")
+        engine.load_weights(load_file(str(hf / "model.safetensors")).items())
+    timed_engine = TimedEngine(engine)
+    conversations = [row["prompt"] for row in problems(args.batch // args.n, "heldout")]
+    params = SamplingParams(temperature=0.7, max_new_tokens=BUDGET, n=args.n, seed=5, logprobs=True)
+    with ToolSet(["calculator"], ToolsConfig()) as tools:
+        loop = AgentLoop(tokenizer, tools, max_turns=MAX_TURNS, budget=BUDGET, stop_token_ids=[],
+                         tool_call_format="hermes")
+        local, local_wall, local_engine = timed("in-process", lambda: loop.run(timed_engine, conversations, params),
+                                                timed_engine, args.repeats)
+    rollout = EndpointRollout(tokenizer, calculator_agent, max_turns=MAX_TURNS, budget=BUDGET, stop_token_ids=[],
+                              max_model_len=512, tool_call_format="hermes")
+    served, served_wall, served_engine = timed(
+        "endpoint", lambda: rollout.run(timed_engine, conversations, params).responses, timed_engine, args.repeats)
+    same = [a.token_ids for a in local] == [b.token_ids if b is not None else None for b in served]
+    turns = sum(len(r.episode.turn_ends) for r in local) / len(local)
+    print(f"batch {len(local)} episodes, {turns:.2f} turns each; the same trajectories token for token: {same}")
+    print(f"endpoint / in-process wall time: {served_wall / local_wall:.2f}x (goal <= 1.2x); engine time "
+          f"{served_engine:.3f} s vs {local_engine:.3f} s; the endpoint's own time {served_wall - served_engine:.3f} s "
+          f"vs the loop's {local_wall - local_engine:.3f} s")
+
+
+if __name__ == "__main__":
+    main()
