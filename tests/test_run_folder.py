@@ -17,6 +17,7 @@ METHODS = {
     "step": ((12,), "checkpoints/step_000012"),
     "final_weights": (("critic",), "final_critic"),
     "initial_weights": (("actor", LAYOUT), "initial_actor_tp1_pp2_ep1"),
+    "teacher_weights": ((LAYOUT, "0123456789abcdef" * 4), "initial_teacher_tp1_pp2_ep1_0123456789abcdef"),
     "profile_trace": ((3, 1), "profile/step_000003_rank1.pt.trace.json"),
 }
 PROPERTIES = {
