@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import random
 import resource
@@ -137,21 +138,26 @@ def hf_from_gguf(out: Path) -> Path:
 def word_problem_rows(heldout_prompts: int) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows of two-digit addition and subtraction word problems in verl's GSM8K format.
     HELDOUT_NUMBERS of the two-digit numbers appear only in held-out problems, both operands drawn from them,
-    so a right held-out answer is computed, not recalled. The rows are the same for every seed."""
+    so a right held-out answer is computed, not recalled; no two held-out problems share an operation and a pair
+    of numbers. The rows are the same for every seed."""
     rng = random.Random(0)
-    held = set(rng.sample(NUMBERS, HELDOUT_NUMBERS))
+    held = sorted(rng.sample(NUMBERS, HELDOUT_NUMBERS))
     seen = [number for number in NUMBERS if number not in held]
-    train = [problem_row(rng, operation, seen, "train", index)
-             for index, operation in enumerate(rng.choice(tuple(TEMPLATES)) for _ in range(TRAIN_ROWS))]
-    heldout = [problem_row(rng, tuple(TEMPLATES)[index % 2], sorted(held), "test", index)
-               for index in range(heldout_prompts)]
+    operations = tuple(TEMPLATES)
+    pairs = list(itertools.combinations(held, 2))
+    if heldout_prompts > len(operations) * len(pairs):
+        raise ValueError(f"at most {len(operations) * len(pairs)} distinct held-out problems, not {heldout_prompts}")
+    unused = {operation: iter(rng.sample(pairs, len(pairs))) for operation in operations}
+    train = [problem_row(rng, operation, rng.sample(seen, 2), "train", index)
+             for index, operation in enumerate(rng.choice(operations) for _ in range(TRAIN_ROWS))]
+    heldout = [problem_row(rng, operation, next(unused[operation]), "test", index)
+               for index, operation in enumerate(operations[index % 2] for index in range(heldout_prompts))]
     return train, heldout
 
 
-def problem_row(rng: random.Random, operation: str, numbers: list[int], split: str, index: int) -> dict:
-    a, b = rng.sample(numbers, 2)
-    if operation == "subtraction":
-        a, b = max(a, b), min(a, b)
+def problem_row(rng: random.Random, operation: str, numbers, split: str, index: int) -> dict:
+    """A word problem on two numbers (the larger first for a subtraction, either first for an addition)."""
+    a, b = sorted(numbers, reverse=True) if operation == "subtraction" else rng.sample(list(numbers), 2)
     answer = str(a + b if operation == "addition" else a - b)
     question = rng.choice(TEMPLATES[operation]).format(name=rng.choice(NAMES), item=rng.choice(ITEMS), a=a, b=b)
     return {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": question}], "ability": "math",

@@ -1,5 +1,6 @@
 """bench/real_model.py without its packages: one line naming the pip command, exit 0 (the run itself needs the
-GGUF model and is not in CI); and its data: held-out word problems share no number with the training ones."""
+GGUF model and is not in CI); and its data: held-out word problems share no number with the training ones, and
+no two of them are the same problem."""
 import importlib.util
 import re
 import subprocess
@@ -34,3 +35,8 @@ def test_held_out_problems_use_numbers_no_training_problem_holds():
         a, b = map(int, re.findall(r"\d+", row["prompt"][0]["content"]))
         expected = a + b if row["extra_info"]["operation"] == "addition" else a - b
         assert row["reward_model"]["ground_truth"] == str(expected) and expected >= 0
+    problems = [(row["extra_info"]["operation"], *sorted(re.findall(r"\d+", row["prompt"][0]["content"])))
+                for row in word_problem_rows(306)[1]]
+    assert len(set(problems)) == 306
+    with pytest.raises(ValueError, match="at most 306"):
+        word_problem_rows(307)
