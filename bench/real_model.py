@@ -105,8 +105,10 @@ def run(args) -> int:
                "peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20,
                "seeds": seeds, "spread": spread(seeds)}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"[real_model] {len(seeds)} seeds: held-out accuracy before {summary['spread']['before']}, after "
-          f"{summary['spread']['after']}; peak RSS {summary['peak_rss_gb']:.1f} GB; wrote {args.out / 'summary.json'}")
+    ends = ", ".join(f"{end} {values['mean']:.3f} ({values['min']:.3f}-{values['max']:.3f})"
+                     for end, values in summary["spread"].items())
+    print(f"[real_model] {len(seeds)} seeds: held-out greedy accuracy, mean (range): {ends}; peak RSS "
+          f"{summary['peak_rss_gb']:.1f} GB; wrote {args.out / 'summary.json'}")
     return 0
 
 
