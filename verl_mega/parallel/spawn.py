@@ -10,6 +10,8 @@ from pathlib import Path
 
 from .safe_path import SAFE_PATH_ENV
 
+# OMP_NUM_THREADS of a rank whose launcher's environment does not set it.
+RANK_THREADS = "1"
 # The lowest port `free_port` picks: above the registered services most machines run.
 LOWEST_PICKED_PORT = 10000
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -57,7 +59,7 @@ def run_torchrun(nproc: int, module: str, args: list[str], env: dict[str, str] |
     captured) carrying the first failed rank's exit code, its message the last line on stderr. The agent and the
     ranks import nothing from the working folder (`safe_path`)."""
     command = torchrun_command(nproc, module, args)
-    child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}), **SAFE_PATH_ENV}
+    child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", RANK_THREADS), **(env or {}), **SAFE_PATH_ENV}
     return subprocess.run(command, check=True, env=child_env, capture_output=capture_output, text=capture_output)
 
 
