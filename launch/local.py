@@ -21,7 +21,7 @@ import torch
 from verl_mega.parallel.process_exit import exit_process
 from verl_mega.parallel.safe_path import without_working_folder
 from verl_mega.parallel.spawn import RANK_THREADS, run_torchrun
-from verl_mega.parallel.world import TORCHRUN_VARIABLES, single_process_world
+from verl_mega.parallel.world import single_process_world
 from verl_mega.trainer.main import main as trainer_main
 
 from .payload import (
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         check_trainer_config(args, passthrough, world)
     except ValueError as error:
         parser.error(str(error))
-    if world == 1 and payload.module == TRAINER_MODULE and not env:
-        return train_in_this_process(list(payload.args))
+    if world == 1 and payload.module == TRAINER_MODULE and not args.env:
+        return train_in_this_process(list(payload.args), env)
     try:
         run_torchrun(world, payload.module, list(payload.args), env=env)
     except subprocess.CalledProcessError as error:  # the failed rank's message is already the last line
@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train_in_this_process(trainer_args: list[str]) -> int:
-    """`verl-mega train TRAINER_ARGS` as torchrun's only rank would run it, here; its exit code."""
-    with rank_environment(), without_working_folder():
+def train_in_this_process(trainer_args: list[str], env: dict[str, str]) -> int:
+    """`verl-mega train TRAINER_ARGS` as torchrun's only rank would run it, here, with the launcher's variables
+    for its rank `env` (none of them given by --env); its exit code."""
+    with rank_environment(env), without_working_folder():
         if "OMP_NUM_THREADS" not in os.environ:  # torch read the variable at import: set its pool as well
             os.environ["OMP_NUM_THREADS"] = RANK_THREADS
             torch.set_num_threads(int(RANK_THREADS))
@@ -78,11 +79,12 @@ def train_in_this_process(trainer_args: list[str]) -> int:
 
 
 @contextmanager
-def rank_environment():
-    """torchrun's variables for a world of one on a free local port, the earlier values put back after (a test
-    or a script that launches again reads its own environment)."""
-    before = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
-    os.environ.update(single_process_world().torchrun_environment())
+def rank_environment(env: dict[str, str]):
+    """torchrun's variables for a world of one on a free local port, and `env`; the earlier values put back after
+    (a test or a script that launches again reads its own environment)."""
+    variables = {**single_process_world().torchrun_environment(), **env}
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
         yield
     finally:
