@@ -33,6 +33,7 @@ differ). The header prints what each side's imports cost in CPU seconds in a fre
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -180,8 +181,7 @@ def train_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, thread
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from verl_mega.rewards.rules import copy_score
-
+    copy_score = rules_module().copy_score
     torch.set_num_threads(threads)
 
     def copy_reward(prompts, completions, ground_truth, **_):
@@ -239,6 +239,15 @@ def train_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, thread
     for seconds in stage_seconds:
         seconds["update_rest"] = seconds["step"] - seconds.get("rollout_total", 0.0) - seconds.get("loss_forward", 0.0)
     return summarise(stage_seconds, lengths)
+
+
+def rules_module():
+    """verl_mega's string rewards (`verl_mega/rewards/rules.py`, standard library only) read from their file: TRL's
+    venv holds no verl_mega, and importing the package checks for megatron-core."""
+    spec = importlib.util.spec_from_file_location("verl_mega_rules", ROOT / "verl_mega" / "rewards" / "rules.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def grpo_config(settings: dict, steps: int) -> str:
