@@ -3,10 +3,11 @@
 The trainer on one rank (`--nproc 1`, no rollout ranks, no `--env`) runs in this process instead: a torchrun
 agent would add a second and a third interpreter (the agent importing torch, the rank importing again all that
 this launcher has imported for its pre-flight check) around the same one rank: 9.8-11.1 CPU-s for a 2-step run
-of the tiny model on one thread, 4.8-6.0 CPU-s in this process (docs/benchmarks.md). The rank sees what torchrun would give it: a world of one on a free local port (whatever
-Slurm or MASTER_* variables the launcher's own environment holds), one thread unless OMP_NUM_THREADS says
-otherwise, and no working folder on its import path. `--env` asks for variables set before the rank's
-interpreter starts (thread pools, allocators read them at import), so it keeps the torchrun agent.
+of the tiny model on one thread, 4.8-6.0 CPU-s in this process (docs/benchmarks.md). The rank sees what
+torchrun would give it: a world of one on a free local port (whatever Slurm or MASTER_* variables the
+launcher's own environment holds), one thread unless OMP_NUM_THREADS says otherwise, and no working folder on
+its import path. `--env` asks for variables set before the rank's interpreter starts (thread pools, allocators
+read them at import), so it keeps the torchrun agent.
 """
 from __future__ import annotations
 
