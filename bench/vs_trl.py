@@ -366,7 +366,8 @@ def main(argv=None) -> int:
                         help=f"sequences per TRL forward/backward (a divisor of {SEQUENCES_PER_STEP}; 8 was its best "
                              "on a real 135M model)")
     parser.add_argument("--trl-venv", type=Path,
-                        default=Path(tempfile.gettempdir()) / f"verl_mega_bench_trl{TRL_RELEASE}", help="TRL's venv, built there when it lacks TRL (see above)")
+                        default=Path(tempfile.gettempdir()) / f"verl_mega_bench_trl{TRL_RELEASE}",
+                        help="TRL's venv, built there when it lacks TRL (see above)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2: the first step is warm-up and not measured")
