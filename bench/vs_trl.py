@@ -1,14 +1,20 @@
 """verl_mega against TRL's GRPOTrainer, side by side, one after the other, on the same model, data and reward.
 
-    pip install -e .[bench]      # TRL, pinned; a bench-only dependency
-    python -m bench.vs_trl [--scale tiny|llama100m|both] [--steps 5] [--threads 2] [--rounds 2] [--trl-micro-batch 32]
+    python -m bench.vs_trl [--scale tiny|llama100m|both] [--steps 5] [--threads 2] [--rounds 3] [--trl-micro-batch 32]
+                           [--trl-venv DIR]
+
+TRL runs in a venv of its own (`--trl-venv`, built on first use: TRL's release of the `[bench]` extra with this
+venv's torch, transformers and accelerate, pinned; pip takes them from the machine's wheels or PyPI), without
+vLLM: TRL imports its vLLM client whenever vLLM is installed, which this project's test venv holds, and that
+import was half of TRL's start-up. Where TRL's venv holds vLLM anyway, the header says so with what importing it
+costs.
 
 Both run GRPO in fp32 on the CPU with equal settings: 8 prompts x 4 samples per step, the same maximum of new
 tokens, learning rate, clip ratio, temperature and chat template, no KL term, one optimizer step per trainer
 step (one epoch over one mini-batch of all 32 samples, in one forward/backward pass; `--trl-micro-batch 8`
 gives TRL four passes of 8, its best setting on a real 135M model). The task is the synthetic
 copy task with its partial-credit rule reward. Each side runs in its own fresh process with the same thread count:
-TRL in `python -c` (`trl_process`), verl_mega as `verl-mega train`'s entry point under torchrun with one process.
+TRL in `python -c` (`trl_process`), verl_mega as a user starts it: `verl-mega launch local --nproc 1`.
 
 Models are built here, nothing comes from a hub: `tiny` is the tests' tiny Qwen2 (character tokenizer);
 `llama100m` is a ~110M-parameter Llama-shaped random model with a byte-level BPE tokenizer trained here with
@@ -27,6 +33,7 @@ differ). The header prints what each side's imports cost in CPU seconds in a fre
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -36,12 +43,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
+TRL_RELEASE = "1.16.0"  # setup.py's [bench] extra
+# TRL's venv takes these releases from this one, so that both sides run the same torch and model code.
+SHARED_PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "tokenizers")
 STEP_BEGINS, STEP_ENDS = "vs_trl: a TRL step begins", "vs_trl: a TRL step ends"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 8, 4
 SEQUENCES_PER_STEP = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
@@ -114,7 +125,31 @@ def copy_rows(count: int) -> list[dict]:
     return make_task_rows("copy", count, seed=0, max_digits=6)
 
 
-def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path,
+def trl_venv(folder: Path) -> Path:
+    """The python of `folder`, a venv holding TRL_RELEASE and this venv's SHARED_PACKAGES, built when it lacks TRL."""
+    python = folder / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import trl"], capture_output=True).returncode == 0:
+        return python
+    print(f"building TRL's venv in {folder}", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    pins = [f"{name}=={version(name).split('+')[0]}" for name in SHARED_PACKAGES]
+    subprocess.run([python, "-m", "pip", "install", "--quiet", *pins, f"trl=={TRL_RELEASE}"], check=True)
+    return python
+
+
+def trl_imports(python: Path, threads: int) -> str:
+    """What TRL's imports cost in a fresh interpreter of its venv, with vLLM's share when that venv holds vLLM."""
+    line = (f"TRL's {import_cpu_seconds('import trl, datasets; from trl import GRPOTrainer', threads, python):.1f} "
+            f"CPU-s")
+    has_vllm = subprocess.run([python, "-c", "import importlib.util, sys; "
+                                             "sys.exit(importlib.util.find_spec('vllm') is None)"]).returncode == 0
+    if has_vllm:
+        line += (f" (its venv holds vLLM, whose client TRL imports: vLLM's own import "
+                 f"{import_cpu_seconds('import vllm', threads, python):.1f} CPU-s)")
+    return line + ("" if has_vllm else ", its venv without vLLM")
+
+
+def run_trl(python: Path, hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path,
             micro_batch: int) -> dict:
     """TRL in a fresh interpreter (`trl_process`), so that its whole run, like verl_mega's, counts from the command
     (imports included) to the process's exit."""
@@ -122,7 +157,7 @@ def run_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads:
     out.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps(dict(hf_dir=str(hf_dir), rows=rows, settings=settings, steps=steps, threads=threads,
                                     out=str(out), micro_batch=micro_batch)))
-    command = [sys.executable, "-c", "import sys; from bench.vs_trl import trl_process; trl_process(sys.argv[1])",
+    command = [str(python), "-c", "import sys; from bench.vs_trl import trl_process; trl_process(sys.argv[1])",
                str(spec)]
     lines, wall = timed_lines(command, {"OMP_NUM_THREADS": str(threads)}, cwd=ROOT)
     result = json.loads((out / "trl_result.json").read_text())
@@ -146,8 +181,7 @@ def train_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, thread
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from verl_mega.rewards.rules import copy_score
-
+    copy_score = rules_module().copy_score
     torch.set_num_threads(threads)
 
     def copy_reward(prompts, completions, ground_truth, **_):
@@ -207,6 +241,15 @@ def train_trl(hf_dir: Path, rows: list[dict], settings: dict, steps: int, thread
     return summarise(stage_seconds, lengths)
 
 
+def rules_module():
+    """verl_mega's string rewards (`verl_mega/rewards/rules.py`, standard library only) read from their file: TRL's
+    venv holds no verl_mega, and importing the package checks for megatron-core."""
+    spec = importlib.util.spec_from_file_location("verl_mega_rules", ROOT / "verl_mega" / "rewards" / "rules.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def grpo_config(settings: dict, steps: int) -> str:
     """verl_mega's GRPO config of the comparison (see the module docstring), as YAML."""
     return f"""
@@ -230,7 +273,6 @@ trainer: {{total_steps: {steps}, seed: 1, progress_bar: false}}
 def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, threads: int, out: Path,
                   quantization: str = "none") -> dict:
     from verl_mega.data.tables import write_rows
-    from verl_mega.parallel.spawn import torchrun_command
     from verl_mega.run.folder import RunFolder
     from verl_mega.trainer.plot import read_metrics
 
@@ -238,10 +280,11 @@ def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, th
     config = out / "grpo.yaml"
     config.write_text(grpo_config(settings, steps))
     run_dir = out / "run"
-    lines, wall = timed_lines(torchrun_command(1, "verl_mega.trainer.main", [
-        "--config", str(config), f"model.hf_path={hf_dir}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
+    lines, wall = timed_lines([
+        sys.executable, "-m", "verl_mega.cli", "launch", "local", "--nproc", "1", str(config),
+        f"model.hf_path={hf_dir}", f"data.train_files=[{data}]", f"trainer.run_dir={run_dir}",
         f"rollout.quantization={quantization}",
-    ]), {"OMP_NUM_THREADS": str(threads)})
+    ], {"OMP_NUM_THREADS": str(threads)})
     records = read_metrics(RunFolder(run_dir).metrics)
     stage_seconds = [{"step": record["perf/step_seconds"], "step_cpu": record["perf/step_cpu_seconds"],
                       **{key[len("timing/"):]: value for key, value in record.items() if key.startswith("timing/")}}
@@ -269,11 +312,11 @@ def timed_lines(command: list[str], env: dict[str, str], cwd: Path | None = None
     return lines, wall
 
 
-def import_cpu_seconds(statement: str, threads: int) -> float:
-    """CPU seconds a fresh interpreter spends on `statement` (an import) and all it pulls in."""
+def import_cpu_seconds(statement: str, threads: int, python: Path | str = sys.executable) -> float:
+    """CPU seconds a fresh interpreter (`python`) spends on `statement` (an import) and all it pulls in."""
     code = (f"import resource; {statement}; usage = resource.getrusage(resource.RUSAGE_SELF); "
             "print(usage.ru_utime + usage.ru_stime)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return float(result.stdout.strip().splitlines()[-1])
 
@@ -320,12 +363,15 @@ def main(argv=None) -> int:
     parser.add_argument("--scale", choices=[*SCALES, "both"], default="tiny")
     parser.add_argument("--steps", type=int, default=5, help="trainer steps per system; the first is warm-up")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both systems")
-    parser.add_argument("--rounds", type=int, default=2, help="TRL then verl_mega, this many times per scale")
+    parser.add_argument("--rounds", type=int, default=3, help="TRL then verl_mega, this many times per scale")
     parser.add_argument("--quantization", choices=["none", "int8"], default="none",
                         help="verl_mega's rollout.quantization (TRL stays on its defaults)")
     parser.add_argument("--trl-micro-batch", type=int, default=SEQUENCES_PER_STEP,
                         help=f"sequences per TRL forward/backward (a divisor of {SEQUENCES_PER_STEP}; 8 was its best "
                              "on a real 135M model)")
+    parser.add_argument("--trl-venv", type=Path,
+                        default=Path(tempfile.gettempdir()) / f"verl_mega_bench_trl{TRL_RELEASE}",
+                        help="TRL's venv, built there when it lacks TRL (see above)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2: the first step is warm-up and not measured")
@@ -333,18 +379,14 @@ def main(argv=None) -> int:
         parser.error("--rounds must be >= 1")
     if args.trl_micro_batch < 1 or SEQUENCES_PER_STEP % args.trl_micro_batch:
         parser.error(f"--trl-micro-batch must divide {SEQUENCES_PER_STEP}")
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        print("bench/vs_trl.py needs TRL: pip install -e .[bench]", file=sys.stderr)
-        return 2
+    trl_python = trl_venv(args.trl_venv)
     scales = list(SCALES) if args.scale == "both" else [args.scale]
     rows = copy_rows(PROMPTS_PER_STEP * args.steps)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.steps} steps per system, "
           f"{PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, fp32, load average {os.getloadavg()[0]:.1f}")
-    print(f"imports in a fresh interpreter: verl_mega's trainer "
-          f"{import_cpu_seconds('import verl_mega.trainer.main, megatron.core', args.threads):.1f} CPU-s, TRL's "
-          f"{import_cpu_seconds('import trl, datasets; from trl import GRPOTrainer', args.threads):.1f} CPU-s")
+    print(f"imports in a fresh interpreter: verl_mega's launcher and trainer "
+          f"{import_cpu_seconds('import verl_mega.cli, verl_mega.launch.local, megatron.core', args.threads):.1f} "
+          f"CPU-s, {trl_imports(trl_python, args.threads)}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for scale in scales:
@@ -354,7 +396,7 @@ def main(argv=None) -> int:
             rounds = []
             for number in range(args.rounds):
                 print(f"{scale}, round {number + 1}: load average {os.getloadavg()[0]:.1f}", flush=True)
-                rounds.append((run_trl(hf_dir, rows, SCALES[scale], args.steps, args.threads,
+                rounds.append((run_trl(trl_python, hf_dir, rows, SCALES[scale], args.steps, args.threads,
                                        tmp / scale / f"trl{number}", args.trl_micro_batch),
                                run_verl_mega(hf_dir, rows, SCALES[scale], args.steps, args.threads,
                                              tmp / scale / f"verl_mega{number}", args.quantization)))

@@ -1,15 +1,34 @@
-"""`verl-mega launch local`: run the payload under torchrun on this machine (no scheduler)."""
+"""`verl-mega launch local`: run the payload under torchrun on this machine (no scheduler).
+
+The trainer on one rank (`--nproc 1`, no rollout ranks, no `--env`) runs in this process instead: a torchrun
+agent would add a second and a third interpreter (the agent importing torch, the rank importing again all that
+this launcher has imported for its pre-flight check) around the same one rank: 9.8-11.1 CPU-s for a 2-step run
+of the tiny model on one thread, 4.8-6.0 CPU-s in this process (docs/benchmarks.md). The rank sees what
+torchrun would give it: a world of one on a free local port (whatever Slurm or MASTER_* variables the
+launcher's own environment holds), one thread unless OMP_NUM_THREADS says otherwise, and no working folder on
+its import path. `--env` asks for variables set before the rank's interpreter starts (thread pools, allocators
+read them at import), so it keeps the torchrun agent.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
+from contextlib import contextmanager
 
-from verl_mega.parallel.spawn import LAUNCH_COMMAND_ENV, StoppedBySignal, run_torchrun
+import torch
+
+from verl_mega.parallel.process_exit import exit_process
+from verl_mega.parallel.safe_path import without_working_folder
+from verl_mega.parallel.spawn import LAUNCH_COMMAND_ENV, RANK_THREADS, StoppedBySignal, run_torchrun
+from verl_mega.parallel.world import single_process_world
+from verl_mega.trainer.main import main as trainer_main
 
 from .payload import (
-    add_payload_arguments, add_rollout_ranks, check_trainer_config, parse_env, payload_from_args, split_passthrough,
+    TRAINER_MODULE, add_payload_arguments, add_rollout_ranks, check_trainer_config, parse_env, payload_from_args,
+    split_passthrough,
 )
 
 
@@ -45,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         check_trainer_config(args, passthrough, world)
     except ValueError as error:
         parser.error(str(error))
+    if world == 1 and payload.module == TRAINER_MODULE and not args.env:
+        return train_in_this_process(list(payload.args), env)
     try:
         run_torchrun(world, payload.module, list(payload.args), env=env)
     except subprocess.CalledProcessError as error:  # the failed rank's message is already the last line
@@ -54,5 +75,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def train_in_this_process(trainer_args: list[str], env: dict[str, str]) -> int:
+    """`verl-mega train TRAINER_ARGS` as torchrun's only rank would run it, here, with the launcher's variables
+    for its rank `env` (none of them given by --env); its exit code."""
+    with rank_environment(env), without_working_folder():
+        if "OMP_NUM_THREADS" not in os.environ:  # torch read the variable at import: set its pool as well
+            os.environ["OMP_NUM_THREADS"] = RANK_THREADS
+            torch.set_num_threads(int(RANK_THREADS))
+        return trainer_main(trainer_args)
+
+
+@contextmanager
+def rank_environment(env: dict[str, str]):
+    """torchrun's variables for a world of one on a free local port, and `env`; the earlier values put back after
+    (a test or a script that launches again reads its own environment)."""
+    variables = {**single_process_world().torchrun_environment(), **env}
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

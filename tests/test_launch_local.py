@@ -1,10 +1,28 @@
-"""`verl-mega launch local` runs a module under torchrun on this machine."""
+"""`verl-mega launch local` runs a module under torchrun on this machine, and the trainer on one rank in its own
+process."""
 import json
+import os
+import signal
 
 import pytest
 
 import launch_payloads
+from verl_mega.data.synthetic import make_task_rows
+from verl_mega.data.tables import write_rows
 from verl_mega.launch import local
+from verl_mega.models.tiny import make_tiny_hf_model
+from verl_mega.run.folder import RunFolder
+from verl_mega.trainer.plot import read_metrics
+
+ONE_STEP_GRPO = """
+data: {max_prompt_length: 32, max_response_length: 4, batch_size: 2, truncation: error}
+rollout: {n: 2}
+actor: {mini_batch_size: 4, micro_batch_size: 4}
+critic: {enable: false, mini_batch_size: 4, micro_batch_size: 4}
+algorithm: {adv_estimator: grpo}
+reward: {function: copy}
+trainer: {total_steps: 1, progress_bar: false}
+"""
 
 
 @pytest.mark.slow
@@ -33,3 +51,53 @@ def test_local_launch_refuses_rollout_ranks_it_cannot_place(capsys, argv, messag
     with pytest.raises(SystemExit):
         local.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_one_trainer_rank_trains_in_the_launchers_process_as_torchrun_s_only_rank(tmp_path, monkeypatch):
+    """No torchrun agent: the trainer trains here, in a world of one on its own port, whatever the launcher's
+    environment says about Slurm or a rendezvous, and the environment is the launcher's again after."""
+    def no_agent(*args, **kwargs):
+        raise AssertionError("a one-rank trainer launch started torchrun")
+
+    monkeypatch.setattr(local, "run_torchrun", no_agent)
+    for name, value in (("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("MASTER_ADDR", "192.0.2.1"),
+                        ("MASTER_PORT", "9")):  # a world of 4 and an unreachable rendezvous, were they read
+        monkeypatch.setenv(name, value)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "grpo.yaml"
+    config.write_text(ONE_STEP_GRPO)
+    model = make_tiny_hf_model(tmp_path / "hf", "qwen2")
+    data = write_rows(make_task_rows("copy", 2, seed=0), tmp_path / "copy.jsonl")
+    run_dir = tmp_path / "run"
+
+    # The trainer's stop handlers, and the command's ignored Ctrl-C once all is saved, are the process's: this one's
+    # are put back for the tests after it.
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        status = local.main(["--nproc", "1", str(config), f"model.hf_path={model}", f"data.train_files=[{data}]",
+                             f"trainer.run_dir={run_dir}"])
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+    assert status == 0
+    assert [record["step"] for record in read_metrics(RunFolder(run_dir).metrics)] == [1]
+    assert "WORLD_SIZE" not in os.environ and os.environ["MASTER_ADDR"] == "192.0.2.1"
+
+
+def test_a_trainer_launch_with_env_variables_keeps_the_torchrun_agent(tmp_path, monkeypatch):
+    """--env names variables read as the rank's interpreter starts, which this process has passed."""
+    launched = []
+    monkeypatch.setattr(local, "run_torchrun", lambda *args, **kwargs: launched.append((args, kwargs)))
+    config = tmp_path / "grpo.yaml"
+    config.write_text(ONE_STEP_GRPO)
+    model = make_tiny_hf_model(tmp_path / "hf", "qwen2")
+    data = write_rows(make_task_rows("copy", 2, seed=0), tmp_path / "copy.jsonl")
+
+    status = local.main(["--nproc", "1", "--env", "MKL_NUM_THREADS=1", str(config), f"model.hf_path={model}",
+                         f"data.train_files=[{data}]", f"trainer.run_dir={tmp_path / 'run'}"])
+
+    assert status == 0
+    assert [(args[:2], kwargs["env"]["MKL_NUM_THREADS"]) for args, kwargs in launched] == [
+        ((1, local.TRAINER_MODULE), "1")]

@@ -41,3 +41,21 @@ def test_torchrun_and_its_ranks_import_nothing_from_the_working_folder(tmp_path,
     assert status == 0
     assert json.loads((tmp_path / "rank0.json").read_text())["sum"] == 1.0
     assert [proof for proof in proofs if proof.exists()] == []
+
+
+def test_a_rank_run_in_its_launchers_process_imports_nothing_from_the_working_folder(tmp_path, monkeypatch):
+    """`python -m verl_mega.launch.local` puts the working folder first on sys.path; the one-rank trainer that runs
+    in that process (`without_working_folder`) imports as a rank under PYTHONSAFEPATH=1 would."""
+    import importlib
+    import sys
+
+    from verl_mega.parallel.safe_path import without_working_folder
+
+    proofs = plant(tmp_path, "planted_by_a_user")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    with without_working_folder():
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("planted_by_a_user")
+    assert sys.path[0] == str(tmp_path)
+    assert [proof for proof in proofs if proof.exists()] == []

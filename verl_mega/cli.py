@@ -24,6 +24,7 @@ from verl_mega.converters.verify import verify_checkpoint
 from verl_mega.hub import is_repo_id, model_ref, resolve_model
 from verl_mega.hub.push import push_folder
 from verl_mega.models.builder import DTYPES
+from verl_mega.parallel.process_exit import exit_process
 from verl_mega.run.folder import RunFolder
 from verl_mega.trainer.model_card import model_card
 from verl_mega.trainer.plot import plot_run
@@ -229,7 +230,16 @@ def _delegated(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The command `argv`'s exit code. Without `argv` it is the process's own command line (the `verl-mega` script):
+    then the process ends here once the command is done, through `exit_process`, which skips CPython's freeing of
+    the objects of torch, transformers and megatron-core that a training, a conversion or a launch imported
+    (about 1 CPU-s)."""
+    if argv is None:
+        exit_process(run_command(sys.argv[1:]))
+    return run_command(argv)
+
+
+def run_command(argv: list[str]) -> int:
     delegated = _delegated(argv)
     if delegated is not None:
         return delegated() or 0
@@ -246,4 +256,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -11,4 +11,24 @@ PYTHONPATH, which stays on the path; Python 3.10 ignores the variable.
 """
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
+
+
+@contextmanager
+def without_working_folder() -> Iterator[None]:
+    """In this process, what PYTHONSAFEPATH=1 does for a new one: the working folder, which `python -m` put first on
+    `sys.path`, is off it until the block ends (for a rank run in its launcher's process)."""
+    entry = sys.path[0] if sys.path and not sys.flags.safe_path else None
+    if entry is None or os.path.abspath(entry) != os.getcwd():
+        yield
+        return
+    del sys.path[0]
+    try:
+        yield
+    finally:
+        sys.path.insert(0, entry)

@@ -24,6 +24,8 @@ class StoppedBySignal(Exception):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
 
+# OMP_NUM_THREADS of a rank whose launcher's environment does not set it.
+RANK_THREADS = "1"
 # The lowest port `free_port` picks: above the registered services most machines run.
 LOWEST_PICKED_PORT = 10000
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -73,7 +75,8 @@ def run_torchrun(nproc: int, module: str, args: list[str], env: dict[str, str] |
     the stop signals this process receives, once each (`stop_signals`); StoppedBySignal when the ranks then
     ended well."""
     command = torchrun_command(nproc, module, args)
-    child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}), **SAFE_PATH_ENV}
+    child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", RANK_THREADS), **(env or {}),
+                 **SAFE_PATH_ENV}
     pipe = subprocess.PIPE if capture_output else None
     with subprocess.Popen(command, env=child_env, stdout=pipe, stderr=pipe, text=capture_output,
                           start_new_session=True) as agent, forwarding(lambda: [agent.pid]) as passed:
