@@ -13,7 +13,8 @@
 # Checks, each a function of a bench/gpu_*.py module under its own timeout: the CUDA kernels built, equal to
 # float64 and faster than log_softmax+gather and verl's GAE loop (gpu_kernels_check); PPO+GAE over NCCL
 # against gloo on the CPU, and the embedded engine's greedy tokens against transformers' (gpu_ppo_check);
-# bf16 step throughput and MFU (gpu_throughput_check); with transformer-engine, conversion parity and THD
+# bf16 step throughput and MFU, and that step's torch.cuda.max_memory_allocated against the memory planner's
+# prediction (gpu_throughput_check, gpu_planner_check); with transformer-engine, conversion parity and THD
 # packing (gpu_packing_check); with vLLM, rollout through the HybridEngine, in fp32 and in block FP8
 # (gpu_rollout_check). Logs go to
 # build/gpu-check/.

@@ -9,7 +9,8 @@ hidden-2048 Qwen2 (0.27 B parameters, vocabulary 32,768, initialised at transfor
 finite) at 32 rows x 1,024 tokens per step; the last of STEPS steps is read from metrics.jsonl (the first ones
 warm up). FLOPs per token: 6 x the parameters every token multiplies (the LM head included, the embedding
 lookup not) + 6 x layers x sequence x hidden for causal attention (forward QK^T and AV, backward twice that).
-MFU = tokens/s x FLOPs per token / the measured rate. PASS at MFU >= MFU_GOAL.
+MFU = tokens/s x FLOPs per token / the measured rate. PASS at MFU >= MFU_GOAL, and with the run's
+perf/max_memory_allocated_gb within bench.gpu_planner_check's tolerance of the memory planner's prediction.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from bench import gpu_planner_check
 from bench.gpu_ppo_check import cli
 from verl_mega.data.tables import write_rows
 from verl_mega.data.tiny_tokenizer import build_tiny_tokenizer
@@ -109,7 +111,8 @@ def run(work: Path) -> list[str]:
     print(f"bf16 SFT step ({parameters / 1e9:.2f} B matmul parameters, {ROWS} x {sequence:.0f} tokens): "
           f"{last['perf/step_seconds']:.3f} s, {tokens_per_second:,.0f} tokens/s, MFU {100 * mfu:.1f} % of the "
           f"measured GEMM rate (goal >= {100 * MFU_GOAL:.0f} %)")
-    return [] if mfu >= MFU_GOAL else [f"MFU {100 * mfu:.1f} % < {100 * MFU_GOAL:.0f} %"]
+    misses = [] if mfu >= MFU_GOAL else [f"MFU {100 * mfu:.1f} % < {100 * MFU_GOAL:.0f} %"]
+    return misses + gpu_planner_check.compare(CONFIG, OVERRIDES, hf, run_dir / "metrics.jsonl")
 
 
 def main(argv=None) -> int:
@@ -121,6 +124,7 @@ def main(argv=None) -> int:
         command = train_command(args.work / "hf", args.work / "rows.jsonl", args.work / "run")
         print(f"would measure the bf16 GEMM rate at {GEMM_SIZE}^3 and run verl-mega {' '.join(command)}")
         print(f"would report tokens/s and MFU of step {STEPS}; goal MFU >= {100 * MFU_GOAL:.0f} %")
+        print(gpu_planner_check.describe(CONFIG, OVERRIDES, MODEL, args.work))
         assert CONFIG.is_file(), CONFIG
         return 0
     if not torch.cuda.is_available():

@@ -47,6 +47,7 @@ def test_the_dry_run_names_the_comparisons_and_what_skips(dry_run):
     assert "against log_softmax+gather: goals >= 1.5x" in out and "against verl's loop: goal >= 100x" in out
     assert "CUDA_VISIBLE_DEVICES='' verl-mega launch local --nproc 1" in out
     assert "greedy rollouts with transformers'" in out and "MFU" in out
+    assert "planner's actor.update peak for the throughput run" in out
     assert re.search(r"^torch \S+ is (inside|outside) setup.py's supported range", out, re.MULTILINE) or \
         "NOTE torch" in out
     has_te = subprocess.run([sys.executable, "-c", "import transformer_engine"], capture_output=True).returncode == 0

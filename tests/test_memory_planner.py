@@ -180,6 +180,28 @@ def test_offload_empties_the_rollout_window_and_cpu_offload_the_optimizer(tiny):
     assert hosted.phases["actor.update"].resident_bytes == pytest.approx(params * 6)
 
 
+def test_critic_offload_and_the_reference_leave_the_rollout_window(tiny):
+    """bf16, no distributed optimizer: `critic.offload` releases the critic's 4 B of fp32 gradients and 8 of
+    moments per parameter (its 6 B of parameters and main parameters too with params, once the engine has its copy:
+    the transition still holds 6 B of the actor's, 6 of the critic's and the reference's 2); the reference's 2 B
+    leave with the actor's parameters."""
+    from verl_mega.config.schema import OffloadConfig
+
+    model = Model(load_config(tiny, ["critic.offload.grads=true", "critic.offload.optimizer=true"]))
+    plain = Model(load_config(tiny))
+    both = Roles(critic=True, reference=True)
+    layout = layout_of(model.config, 1)
+    offloaded, kept = plan_memory(model, layout, both), plan_memory(plain, layout, both)
+    params = kept.roles["actor"]["params"] / 2
+    assert kept.phases["rollout"].resident_bytes - offloaded.phases["rollout"].resident_bytes == pytest.approx(
+        params * 12)
+    everything = dataclasses.replace(layout, offload=OffloadConfig(True, True, True))
+    critic_all = ["critic.offload.params=true", "critic.offload.grads=true", "critic.offload.optimizer=true"]
+    with_params = plan_memory(Model(load_config(tiny, critic_all)), everything, both)
+    assert with_params.phases["rollout"].resident_bytes == pytest.approx(0)
+    assert with_params.phases["transition"].resident_bytes == pytest.approx(params * (6 + 6 + 2))
+
+
 def test_cli_models_what_training_refuses_yet(tiny):
     done = run_cli("--memory", str(tiny), "parallel.pp=2", "parallel.vpp=2", "parallel.cp=2", "--json", "--gpus", "8")
     assert done.returncode == 0, done.stderr

@@ -127,6 +127,35 @@ def test_training_after_offload_takes_the_steps_training_without_it_takes(one_ra
     assert_bitwise(optimizer_state(offloaded), snapshot(optimizer_state(plain)))
 
 
+def test_the_critic_and_the_reference_leave_with_the_actor_and_come_back_bitwise(one_rank, checkpoint):
+    """models_memory_released over the actor (everything), a critic-like trained model (its gradients and Adam's
+    state only) and a reference (a bare model without optimizer: its weights), as `Models.idle_in_rollout` names
+    them: each leaves as its offload says, the parameters only at `release_params`, and all come back bitwise."""
+    from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+    from verl_mega.rollout.training_memory import _megatron_grad_buffers, models_memory_released
+
+    actor, critic = trainable(checkpoint, "fp32", False), trainable(checkpoint, "bf16", True)
+    train_step(actor, 0)
+    train_step(critic, 1)
+    reference, *_ = build_model_from_checkpoint(checkpoint)
+    critic_params, critic_states = list(critic.model.parameters()), optimizer_state(critic)
+    critic_grads = [buffer.grad_data for buffer in _megatron_grad_buffers(critic.model)]
+    reference_params = list(reference.parameters())
+    before = snapshot([*critic_params, *critic_states, *reference_params])
+    held = [(actor.model, actor.optimizer, OffloadConfig(True, True, True)),
+            (critic.model, critic.optimizer, OffloadConfig(False, True, True)),
+            (reference, None, OffloadConfig(True, False, False))]
+    with models_memory_released(held) as release_params:
+        assert all(tensor.untyped_storage().nbytes() == 0 for tensor in [*critic_grads, *critic_states])
+        assert all(param.untyped_storage().nbytes() > 0 for param in [*critic_params, *reference_params])
+        release_params()
+        assert all(param.untyped_storage().nbytes() == 0 for param in reference_params)
+        assert all(param.untyped_storage().nbytes() == 0 for param in actor.model.parameters())
+        assert all(param.untyped_storage().nbytes() > 0 for param in critic_params)
+    assert_bitwise([*critic_params, *critic_states, *reference_params], before)
+    assert all(grad.untyped_storage().nbytes() > 0 and not grad.any() for grad in critic_grads)
+
+
 def test_cpu_offload_reaches_megatron_as_the_whole_optimizer_on_the_host(one_rank, checkpoint):
     from verl_mega.checkpoint.model_io import build_model_from_checkpoint
     from verl_mega.roles.trainable import optimizer_config
@@ -150,8 +179,8 @@ def test_preflight_accepts_offload_across_the_rollout_window(tiny_models, prompt
 
 @pytest.mark.slow
 def test_an_rl_run_with_everything_offloaded_logs_the_run_without_offload(tmp_path):
-    """The trainer's rollout window (PPO with a critic, the embedded engine): the parameters leave after the engine
-    loaded its copy and come back for the update; every logged figure is the plain run's."""
+    """The trainer's rollout window (PPO with a critic, the embedded engine): the actor's and the critic's parameters
+    leave after the engine loaded its copy and come back for the update; every logged figure is the plain run's."""
     from tests.trainer_runs import make_inputs, records, run, train_command
 
     setup = make_inputs(tmp_path)
@@ -160,6 +189,7 @@ def test_an_rl_run_with_everything_offloaded_logs_the_run_without_offload(tmp_pa
         run(train_command(setup, tmp_path / name, 1, "trainer.total_steps=2", "parallel.tp=1", "parallel.pp=1",
                           "parallel.rollout_tp=1",
                           f"actor.offload.params={offload}", f"actor.offload.grads={offload}",
-                          f"actor.offload.optimizer={offload}"))
+                          f"actor.offload.optimizer={offload}", f"critic.offload.params={offload}",
+                          f"critic.offload.grads={offload}", f"critic.offload.optimizer={offload}"))
         logged[name] = records(tmp_path / name)
     assert len(logged["plain"]) == 2 and logged["offloaded"] == logged["plain"]

@@ -431,12 +431,14 @@ class RecomputeConfig:
 
 @dataclass
 class OffloadConfig:
-    """What the actor's training state gives back to the accelerator across the colocated rollout window (the
+    """What a trained role's state gives back to the accelerator across the colocated rollout window (the
     transition and the rollout), to come back bitwise before the next update (`rollout.training_memory`)."""
 
     params: bool = False
     """The parameters and the optimizer's fp32 main parameters wait on the host once the rollout engine has its
-    copy of the weights. verl's actor_rollout_ref.actor.megatron.param_offload."""
+    copy of the weights; the actor's take the reference's weights with them (a reference of its own, not a LoRA
+    actor's adapters-off base). verl's ...megatron.param_offload (the reference's ...ref.megatron.param_offload
+    follows the actor's)."""
     grads: bool = True
     """The gradient buffers are dropped (the next backward refills them). verl's ...megatron.grad_offload."""
     optimizer: bool = True
@@ -469,6 +471,9 @@ class CriticConfig(UpdateSchedule):
     """Train a critic; GAE needs one, the outcome estimators (grpo, rloo, ...) run without."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    offload: OffloadConfig = field(default_factory=lambda: OffloadConfig(grads=False, optimizer=False))
+    """What the critic gives back across the colocated rollout window, as actor.offload (its parameters, like the
+    actor's, once the rollout engine has its copy); by default nothing. verl's critic.megatron.param_offload / grad_offload / optimizer_offload."""
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 

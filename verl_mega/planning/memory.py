@@ -16,8 +16,9 @@ grads 18 B (6 + 12/D), fp32 + fp32 16 B (8 + 8/D). verl_mega's DDP reduces gradi
 16 B row. With `optim.cpu_offload` the optimizer's part (main parameters, main gradients, moments) is on the host.
 Across the rollout window the actor holds what `actor.offload` leaves (`rollout.training_memory`): without its
 gradient buffers (grads) and Adam's moments (optimizer), and in the rollout, once the engine has its copy,
-without its parameters and fp32 main parameters (params); the critic keeps all of it; the reference holds its
-weights only.
+without its parameters and fp32 main parameters (params); the critic holds what `critic.offload` leaves (by
+default all of it), the reference its weights, which leave with the actor's parameters. Outside that window the
+reference holds its weights and the critic everything.
 
 Activations per layer and micro-batch: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2) count, for a GPT layer in fp16 with a 4h GeLU MLP, dropout and a heads,
@@ -463,17 +464,30 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     def resident_bytes(stage: int) -> float:
         return sum(sum(parts.values()) for parts in resident(stage).values())
 
-    def awake_resident_bytes(stage: int, engine_loaded: bool) -> float:
-        """What stays on the device in the rollout window: less what `actor.offload` sends away (the parameters
+    def released_per_parameter(offload: OffloadConfig, distributed: bool, cpu_offload: bool,
+                               engine_loaded: bool) -> float:
+        """Bytes per parameter a trained role sends away in the rollout window under `offload` (the parameters
         only once the engine has loaded its copy)."""
-        per_parameter = optimizer_bytes_per_parameter(e, GRAD_BYTES, layout.distributed_optimizer, layout.dp)
-        sharded = layout.dp if layout.distributed_optimizer else 1
-        released = GRAD_BYTES if layout.offload.grads else 0
-        if layout.offload.optimizer and not layout.cpu_offload:
+        per_parameter = optimizer_bytes_per_parameter(e, GRAD_BYTES, distributed, layout.dp)
+        sharded = layout.dp if distributed else 1
+        released = GRAD_BYTES if offload.grads else 0
+        if offload.optimizer and not cpu_offload:
             released += ADAM_MOMENTS * FP32_BYTES / sharded
-        if layout.offload.params and engine_loaded:
-            main_params = 0 if layout.cpu_offload or e == FP32_BYTES else FP32_BYTES / sharded
+        if offload.params and engine_loaded:
+            main_params = 0 if cpu_offload or e == FP32_BYTES else FP32_BYTES / sharded
             released += per_parameter["params"] + main_params
+        return released
+
+    def awake_resident_bytes(stage: int, engine_loaded: bool) -> float:
+        """What stays on the device in the rollout window: less what `actor.offload` and `critic.offload` send
+        away, and the reference's weights with the actor's parameters."""
+        released = released_per_parameter(layout.offload, layout.distributed_optimizer, layout.cpu_offload,
+                                          engine_loaded)
+        if roles.critic:
+            released += released_per_parameter(critic.offload, critic.optim.use_distributed_optimizer,
+                                               critic.optim.cpu_offload, engine_loaded)
+        if roles.reference and layout.offload.params and engine_loaded:
+            released += e
         return resident_bytes(stage) - stage_params[stage] * released
 
     def update(stage: int, schedule, recompute: RecomputeConfig, micro: int, with_logits: bool) -> Phase:

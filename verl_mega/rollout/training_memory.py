@@ -1,5 +1,6 @@
 """Give the actor's training memory back to the accelerator while the colocated rollout generates (`actor.offload`:
-verl's grad_offload / optimizer_offload / param_offload).
+verl's grad_offload / optimizer_offload / param_offload), and the critic's (`critic.offload`) and the reference's
+weights (with `actor.offload.params`), idle through the rollout too.
 
 Each part `actor.offload` names leaves the device for the rollout window and comes back bitwise before the next
 update:
@@ -16,7 +17,7 @@ the storage gave back: it saves nothing there, and it is what the tests exercise
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -98,6 +99,22 @@ def training_memory_released(model: torch.nn.Module, optimizer, offload: Offload
             grad.zero_()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def models_memory_released(held: Sequence[tuple[torch.nn.Module, object, OffloadConfig]]
+                           ) -> Iterator[Callable[[], None]]:
+    """`training_memory_released` over each (model, optimizer or None, offload) at once: the actor, and the critic
+    and reference that sit idle through the rollout too; the yielded `release_params` releases all their
+    parameters."""
+    with contextlib.ExitStack() as stack:
+        releases = [stack.enter_context(training_memory_released(*each)) for each in held]
+
+        def release_params() -> None:
+            for release in releases:
+                release()
+
+        yield release_params
 
 
 def _empty_cache() -> None:

@@ -26,11 +26,12 @@ from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
 from verl_mega.rollout.factory import make_rollout_engine, resolve_rollout_dtype
 from verl_mega.rollout.hybrid_engine import HybridEngine
 from verl_mega.rollout.quantization_probe import probe_first_load
-from verl_mega.rollout.training_memory import training_memory_released
+from verl_mega.rollout.training_memory import models_memory_released
 from verl_mega.tools import ToolSet
 
 from ..metrics import StageTimer
 from .agent_endpoint import AgentEndpoint, make_agent_endpoint
+from .models import Models
 from .remote import RemoteRollout
 
 # Seeds of a step's later generation rounds (dynamic sampling) sit this far apart, above any step's first-round
@@ -83,9 +84,10 @@ class Generation:
         self.endpoint = endpoint
 
     @classmethod
-    def build(cls, config: TrainConfig, layout: ParallelLayout, tokenizer, hf_config, family, actor,
+    def build(cls, config: TrainConfig, layout: ParallelLayout, tokenizer, hf_config, family, models: Models,
               bridge: Bridge | None = None, placement: RolePlacement | None = None) -> "Generation":
         """The HybridEngine over the actor and the rollout engine behind it, or the client of the rollout ranks."""
+        actor, idle = models.actor, models.idle_in_rollout(config)
         rollout_dtype = DTYPES[resolve_rollout_dtype(config.rollout.engine, config.rollout.dtype, config.model.dtype)]
         hybrid = HybridEngine(actor.model, hf_config, family, config.parallel.rollout_tp, dtype=rollout_dtype,
                               quantization=config.rollout.quantization)
@@ -120,8 +122,7 @@ class Generation:
             probe = None
         endpoint = make_agent_endpoint(config, tokenizer, eos_ids, config.data.max_prompt_length + responses)
         return cls(config, layout, engine, remote, hybrid.stream,
-                   lambda: training_memory_released(actor.model, actor.trainable.optimizer, config.actor.offload),
-                   agent, eos_ids, records_routing, probe, endpoint)
+                   lambda: models_memory_released(idle), agent, eos_ids, records_routing, probe, endpoint)
 
     @property
     def replicas(self) -> int:

@@ -62,7 +62,7 @@ class RLJob(TrainingJob):
         after_passes, after_advantages = distill_stages(config, self.models.teachers, reward_fn)
         scoring = Scoring.build(config, tokenizer, self.layout.world_size, self.note, reward_fn)
         self.generation = Generation.build(config, self.layout, tokenizer, self.hf_config, self.family,
-                                           self.models.actor, bridge, placement)
+                                           self.models, bridge, placement)
         self.scoring = scoring
         self.rolled_out = False  # this process's first rollout says when it starts and ends
         self.advantages = Advantages(config)

@@ -6,10 +6,11 @@ import dataclasses
 from pathlib import Path
 
 from verl_mega.config import TrainConfig
+from verl_mega.config.schema import OffloadConfig
 from verl_mega.models.builder import memory_overrides
 from verl_mega.roles.actor import Actor, sampling_temperature
 from verl_mega.roles.critic import Critic
-from verl_mega.roles.reference import make_reference
+from verl_mega.roles.reference import Reference, make_reference
 from verl_mega.roles.teacher import Teacher
 
 from .needs import optimizer_steps, uses_critic, uses_reference, uses_teacher
@@ -30,6 +31,18 @@ class Models:
         if self.critic is not None:
             trainables["critic"] = self.critic.trainable
         return trainables
+
+    def idle_in_rollout(self, config: TrainConfig) -> list[tuple]:
+        """(model, optimizer, offload) of what `rollout.training_memory` releases across the colocated rollout
+        window: the actor (`actor.offload`), the critic (`critic.offload`) and a reference of its own (its weights
+        with the actor's parameters; a LoRA actor's adapters-off reference is the actor itself)."""
+        held = [(self.actor.model, self.actor.trainable.optimizer, config.actor.offload)]
+        if self.critic is not None:
+            held.append((self.critic.model, self.critic.trainable.optimizer, config.critic.offload))
+        if isinstance(self.reference, Reference):
+            held.append((self.reference.model, None, OffloadConfig(params=config.actor.offload.params, grads=False,
+                                                                   optimizer=False)))
+        return held
 
     def final_weights(self) -> list[tuple]:
         """(model, source checkpoint, role) of each role published for `verl-mega export`."""
