@@ -11,7 +11,7 @@ import torch
 from verl_mega.config.schema import TrainConfig, load_config
 from verl_mega.data.synthetic import make_task_rows, sft_pairs
 from verl_mega.demo import (EXAMPLES, SEEDED_KEYS, WARMUP_TARGET, convert_and_verify, disjoint_copy_rows, mean_score,
-                            probe_answers, sft_warmup, training_seeds)
+                            parse_args, probe_answers, sft_warmup, training_seeds)
 from verl_mega.models.tiny import make_tiny_hf_model
 
 
@@ -47,6 +47,16 @@ def test_a_seed_reaches_every_seed_of_the_config():
              and "seed" in {field.name for field in dataclasses.fields(section)}}
     assert set(SEEDED_KEYS) == seeds
     assert training_seeds(1) == [f"{key}=2" for key in SEEDED_KEYS]
+
+
+def test_set_overrides_reach_the_learning_runs_config():
+    """`--set` (repeatable) is how the int8 demo runs: its overrides load into examples/grpo_demo.yaml's config."""
+    overrides = parse_args(["--set", "rollout.quantization=int8", "--set", "rollout.quantization_tis=false"]).overrides
+    loaded = load_config(EXAMPLES / "grpo_demo.yaml", ["model.hf_path=unused", "data.train_files=[unused]", *overrides])
+    assert (loaded.rollout.quantization, loaded.rollout.quantization_tis) == ("int8", False)
+    assert parse_args([]).overrides == []
+    with pytest.raises(SystemExit):
+        parse_args(["--set", "rollout.quantization"])
 
 
 def _answers(rows: list[dict]) -> set[str]:

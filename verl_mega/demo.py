@@ -76,17 +76,7 @@ DISTILL_TARGET = 0.8
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="verl_mega.demo")
-    parser.add_argument("--workdir", help="keep the artifacts here (default: a temp folder)")
-    parser.add_argument("--steps", type=int, default=120, help="GRPO steps (the learning run; DPO steps with --sft-dpo)")
-    parser.add_argument("--layout-steps", type=int, default=4, help="PPO steps of the TP2 x PP2 x DP2 run")
-    parser.add_argument("--sft-dpo", action="store_true", help="instead: the SFT -> DPO demo (`make demo-dpo`)")
-    parser.add_argument("--dapo", action="store_true", help="instead: examples/dapo.yaml (`make demo-dapo`)")
-    parser.add_argument("--distill", action="store_true",
-                        help="instead: on-policy distillation vs GRPO (`make demo-distill`)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the warm-up (initial weights, batches); the training runs take the next one")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.sft_dpo:
             run_sft_dpo(Path(args.workdir or tmp), args.steps, args.seed)
@@ -95,7 +85,32 @@ def main(argv=None) -> None:
         elif args.distill:
             run_distill(Path(args.workdir or tmp), args.steps, args.seed)
         else:
-            run(Path(args.workdir or tmp), args.steps, args.layout_steps, args.seed)
+            run(Path(args.workdir or tmp), args.steps, args.layout_steps, args.seed, args.overrides)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="verl_mega.demo")
+    parser.add_argument("--workdir", help="keep the artifacts here (default: a temp folder)")
+    parser.add_argument("--steps", type=int, default=120, help="GRPO steps (the learning run; DPO steps with --sft-dpo)")
+    parser.add_argument("--layout-steps", type=int, default=4,
+                        help="PPO steps of the TP2 x PP2 x DP2 run (0: skip it)")
+    parser.add_argument("--sft-dpo", action="store_true", help="instead: the SFT -> DPO demo (`make demo-dpo`)")
+    parser.add_argument("--dapo", action="store_true", help="instead: examples/dapo.yaml (`make demo-dapo`)")
+    parser.add_argument("--distill", action="store_true",
+                        help="instead: on-policy distillation vs GRPO (`make demo-distill`)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the warm-up (initial weights, batches); the training runs take the next one")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        type=config_override,
+                        help="a config override of the GRPO learning run (repeatable), e.g. rollout.quantization=int8")
+    return parser.parse_args(argv)
+
+
+def config_override(text: str) -> str:
+    """`--set`'s KEY=VALUE, passed on as the trainer's override; a missing '=' is named here, not by the run."""
+    if "=" not in text or not text.split("=", 1)[0]:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected KEY=VALUE, e.g. rollout.quantization=int8")
+    return text
 
 
 def warm_start(workdir: Path, seed: int,
@@ -118,21 +133,24 @@ def warm_start(workdir: Path, seed: int,
     return train_file, heldout_file, heldout_rows, warm, before
 
 
-def run(workdir: Path, steps: int, layout_steps: int, seed: int) -> None:
+def run(workdir: Path, steps: int, layout_steps: int, seed: int, overrides: list[str] = ()) -> None:
+    """The PPO layout run (skipped at `layout_steps` 0) and the GRPO learning run, with `overrides` last."""
     start = time.perf_counter()
     train_file, heldout_file, heldout_rows, warm, before = warm_start(workdir, seed)
 
-    for tp, pp, _ in LAYOUTS.values():
+    runs = [("ppo", layout_steps)] * (layout_steps > 0) + [("grpo", steps)]
+    for name, _ in runs:
+        tp, pp, _ = LAYOUTS[name]
         convert_and_verify(warm, workdir / f"mcore_tp{tp}_pp{pp}", tp, pp)
 
-    for name, total_steps in (("ppo", layout_steps), ("grpo", steps)):
+    for name, total_steps in runs:
         tp, pp, procs = LAYOUTS[name]
         run_dir = workdir / f"run_{name}"
         train(EXAMPLES / f"{name}_{'gae_' if name == 'ppo' else ''}demo.yaml", procs, [
             f"model.hf_path={warm}", f"model.actor_ckpt={workdir / f'mcore_tp{tp}_pp{pp}'}",
             f"data.train_files=[{train_file}]", f"trainer.run_dir={run_dir}", f"trainer.total_steps={total_steps}",
             *training_seeds(seed), *(
-                [f"data.val_files=[{heldout_file}]", f"trainer.val_every={min(VAL_EVERY, total_steps)}"]
+                [f"data.val_files=[{heldout_file}]", f"trainer.val_every={min(VAL_EVERY, total_steps)}", *overrides]
                 if name == "grpo" else []),
         ])
         records = read_metrics(RunFolder(run_dir).metrics)
