@@ -183,8 +183,8 @@ def test_offload_empties_the_rollout_window_and_cpu_offload_the_optimizer(tiny):
 def test_critic_offload_and_the_reference_leave_the_rollout_window(tiny):
     """bf16, no distributed optimizer: `critic.offload` releases the critic's 4 B of fp32 gradients and 8 of
     moments per parameter (its 6 B of parameters and main parameters too with params, once the engine has its copy:
-    the transition still holds 6 B of the actor's, 6 of the critic's and the reference's 2); the reference's 2 B
-    leave with the actor's parameters."""
+    the transition still holds 6 B of the actor's and 6 of the critic's); with the actor's parameters offloaded the
+    reference's 2 B are on the host but in its own pass."""
     from verl_mega.config.schema import OffloadConfig
 
     model = Model(load_config(tiny, ["critic.offload.grads=true", "critic.offload.optimizer=true"]))
@@ -199,7 +199,11 @@ def test_critic_offload_and_the_reference_leave_the_rollout_window(tiny):
     critic_all = ["critic.offload.params=true", "critic.offload.grads=true", "critic.offload.optimizer=true"]
     with_params = plan_memory(Model(load_config(tiny, critic_all)), everything, both)
     assert with_params.phases["rollout"].resident_bytes == pytest.approx(0)
-    assert with_params.phases["transition"].resident_bytes == pytest.approx(params * (6 + 6 + 2))
+    assert with_params.phases["transition"].resident_bytes == pytest.approx(params * (6 + 6))
+    phases = with_params.phases
+    assert phases["reference.log_prob"].resident_bytes - phases["actor.log_prob"].resident_bytes == pytest.approx(
+        params * 2)
+    assert with_params.phases["actor.update"].resident_bytes == kept.phases["actor.update"].resident_bytes - params * 2
 
 
 def test_cli_models_what_training_refuses_yet(tiny):

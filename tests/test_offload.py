@@ -127,33 +127,48 @@ def test_training_after_offload_takes_the_steps_training_without_it_takes(one_ra
     assert_bitwise(optimizer_state(offloaded), snapshot(optimizer_state(plain)))
 
 
-def test_the_critic_and_the_reference_leave_with_the_actor_and_come_back_bitwise(one_rank, checkpoint):
-    """models_memory_released over the actor (everything), a critic-like trained model (its gradients and Adam's
-    state only) and a reference (a bare model without optimizer: its weights), as `Models.idle_in_rollout` names
-    them: each leaves as its offload says, the parameters only at `release_params`, and all come back bitwise."""
-    from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+def test_the_critic_leaves_with_the_actor_and_comes_back_bitwise(one_rank, checkpoint):
+    """models_memory_released over the actor (everything) and a critic-like trained model (its gradients and
+    Adam's state only), as `Models.idle_in_rollout` names them: each leaves as its offload says, the parameters only
+    at `release_params`, and all come back bitwise."""
     from verl_mega.rollout.training_memory import _megatron_grad_buffers, models_memory_released
 
     actor, critic = trainable(checkpoint, "fp32", False), trainable(checkpoint, "bf16", True)
     train_step(actor, 0)
     train_step(critic, 1)
-    reference, *_ = build_model_from_checkpoint(checkpoint)
     critic_params, critic_states = list(critic.model.parameters()), optimizer_state(critic)
     critic_grads = [buffer.grad_data for buffer in _megatron_grad_buffers(critic.model)]
-    reference_params = list(reference.parameters())
-    before = snapshot([*critic_params, *critic_states, *reference_params])
+    before = snapshot([*critic_params, *critic_states])
     held = [(actor.model, actor.optimizer, OffloadConfig(True, True, True)),
-            (critic.model, critic.optimizer, OffloadConfig(False, True, True)),
-            (reference, None, OffloadConfig(True, False, False))]
+            (critic.model, critic.optimizer, OffloadConfig(False, True, True))]
     with models_memory_released(held) as release_params:
         assert all(tensor.untyped_storage().nbytes() == 0 for tensor in [*critic_grads, *critic_states])
-        assert all(param.untyped_storage().nbytes() > 0 for param in [*critic_params, *reference_params])
+        assert all(param.untyped_storage().nbytes() > 0 for param in critic_params)
         release_params()
-        assert all(param.untyped_storage().nbytes() == 0 for param in reference_params)
         assert all(param.untyped_storage().nbytes() == 0 for param in actor.model.parameters())
         assert all(param.untyped_storage().nbytes() > 0 for param in critic_params)
-    assert_bitwise([*critic_params, *critic_states, *reference_params], before)
+    assert_bitwise([*critic_params, *critic_states], before)
     assert all(grad.untyped_storage().nbytes() > 0 and not grad.any() for grad in critic_grads)
+
+
+def test_an_offloaded_reference_is_on_the_device_in_its_own_pass_only(one_rank, checkpoint):
+    """`Reference(offload_params=True)` (the actor's `actor.offload.params`, verl's ref param_offload): its weights
+    are resized to nothing from the start, come back for `compute_ref_log_prob` (the same log-probs, bitwise, as a
+    reference kept on the device) and leave again after, every tensor object kept."""
+    from tests.test_lora import tiny_batch
+    from verl_mega.roles.reference import Reference
+
+    kept, offloaded = Reference(checkpoint), Reference(checkpoint, offload_params=True)
+    params = list(offloaded.model.parameters())
+    assert params and all(param.untyped_storage().nbytes() == 0 for param in params)
+    with offloaded.on_device():
+        seen = [param.untyped_storage().nbytes() for param in params]
+    assert all(seen)
+    batch = tiny_batch()
+    assert torch.equal(offloaded.compute_ref_log_prob(batch, 4), kept.compute_ref_log_prob(batch, 4))
+    assert list(offloaded.model.parameters()) == params
+    assert all(param.untyped_storage().nbytes() == 0 for param in params)
+    assert offloaded.host.nbytes == sum(param.untyped_storage().size() for param in kept.model.parameters())
 
 
 def test_cpu_offload_reaches_megatron_as_the_whole_optimizer_on_the_host(one_rank, checkpoint):

@@ -436,9 +436,9 @@ class OffloadConfig:
 
     params: bool = False
     """The parameters and the optimizer's fp32 main parameters wait on the host once the rollout engine has its
-    copy of the weights; the actor's take the reference's weights with them (a reference of its own, not a LoRA
-    actor's adapters-off base). verl's ...megatron.param_offload (the reference's ...ref.megatron.param_offload
-    follows the actor's)."""
+    copy of the weights. The actor's also keeps a reference of its own (not a LoRA actor's adapters-off base) on
+    the host at all times but its log-prob pass, as verl's ref param_offload does. verl's ...megatron.param_offload
+    (the reference's ...ref.megatron.param_offload follows the actor's)."""
     grads: bool = True
     """The gradient buffers are dropped (the next backward refills them). verl's ...megatron.grad_offload."""
     optimizer: bool = True

@@ -17,8 +17,9 @@ grads 18 B (6 + 12/D), fp32 + fp32 16 B (8 + 8/D). verl_mega's DDP reduces gradi
 Across the rollout window the actor holds what `actor.offload` leaves (`rollout.training_memory`): without its
 gradient buffers (grads) and Adam's moments (optimizer), and in the rollout, once the engine has its copy,
 without its parameters and fp32 main parameters (params); the critic holds what `critic.offload` leaves (by
-default all of it), the reference its weights, which leave with the actor's parameters. Outside that window the
-reference holds its weights and the critic everything.
+default all of it). A reference of its own holds its weights in its own pass only with `actor.offload.params`
+(verl's ref param_offload: they wait on the host otherwise, `roles.reference`), else always; outside the window
+the critic holds everything.
 
 Activations per layer and micro-batch: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2) count, for a GPT layer in fp16 with a 4h GeLU MLP, dropout and a heads,
@@ -451,18 +452,20 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     vocab = padded_vocab_size(hf.vocab_size, layout.tp)
     actor, critic = config.actor, config.critic
 
-    def resident(stage: int) -> dict[str, dict[str, float]]:
+    def resident(stage: int, reference_pass: bool = False) -> dict[str, dict[str, float]]:
+        """What each role holds on the device; the reference's weights only in its own pass with
+        `actor.offload.params` (they wait on the host otherwise: `roles.reference`)."""
         params = stage_params[stage]
         held = {"actor": _trained(params, e, layout.distributed_optimizer, layout.dp, layout.cpu_offload)}
         if roles.critic:
             held["critic"] = _trained(params, e, critic.optim.use_distributed_optimizer, layout.dp,
                                       critic.optim.cpu_offload)
-        if roles.reference:
+        if roles.reference and (reference_pass or not layout.offload.params):
             held["reference"] = {"params": params * e}
         return held
 
-    def resident_bytes(stage: int) -> float:
-        return sum(sum(parts.values()) for parts in resident(stage).values())
+    def resident_bytes(stage: int, reference_pass: bool = False) -> float:
+        return sum(sum(parts.values()) for parts in resident(stage, reference_pass).values())
 
     def released_per_parameter(offload: OffloadConfig, distributed: bool, cpu_offload: bool,
                                engine_loaded: bool) -> float:
@@ -480,14 +483,12 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
 
     def awake_resident_bytes(stage: int, engine_loaded: bool) -> float:
         """What stays on the device in the rollout window: less what `actor.offload` and `critic.offload` send
-        away, and the reference's weights with the actor's parameters."""
+        away."""
         released = released_per_parameter(layout.offload, layout.distributed_optimizer, layout.cpu_offload,
                                           engine_loaded)
         if roles.critic:
             released += released_per_parameter(critic.offload, critic.optim.use_distributed_optimizer,
                                                critic.optim.cpu_offload, engine_loaded)
-        if roles.reference and layout.offload.params and engine_loaded:
-            released += e
         return resident_bytes(stage) - stage_params[stage] * released
 
     def update(stage: int, schedule, recompute: RecomputeConfig, micro: int, with_logits: bool) -> Phase:
@@ -505,14 +506,14 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
         parts["backward"] = working
         return Phase(stage, resident_bytes(stage), parts)
 
-    def forward(stage: int, schedule, micro: int, with_logits: bool) -> Phase:
+    def forward(stage: int, schedule, micro: int, with_logits: bool, reference_pass: bool = False) -> Phase:
         rows = micro_batch_rows(micro, schedule.max_tokens_per_micro_batch, seq)
         parts = {"activations": layer_activation_bytes(shape, local_seq, rows, layout.tp, layout.sequence_parallel,
                                                        False, e),  # one layer's, freed as the next runs
                  "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
         if with_logits and stage == layout.pp - 1:
             parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e)
-        return Phase(stage, resident_bytes(stage), parts)
+        return Phase(stage, resident_bytes(stage, reference_pass), parts)
 
     rollout_weights = max(rank.rollout_bytes for rank in transition.ranks)
     transfer = max(rank.transition_peak_bytes for rank in transition.ranks)
@@ -533,7 +534,8 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
         candidates["actor.update"].append(update(stage, actor, layout.recompute, layout.micro_batch, True))
         candidates["actor.log_prob"].append(forward(stage, actor, layout.micro_batch, True))
         if roles.reference:
-            candidates["reference.log_prob"].append(forward(stage, actor, layout.micro_batch, True))
+            candidates["reference.log_prob"].append(forward(stage, actor, layout.micro_batch, True,
+                                                            reference_pass=True))
         if roles.critic:
             candidates["critic.update"].append(update(stage, critic, critic.recompute, critic.micro_batch_size,
                                                       False))

@@ -6,11 +6,10 @@ import dataclasses
 from pathlib import Path
 
 from verl_mega.config import TrainConfig
-from verl_mega.config.schema import OffloadConfig
 from verl_mega.models.builder import memory_overrides
 from verl_mega.roles.actor import Actor, sampling_temperature
 from verl_mega.roles.critic import Critic
-from verl_mega.roles.reference import Reference, make_reference
+from verl_mega.roles.reference import make_reference
 from verl_mega.roles.teacher import Teacher
 
 from .needs import optimizer_steps, uses_critic, uses_reference, uses_teacher
@@ -34,14 +33,12 @@ class Models:
 
     def idle_in_rollout(self, config: TrainConfig) -> list[tuple]:
         """(model, optimizer, offload) of what `rollout.training_memory` releases across the colocated rollout
-        window: the actor (`actor.offload`), the critic (`critic.offload`) and a reference of its own (its weights
-        with the actor's parameters; a LoRA actor's adapters-off reference is the actor itself)."""
+        window: the actor (`actor.offload`) and the critic (`critic.offload`). A reference of its own is on the
+        host already outside its pass with `actor.offload.params` (`roles.reference`), and a LoRA actor's
+        adapters-off reference is the actor itself."""
         held = [(self.actor.model, self.actor.trainable.optimizer, config.actor.offload)]
         if self.critic is not None:
             held.append((self.critic.model, self.critic.trainable.optimizer, config.critic.offload))
-        if isinstance(self.reference, Reference):
-            held.append((self.reference.model, None, OffloadConfig(params=config.actor.offload.params, grads=False,
-                                                                   optimizer=False)))
         return held
 
     def final_weights(self) -> list[tuple]:
@@ -67,7 +64,7 @@ def build_models(config: TrainConfig, actor_ckpt: Path, critic_ckpt: Path | None
     models = Models(actor, Path(actor_ckpt))
     models.reference = make_reference(actor_ckpt, use_kl=uses_reference(config), actor=actor, dtype=dtype,
                                       packed_sequences=packed, temperature=temperature, router_replay=replay,
-                                      **actor_memory)
+                                      offload_params=config.actor.offload.params, **actor_memory)
     if uses_critic(config):
         models.critic_ckpt = Path(critic_ckpt or actor_ckpt)
         models.critic = Critic(models.critic_ckpt, config.critic.optim, config.critic.loss, dtype=dtype,
