@@ -12,11 +12,12 @@ import json
 import math
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from verl_mega.config.schema import PythonSandboxConfig
 from verl_mega.tools.results import ToolResult
 from verl_mega.tools.sandbox import PythonSandbox
+
+from .json_service import JsonHandler, serve
 
 MAX_OUTPUT_CHARS = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
 STATE = {"fail_times": 0, "requests": 0}
@@ -47,44 +48,27 @@ def run_result(result: ToolResult) -> dict:
             "stderr": ""}
 
 
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
-    def reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(JsonHandler):
     def do_GET(self) -> None:
         with LOCK:
-            self.reply(200, STATE)
+            self.reply(200, json.dumps(STATE).encode())
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/control":
             with LOCK:
                 STATE.update(fail_times=body.get("fail_times", 0), requests=0)
-            return self.reply(200, {})
+            return self.reply(200, json.dumps({}).encode())
         if self.path != "/run_code":
-            return self.reply(404, {"detail": "Not Found"})
+            return self.reply(404, json.dumps({"detail": "Not Found"}).encode())
         with LOCK:
             STATE["requests"] += 1
             failing = STATE["fail_times"] > 0
             STATE["fail_times"] -= failing
         if failing:
-            return self.reply(503, {"detail": "service unavailable"})
-        self.reply(200, run_code(body))
-
-
-def main() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    print(server.server_address[1], flush=True)
-    server.serve_forever()
+            return self.reply(503, json.dumps({"detail": "service unavailable"}).encode())
+        self.reply(200, json.dumps(run_code(body)).encode())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    serve(Handler)
