@@ -18,8 +18,8 @@ import pytest
 from verl_mega.config.schema import RewardCodeConfig
 from verl_mega.rewards import code_tests
 from verl_mega.rewards.code_tests import code_tests_score
-from verl_mega.rewards.remote import RemoteRewardError
-from verl_mega.rewards.sandbox_fusion import config_problems
+from verl_mega.rewards.remote import RemoteRewardError, RequestFailed
+from verl_mega.rewards.sandbox_fusion import SandboxFusion, config_problems
 
 from .test_tools_sandbox import namespaces_refused
 
@@ -105,6 +105,17 @@ def test_a_5xx_that_never_ends_stops_the_run(service):
             score(ANSWERS["passes"], replace(LOCAL, sandbox_url=service, workers=1))
     finally:
         fail_next(service, 0)
+
+
+@pytest.mark.parametrize("reply", [
+    {"status": "SandboxError", "message": "no worker"},
+    {"status": "SandboxError", "run_result": {"status": "Error", "stdout": "", "return_code": None}},
+    {"status": "Failed", "run_result": {"status": "Error", "stdout": "", "return_code": None}},
+    {"status": "Failed", "message": ""}, {"status": "Success", "run_result": {"status": "Finished", "stdout": 7}},
+    {"detail": "Not Found"}, ["Success"]])
+def test_a_reply_that_is_the_services_failure_or_not_its_format_fails_the_request(reply):
+    with pytest.raises(RequestFailed):
+        SandboxFusion(replace(LOCAL, sandbox_url="http://127.0.0.1:1")).read_reply(reply)
 
 
 @pytest.mark.parametrize("url", ["ftp://sandbox.example", "sandbox.example:8080", "http://"])

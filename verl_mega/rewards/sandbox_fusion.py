@@ -6,11 +6,12 @@ The protocol is SandboxFusion's, as verl's client speaks it (verl/utils/reward_s
 the request `{"code", "language": "python", "stdin", "compile_timeout", "run_timeout", "memory_limit_MB",
 "files": {}, "fetch_files": []}`; the reply `{"status": "Success" | "Failed" | "SandboxError", "message",
 "compile_result", "run_result": {"status": "Finished" | "TimeLimitExceeded" | "Error", "return_code", "stdout",
-"stderr", "execution_time"}}`. The answer's doing fails its case: a run past the time limit (`timeout`), a
-non-zero exit or a run that errs (`raised`), more stdout than `max_output_chars` (`output_truncated`). The
-service's own failure (HTTP error, no connection, no reply in time, `SandboxError`, a reply that is not this
-format) fails the request, which is retried with backoff; the last failure stops the run naming the URL.
-No outcome is ever invented.
+"stderr", "execution_time"}}` (SandboxFusion's sandbox/server/sandbox_api.py: a run `Error` is the service's,
+reported as `SandboxError`). The answer's doing fails its case: a run past the time limit (`timeout`), a
+non-zero exit (`raised`), more stdout than `max_output_chars` (`output_truncated`). The service's own failure
+(HTTP error, no connection, no reply in time, `SandboxError`, a run `Error`, a reply that is not this format)
+fails the request, which is retried with backoff; the last failure stops the run naming the URL. No outcome
+is ever invented.
 """
 from __future__ import annotations
 
@@ -24,10 +25,8 @@ from .remote import ClientKeys, RemoteClient, RequestFailed
 from .results import described
 
 API_SLACK_S = 10.0  # the request's time beyond compiling and running, as verl's client allows
-KEYS = ClientKeys(url="reward.code.sandbox_url", timeout="reward.code.test_timeout_s (+ the service's slack)",
+KEYS = ClientKeys(url="reward.code.sandbox_url", timeout="2 * reward.code.test_timeout_s + 10",
                   retries="reward.code.sandbox_retries", in_a_row="reward.code.sandbox_retries")
-# run_result.status that are the answer's doing, by the local sandbox's error category.
-RUN_FAILURES = {"TimeLimitExceeded": "timeout", "Error": "raised"}
 
 
 class SandboxFusion:
@@ -63,21 +62,18 @@ class SandboxFusion:
         if reply["status"] == "SandboxError":
             raise RequestFailed(f"SandboxError: {str(reply.get('message'))[:200]}")
         run, seconds = reply.get("run_result"), 0.0
-        if not isinstance(run, dict):
-            compiled = reply.get("compile_result")
-            if reply["status"] == "Failed" and isinstance(compiled, dict):  # python's byte-compile step refused it
-                return failure("raised", str(compiled.get("stderr") or "error: the program does not compile"))
+        if not isinstance(run, dict):  # python has no compile step: every run has a run_result
             raise RequestFailed(f"the reply has no run_result: {described(reply)}")
         stdout, status, code = run.get("stdout") or "", run.get("status"), run.get("return_code")
-        if not isinstance(stdout, str) or status not in ("Finished", *RUN_FAILURES):
+        if not isinstance(stdout, str) or status not in ("Finished", "TimeLimitExceeded"):
             raise RequestFailed(f"the reply's run_result is not SandboxFusion's: {described(run)}")
         if isinstance(run.get("execution_time"), (int, float)):
             seconds = float(run["execution_time"])
         limit = self.config.max_output_chars
         if len(stdout) > limit:
             return ToolResult(text=stdout[:limit], ok=True, error="output_truncated", seconds=seconds)
-        if status in RUN_FAILURES:
-            return failure(RUN_FAILURES[status], stdout, seconds)
+        if status == "TimeLimitExceeded":
+            return failure("timeout", stdout, seconds)
         if code != 0:
             return failure("raised", stdout, seconds)
         return success(stdout, limit, seconds)
