@@ -19,7 +19,9 @@ from verl_mega.config.schema import RewardCodeConfig
 from verl_mega.rewards import code_tests
 from verl_mega.rewards.code_tests import code_tests_score
 from verl_mega.rewards.remote import RemoteRewardError, RequestFailed
+from verl_mega.rewards.results import Refused, Scored
 from verl_mega.rewards.sandbox_fusion import SandboxFusion, config_problems
+from verl_mega.rewards.worker import ScoringWorker
 
 from .test_tools_sandbox import namespaces_refused
 
@@ -85,10 +87,14 @@ def test_a_5xx_is_retried(service):
     assert requests_seen(service) == 3 + 2
 
 
-def test_a_service_that_stays_down_stops_the_run_in_one_line_naming_the_url():
+def closed_port_url() -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{probe.getsockname()[1]}"  # nothing listens there once the probe closes
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"  # nothing listens there once the probe closes
+
+
+def test_a_service_that_stays_down_stops_the_run_in_one_line_naming_the_url():
+    url = closed_port_url()
     with pytest.raises(RemoteRewardError) as stopped:
         score(ANSWERS["passes"], replace(LOCAL, sandbox_url=url))
     line = str(stopped.value)
@@ -96,6 +102,24 @@ def test_a_service_that_stays_down_stops_the_run_in_one_line_naming_the_url():
     assert line.startswith(f"reward.code.sandbox_url {url}: a test case's run failed 3 times "
                            "(reward.code.sandbox_retries=2)"), line
     assert "refused" in line
+
+
+@pytest.mark.slow
+def test_the_scoring_worker_carries_the_address_and_refuses_the_answer_of_a_service_down(service):
+    """As a run scores: the worker process reads reward.code from its setup; a service that is down refuses the
+    answer with the line (the reward role stops the run on a refusal, naming the row)."""
+    down = closed_port_url()
+    worker = ScoringWorker("code_tests", timeout_s=60, memory_limit_mb=4096, code=replace(LOCAL, sandbox_url=service))
+    stopping = ScoringWorker("code_tests", timeout_s=60, memory_limit_mb=4096, code=replace(LOCAL, sandbox_url=down))
+    row = ("apps", ANSWERS["passes"], json.dumps(SUM), None)
+    try:
+        fail_next(service, 0)
+        [verdict], [refused] = worker.score([row]), stopping.score([row])
+    finally:
+        worker.close()
+        stopping.close()
+    assert isinstance(verdict, Scored) and verdict.score == 1.0 and requests_seen(service) == 3
+    assert isinstance(refused, Refused) and refused.problem.startswith(f"reward.code.sandbox_url {down}: ")
 
 
 def test_a_5xx_that_never_ends_stops_the_run(service):
