@@ -10,10 +10,10 @@ the last Authorization header and the last chat prompt.
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .json_service import JsonHandler, serve
 
 STATE = {"mode": "ok", "fail_times": 0, "delay_s": 0.0, "answer": "[[7]]"}
 STATS = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "authorization": None, "last_prompt": None}
@@ -39,17 +39,7 @@ def scores_body(rows: list[dict], mode: str) -> bytes:
     return json.dumps({"scores": scores}).encode()
 
 
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:  # quiet
-        pass
-
-    def reply(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
+class Handler(JsonHandler):
     def do_GET(self) -> None:
         with LOCK:
             self.reply(200, json.dumps(STATS).encode())
@@ -90,11 +80,5 @@ class Handler(BaseHTTPRequestHandler):
         return json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}).encode()
 
 
-def main() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    print(server.server_address[1], flush=True)
-    server.serve_forever()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    serve(Handler)

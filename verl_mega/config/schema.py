@@ -724,7 +724,8 @@ class RewardCodeConfig:
     RANGES: ClassVar[dict[str, Range]] = {
         "test_timeout_s": within(0, LONGEST_WAIT_S, low_open=True, note="seconds"), "memory_mb": at_least(64),
         "max_tests": at_least(1), "workers": at_least(0, note="0: os.cpu_count()"),
-        "max_output_chars": at_least(1)}
+        "max_output_chars": at_least(1), "sandbox_retries": at_least(0),
+        "sandbox_backoff_s": within(0, LONGEST_WAIT_S, note="seconds")}
 
     test_timeout_s: float = 10.0
     """Wall-clock limit of one test case, interpreter start included, in seconds (> 0; verl's is 10): past it
@@ -740,6 +741,15 @@ class RewardCodeConfig:
     max_output_chars: int = 4_000_000
     """Characters of a test case's output read (>= 1): a longer output fails the case (`output_limit`) as soon
     as it passes them."""
+    sandbox_url: str = ""
+    """A SandboxFusion service (http:// or https://, e.g. http://host:8080) that runs each test case through its
+    `POST /run_code` instead of the local sandbox; "" runs them here. A service that stays down stops the run."""
+    sandbox_retries: int = 3
+    """Retries of a request to `sandbox_url` that fails (no connection, HTTP error, no reply in time, a reply
+    SandboxFusion's format does not allow), after sandbox_backoff_s, then twice that, ... (>= 0)."""
+    sandbox_backoff_s: float = 0.5
+    """Seconds before the first retry of a request to `sandbox_url`, doubled at each next one (their sum must stay
+    under reward.timeout_s, or a service that is down would look like slow answers)."""
 
 
 @dataclass

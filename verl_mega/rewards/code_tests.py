@@ -17,7 +17,8 @@ part:
   value as verl does (`return_matches`).
 
 The cases of an answer run at once (`reward.code.workers`, default one per core). Each is its own program: a
-crash, a timeout, a fork bomb or a flood of output fails that case only.
+crash, a timeout, a fork bomb or a flood of output fails that case only. With `reward.code.sandbox_url` set,
+each case's same program runs on that SandboxFusion service instead (`sandbox_fusion.py`), judged the same way.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from verl_mega.config.errors import UserError
 from verl_mega.config.schema import ConfigError, PythonSandboxConfig, RewardCodeConfig
 from verl_mega.tools.sandbox import PythonSandbox
 
+from .sandbox_fusion import SandboxFusion
+
 HARNESS = Path(__file__).with_name("code_harness.py").read_text()
 FENCE, PYTHON_FENCE = "```", "```python"
 # np.allclose's defaults, which verl's float comparison uses: |output - expected| <= ATOL + RTOL * |expected|.
@@ -42,7 +45,7 @@ FAILURES = {"timeout": "timeout", "output_truncated": "output_limit", "raised": 
             "file_size_limit": "error", "killed": "error"}
 
 _settings = RewardCodeConfig()
-_sandboxes: dict[tuple, PythonSandbox] = {}
+_sandboxes: dict[tuple, PythonSandbox | SandboxFusion] = {}
 
 
 class TestCase(NamedTuple):
@@ -105,11 +108,17 @@ def read_tests(ground_truth) -> list[TestCase]:
     return cases
 
 
-def sandbox_for(config: RewardCodeConfig) -> PythonSandbox:
-    """The sandbox of these limits, checked once per process to start here (UserError where it cannot: no
-    network namespace, for one: answers are never run with the host's network)."""
-    key = (config.test_timeout_s, config.memory_mb, config.max_output_chars)
-    if key not in _sandboxes:
+def sandbox_for(config: RewardCodeConfig) -> PythonSandbox | SandboxFusion:
+    """The sandbox of these limits: the SandboxFusion service at reward.code.sandbox_url, or the local one,
+    checked once per process to start here (UserError where it cannot: no network namespace, for one: answers
+    are never run with the host's network)."""
+    key = (config.test_timeout_s, config.memory_mb, config.max_output_chars, config.sandbox_url,
+           config.sandbox_retries, config.sandbox_backoff_s)
+    if key in _sandboxes:
+        return _sandboxes[key]
+    if config.sandbox_url:
+        _sandboxes[key] = SandboxFusion(config)
+    else:
         limits = PythonSandboxConfig(cpu_seconds=math.ceil(config.test_timeout_s) + 1, memory_mb=config.memory_mb)
         sandbox = PythonSandbox(limits, config.test_timeout_s, config.max_output_chars)
         try:
@@ -121,7 +130,7 @@ def sandbox_for(config: RewardCodeConfig) -> PythonSandbox:
     return _sandboxes[key]
 
 
-def run_case(sandbox: PythonSandbox, answer: str, case: TestCase) -> str:
+def run_case(sandbox: PythonSandbox | SandboxFusion, answer: str, case: TestCase) -> str:
     """"pass", "wrong", or why the case failed: "error", "timeout", "output_limit", "bad_case" (a case verl's
     harness cannot read either: an input that is not text)."""
     stdin = case_stdin(case)

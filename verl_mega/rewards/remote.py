@@ -66,7 +66,18 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a finite number")
 
 
-def post_json(url: str, body: Any, timeout_s: float, headers: dict[str, str]) -> Any:
+@dataclass(frozen=True)
+class ClientKeys:
+    """The config keys a client's failures name (the remote reward's, or another service's)."""
+
+    url: str = "reward.remote.url"
+    timeout: str = "reward.remote.timeout_s"
+    retries: str = "reward.remote.max_retries"
+    in_a_row: str = "reward.remote.max_consecutive_failures"
+
+
+def post_json(url: str, body: Any, timeout_s: float, headers: dict[str, str],
+              timeout_key: str = ClientKeys.timeout) -> Any:
     """The JSON reply to `body` POSTed to `url`; RequestFailed for an HTTP error, a network failure, a timeout or
     a body that is not JSON (NaN and Infinity included, which Python's json would otherwise read)."""
     request = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
@@ -79,7 +90,7 @@ def post_json(url: str, body: Any, timeout_s: float, headers: dict[str, str]) ->
     except urllib.error.URLError as err:
         raise RequestFailed(f"{err.reason}") from None
     except TimeoutError:
-        raise RequestFailed(f"no reply within reward.remote.timeout_s={timeout_s:g}") from None
+        raise RequestFailed(f"no reply within {timeout_key}={timeout_s:g}") from None
     except (OSError, HTTPException) as err:
         raise RequestFailed(f"{type(err).__name__}: {err}") from None
     try:
@@ -105,17 +116,17 @@ class RemoteClient:
     `max_consecutive_failures`-th failed attempt in a row. Counts into `stats` (`drain` hands them over)."""
 
     def __init__(self, url: str, *, max_concurrency: int, timeout_s: float, max_retries: int, backoff_s: float,
-                 max_consecutive_failures: int, api_key_env: str = ""):
+                 max_consecutive_failures: int, api_key_env: str = "", keys: ClientKeys = ClientKeys()):
         self.url, self.max_concurrency, self.timeout_s = url, max_concurrency, timeout_s
         self.max_retries, self.backoff_s, self.max_consecutive_failures = max_retries, backoff_s, \
             max_consecutive_failures
-        self.headers = auth_headers(api_key_env)
+        self.headers, self.keys = auth_headers(api_key_env), keys
         self.stats = RemoteStats()
         self.consecutive_failures = 0  # over the client's life: a success anywhere resets it
         self._lock = threading.Lock()
 
     def post(self, url: str, body: Any) -> Any:
-        return post_json(url, body, self.timeout_s, self.headers)
+        return post_json(url, body, self.timeout_s, self.headers, self.keys.timeout)
 
     def drain(self) -> RemoteStats:
         with self._lock:
@@ -142,6 +153,10 @@ class RemoteClient:
                     future.cancel()
                 raise failed.exception()
         return [future.result() for future in futures]
+
+    def one(self, attempt: Callable[[Any], T], item: Any, label: str) -> T:
+        """`attempt(item)`, retried, in the caller's thread (the caller bounds how many run at once)."""
+        return self._retried(attempt, item, label, threading.Event())
 
     def _retried(self, attempt: Callable[[Any], T], item: Any, label: str, stop: threading.Event) -> T | None:
         for number in range(self.max_retries + 1):
@@ -175,12 +190,12 @@ class RemoteClient:
             if not last:
                 self.stats.retries += 1
         if in_a_row >= self.max_consecutive_failures:
-            raise RemoteRewardError(f"reward.remote.url {self.url}: {in_a_row} failed requests in a row "
-                                    f"(reward.remote.max_consecutive_failures={self.max_consecutive_failures}); "
+            raise RemoteRewardError(f"{self.keys.url} {self.url}: {in_a_row} failed requests in a row "
+                                    f"({self.keys.in_a_row}={self.max_consecutive_failures}); "
                                     f"the last, {label}: {err}")
         if last:
-            raise RemoteRewardError(f"reward.remote.url {self.url}: {label} failed {number + 1} times "
-                                    f"(reward.remote.max_retries={self.max_retries}); the last: {err}")
+            raise RemoteRewardError(f"{self.keys.url} {self.url}: {label} failed {number + 1} times "
+                                    f"({self.keys.retries}={self.max_retries}); the last: {err}")
 
 
 def plain(value: Any) -> Any:

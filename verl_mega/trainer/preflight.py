@@ -41,6 +41,7 @@ from verl_mega.planning.memory import Model, layout_of, plan_memory
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
 from verl_mega.roles.reward import remote_problems
 from verl_mega.rewards.registry import RewardFn, get_reward_fn
+from verl_mega.rewards.sandbox_fusion import config_problems as code_sandbox_problems
 from verl_mega.roles.trainable import LR_DECAY_STYLES
 from verl_mega.roles.routing_replay import REPLAY_SETTINGS
 from verl_mega.rollout.agent_loop import TOOL_CALL_FORMATS, check_tool_template
@@ -175,6 +176,8 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
     elif reward_fn is not None or config.reward.function or alg.distill.loss == "off":
         check(lambda: get_reward_fn(reward_fn or config.reward.function), "reward.function: ")
         need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
+    for problem in code_sandbox_problems(config.reward.code, config.reward.timeout_s):
+        need(False, problem)
     _check_distill(config, check, need, known, check_files, reward_fn)
     if check_files:
         _check_files(config, check, need, layout_in_range)
