@@ -207,3 +207,21 @@ def test_json_log_format_keeps_stdout_to_one_record_per_step_and_resume_truncate
     assert samples == [{"step": step, "prompt": "copy: 1|2", "response": "1\n2", "score": None} for step in (1, 2)]
     MetricsLogger.truncate(tmp_path, -1)  # a fresh start over an attempt killed before its first checkpoint
     assert (tmp_path / "metrics.jsonl").read_text() == (tmp_path / "generations.jsonl").read_text() == ""
+
+
+def test_live_tensor_bytes_counts_no_tracing_tensor():
+    """Tensors torch.compile or export leave alive (a FunctionalTensor, a FakeTensor; here made directly) own no
+    memory and may have no data pointer to read: the CPU memory metric skips them instead of raising mid-step."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    from verl_mega.trainer.metrics import live_tensor_bytes
+
+    with FakeTensorMode():
+        fake = torch.empty(1 << 20)
+    with FunctionalTensorMode():
+        functional = torch.ones(3) * 2
+    real = torch.zeros(1 << 20)
+    assert fake.shape == real.shape and functional.shape == (3,)
+    assert live_tensor_bytes() >= real.untyped_storage().nbytes()

@@ -100,7 +100,12 @@ def live_tensor_bytes() -> int:
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_meta:
             storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                pointer = storage.data_ptr()
+            except RuntimeError:  # a tracing tensor (a FunctionalTensor of torch.compile's): no memory of its own
+                continue
+            if pointer:  # a FakeTensor's reads 0, an empty storage's too: neither holds a byte
+                storages[pointer] = storage.nbytes()
     return sum(storages.values())
 
 
