@@ -264,7 +264,8 @@ def test_a_flooding_agent_gets_one_turn_at_a_time_and_the_rest_refused(memorized
                                                                       SamplingParams(temperature=0.0))
     codes = flooding_agent.codes
     assert len(codes) == 20 and codes.count(200) == 1 and set(codes) <= {200, 409, 410}
-    assert result.metrics["endpoint/rejected/session_busy"] == codes.count(409)
+    # How many find it busy rather than ended is the threads' timing (none, when the turn ends first).
+    assert result.metrics.get("endpoint/rejected/session_busy", 0) == codes.count(409)
     assert result.metrics["endpoint/rejected_requests"] == 19
     assert len(result.responses[0].episode.turn_ends) == 1 and result.problems == []
 

@@ -215,8 +215,8 @@ def _check_quantization(config: TrainConfig, need, known) -> None:
              f"{'a GPU' if gpu else 'CPU (no GPU here)'}: set rollout.engine=vllm on a GPU, or "
              "rollout.quantization=int8 on CPU")
         dtype = resolve_rollout_dtype(r.engine, r.dtype, config.model.dtype)
-        need(engine != "vllm" or dtype in ("bf16", "fp16"), f"rollout.quantization=fp8 with rollout.dtype={dtype}: vLLM's FP8 layers "
-             "take bf16 or fp16 activations; set rollout.dtype=auto (bf16)")
+        need(engine != "vllm" or dtype in ("bf16", "fp16"), f"rollout.quantization=fp8 with rollout.dtype={dtype}: "
+             "vLLM's FP8 layers take bf16 or fp16 activations; set rollout.dtype=auto (bf16)")
 
 
 def _check_rollout_correction(correction, loss, check, need) -> None:
