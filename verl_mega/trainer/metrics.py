@@ -98,7 +98,9 @@ def live_tensor_bytes() -> int:
     buffers, optimizer state, batches)."""
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_meta:
+        # type(), not isinstance(): isinstance asks a weakref proxy for its referent's class, and a dead proxy
+        # raises; a live one's tensor is tracked itself.
+        if issubclass(type(obj), torch.Tensor) and obj.layout == torch.strided and not obj.is_meta:
             storage = obj.untyped_storage()
             try:
                 pointer = storage.data_ptr()
