@@ -211,3 +211,49 @@ def test_cli_models_what_training_refuses_yet(tiny):
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
     assert (found["layout"]["vpp"], found["layout"]["cp"], found["layout"]["dp"]) == (2, 2, 2)
+
+
+def test_a_distillation_teacher_is_held_through_the_step_at_its_own_layout(tiny, tmp_path):
+    """A teacher twice the actor's width, in bf16: its weights (2 B per parameter, vocabulary padded) sit on every
+    rank in every phase, halved at teacher.tp=2; its pass adds its logits at its layout; its forward's FLOPs join
+    the step's. A teacher.ckpt is planned from the config.json of its copied HF assets."""
+    teacher = make_tiny_hf_model(tmp_path / "teacher", "qwen2", tokenizer=False, hidden_size=128,
+                                 intermediate_size=256)
+    distill = ["algorithm.distill.loss=reverse_kl", f"teacher.hf_path={teacher}"]
+    from verl_mega.trainer.plan import roles_of
+
+    student = load_config(tiny)
+    plain = plan_memory(Model(student), layout_of(student, 2), roles_of(student))
+    assert "teacher" not in plain.roles and "teacher.log_prob" not in plain.phases
+
+    def planned(*overrides):
+        config = load_config(tiny, [*distill, *overrides])
+        assert roles_of(config).teachers == (str(teacher),)
+        return plan_memory(Model(config), layout_of(config, 2), roles_of(config))
+
+    whole, split = planned(), planned("teacher.tp=2")
+    hf, family = load_hf_model_config(teacher)
+    parameters = sum(math.prod(shape) for shape in expected_hf_shapes(hf, family).values())
+    assert whole.roles["teacher"]["params"] == pytest.approx(parameters * 2, rel=0.02)
+    # halved but for the norms, which every TP rank holds whole
+    assert whole.roles["teacher"]["params"] / 2 < split.roles["teacher"]["params"] < whole.roles["teacher"]["params"] * 0.55
+    for name in ("actor.update", "rollout", "transition"):
+        assert whole.phases[name].total_bytes - plain.phases[name].total_bytes == pytest.approx(
+            whole.roles["teacher"]["params"])
+    from verl_mega.models.builder import padded_vocab_size
+
+    tokens = 1024 * whole.layout.micro_batch  # the sequence's, in bf16: over the vocabulary, split over teacher TP
+    assert whole.phases["teacher.log_prob"].parts["logits"] == 2 * tokens * padded_vocab_size(hf.vocab_size, 1)
+    assert split.phases["teacher.log_prob"].parts["logits"] == 2 * tokens * padded_vocab_size(hf.vocab_size, 2) / 2
+    assert whole.flops["teacher.log_prob"] > plain.flops["actor.log_prob"]
+    assert whole.flops["total"] - plain.flops["total"] == pytest.approx(whole.flops["teacher.log_prob"])
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "hf_assets").mkdir(parents=True)
+    (ckpt / "hf_assets" / "config.json").write_bytes((teacher / "config.json").read_bytes())
+    config = load_config(tiny, ["algorithm.distill.loss=reverse_kl", f"teacher.ckpt={ckpt}"])
+    assert roles_of(config).teachers == (str(ckpt / "hf_assets"),)
+    assert plan_memory(Model(config), layout_of(config, 2), roles_of(config)).roles["teacher"] == whole.roles[
+        "teacher"]
+    with pytest.raises(ValueError, match="teacher tp=4 x pp=1 does not divide the 2 ranks"):
+        planned("teacher.tp=4")

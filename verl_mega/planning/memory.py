@@ -19,7 +19,10 @@ gradient buffers (grads) and Adam's moments (optimizer), and in the rollout, onc
 without its parameters and fp32 main parameters (params); the critic holds what `critic.offload` leaves (by
 default all of it). A reference of its own holds its weights in its own pass only with `actor.offload.params`
 (verl's ref param_offload: they wait on the host otherwise, `roles.reference`), else always; outside the window
-the critic holds everything.
+the critic holds everything. A distillation teacher (`roles.teacher`, frozen, never offloaded) holds its weights
+in the model dtype at its own layout (teacher.tp / teacher.pp, else the actor's) through the whole step: each
+teacher's largest stage is counted on every rank (an upper bound where the teacher's pipeline stages differ from
+the actor's), and its pass adds one layer's activations and its logits at its layout.
 
 Activations per layer and micro-batch: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2) count, for a GPT layer in fp16 with a 4h GeLU MLP, dropout and a heads,
@@ -289,6 +292,7 @@ class Roles:
 
     critic: bool
     reference: bool
+    teachers: tuple[str, ...] = ()  # the folders of the distillation teachers' config.json
 
 
 class Model:
@@ -300,6 +304,15 @@ class Model:
         self.act_bytes = DTYPES[config.model.dtype].itemsize
         self.rollout_dtype = rollout_dtype(config)
         self._plans: dict[tuple[int, ...], Plan] = {}
+        self._teachers: dict[str, Model] = {}
+
+    def teacher(self, folder: str) -> "Model":
+        """The model of a distillation teacher whose config.json is in `folder`, planned with this run's data and
+        dtype (its family read from its own config)."""
+        if folder not in self._teachers:
+            model = dataclasses.replace(self.config.model, hf_path=folder, family_spec="")
+            self._teachers[folder] = Model(dataclasses.replace(self.config, model=model))
+        return self._teachers[folder]
 
     def transition(self, layout: Layout) -> Plan:
         # The CP ranks of a replica hold its weights as DP ranks do.
@@ -342,6 +355,16 @@ class Model:
             found.append("MLA: attention activations are counted as GQA's with the config's heads and head_dim; the "
                          "latent projections are not modelled")
         return found
+
+
+def teacher_layout(config: TrainConfig, layout: Layout) -> Layout:
+    """A distillation teacher's layout beside the actor's `layout`: teacher.tp / teacher.pp (null: the actor's),
+    the rest of the ranks data-parallel; frozen, so no pipeline interleaving, context or expert split of its own."""
+    tp, pp = config.teacher.tp or layout.tp, config.teacher.pp or layout.pp
+    if layout.gpus % (tp * pp):
+        raise ValueError(f"teacher tp={tp} x pp={pp} does not divide the {layout.gpus} ranks")
+    sp = layout.sequence_parallel if tp == layout.tp else tp > 1
+    return dataclasses.replace(layout, tp=tp, pp=pp, ep=1, rollout_tp=tp, sequence_parallel=sp, cp=1, vpp=1)
 
 
 def rollout_dtype(config: TrainConfig) -> str:
@@ -451,6 +474,8 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     layers = math.ceil(hf.num_layers / layout.pp)
     vocab = padded_vocab_size(hf.vocab_size, layout.tp)
     actor, critic = config.actor, config.critic
+    teachers = [(model.teacher(folder), teacher_layout(config, layout)) for folder in roles.teachers]
+    teacher_params = sum(max(teacher.stage_parameters(at)) for teacher, at in teachers) * e
 
     def resident(stage: int, reference_pass: bool = False) -> dict[str, dict[str, float]]:
         """What each role holds on the device; the reference's weights only in its own pass with
@@ -462,6 +487,8 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
                                       critic.optim.cpu_offload)
         if roles.reference and (reference_pass or not layout.offload.params):
             held["reference"] = {"params": params * e}
+        if teachers:
+            held["teacher"] = {"params": teacher_params}
         return held
 
     def resident_bytes(stage: int, reference_pass: bool = False) -> float:
@@ -515,6 +542,16 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
             parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e)
         return Phase(stage, resident_bytes(stage, reference_pass), parts)
 
+    def teacher_pass(stage: int) -> Phase:
+        """The largest of the teachers' forwards (they run one after another): one layer's activations and the
+        logits at the teacher's layout, beside everything resident."""
+        rows = micro_batch_rows(layout.micro_batch, actor.max_tokens_per_micro_batch, seq)
+        passes = [{"activations": layer_activation_bytes(model_layer_shape(teacher.hf_config, attention), seq, rows,
+                                                         at.tp, at.sequence_parallel, False, e),
+                   "logits": logits_bytes(seq, rows, padded_vocab_size(teacher.hf_config.vocab_size, at.tp), at.tp, e)}
+                  for teacher, at in teachers]
+        return Phase(stage, resident_bytes(stage), max(passes, key=lambda parts: sum(parts.values())))
+
     rollout_weights = max(rank.rollout_bytes for rank in transition.ranks)
     transfer = max(rank.transition_peak_bytes for rank in transition.ranks)
 
@@ -528,14 +565,16 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
         return Phase(stage, awake_resident_bytes(stage, engine_loaded=True), engine)
 
     candidates: dict[str, list[Phase]] = {name: [] for name in (
-        "actor.update", "actor.log_prob", "reference.log_prob", "critic.update", "critic.values", "transition",
-        "rollout")}
+        "actor.update", "actor.log_prob", "reference.log_prob", "teacher.log_prob", "critic.update", "critic.values",
+        "transition", "rollout")}
     for stage in range(layout.pp):
         candidates["actor.update"].append(update(stage, actor, layout.recompute, layout.micro_batch, True))
         candidates["actor.log_prob"].append(forward(stage, actor, layout.micro_batch, True))
         if roles.reference:
             candidates["reference.log_prob"].append(forward(stage, actor, layout.micro_batch, True,
                                                             reference_pass=True))
+        if teachers:
+            candidates["teacher.log_prob"].append(teacher_pass(stage))
         if roles.critic:
             candidates["critic.update"].append(update(stage, critic, critic.recompute, critic.micro_batch_size,
                                                       False))
@@ -584,6 +623,8 @@ def step_flops(model: Model, layout: Layout, roles: Roles) -> dict[str, float]:
     flops = {"generation": forward, "actor.log_prob": forward, "actor.update": training(config.actor, layout.recompute)}
     if roles.reference:
         flops["reference.log_prob"] = forward
+    for folder in roles.teachers:
+        flops["teacher.log_prob"] = flops.get("teacher.log_prob", 0.0) + forward_flops(model.teacher(folder), tokens)
     if roles.critic:
         flops["critic.values"] = forward
         flops["critic.update"] = training(config.critic, config.critic.recompute)

@@ -10,20 +10,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from verl_mega.checkpoint.manifest import HF_ASSETS_DIR
 from verl_mega.config import TrainConfig, load_config
 from verl_mega.config.errors import UserError
 from verl_mega.hub import resolve_inputs
 from verl_mega.planning.memory import ATTENTION_KERNELS, FLASH, Model, Roles, layout_of, plan_memory, suggest_layouts
 from verl_mega.rollout import planner
 
-from .rl.needs import uses_critic, uses_reference
+from .rl.needs import teacher_folders, uses_critic, uses_reference, uses_teacher
 
 MEMORY_FLAG = "--memory"
 
 
 def roles_of(config: TrainConfig) -> Roles:
-    return Roles(critic=uses_critic(config), reference=uses_reference(config))
+    return Roles(critic=uses_critic(config), reference=uses_reference(config), teachers=teacher_config_folders(config))
+
+
+def teacher_config_folders(config: TrainConfig) -> tuple[str, ...]:
+    """Where each distillation teacher's config.json is: its HF folder, or a teacher.ckpt's copied HF assets."""
+    folders = list(teacher_folders(config).values())
+    if uses_teacher(config) and config.teacher.ckpt:
+        folders.append(str(Path(config.teacher.ckpt) / HF_ASSETS_DIR))
+    return tuple(folders)
 
 
 def memory_parser() -> argparse.ArgumentParser:
