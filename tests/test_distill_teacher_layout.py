@@ -87,3 +87,31 @@ def test_a_planted_row_order_error_fails_the_comparison(runs):
         found[name] = found[name][order]
     with pytest.raises(AssertionError):
         assert_same_scores(found)
+
+
+def test_the_rl_job_distils_from_a_teacher_at_its_own_layout(tmp_path, prompt_file, student_and_teacher):
+    """Two processes, the student at TP 1 (DP 2), reverse_kl alone: the teacher at TP 2, converted into the run
+    folder at that layout, gives the first step the same distillation metrics and policy loss (its advantages are
+    the teacher's term) as the teacher at the student's."""
+    import json
+
+    from verl_mega.demo import EXAMPLES
+
+    student, teacher = student_and_teacher
+    logged = {}
+    for teacher_tp in ("null", "2"):
+        run_dir = tmp_path / f"teacher_tp_{teacher_tp}"
+        run_torchrun(2, "verl_mega.trainer.main", [
+            "--config", str(EXAMPLES / "grpo_demo.yaml"), f"model.hf_path={student}", f"trainer.run_dir={run_dir}",
+            f"data.train_files=[{prompt_file}]", "data.truncation=left", "data.batch_size=2", "rollout.n=2",
+            "actor.mini_batch_size=4", "actor.micro_batch_size=2", "critic.mini_batch_size=4", "trainer.total_steps=1",
+            "reward.function=", "algorithm.distill.loss=reverse_kl", f"teacher.hf_path={teacher}",
+            f"teacher.tp={teacher_tp}"])
+        logged[teacher_tp] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        layout = "tp1_pp1_ep1" if teacher_tp == "null" else "tp2_pp1_ep1"
+        assert len(list(run_dir.glob(f"initial_teacher_{layout}_*"))) == 1, sorted(run_dir.iterdir())
+    assert logged["2"]["step"] == 1
+    for name in ("distill/reverse_kl", "distill/teacher_entropy", "distill/student_entropy", "distill/top1_agreement",
+                 "actor/pg_loss"):
+        assert logged["2"][name] == pytest.approx(logged["null"][name], abs=1e-5), name
+    assert logged["2"]["distill/reverse_kl"] > 1e-2  # the teacher is another model than the student
