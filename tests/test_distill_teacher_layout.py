@@ -1,12 +1,14 @@
-"""A teacher at its own TP/PP beside the student's (torchrun, gloo, world 2, fp32) scores as one at the student's
-layout, so the distillation losses are the same: reverse_kl's advantages and gkd's divergence, from the student's
-log-probs at the student's layout. Student TP 1 (DP 2) beside a teacher at TP 2; student TP 2 beside a teacher at
-PP 2, and at TP 1 (DP 2). Each teacher loads its megatron_legacy conversion at its own layout (its shards found by
-its own ranks), and the student's groups are back after it: the same teacher at the student's layout, built and run
-after it, is the reference.
+"""A teacher at its own TP/PP beside the student's (torchrun, gloo, fp32) scores as one at the student's layout, so
+the distillation losses are the same: reverse_kl's advantages and gkd's divergence, from the student's log-probs at
+the student's layout. At a world of 2: student TP 1 (DP 2) beside a teacher at TP 2; student TP 2 beside a teacher
+at PP 2, and at TP 1 (DP 2). At a world of 4: student DP 4 beside a teacher at TP 2 x PP 2. Each teacher loads its
+megatron_legacy conversion at its own layout (its shards found by its own ranks), and the student's groups are back
+after it: the same teacher at the student's layout, built and run after it, is the reference. The RL job, at a
+world of 2, logs the same first step with the teacher at TP 2 beside a student at TP 1 as at TP 1.
 
 Tolerance: fp32, atol = rtol = 1e-5 on log-probs, entropy and the losses (different TP splits sum the vocabulary
-in a different order: up to 1e-6 apart here); the top-k ids and the top-1 matches exactly."""
+in a different order: up to 1e-6 apart here); the top-k ids and the top-1 matches exactly. A planted row swap
+fails it."""
 import pytest
 import torch
 
@@ -17,11 +19,13 @@ from verl_mega.parallel.spawn import run_torchrun
 
 from tests.workers.roles_worker import fixed_batch
 
-pytestmark = pytest.mark.slow  # three torchrun launches of two ranks
+pytestmark = pytest.mark.slow  # six torchrun launches
 
-# (student tp, pp) -> (teacher tp, pp), each at a world of 2
-LAYOUTS = {"student_tp1_teacher_tp2": ((1, 1), (2, 1)), "student_tp2_teacher_pp2": ((2, 1), (1, 2)),
-           "student_tp2_teacher_dp2": ((2, 1), (1, 1))}
+# name -> (world size, student (tp, pp), teacher (tp, pp))
+LAYOUTS = {"student_tp1_teacher_tp2": (2, (1, 1), (2, 1)), "student_tp2_teacher_pp2": (2, (2, 1), (1, 2)),
+           "student_tp2_teacher_dp2": (2, (2, 1), (1, 1)),
+           # both data-parallel, in slices of different sizes: student DP 4, teacher TP 2 x PP 2
+           "world4_student_dp4_teacher_tp2_pp2": (4, (1, 1), (2, 2))}
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -32,12 +36,12 @@ def runs(tmp_path_factory):
     student = make_tiny_hf_model(root / "student", "qwen2", vocab_size=200, num_hidden_layers=2, seed=0)
     teacher = make_tiny_hf_model(root / "teacher", "qwen2", vocab_size=200, num_hidden_layers=2, seed=1)
     convert_hf_to_mcore(student, root / "student_ckpt", fmt="torch_dist")
-    for tp, pp in {layout for pair in LAYOUTS.values() for layout in pair}:
+    for tp, pp in {layout for _, *pair in LAYOUTS.values() for layout in pair}:
         convert_hf_to_mcore(teacher, root / "teacher_ckpts" / f"tp{tp}_pp{pp}", tp=tp, pp=pp)
     results = {}
-    for name, ((tp, pp), (teacher_tp, teacher_pp)) in LAYOUTS.items():
+    for name, (world, (tp, pp), (teacher_tp, teacher_pp)) in LAYOUTS.items():
         out = root / f"{name}.pt"
-        run_torchrun(2, "tests.workers.teacher_layout_worker",
+        run_torchrun(world, "tests.workers.teacher_layout_worker",
                      [str(root / "teacher_ckpts"), str(root / "student_ckpt"), str(out), *map(str, (tp, pp, teacher_tp,
                                                                                             teacher_pp))])
         results[name] = torch.load(out)
@@ -67,9 +71,9 @@ def assert_same_scores(found: dict) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_teacher_at_its_own_layout_gives_the_same_scores_and_losses(runs, name):
     found = runs[name]
-    (tp, pp), (teacher_tp, teacher_pp) = LAYOUTS[name]
-    assert found["layout_inside"].tolist() == [teacher_tp, teacher_pp, 2 // (teacher_tp * teacher_pp)]
-    assert found["layout_after"].tolist() == [tp, pp, 2 // (tp * pp)]
+    world, (tp, pp), (teacher_tp, teacher_pp) = LAYOUTS[name]
+    assert found["layout_inside"].tolist() == [teacher_tp, teacher_pp, world // (teacher_tp * teacher_pp)]
+    assert found["layout_after"].tolist() == [tp, pp, world // (tp * pp)]
     assert_same_scores(found)
     # Not vacuous: the losses depend on the teacher (the student is another model), and both TP halves of the
     # vocabulary appear in the top-k.
