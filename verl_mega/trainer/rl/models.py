@@ -1,6 +1,6 @@
 """The models an RL step runs: the actor, and the reference, critic and distillation teacher where the config
-uses them, built from their checkpoints in the actor's dtype (the teacher at its own layout where teacher.tp / teacher.pp
-say so)."""
+uses them, built from their checkpoints in the actor's dtype (the teacher at its own layout where teacher.tp /
+teacher.pp say so)."""
 from __future__ import annotations
 
 import dataclasses
