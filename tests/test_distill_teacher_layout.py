@@ -4,7 +4,8 @@ the student's layout. At a world of 2: student TP 1 (DP 2) beside a teacher at T
 at PP 2, and at TP 1 (DP 2). At a world of 4: student DP 4 beside a teacher at TP 2 x PP 2. Each teacher loads its
 megatron_legacy conversion at its own layout (its shards found by its own ranks), and the student's groups are back
 after it: the same teacher at the student's layout, built and run after it, is the reference. The RL job, at a
-world of 2, logs the same first step with the teacher at TP 2 beside a student at TP 1 as at TP 1.
+world of 2, logs the same first step with the teacher at TP 2 beside a student at TP 1 as at TP 1 (reverse_kl alone;
+gkd beside a reward, with a LoRA student).
 
 Tolerance: fp32, atol = rtol = 1e-5 on log-probs, entropy and the losses (different TP splits sum the vocabulary
 in a different order: up to 1e-6 apart here); the top-k ids and the top-1 matches exactly. A planted row swap
@@ -19,7 +20,7 @@ from verl_mega.parallel.spawn import run_torchrun
 
 from tests.workers.roles_worker import fixed_batch
 
-pytestmark = pytest.mark.slow  # six torchrun launches
+pytestmark = pytest.mark.slow  # eight torchrun launches, about 2.5 minutes on 2 cores
 
 # name -> (world size, student (tp, pp), teacher (tp, pp))
 LAYOUTS = {"student_tp1_teacher_tp2": (2, (1, 1), (2, 1)), "student_tp2_teacher_pp2": (2, (2, 1), (1, 2)),
@@ -93,15 +94,30 @@ def test_a_planted_row_order_error_fails_the_comparison(runs):
         assert_same_scores(found)
 
 
-def test_the_rl_job_distils_from_a_teacher_at_its_own_layout(tmp_path, prompt_file, student_and_teacher):
-    """Two processes, the student at TP 1 (DP 2), reverse_kl alone: the teacher at TP 2, converted into the run
-    folder at that layout, gives the first step the same distillation metrics and policy loss (its advantages are
-    the teacher's term) as the teacher at the student's."""
+# name -> (the run's distillation overrides, the first step's metrics that depend on the teacher)
+RL_RUNS = {
+    "reverse_kl_alone": (["reward.function=", "algorithm.distill.loss=reverse_kl"],
+                         ["distill/reverse_kl", "distill/teacher_entropy", "distill/student_entropy",
+                          "distill/top1_agreement", "actor/pg_loss"]),
+    "gkd_lora_student_beside_a_reward": (["algorithm.distill.loss=gkd", "algorithm.distill.top_k=5",
+                                          "algorithm.distill.beta=0.5", "algorithm.distill.coef=0.5",
+                                          "actor.lora.rank=4", "actor.lora.alpha=8"],
+                                         ["distill/reverse_kl", "distill/teacher_entropy", "actor/gkd_loss",
+                                          "actor/pg_loss"]),
+}
+
+
+@pytest.mark.parametrize("name", list(RL_RUNS))
+def test_the_rl_job_distils_from_a_teacher_at_its_own_layout(tmp_path, prompt_file, student_and_teacher, name):
+    """Two processes, the student at TP 1 (DP 2): the teacher at TP 2, converted into the run folder at that
+    layout, gives the first step the same distillation metrics and losses as the teacher at the student's
+    (reverse_kl alone, whose advantages are the teacher's term; gkd beside the outcome reward, a LoRA student)."""
     import json
 
     from verl_mega.demo import EXAMPLES
 
     student, teacher = student_and_teacher
+    overrides, compared = RL_RUNS[name]
     logged = {}
     for teacher_tp in ("null", "2"):
         run_dir = tmp_path / f"teacher_tp_{teacher_tp}"
@@ -109,13 +125,11 @@ def test_the_rl_job_distils_from_a_teacher_at_its_own_layout(tmp_path, prompt_fi
             "--config", str(EXAMPLES / "grpo_demo.yaml"), f"model.hf_path={student}", f"trainer.run_dir={run_dir}",
             f"data.train_files=[{prompt_file}]", "data.truncation=left", "data.batch_size=2", "rollout.n=2",
             "actor.mini_batch_size=4", "actor.micro_batch_size=2", "critic.mini_batch_size=4", "trainer.total_steps=1",
-            "reward.function=", "algorithm.distill.loss=reverse_kl", f"teacher.hf_path={teacher}",
-            f"teacher.tp={teacher_tp}"])
+            f"teacher.hf_path={teacher}", f"teacher.tp={teacher_tp}", *overrides])
         logged[teacher_tp] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
         layout = "tp1_pp1_ep1" if teacher_tp == "null" else "tp2_pp1_ep1"
         assert len(list(run_dir.glob(f"initial_teacher_{layout}_*"))) == 1, sorted(run_dir.iterdir())
     assert logged["2"]["step"] == 1
-    for name in ("distill/reverse_kl", "distill/teacher_entropy", "distill/student_entropy", "distill/top1_agreement",
-                 "actor/pg_loss"):
-        assert logged["2"][name] == pytest.approx(logged["null"][name], abs=1e-5), name
     assert logged["2"]["distill/reverse_kl"] > 1e-2  # the teacher is another model than the student
+    for metric in compared:
+        assert logged["2"][metric] == pytest.approx(logged["null"][metric], abs=1e-5), metric
