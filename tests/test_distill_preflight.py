@@ -24,14 +24,14 @@ def config_of(tmp_path, prompt_file, student, *overrides):
         "data.truncation=left", "reward.function=", "algorithm.distill.loss=reverse_kl", *overrides])
 
 
-def problems(config) -> list[str]:
+def problems(config, world_size: int = 2) -> list[str]:
     with pytest.raises(ConfigError) as refused:
-        preflight_check(config, 2)
+        preflight_check(config, world_size)
     return [line.removeprefix("  - ") for line in str(refused.value).splitlines()[1:]]
 
 
-def only_problem(config) -> str:
-    found = problems(config)
+def only_problem(config, world_size: int = 2) -> str:
+    found = problems(config, world_size)
     assert len(found) == 1, found
     return found[0]
 
@@ -117,11 +117,21 @@ def test_a_teacher_inside_the_run_folder_is_refused(tmp_path, prompt_file, model
     assert line.startswith(f"teacher.ckpt={tmp_path / 'run'} is inside trainer.run_dir=")
 
 
-def test_a_teacher_at_another_layout_is_refused_in_one_line(tmp_path, prompt_file, models):
+def test_a_teacher_at_its_own_layout_passes_and_impossible_ones_are_one_line(tmp_path, prompt_file, models):
     student, teacher = models
-    assert only_problem(config_of(tmp_path, prompt_file, student, f"teacher.hf_path={teacher}", "teacher.tp=2")) == (
-        "teacher.tp=2: the teacher runs at the student's layout (parallel.tp=1) in this version; set teacher.tp to "
-        "null or 1")
+    preflight_check(config_of(tmp_path, prompt_file, student, f"teacher.hf_path={teacher}", "teacher.tp=2"), 2)
+    preflight_check(config_of(tmp_path, prompt_file, student, f"teacher.hf_path={teacher}", "parallel.tp=2",
+                              "parallel.rollout_tp=2", "teacher.tp=1"), 2)
+    assert only_problem(config_of(tmp_path, prompt_file, student, f"teacher.hf_path={teacher}", "teacher.tp=4")) == (
+        "teacher.tp * parallel.pp = 4 must divide the number of processes (2)")
+    assert only_problem(config_of(tmp_path, prompt_file, student, f"teacher.hf_path={teacher}", "teacher.pp=4"),
+                        world_size=4) == "teacher.hf_path: teacher.pp=4 must divide num_hidden_layers=2"
+    # At teacher DP 2, a step of 2 rows cannot give each teacher rank a micro-batch of 2.
+    line = only_problem(config_of(tmp_path, prompt_file, student, f"teacher.hf_path={teacher}", "parallel.tp=2",
+                                  "parallel.rollout_tp=2", "teacher.tp=1", "data.batch_size=1", "rollout.n=2",
+                                  "actor.mini_batch_size=2", "critic.mini_batch_size=2", "actor.micro_batch_size=2"))
+    assert line == ("data.batch_size x rollout.n = 2 must be divisible by the teacher's data-parallel size 2 "
+                    "(training processes / (teacher.tp * teacher.pp)) x actor.micro_batch_size=2")
 
 
 def test_a_teacher_without_a_loss_and_an_empty_reward_without_a_teacher_are_refused(tmp_path, prompt_file, models):
@@ -141,6 +151,9 @@ def test_a_converted_teacher_passes_and_its_layout_is_checked(tmp_path, prompt_f
     line = only_problem(config_of(tmp_path, prompt_file, student, f"teacher.ckpt={ckpt}", "parallel.tp=2",
                                   "parallel.rollout_tp=2"))
     assert line.startswith(f"teacher.ckpt: {ckpt} was written for tp=1, pp=1, ep=1"), line
+    line = only_problem(config_of(tmp_path, prompt_file, student, f"teacher.ckpt={ckpt}", "teacher.tp=2"))
+    assert line.startswith(f"teacher.ckpt: {ckpt} was written for tp=1, pp=1, ep=1 and the teacher runs at tp=2, "
+                           "pp=1, ep=1 (teacher.tp, teacher.pp, parallel.ep)"), line
 
 
 def test_a_refused_run_writes_nothing(tmp_path, prompt_file, models):

@@ -641,7 +641,8 @@ class TeacherConfig:
     ckpt: str = ""
     """Converted megatron checkpoint of the teacher, in place of hf_path's weights."""
     tp: int | None = None
-    """The teacher's tensor-parallel size; null: the student's (parallel.tp)."""
+    """The teacher's tensor-parallel size, on the student's processes (teacher.tp * teacher.pp must divide them;
+    the rest is the teacher's data parallelism); null: the student's (parallel.tp)."""
     pp: int | None = None
     """The teacher's pipeline-parallel size; null: the student's (parallel.pp)."""
     by_data_source: dict[str, str] = field(default_factory=dict)

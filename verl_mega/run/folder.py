@@ -10,7 +10,7 @@
     RUN/.mirror_pending/step_000012/        snapshots waiting for upload to the mirror (run/mirror.py)
     RUN/final_actor/, final_critic/         each role's final weights, for `verl-mega export`
     RUN/initial_actor_tp1_pp1_ep1/          the converted checkpoint a role starts from, one per layout
-    RUN/initial_teacher_tp1_pp1_ep1_<sha>/  the distillation teacher's conversion (its sha256's first 16 digits)
+    RUN/initial_teacher_tp1_pp1_ep1_<sha>/  the distillation teacher's, at its layout (<sha>: its sha256's first 16)
     RUN/profile/step_000003_rank0.pt.trace.json   a profiled step's trace
     RUN/reference_logprobs.safetensors      the preference job's reference log-prob cache
 

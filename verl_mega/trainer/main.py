@@ -45,7 +45,7 @@ from .preflight import preflight_check
 from .progress import Progress
 from .quantized_rollout import tis_note, with_quantization_tis
 from .rl import RLJob
-from .rl.needs import TEACHER_OF, teacher_folders, uses_critic
+from .rl.needs import TEACHER_OF, role_layout, teacher_folders, uses_critic
 from .rl.rollout_service import RolloutService
 from .sft import SFTJob
 
@@ -227,17 +227,16 @@ def prepare_checkpoint(config, layout, run_dir: Path, role: str, checksum: str, 
             raise UserError(f"{ckpt} exists but is no converted checkpoint (no {MANIFEST_NAME}); remove it")
         print_note(f"using the converted {role} checkpoint {ckpt}", config.trainer.log_format)
     elif layout.rank == 0:
-        p = config.parallel
+        tp, pp, ep = role_layout(config, role)
         with progress.phase(f"converting the {role}'s {hf_path} into {ckpt}"):
-            convert_hf_to_mcore(hf_path, ckpt, tp=p.tp, pp=p.pp, ep=p.ep, dtype=config.model.dtype,
+            convert_hf_to_mcore(hf_path, ckpt, tp=tp, pp=pp, ep=ep, dtype=config.model.dtype,
                                 family_spec=config.model.family_spec or None)
     dist.barrier()
     return ckpt
 
 
 def conversion_path(config, run_dir: Path, role: str, checksum: str) -> Path:
-    p = config.parallel
-    layout = layout_name(p.tp, p.pp, p.ep)
+    layout = layout_name(*role_layout(config, role))
     if not config.model.conversion_cache:
         # One conversion per layout: a run resumed at another layout needs its initial (reference) weights there.
         # (claim_run_folder has checked that an existing actor conversion is of this model.)

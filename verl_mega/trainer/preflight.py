@@ -35,7 +35,7 @@ from verl_mega.models.builder import DTYPES, memory_overrides, transformer_engin
 from verl_mega.models.external_families import import_family_spec
 from verl_mega.models.families import sequence_limit
 from verl_mega.models.lora import config_problems as lora_config_problems, model_problems as lora_model_problems
-from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, rollout_coordinates
+from verl_mega.parallel.layout import check_model_fit, check_rollout_tp, data_parallel_size, rollout_coordinates
 from verl_mega.parallel.placement import placement_for, training_data_parallel_size
 from verl_mega.planning.memory import Model, layout_of, plan_memory
 from verl_mega.roles.megatron_step import PACKING_SETTINGS
@@ -53,7 +53,7 @@ from verl_mega.tools import ToolSet
 from verl_mega.tools.limits import limit_problems
 
 from .plan import roles_of
-from .rl.needs import check_estimator_config, teacher_alone, uses_critic
+from .rl.needs import check_estimator_config, teacher_alone, teacher_layout, uses_critic
 from .rl.schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
 ASYNC_KNOBS = ("max_staleness", "partial", "partial_chunk_tokens")  # rollout.* keys that only async reads
@@ -178,7 +178,7 @@ def _check_ppo(config: TrainConfig, world_size: int, dp, check_files: bool, chec
         need(reward_fn is None or callable(reward_fn), f"reward_fn: {reward_fn!r} is not callable")
     for problem in code_sandbox_problems(config.reward.code, config.reward.timeout_s):
         need(False, problem)
-    _check_distill(config, check, need, known, check_files, reward_fn)
+    _check_distill(config, world_size, check, need, known, check_files, reward_fn, layout_in_range)
     if check_files:
         _check_files(config, check, need, layout_in_range)
 
@@ -583,11 +583,12 @@ def _check_files(config: TrainConfig, check, need, layout_in_range: bool) -> Non
                   f"{key}: ")
 
 
-def _check_distill(config: TrainConfig, check, need, known, check_files: bool, reward_fn) -> None:
-    """algorithm.distill and its teacher: a loss with a teacher (and a teacher only with a loss), at the student's
-    layout, and nothing that learns from an outcome reward where the teacher is the whole reward; with the files,
-    a teacher that loads, outside the run folder, of the student's tokenizer."""
-    distill, teacher, p = config.algorithm.distill, config.teacher, config.parallel
+def _check_distill(config: TrainConfig, world_size: int, check, need, known, check_files: bool, reward_fn,
+                   layout_in_range: bool) -> None:
+    """algorithm.distill and its teacher: a loss with a teacher (and a teacher only with a loss), at a layout of
+    the training processes, and nothing that learns from an outcome reward where the teacher is the whole reward;
+    with the files, a teacher that loads, fits its layout, outside the run folder, of the student's tokenizer."""
+    distill, teacher = config.algorithm.distill, config.teacher
     known("algorithm.distill.loss", distill.loss, DISTILL_LOSSES)
     given = [key for key, value in (("teacher.hf_path", teacher.hf_path), ("teacher.ckpt", teacher.ckpt),
                                     ("teacher.by_data_source", teacher.by_data_source)) if value]
@@ -605,22 +606,50 @@ def _check_distill(config: TrainConfig, check, need, known, check_files: bool, r
         need(not uses_critic(config), "algorithm.adv_estimator=gae with reward.function empty: the critic would "
              "learn values of no reward; set algorithm.adv_estimator=grpo (the teacher's term is then the whole "
              "advantage) or set reward.function")
-    for key, size, student in (("tp", teacher.tp, p.tp), ("pp", teacher.pp, p.pp)):
-        need(size is None or size == student, f"teacher.{key}={size}: the teacher runs at the student's layout "
-             f"(parallel.{key}={student}) in this version; set teacher.{key} to null or {student}")
+    layout_fits = layout_in_range and _check_teacher_layout(config, world_size, check, need)
     if not check_files:
         return
     default = [("teacher.ckpt", teacher.ckpt, True)] if teacher.ckpt else [("teacher.hf_path", teacher.hf_path, False)]
     for key, folder, converted in default + [(f"teacher.by_data_source.{source}", folder, False)
                                              for source, folder in teacher.by_data_source.items()]:
         if folder:
-            _check_teacher_files(config, key, folder, converted, check, need)
+            _check_teacher_files(config, key, folder, converted, check, need, layout_fits)
 
 
-def _check_teacher_files(config: TrainConfig, key: str, folder: str, converted: bool, check, need) -> None:
+def _check_teacher_layout(config: TrainConfig, world_size: int, check, need) -> bool:
+    """A teacher at its own layout: teacher.tp * teacher.pp dividing the training processes (at parallel.ep), and
+    the step's rows splitting evenly over the teacher's data-parallel ranks and their micro-batches. Whether the
+    layout is one to split the teacher's model at (sizes out of range have their own lines; the student's layout
+    has its own checks)."""
+    tp, pp, ep = teacher_layout(config)
+    p = config.parallel
+    if (tp, pp) == (p.tp, p.pp):
+        return True
+    training = world_size - p.rollout_ranks
+    if training < 1 or not all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in (tp, pp)):
+        return False
+    dp = check(lambda: data_parallel_size(training, tp, pp, ep, _teacher_names(config)))
+    if dp is None:
+        return False
+    a = config.actor
+    rows, micro = config.data.batch_size * config.rollout.n, 1 if a.max_tokens_per_micro_batch else a.micro_batch_size
+    need(rows % (dp * max(micro, 1)) == 0, f"data.batch_size x rollout.n = {rows} must be divisible by the teacher's "
+         f"data-parallel size {dp} (training processes / (teacher.tp * teacher.pp))"
+         + (f" x actor.micro_batch_size={micro}" if micro > 1 else ""))
+    return True
+
+
+def _teacher_names(config: TrainConfig) -> dict[str, str]:
+    """The keys that set the teacher's sizes: teacher.tp and teacher.pp, or the student's where they are null."""
+    return {**PARALLEL_NAMES, **{size: f"teacher.{size}" for size in ("tp", "pp")
+                                 if getattr(config.teacher, size) is not None}}
+
+
+def _check_teacher_files(config: TrainConfig, key: str, folder: str, converted: bool, check, need,
+                         layout_fits: bool) -> None:
     """The teacher's folder (`converted`: a converted checkpoint, else an HF folder), outside the run folder,
-    readable (config, weights or manifest), and its tokenizer the student's token for token; for gkd, top-k ids
-    the student's vocabulary holds."""
+    readable (config, weights or manifest), split at the teacher's layout (`layout_fits`: a valid one to try), and
+    its tokenizer the student's token for token; for gkd, top-k ids the student's vocabulary holds."""
     run_dir = Path(config.trainer.run_dir).resolve()
     if Path(folder).resolve().is_relative_to(run_dir):
         need(False, f"{key}={folder} is inside trainer.run_dir={config.trainer.run_dir}, the folder this run writes: "
@@ -631,11 +660,12 @@ def _check_teacher_files(config: TrainConfig, key: str, folder: str, converted: 
     if converted:
         manifest = check(lambda: Manifest.read(folder, config.model.family_spec or None), f"{key}: ")
         model = HFModelConfig.from_dict(manifest.hf_config) if manifest is not None else None
-        p = config.parallel
+        tp, pp, ep = teacher_layout(config)
         need(manifest is None or manifest.format != "megatron_legacy" or (manifest.tp, manifest.pp, manifest.ep)
-             == (p.tp, p.pp, p.ep), f"{key}: {folder} was written for tp={getattr(manifest, 'tp', '')}, "
-             f"pp={getattr(manifest, 'pp', '')}, ep={getattr(manifest, 'ep', '')} and the teacher runs at parallel.tp="
-             f"{p.tp}, pp={p.pp}, ep={p.ep}: convert it again at this layout, or with --format torch_dist")
+             == (tp, pp, ep), f"{key}: {folder} was written for tp={getattr(manifest, 'tp', '')}, "
+             f"pp={getattr(manifest, 'pp', '')}, ep={getattr(manifest, 'ep', '')} and the teacher runs at tp={tp}, "
+             f"pp={pp}, ep={ep} (teacher.tp, teacher.pp, parallel.ep): convert it again at this layout, or with "
+             "--format torch_dist")
     else:
         if not Path(folder, "config.json").is_file():
             need(False, f"{key}: {folder}/config.json does not exist; point it at the teacher's HF model folder")
@@ -643,6 +673,8 @@ def _check_teacher_files(config: TrainConfig, key: str, folder: str, converted: 
         loaded = check(lambda: load_hf_model_config(folder, config.model.family_spec or None), f"{key}: ")
         model = loaded[0] if loaded is not None else None
         check(lambda: SafetensorsReader(folder).close(), f"{key}: ")
+    if model is not None and layout_fits:
+        check(lambda: check_model_fit(model, *teacher_layout(config), _teacher_names(config)), f"{key}: ")
     if model is None or not Path(config.model.hf_path, "config.json").is_file():
         return
     student_tokenizer = check(lambda: load_tokenizer(config.model.hf_path), "model.hf_path: ")

@@ -1,5 +1,6 @@
 """The models an RL step runs: the actor, and the reference, critic and distillation teacher where the config
-uses them, built from their checkpoints in the actor's dtype."""
+uses them, built from their checkpoints in the actor's dtype (the teacher at its own layout where teacher.tp /
+teacher.pp say so)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +8,13 @@ from pathlib import Path
 
 from verl_mega.config import TrainConfig
 from verl_mega.models.builder import memory_overrides
+from verl_mega.parallel.layout_groups import LayoutGroups
 from verl_mega.roles.actor import Actor, sampling_temperature
 from verl_mega.roles.critic import Critic
 from verl_mega.roles.reference import make_reference
 from verl_mega.roles.teacher import Teacher
 
-from .needs import optimizer_steps, uses_critic, uses_reference, uses_teacher
+from .needs import optimizer_steps, teacher_layout, uses_critic, uses_reference, uses_teacher
 
 
 @dataclasses.dataclass
@@ -73,7 +75,15 @@ def build_models(config: TrainConfig, actor_ckpt: Path, critic_ckpt: Path | None
                                **memory_overrides(config.critic, config.parallel))
     if uses_teacher(config):
         top_k = config.algorithm.distill.top_k if config.algorithm.distill.loss == "gkd" else 0
+        tp, pp, ep = teacher_layout(config)
+        # At its own layout, the teachers' groups: created once, by every rank (new_group is collective).
+        groups = LayoutGroups(tp, pp, ep) if (tp, pp) != (config.parallel.tp, config.parallel.pp) else None
+        # Sequence parallelism needs TP: a teacher at TP 1 runs without it whatever the student does.
+        teacher_parallel = dataclasses.replace(config.parallel, tp=tp, pp=pp,
+                                               sequence_parallel=config.parallel.sequence_parallel and tp > 1)
+        memory = memory_overrides(config.actor, teacher_parallel)
         models.teachers = {source: Teacher(ckpt, top_k=top_k, packed_sequences=packed, temperature=temperature,
-                                           dtype=dtype, **actor_memory) for source, ckpt in teacher_ckpts.items()}
+                                           groups=groups, dtype=dtype, **memory)
+                           for source, ckpt in teacher_ckpts.items()}
     return models
 

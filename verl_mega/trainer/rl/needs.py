@@ -50,6 +50,18 @@ def teacher_folders(config: TrainConfig) -> dict[str, str]:
 TEACHER_OF = "teacher:"  # the role name of a data source's teacher, before the source
 
 
+def teacher_layout(config: TrainConfig) -> tuple[int, int, int]:
+    """Every teacher's (tp, pp, ep): teacher.tp and teacher.pp (null: the student's), at the student's EP."""
+    teacher, p = config.teacher, config.parallel
+    return (p.tp if teacher.tp is None else teacher.tp, p.pp if teacher.pp is None else teacher.pp, p.ep)
+
+
+def role_layout(config: TrainConfig, role: str) -> tuple[int, int, int]:
+    """The (tp, pp, ep) `role` (actor, critic, teacher or teacher:SOURCE) runs and is converted at."""
+    p = config.parallel
+    return teacher_layout(config) if role.startswith("teacher") else (p.tp, p.pp, p.ep)
+
+
 def teacher_alone(config: TrainConfig, reward_fn: RewardFn | None = None) -> bool:
     """Whether the teacher's signal is the whole reward: no reward function (nor the Python API's callable in its
     place), model or service scores the responses."""
