@@ -357,9 +357,10 @@ class Model:
         return found
 
 
-def teacher_layout(config: TrainConfig, layout: Layout) -> Layout:
+def teacher_layout_beside(config: TrainConfig, layout: Layout) -> Layout:
     """A distillation teacher's layout beside the actor's `layout`: teacher.tp / teacher.pp (null: the actor's),
-    the rest of the ranks data-parallel; frozen, so no pipeline interleaving, context or expert split of its own."""
+    the rest of the ranks data-parallel, without pipeline interleaving or context parallelism (the teacher's
+    groups, `parallel.layout_groups`); an MoE teacher's experts are planned unsplit (EP 1: an upper bound)."""
     tp, pp = config.teacher.tp or layout.tp, config.teacher.pp or layout.pp
     if layout.gpus % (tp * pp):
         raise ValueError(f"teacher tp={tp} x pp={pp} does not divide the {layout.gpus} ranks")
@@ -474,7 +475,7 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
     layers = math.ceil(hf.num_layers / layout.pp)
     vocab = padded_vocab_size(hf.vocab_size, layout.tp)
     actor, critic = config.actor, config.critic
-    teachers = [(model.teacher(folder), teacher_layout(config, layout)) for folder in roles.teachers]
+    teachers = [(model.teacher(folder), teacher_layout_beside(config, layout)) for folder in roles.teachers]
     teacher_params = sum(max(teacher.stage_parameters(at)) for teacher, at in teachers) * e
 
     def resident(stage: int, reference_pass: bool = False) -> dict[str, dict[str, float]]:
