@@ -58,7 +58,7 @@ demo-dapo: $(STAMP)
 
 # On-policy distillation from a teacher that copies vs GRPO, from the same warm model (docs/distillation.md).
 demo-distill: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo --distill --steps 60
+	OMP_NUM_THREADS=1 $(PY) -m verl_mega.demo --distill --steps 30
 
 # Multi-turn GRPO with the calculator tool on arithmetic word problems (docs/multi-turn.md).
 demo-agent: $(STAMP)
