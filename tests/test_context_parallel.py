@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from verl_mega.parallel.context_parallel import gather_sequence, restore_order, sequence_multiple, split_for_rank
 from verl_mega.roles.batching import pad_columns_to_multiple
+from verl_mega.roles.routing_replay import ROUTED_EXPERTS
 
 WORLD_SIZE = 4  # one CP group of 4 ranks, and two CP groups of 2
 
@@ -104,6 +105,105 @@ def check_gather_and_loss(group, cp: int, cp_rank: int) -> None:
     torch.testing.assert_close(restore_order(pieces, dim=0) / cp, whole_states.grad)
 
 
+@pytest.mark.slow
 def test_split_matches_megatron_and_gather_restores_order_over_gloo(tmp_path):
     # Any assertion failing in a rank re-raises here.
     mp.spawn(check_rank, args=(str(tmp_path / "store"),), nprocs=WORLD_SIZE, join=True)
+
+
+def padded_rows() -> dict[str, torch.Tensor]:
+    """Two rows of the step's layout, a left-padded prompt (width 4) and a right-padded response (width 3): 7
+    columns, padded by the step to 8 for CP = 2. Tokens are 1 + their column so that each can be traced; each
+    token's recorded experts (routing replay: 1 MoE layer, top 2) are its own id twice."""
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1]])
+    ids = (torch.arange(1, 8).repeat(2, 1) + torch.tensor([[0], [100]])) * mask
+    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp_min(0) * mask,
+             "responses": ids[:, 4:], ROUTED_EXPERTS: ids[:, :, None, None].expand(-1, -1, 1, 2).int()}
+    return pad_columns_to_multiple(batch, sequence_multiple(2))
+
+
+def check_model_inputs_on_cp_rank(rank: int, port: int) -> None:
+    """What the model's forward takes on each rank of a CP group of 2 (megatron's parallel_state at cp=2, gloo),
+    and what the last stage's gather brings back at the response positions."""
+    import os
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from verl_mega.parallel.state import current_layout, destroy_parallel, init_parallel
+    from verl_mega.roles.megatron_step import model_rows
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    layout = init_parallel(cp=2)
+    try:
+        assert (layout.cp, layout.cp_rank, layout.dp, current_layout().cp) == (2, rank, 1, 2)
+        batch = padded_rows()
+        rows = model_rows(batch, transformer_engine=True, packed=False)
+        assert rows.input_ids.shape == rows.position_ids.shape == (2, 4)  # L / cp columns on each rank
+
+        group = ps.get_context_parallel_group()
+        whole_ids, whole_positions = (gather_sequence(rows.input_ids, group, dim=1),
+                                      gather_sequence(rows.position_ids, group, dim=1))
+        # The whole rows start at their first token (transformer-engine's causal attention, no mask): the tokens in
+        # order, positions 0, 1, ..., then the padding at the end.
+        real = batch["attention_mask"].sum(1)
+        for row, count in enumerate(real.tolist()):
+            assert torch.equal(whole_ids[row, :count], batch["input_ids"][row][batch["attention_mask"][row].bool()])
+            assert torch.equal(whole_positions[row, :count], torch.arange(count))
+            assert not whole_ids[row, count:].any()
+        # Each rank's part is megatron's own split of the whole rows.
+        megatron = get_batch_on_this_cp_rank({"tokens": whole_ids, "position_ids": whole_positions})
+        assert torch.equal(rows.input_ids, megatron["tokens"])
+        assert torch.equal(rows.position_ids, megatron["position_ids"])
+        # The recorded routes follow their tokens, in the routers' sequence-first order.
+        real_tokens = rows.input_ids.t().flatten() != 0
+        assert torch.equal(rows.routed_experts[real_tokens, 0, 1].long(), rows.input_ids.t().flatten()[real_tokens])
+
+        # The last stage gathers its sequence-first [s/cp, b, h] outputs over CP; at `response_positions` the
+        # gathered rows hold the tokens that predict each response token (the column before it).
+        gathered = gather_sequence(rows.input_ids.t().contiguous(), group, dim=0)
+        width, response_length = batch["input_ids"].shape[1], batch["responses"].shape[1]
+        predicting = batch["input_ids"][:, width - response_length - 1: width - 1]
+        assert torch.equal(gathered.flatten(0, 1)[rows.response_positions], predicting)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.slow
+def test_model_inputs_on_each_cp_rank_are_megatrons_split(tmp_path):
+    from verl_mega.parallel.spawn import free_port
+
+    mp.spawn(check_model_inputs_on_cp_rank, args=(free_port(),), nprocs=2, join=True)
+
+
+def test_preflight_refuses_cp_without_transformer_engine_in_one_line(tmp_path):
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.trainer.preflight import preflight_check
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "copy: 1"}\n' * 8)
+    config = load_config(None, [f"model.hf_path={make_tiny_hf_model(tmp_path / 'qwen2', 'qwen2')}",
+                                f"data.train_files=[{prompts}]", "data.batch_size=4", "actor.mini_batch_size=4",
+                                "critic.mini_batch_size=4", "parallel.cp=2"])
+    with pytest.raises(ConfigError) as refused:
+        preflight_check(config, world_size=2)
+    assert str(refused.value).splitlines()[1:] == [
+        "  - parallel.cp=2: context parallelism runs transformer-engine's attention (megatron-core's local attention "
+        "takes context_parallel_size 1), and this machine has no transformer-engine with CUDA: set it to 1 "
+        "(`verl-mega plan --memory` models it)"]
+
+
+def test_the_local_layer_spec_refuses_context_parallelism(tmp_path):
+    from verl_mega.config import ConfigError
+    from verl_mega.models.builder import layer_spec, transformer_config
+    from verl_mega.models.families import family_for
+    from verl_mega.models.hf_config import HFModelConfig
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    hf_config = HFModelConfig.from_dict(HFModelConfig.read_raw(make_tiny_hf_model(tmp_path / "qwen2", "qwen2")))
+    family = family_for(hf_config)
+    config = transformer_config(hf_config, family, context_parallel_size=2)
+    with pytest.raises(ConfigError, match="parallel.cp=2 needs transformer-engine's layers"):
+        layer_spec(family, hf_config, config)
