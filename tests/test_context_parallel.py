@@ -207,3 +207,91 @@ def test_the_local_layer_spec_refuses_context_parallelism(tmp_path):
     config = transformer_config(hf_config, family, context_parallel_size=2)
     with pytest.raises(ConfigError, match="parallel.cp=2 needs transformer-engine's layers"):
         layer_spec(family, hf_config, config)
+
+
+def check_step_at_cp(rank: int, port: int, hf_dir: str) -> None:
+    """forward_backward over megatron's real schedule and DDP on 2 gloo ranks, as DP = 2 and then as CP = 2, of a
+    model whose attention adds nothing (its output projection zeroed): the one part of the forward that would need
+    transformer-engine's context-parallel attention is then per token, so both layouts must give the same loss and
+    gradients. The local layers stand in for transformer-engine's: they take its right-aligned rows with the mask
+    its causal mask type applies, as in tests/test_gpu_paths.py; the context-parallel size is set after they are
+    built (megatron's local attention asserts 1 at construction; RoPE and the step read it at each forward)."""
+    import dataclasses
+    import os
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from verl_mega.models.builder import build_gpt_model, padded_vocab_size, transformer_config
+    from verl_mega.models.families import family_for
+    from verl_mega.models.hf_config import HFModelConfig
+    from verl_mega.parallel.state import destroy_parallel, init_parallel
+    from verl_mega.roles import megatron_step
+    from verl_mega.roles.actor import response_logprobs
+    from verl_mega.roles.batching import dp_slice, micro_batches
+    from tests.test_gpu_paths import left_right_batch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+    def transformer_engine_rows(micro_batch, transformer_engine, packed):
+        rows = model_rows(micro_batch, True, packed)
+        width = rows.input_ids.shape[1]
+        return dataclasses.replace(rows, attention_mask=torch.ones(width, width, dtype=torch.bool).triu(1)[None, None])
+
+    model_rows = megatron_step.model_rows
+    megatron_step.model_rows = transformer_engine_rows
+    hf_config = HFModelConfig.from_dict(HFModelConfig.read_raw(hf_dir))
+    family = family_for(hf_config)
+    vocab = padded_vocab_size(hf_config.vocab_size, 1)
+    generator = torch.Generator().manual_seed(3)
+    lengths = [(5, 2), (2, 4), (1, 1), (4, 3)]  # (prompt, response) tokens of each row
+    batch = left_right_batch([torch.randint(1, hf_config.vocab_size, (p,), generator=generator).tolist()
+                              for p, _ in lengths],
+                             [torch.randint(1, hf_config.vocab_size, (r,), generator=generator).tolist()
+                              for _, r in lengths])
+    seen = {}
+    try:
+        for cp in (1, 2):  # megatron's groups made again over the same gloo world
+            layout = init_parallel(cp=cp)
+            torch.manual_seed(0)
+            config = transformer_config(hf_config, family)
+            module = build_gpt_model(hf_config, family, config, padded_vocab=vocab, implementation="local")
+            for layer in module.decoder.layers:
+                layer.self_attention.linear_proj.weight.data.zero_()
+            # Nor RoPE, which only the attention reads (megatron picks its CP chunks in pinned memory: CUDA only).
+            module.position_embedding_type = "none"
+            config.context_parallel_size = cp
+            model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True), module=module)
+            config.finalize_model_grads_func = finalize_model_grads
+            inputs = []
+            module.register_forward_pre_hook(lambda _, args: inputs.append(args[0].shape))
+
+            def loss_fn(output, micro_batch, share):
+                mask = micro_batch["response_mask"]
+                logprobs = response_logprobs(output, micro_batch, hf_config.vocab_size, False)
+                loss = -(logprobs * mask).sum() / mask.sum().clamp_min(1) * share.loss
+                return loss, {"loss": loss}
+
+            loss = megatron_step.forward_backward(model, batch, 2, "token-mean", ["loss"], loss_fn)["loss"]
+            # Each forward takes this CP rank's part of its micro-batch, padded to a multiple of 2 x CP columns.
+            pieces = micro_batches(dp_slice(batch, layout.dp_rank, layout.dp), 2,
+                                   columns_multiple_of=sequence_multiple(cp))
+            assert [shape for shape in inputs] == [(2, piece["input_ids"].shape[1] // cp) for piece in pieces]
+            seen[cp] = loss, {name: param.main_grad.clone() for name, param in model.named_parameters()
+                              if "linear_proj" not in name}
+    finally:
+        destroy_parallel()
+    (loss, grads), (cp_loss, cp_grads) = seen[1], seen[2]
+    assert cp_loss == pytest.approx(loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(cp_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_the_step_at_cp_2_gives_the_losses_and_gradients_of_dp_2(tmp_path):
+    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.parallel.spawn import free_port
+
+    hf_dir = make_tiny_hf_model(tmp_path / "llama", "llama")
+    mp.spawn(check_step_at_cp, args=(free_port(), str(hf_dir)), nprocs=2, join=True)
