@@ -215,7 +215,7 @@ def check_step_at_cp(rank: int, port: int, hf_dir: str) -> None:
     transformer-engine's context-parallel attention is then per token, so both layouts must give the same loss and
     gradients. The local layers stand in for transformer-engine's: they take its right-aligned rows with the mask
     its causal mask type applies, as in tests/test_gpu_paths.py; the context-parallel size is set after they are
-    built (megatron's local attention asserts 1 at construction; RoPE and the step read it at each forward)."""
+    built (megatron's local attention asserts 1 at construction; the step reads it at each forward)."""
     import dataclasses
     import os
 
@@ -277,7 +277,7 @@ def check_step_at_cp(rank: int, port: int, hf_dir: str) -> None:
             # Each forward takes this CP rank's part of its micro-batch, padded to a multiple of 2 x CP columns.
             pieces = micro_batches(dp_slice(batch, layout.dp_rank, layout.dp), 2,
                                    columns_multiple_of=sequence_multiple(cp))
-            assert [shape for shape in inputs] == [(2, piece["input_ids"].shape[1] // cp) for piece in pieces]
+            assert inputs == [(2, piece["input_ids"].shape[1] // cp) for piece in pieces]
             seen[cp] = loss, {name: param.main_grad.clone() for name, param in model.named_parameters()
                               if "linear_proj" not in name}
     finally:
