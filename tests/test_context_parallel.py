@@ -212,8 +212,8 @@ def test_the_local_layer_spec_refuses_context_parallelism(tmp_path):
 def check_step_at_cp(rank: int, port: int, hf_dir: str) -> None:
     """forward_backward over megatron's real schedule and DDP on 2 gloo ranks, as DP = 2 and then as CP = 2, of a
     model whose attention adds nothing (its output projection zeroed): the one part of the forward that would need
-    transformer-engine's context-parallel attention is then per token, so both layouts must give the same loss and
-    gradients. The local layers stand in for transformer-engine's: they take its right-aligned rows with the mask
+    transformer-engine's context-parallel attention is then per token, so both layouts must give the same loss,
+    gradients and forward-only log-probs. The local layers stand in for transformer-engine's: they take its right-aligned rows with the mask
     its causal mask type applies, as in tests/test_gpu_paths.py; the context-parallel size is set after they are
     built (megatron's local attention asserts 1 at construction; the step reads it at each forward)."""
     import dataclasses
@@ -278,12 +278,19 @@ def check_step_at_cp(rank: int, port: int, hf_dir: str) -> None:
             pieces = micro_batches(dp_slice(batch, layout.dp_rank, layout.dp), 2,
                                    columns_multiple_of=sequence_multiple(cp))
             assert inputs == [(2, piece["input_ids"].shape[1] // cp) for piece in pieces]
-            seen[cp] = loss, {name: param.main_grad.clone() for name, param in model.named_parameters()
-                              if "linear_proj" not in name}
+            # The forward-only pass (the rollout's and the reference's log-probs) gives the whole batch on every rank.
+            log_probs = megatron_step.compute_per_token(
+                model, batch, 2, ["log_probs"],
+                lambda output, micro_batch: {"log_probs": response_logprobs(output, micro_batch, hf_config.vocab_size,
+                                                                            False)})["log_probs"]
+            seen[cp] = loss, log_probs, {name: param.main_grad.clone() for name, param in model.named_parameters()
+                                         if "linear_proj" not in name}
     finally:
         destroy_parallel()
-    (loss, grads), (cp_loss, cp_grads) = seen[1], seen[2]
+    (loss, log_probs, grads), (cp_loss, cp_log_probs, cp_grads) = seen[1], seen[2]
     assert cp_loss == pytest.approx(loss, rel=1e-6)
+    assert cp_log_probs.shape == log_probs.shape == batch["responses"].shape
+    torch.testing.assert_close(cp_log_probs, log_probs, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(cp_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
