@@ -184,7 +184,6 @@ def test_sequence_parallel_replays_each_rank_s_part_of_the_routes(sequence_paral
     (["actor.recompute.granularity=some"], "actor.recompute.granularity 'some' is unknown"),
     (["actor.optim.cpu_offload=true", "actor.optim.use_distributed_optimizer=true"],
      "actor.optim.cpu_offload=true runs megatron's HybridDeviceOptimizer, which needs CUDA"),
-    (["parallel.cp=2"], "parallel.cp=2: context parallelism is not supported yet"),
     (["parallel.vpp=2"], "parallel.vpp=2: virtual pipeline stages are not supported yet"),
 ])
 def test_preflight_refuses_memory_settings_it_cannot_run(tiny_models, prompt_file, overrides, problem):

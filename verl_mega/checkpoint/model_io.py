@@ -96,7 +96,7 @@ def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "
     family = family_for(hf_config, manifest.family_spec, ckpt_dir, recorded=True)
     layout = current_layout()
     config = transformer_config(hf_config, family, tp=layout.tp, pp=layout.pp, ep=layout.ep,
-                                dtype=dtype or manifest.dtype, **config_overrides)
+                                dtype=dtype or manifest.dtype, context_parallel_size=layout.cp, **config_overrides)
     model = build_gpt_model(hf_config, family, config, padded_vocab=manifest.padded_vocab_size,
                             pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                             implementation=implementation)

@@ -193,9 +193,9 @@ class ParallelConfig:
     """Expert-parallel size of training (MoE models)."""
     cp: int = 1
     """Context-parallel size (megatron's context_parallel_size): each sequence split over this many ranks, whose
-    attention exchanges keys and values. Only the memory planner takes it yet: the pre-flight check refuses it
-    (megatron-core's context-parallel attention is transformer-engine's, and the micro-batches are not split over
-    CP ranks). verl's actor_rollout_ref.actor.megatron.context_parallel_size."""
+    attention exchanges keys and values. It needs transformer-engine's attention on CUDA: the pre-flight check
+    refuses it elsewhere; never run on a GPU yet (docs/memory.md). verl's
+    actor_rollout_ref.actor.megatron.context_parallel_size."""
     vpp: int = 1
     """Virtual pipeline stages per pipeline rank (megatron's interleaved 1F1B schedule,
     virtual_pipeline_model_parallel_size). Only the memory planner takes it yet: the pre-flight check refuses it

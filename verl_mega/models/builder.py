@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from verl_mega.config import ConfigError
 from verl_mega.ops import FusedRMSNorm
 
 from .hf_config import HFModelConfig, rope_inv_freq
@@ -122,11 +123,17 @@ def layer_spec(family: FamilySpec, hf_config: HFModelConfig, config, implementat
     """`te` (transformer-engine, what GPU users train with), `local` (pure megatron-core) or `auto`.
 
     One layer spec for every layer; or this pipeline stage's block of layer specs: the family's own (Gemma-2),
-    or megatron's when the family mixes dense and MoE layers (which, from `config.moe_layer_freq`)."""
+    or megatron's when the family mixes dense and MoE layers (which, from `config.moe_layer_freq`).
+    Context parallelism (`config.context_parallel_size` > 1) takes transformer-engine's: megatron's local
+    attention asserts a context-parallel size of 1."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if implementation == "auto":
         implementation = "te" if transformer_engine_available() else "local"
+    if implementation != "te" and config.context_parallel_size > 1:
+        raise ConfigError(f"parallel.cp={config.context_parallel_size} needs transformer-engine's layers (its "
+                          "context-parallel attention; megatron-core's local attention takes a context-parallel "
+                          "size of 1), which need transformer-engine installed and CUDA: set parallel.cp=1")
     if family.block_spec is not None:
         return family.block_spec(hf_config, config, implementation == "te")
     if _mixes_dense_and_moe_layers(hf_config, family):

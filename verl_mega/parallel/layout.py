@@ -32,16 +32,19 @@ def check_sizes(sizes: dict[str, int], names: dict[str, str] | None = None) -> N
             raise ValueError(f"{_name(names, size)} must be >= 1, got {value}")
 
 
-def data_parallel_size(world_size: int, tp: int, pp: int, ep: int = 1, names: dict[str, str] | None = None) -> int:
-    """DP of a world of `world_size` processes at (tp, pp, ep), or raise naming what does not divide."""
-    check_sizes({"tp": tp, "pp": pp, "ep": ep}, names)
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"{_name(names, 'tp')} * {_name(names, 'pp')} = {tp * pp} must divide the number of "
-                         f"processes ({world_size})")
-    dp = world_size // (tp * pp)
+def data_parallel_size(world_size: int, tp: int, pp: int, ep: int = 1, names: dict[str, str] | None = None,
+                       cp: int = 1) -> int:
+    """DP of a world of `world_size` processes at (tp, pp, ep, cp), or raise naming what does not divide. The
+    context-parallel ranks of one DP rank hold the same rows (each a part of every sequence), so they are not DP."""
+    check_sizes({"tp": tp, "pp": pp, "ep": ep, "cp": cp}, names)
+    model_parallel = tp * pp * cp
+    sizes = " * ".join(_name(names, size) for size in ("tp", "pp", "cp") if size != "cp" or cp > 1)
+    if world_size % model_parallel != 0:
+        raise ValueError(f"{sizes} = {model_parallel} must divide the number of processes ({world_size})")
+    dp = world_size // model_parallel
     if dp % ep != 0:
         raise ValueError(f"{_name(names, 'ep')}={ep} must divide the data-parallel size {dp} "
-                         f"(processes {world_size} / tp*pp {tp * pp})")
+                         f"(processes {world_size} / tp*pp{'*cp' if cp > 1 else ''} {model_parallel})")
     return dp
 
 
@@ -96,6 +99,8 @@ class ParallelLayout(RankCoordinates):
     dp: int
     ep: int
     world_size: int
+    cp: int = 1  # context parallelism: ranks that split each sequence of the same rows
+    cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:

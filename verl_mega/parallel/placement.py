@@ -52,10 +52,10 @@ def placement_for(global_rank: int, global_size: int, rollout_ranks: int, rollou
 
 
 def training_data_parallel_size(placement: RolePlacement, tp: int, pp: int, ep: int = 1,
-                                names: dict[str, str] | None = None) -> int:
-    """DP of the training ranks at (tp, pp, ep), or raise naming what does not fit them."""
+                                names: dict[str, str] | None = None, cp: int = 1) -> int:
+    """DP of the training ranks at (tp, pp, ep, cp), or raise naming what does not fit them."""
     try:
-        return data_parallel_size(len(placement.train_ranks), tp, pp, ep, names)
+        return data_parallel_size(len(placement.train_ranks), tp, pp, ep, names, cp)
     except ValueError as error:
         if not placement.disaggregated:
             raise

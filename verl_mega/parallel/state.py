@@ -27,10 +27,12 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeout_minutes: int = 30) -> ParallelLayout:
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeout_minutes: int = 30,
+                  cp: int = 1) -> ParallelLayout:
     """Initialise torch.distributed from the torchrun/Slurm environment (`world.read_world`) and megatron's
-    parallel groups. The world is exported as torchrun's variables for as long as the group lives: vLLM's external
-    launcher reads RANK and LOCAL_RANK, which a plain process or an `srun` task would otherwise lack."""
+    parallel groups (`cp`: context parallelism, megatron's context_parallel_size). The world is exported as
+    torchrun's variables for as long as the group lives: vLLM's external launcher reads RANK and LOCAL_RANK,
+    which a plain process or an `srun` task would otherwise lack."""
     from megatron.core import parallel_state, tensor_parallel
 
     # What megatron's linear layers expect so that their async all-reduce overlaps with compute (it warns
@@ -47,12 +49,13 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
         )
     apply_shims()
     world_size = dist.get_world_size()
-    data_parallel_size(world_size, tp, pp, ep)
+    data_parallel_size(world_size, tp, pp, ep, cp=cp)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         expert_model_parallel_size=ep,
         distributed_timeout_minutes=timeout_minutes,
     )
@@ -74,6 +77,8 @@ def current_layout() -> ParallelLayout:
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
+        cp=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
     )
 
 

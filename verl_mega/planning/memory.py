@@ -54,7 +54,9 @@ core run again with its probabilities' gradient (measured on CPU: bench/planner_
 With pipeline parallelism under 1F1B, stage i holds min(p - i, m) micro-batches' activations when its m
 micro-batches are under way (the first stage holds p of them: p micro-batches of L/p layers, a whole model's
 worth); with v virtual stages (the interleaved schedule), (p - 1 - i)*2 + (v - 1)*p + 1 chunk forwards of L/(pv)
-layers. Context parallelism (cp = c) splits every activation and the logits over c ranks (s/c tokens each).
+layers. Context parallelism (cp = c) splits every layer's activations over c ranks (s/c tokens each); the last
+stage gathers the sequence back before the output layer, so the logits stay whole on every CP rank
+(`roles.megatron_step._output_layer_at`).
 Full recompute (`actor.recompute`): uniform keeps one layer input per chunk of num_layers layers, block the inputs
 of the stage's first num_layers layers and the others' whole activations, for each micro-batch in flight; the
 chunk (uniform) or layer (block) being recomputed is held once per stage.
@@ -529,7 +531,7 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
                  "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
         working = backward_working_bytes(shape, local_seq, rows, layout.tp, recompute.granularity == "selective", e)
         if with_logits and stage == layout.pp - 1:
-            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e)
+            parts["logits"] = logits_bytes(seq, rows, vocab, layout.tp, e)
             working = max(working, parts["logits"])  # the logits' gradient, at the start of the backward
         parts["backward"] = working
         return Phase(stage, resident_bytes(stage), parts)
@@ -540,7 +542,7 @@ def plan_memory(model: Model, layout: Layout, roles: Roles, gpu_memory_gb: float
                                                        False, e),  # one layer's, freed as the next runs
                  "attention_buffer": attention_buffer_bytes(shape, local_seq, rows, layout.tp, e)}
         if with_logits and stage == layout.pp - 1:
-            parts["logits"] = logits_bytes(local_seq, rows, vocab, layout.tp, e)
+            parts["logits"] = logits_bytes(seq, rows, vocab, layout.tp, e)
         return Phase(stage, resident_bytes(stage, reference_pass), parts)
 
     def teacher_pass(stage: int) -> Phase:

@@ -18,6 +18,7 @@ from verl_mega.algorithms import agg_units
 from verl_mega.config import ConfigError
 from verl_mega.data.packing import PackedRows, pack, pack_layout
 from verl_mega.models.builder import unwrap_model, uses_transformer_engine
+from verl_mega.parallel.context_parallel import gather_sequence, sequence_multiple, split_for_rank
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout, device
@@ -74,7 +75,10 @@ def model_rows(micro_batch: Batch, transformer_engine: bool, packed: bool) -> Mo
     of each row (the cuDNN kernels take sequence lengths only), so it never gets left padding: each row is
     rotated to start at its first token (right-aligned rows, causal mask type, no mask, where no real token
     follows padding), or the rows are packed into one THD row (`packed`). The rotation changes no attention
-    score: megatron's RoPE depends on position differences only (see `causal_padding_mask`)."""
+    score: megatron's RoPE depends on position differences only (see `causal_padding_mask`). Under context
+    parallelism (transformer-engine's attention, right-aligned rows) the model takes this CP rank's part of each
+    row (`context_parallel.split_for_rank`); the response positions stay those of the whole rows, which the last
+    stage gathers back (`_output_layer_at`)."""
     if packed:
         return _packed_rows(micro_batch)
     if transformer_engine:
@@ -93,9 +97,13 @@ def _right_aligned_rows(micro_batch: Batch) -> ModelRows:
     first_token = pack_layout(mask).row_starts
     columns = (torch.arange(width) + first_token[:, None]) % width
     routes = micro_batch.get(ROUTED_EXPERTS)
-    return ModelRows(ids.gather(1, columns), micro_batch["position_ids"].gather(1, columns), None, None,
+    layout = current_layout()
+    on_this_cp_rank = partial(split_for_rank, cp=layout.cp, rank=layout.cp_rank)
+    return ModelRows(on_this_cp_rank(ids.gather(1, columns)),
+                     on_this_cp_rank(micro_batch["position_ids"].gather(1, columns)), None, None,
                      _rotated_response_positions(first_token, width, micro_batch["responses"].shape[1]),
-                     None if routes is None else sequence_first(routes[torch.arange(rows)[:, None], columns]))
+                     None if routes is None else sequence_first(on_this_cp_rank(
+                         routes[torch.arange(rows)[:, None], columns])))
 
 
 def _rotated_response_positions(shift: torch.Tensor, width: int, response_length: int) -> torch.Tensor:
@@ -154,7 +162,11 @@ def _output_layer_at(stage_model, response_positions: torch.Tensor):
     # gathered first (the backward keeps this rank's part of the gradient), and the LM head, which would gather
     # them itself, runs as without it for that call (its input gradient is then all-reduced over TP), as
     # megatron's GPTModel does when it keeps only the last token's logits.
-    split = unwrap_model(stage_model).config.sequence_parallel
+    # Under context parallelism the hidden states are then this CP rank's chunks of the sequence (`model_rows`):
+    # every CP rank gathers the whole sequence and computes the whole loss from it (the gather's backward sums the
+    # ranks' gradients, and `forward_backward` undoes the schedule's x CP), so each role's loss is unchanged.
+    config = unwrap_model(stage_model).config
+    split = config.sequence_parallel
     unsplit_head = split and getattr(output_layer, "sequence_parallel", False)
 
     def gather_batch_first(module, args, kwargs):
@@ -163,6 +175,10 @@ def _output_layer_at(stage_model, response_positions: torch.Tensor):
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        if config.context_parallel_size > 1:
+            from megatron.core import parallel_state as ps
+
+            hidden_states = gather_sequence(hidden_states, ps.get_context_parallel_group(), dim=0)
         return (hidden_states.flatten(0, 1)[response_positions], *args[1:]), kwargs
 
     def as_sequence_first(module, args, output):
@@ -190,6 +206,14 @@ def sequence_split(model) -> int:
     return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
+def columns_multiple(model) -> int:
+    """What each micro-batch's columns are padded to a multiple of: the sequence split (`sequence_split`) of each
+    of context parallelism's 2 x CP equal chunks."""
+    from megatron.core.utils import get_model_config
+
+    return sequence_split(model) * sequence_multiple(get_model_config(model).context_parallel_size)
+
+
 def _packed_run_multiple() -> int:
     """Each run is padded to a multiple of the tensor-parallel size, so that under sequence parallelism the
     packed row splits evenly over the TP ranks."""
@@ -215,6 +239,11 @@ def resolve_sequence_packing(setting: str, model, key: str) -> bool:
                           "transformer-engine installed); this model runs megatron's local layers: set it to "
                           "auto or false")
     if not possible:
+        return False
+    if current_layout().cp > 1:  # a packed row would split over the CP ranks sequence by sequence: not done
+        if setting == "true":
+            raise ConfigError(f"{key}=true is not supported with parallel.cp > 1 (the packed row is not split "
+                              "over the context-parallel ranks): set it to auto or false")
         return False
     if not shapes_may_vary(model):
         if setting == "true":
@@ -258,7 +287,7 @@ def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: 
     check_routed_experts(model, batch)
     local = dp_slice(batch, layout.dp_rank, layout.dp)
     pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model),
-                           columns_multiple_of=sequence_split(model))
+                           columns_multiple_of=columns_multiple(model))
     outputs = forward_only_outputs(model, pieces, partial(stage_forward, packed=packed), per_token)
     rows, response_length = tuple(local["responses"].shape)
     results = {}
@@ -318,13 +347,16 @@ def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_m
     forget_kept_routes(model)
     local = dp_slice(mini_batch, layout.dp_rank, layout.dp)
     pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model),
-                           columns_multiple_of=sequence_split(model))
+                           columns_multiple_of=columns_multiple(model))
     dp_group = ps.get_data_parallel_group()
     total_units = global_agg_units(local["response_mask"], loss_agg_mode, dp_group)
     total_tokens = global_agg_units(local["response_mask"], "token-mean", dp_group)
     # Megatron divides each micro-batch loss by their number and DDP averages gradients over DP; both undone
-    # here because the shares already sum to one over the global mini-batch.
-    undo_averaging = len(pieces) * layout.dp
+    # here because the shares already sum to one over the global mini-batch. Under context parallelism megatron's
+    # schedule also multiplies each loss by CP (in Megatron-LM a CP rank's loss is its part's sum), undone too:
+    # here each CP rank computes the whole loss (`_output_layer_at`), and the gather's backward, which sums the
+    # CP ranks' gradients, with DDP's average over DP x CP gives the whole loss's gradient.
+    undo_averaging = len(pieces) * layout.dp / layout.cp
 
     def forward_step(data_iterator, stage_model):
         micro_batch = next(data_iterator)

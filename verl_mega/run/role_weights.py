@@ -22,7 +22,8 @@ from verl_mega.parallel.layout import ParallelLayout
 
 def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayout, iteration: int,
                       role: str = "actor") -> None:
-    """Collective: the DP-rank-0 replicas write their shards into a temp folder that rank 0 publishes as `out`.
+    """Collective: the DP-rank-0 replicas (CP rank 0 of them: CP ranks hold the same weights) write their shards
+    into a temp folder that rank 0 publishes as `out`.
 
     `source_ckpt` is the checkpoint the role was loaded from (config, vocab padding, tokenizer files).
     A critic's shards hold its value head where the actor's hold the LM head, so nothing is tied.
@@ -31,7 +32,7 @@ def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayou
     source = Manifest.read(source_ckpt)
     model = unwrap_model(model)
     with collective_output_dir(out, layout.rank) as tmp:
-        if layout.dp_rank == 0:
+        if layout.dp_rank == 0 and layout.cp_rank == 0:
             local = _plain_state_dict(model)
             state_dict = {canonical: local[name].detach().cpu() for name, canonical in canonical_names(local).items()}
             coords = dict(tp_rank=layout.tp_rank, pp_rank=layout.pp_rank, pp=layout.pp, ep_rank=layout.ep_rank,

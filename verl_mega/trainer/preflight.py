@@ -57,7 +57,7 @@ from .rl.needs import check_estimator_config, teacher_alone, teacher_layout, use
 from .rl.schedule import PARTIAL_POLICIES, ROLLOUT_MODES
 
 ASYNC_KNOBS = ("max_staleness", "partial", "partial_chunk_tokens")  # rollout.* keys that only async reads
-PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp", "rollout_ranks")}
+PARALLEL_NAMES = {size: f"parallel.{size}" for size in ("tp", "pp", "ep", "rollout_tp", "rollout_ranks", "cp")}
 
 
 def preflight_check(config: TrainConfig, world_size: int, check_files: bool = True,
@@ -92,7 +92,7 @@ def preflight_check(config: TrainConfig, world_size: int, check_files: bool = Tr
     _check_run_identity(config, need)
     placement = check(lambda: placement_for(0, world_size, p.rollout_ranks, p.rollout_tp, p.tp, PARALLEL_NAMES)
                       ) if layout_in_range else None
-    dp = placement and check(lambda: training_data_parallel_size(placement, p.tp, p.pp, p.ep, PARALLEL_NAMES))
+    dp = placement and check(lambda: training_data_parallel_size(placement, p.tp, p.pp, p.ep, PARALLEL_NAMES, p.cp))
     _check_bridge(config, need)
     known("data.truncation", d.truncation, TRUNCATION_SIDES)
     known("model.dtype", config.model.dtype, list(DTYPES))
@@ -495,9 +495,13 @@ def _check_sequence_parallel(config: TrainConfig, need) -> None:
 def _check_unsupported_memory_settings(config: TrainConfig, need) -> None:
     """The memory settings the planner models that training does not run here (docs/memory.md says why)."""
     p = config.parallel
-    need(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not supported yet (megatron-core's context-parallel "
-         "attention needs transformer-engine, and verl_mega does not split micro-batches over CP ranks); set it to 1 "
-         "(`verl-mega plan --memory` models it)")
+    need(p.cp == 1 or transformer_engine_available(), f"parallel.cp={p.cp}: context parallelism runs "
+         "transformer-engine's attention (megatron-core's local attention takes context_parallel_size 1), and this "
+         "machine has no transformer-engine with CUDA: set it to 1 (`verl-mega plan --memory` models it)")
+    for role in ("actor", "critic"):
+        need(p.cp == 1 or str(getattr(config, role).use_packed_sequences).lower() != "true",
+             f"{role}.use_packed_sequences=true is not supported with parallel.cp={p.cp} (the packed row is not "
+             "split over the context-parallel ranks): set it to auto or false")
     need(p.vpp == 1, f"parallel.vpp={p.vpp}: virtual pipeline stages are not supported yet (the roles hold one "
          "model chunk per pipeline rank, megatron's interleaved schedule needs several); set it to 1 "
          "(`verl-mega plan --memory` models it)")
