@@ -105,3 +105,22 @@ def test_the_same_seed_writes_the_same_sampled_file(inputs, tmp_path):
     assert [(row["extra_info"]["index"], row["extra_info"]["sample"]) for row in rows] == [
         (i, s) for i in range(PROMPTS) for s in range(2)]
     assert any(rows[2 * i]["response"] != rows[2 * i + 1]["response"] for i in range(PROMPTS))
+
+
+def test_a_head_size_vllms_cpu_build_lacks_is_one_line(tmp_path, inputs, capsys):
+    """The shared tiny models' head_dim 16: refused before vLLM starts, its world of one taken down again."""
+    import torch.distributed as dist
+
+    from verl_mega.cli import main as cli
+
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's CPU build's head sizes")
+    _, data = inputs
+    model = make_tiny_hf_model(tmp_path / "hf", "qwen2", num_hidden_layers=1)
+    world_before = {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}
+    assert cli(["generate", "--model", str(model), "--data", data, "--out", str(tmp_path / "out.jsonl"),
+                "--engine", "vllm", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vLLM's CPU attention supports head_dim in" in err and "head_dim=16" in err
+    assert not (tmp_path / "out.jsonl").exists() and not dist.is_initialized()
+    assert {name: os.environ.get(name) for name in TORCHRUN_VARIABLES} == world_before
