@@ -113,8 +113,8 @@ def sequence_length(prompt_ids: list[list[int]], max_new_tokens: int, raw_config
     longest = max(map(len, prompt_ids), default=0) + max_new_tokens
     positions = raw_config.get("max_position_embeddings")
     if positions is not None and longest > positions:
-        raise UserError(f"--max-new-tokens {max_new_tokens}: the longest prompt ({longest - max_new_tokens} tokens) and "
-                        f"its response would take {longest} positions, the model has {positions} "
+        raise UserError(f"--max-new-tokens {max_new_tokens}: the longest prompt ({longest - max_new_tokens} tokens) "
+                        f"and its response would take {longest} positions, the model has {positions} "
                         "(max_position_embeddings)")
     return longest
 
