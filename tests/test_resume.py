@@ -70,10 +70,10 @@ DYNAMIC_SAMPLING = ("algorithm.filter_groups.enable=true", "algorithm.filter_gro
 
 @pytest.mark.slow
 def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(setup, tmp_path):
-    layout = ["parallel.tp=2", "parallel.pp=1", "trainer.total_steps=6", "model.dtype=bf16", *DYNAMIC_SAMPLING]
+    layout = ["parallel.tp=2", "parallel.pp=1", "trainer.total_steps=5", "model.dtype=bf16", *DYNAMIC_SAMPLING]
     assert_resume_after_sigkill_is_bitwise(
         lambda run_dir: train_command(setup, run_dir, 4, *layout, example="grpo_demo.yaml"), tmp_path,
-        total_steps=6, save_every=2)
+        total_steps=5, save_every=2)
     # every step's batch filled (4 prompts), some of them in more than one round
     steps = records(tmp_path / "straight").values()
     assert all(record["filter_groups/kept_groups"] == 4 for record in steps)
