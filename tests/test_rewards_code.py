@@ -37,12 +37,26 @@ def quick_limits():
     code_tests.configure(RewardCodeConfig())
 
 
+@pytest.fixture(scope="module", autouse=True)
+def earlier_children():
+    """The processes this worker already had when the module started (another file's, e.g. multiprocessing's
+    resource tracker, which lives as long as the process): not the scoring's, so not counted against it."""
+    EARLIER.update(child.pid for child in psutil.Process().children(recursive=True))
+    yield
+
+
+EARLIER: set[int] = set()
+
+
 def no_descendants() -> bool:
     """Every process the scoring started has ended (the sandbox's namespaces take their processes with them)."""
+    def started() -> list:
+        return [child for child in psutil.Process().children(recursive=True) if child.pid not in EARLIER]
+
     deadline = time.monotonic() + 3.0
-    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+    while started() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return psutil.Process().children(recursive=True) == []
+    return started() == []
 
 
 def score(answer: str, tests=SUM) -> dict:
