@@ -3,6 +3,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _ROOT = Path(__file__).resolve().parent.parent
 os.environ["PYTHONPATH"] = os.pathsep.join([str(_ROOT), str(_ROOT / "tests"),
                                             *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_given_back():
+    """Signal handlers are the process's: a test that runs the trainer's entry point in-process (which ignores
+    Ctrl-C once all is saved) or a launcher would otherwise hand its handlers to the next test of its xdist worker."""
+    handlers = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "gemma2", "qwen3_moe", "deepseek_v3")
 

@@ -2,7 +2,6 @@
 process."""
 import json
 import os
-import signal
 
 import pytest
 
@@ -71,15 +70,10 @@ def test_one_trainer_rank_trains_in_the_launchers_process_as_torchrun_s_only_ran
     data = write_rows(make_task_rows("copy", 2, seed=0), tmp_path / "copy.jsonl")
     run_dir = tmp_path / "run"
 
-    # The trainer's stop handlers, and the command's ignored Ctrl-C once all is saved, are the process's: this one's
-    # are put back for the tests after it.
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        status = local.main(["--nproc", "1", str(config), f"model.hf_path={model}", f"data.train_files=[{data}]",
-                             f"trainer.run_dir={run_dir}"])
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+    # (the trainer's stop handlers, and the command's ignored Ctrl-C once all is saved, are this process's now:
+    # conftest's fixture puts them back for the tests after it)
+    status = local.main(["--nproc", "1", str(config), f"model.hf_path={model}", f"data.train_files=[{data}]",
+                         f"trainer.run_dir={run_dir}"])
 
     assert status == 0
     assert [record["step"] for record in read_metrics(RunFolder(run_dir).metrics)] == [1]
