@@ -49,7 +49,7 @@ def test_trainer_on_gpu_nodes(capsys, tmp_path, config):
     assert "--dependency" not in script and "--cpus-per-task" not in script
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     assert '--nnodes="$SLURM_NNODES" --nproc-per-node=8' in script
-    assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"' in script
+    assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID.$restart"' in script
     assert f"-m {TRAINER_MODULE} --config {config} trainer.total_steps=10 actor.optim.lr=1e-6 &" in script
     assert "container" not in script
     subprocess.run(["bash", "-n", str(tmp_path / "run" / "sbatch.sh")], check=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from verl_mega.config.errors import UserError
 from verl_mega.demo import EXAMPLES
 from verl_mega.parallel.stop_signals import child_pids, forwarding
 from verl_mega.trainer.preemption import StopRequest, stop_line
@@ -31,6 +32,39 @@ def test_a_first_ctrl_c_asks_a_second_stops_at_once_and_the_handlers_are_given_b
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def failing_reward(data_source, response, ground_truth, extra_info=None):
+    raise ValueError("planted")
+
+
+def test_a_failed_run_keeps_the_stop_handlers_through_its_teardown_then_gives_them_back(monkeypatch, tmp_path):
+    """A launcher SIGTERMs every rank as soon as one dies; a rank whose run has failed must not be killed by it
+    while it tears down, before it has said why it failed. So the run's stop handlers stay until the process
+    group is gone, and only then are the caller's back. Could fail if the handlers were given back as the job
+    ended (SIGTERM would end the process in destroy_parallel's time)."""
+    from verl_mega.config import load_config
+    from verl_mega.trainer import main as trainer_main
+
+    root, hf, data = make_inputs(tmp_path)
+    config = load_config(str(EXAMPLES / "grpo_demo.yaml"), [
+        f"model.hf_path={hf}", f"data.train_files=[{data}]", f"trainer.run_dir={tmp_path / 'run'}",
+        "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
+        "trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0"])
+    seen = []
+    destroy = trainer_main.destroy_parallel
+
+    def destroy_and_record():
+        seen.append(signal.getsignal(signal.SIGTERM))
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, mid-teardown: recorded, not fatal
+        destroy()
+
+    monkeypatch.setattr(trainer_main, "destroy_parallel", destroy_and_record)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(UserError, match="raised ValueError: planted"):
+        trainer_main.run(config, reward_fn=failing_reward)
+    assert len(seen) == 1 and isinstance(seen[0].__self__, StopRequest)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_the_line_names_step_checkpoint_and_commands(monkeypatch, tmp_path):

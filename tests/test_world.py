@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_mega.parallel.world import first_host, read_world
+from verl_mega.parallel.world import first_host, read_world, slurm_port
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "node-a", "MASTER_PORT": "29400"}
@@ -31,6 +31,23 @@ def test_slurm_variables_are_the_world_without_torchrun():
     assert (world.rank, world.local_rank, world.size, world.master_addr, world.master_port) == (5, 1, 8, "gpu03",
                                                                                                  15000 + 123456 % 20000)
     assert read_world({**SLURM, "SLURM_JOB_ID": "123457"}).master_port == world.master_port + 1
+
+
+def test_the_sbatch_script_and_the_world_derive_the_same_port_a_new_one_per_restart():
+    """launch/templates/sbatch.sh computes MASTER_PORT in bash, `slurm_port` in Python: the same number for any
+    job id and restart count, and a requeued run's port is not its predecessor's (nor the next job's)."""
+    template = (REPO / "launch" / "templates" / "sbatch.sh").read_text()
+    lines = [line for line in template.splitlines() if line.startswith(("restart=", "MASTER_PORT="))]
+    assert len(lines) == 2, lines
+    for job_id, restarts in ((1, 0), (2, 1), (123456, 0), (123456, 3), (19999, 2)):
+        env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": str(job_id), "SLURM_RESTART_COUNT": str(restarts)}
+        bash = subprocess.run(["bash", "-c", "\n".join([*lines, "echo $MASTER_PORT"])], env=env, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        assert int(bash) == slurm_port(env)
+    first = {"SLURM_JOB_ID": "123456"}
+    assert slurm_port(first) == slurm_port({**first, "SLURM_RESTART_COUNT": "0"})
+    requeued = slurm_port({**first, "SLURM_RESTART_COUNT": "1"})
+    assert requeued not in (slurm_port(first), slurm_port({"SLURM_JOB_ID": "123457"}))
 
 
 def test_an_exported_rendezvous_is_kept_under_slurm():

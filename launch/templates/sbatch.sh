@@ -33,8 +33,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONSAFEPATH=1
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-# Derived from the job id so that two jobs sharing a first node do not collide; export MASTER_PORT to pin it.
-MASTER_PORT=${MASTER_PORT:-$((15000 + SLURM_JOB_ID % 20000))}
+# Derived from the job id so that two jobs sharing a first node do not collide, and from the restart count so
+# that a requeued run never meets its predecessor's rendezvous (verl_mega.parallel.world.slurm_port); export
+# MASTER_PORT to pin it.
+restart=${SLURM_RESTART_COUNT:-0}
+MASTER_PORT=${MASTER_PORT:-$((15000 + (SLURM_JOB_ID + 10007 * restart) % 20000))}
 export MASTER_ADDR MASTER_PORT
 
 srun_args=(--ntasks-per-node=1 --kill-on-bad-exit=1)
@@ -55,7 +58,7 @@ trap 'forward TERM' TERM
 # to save before it kills them.
 srun "${srun_args[@]}" {{python}} -m torch.distributed.run \
     --nnodes="$SLURM_NNODES" --nproc-per-node={{procs_per_node}} \
-    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
+    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID.$restart" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout={{signal_seconds}} \
     -m {{payload}} &
 step_pid=$!

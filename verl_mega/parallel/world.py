@@ -22,8 +22,10 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER
 LOCAL_HOST = "127.0.0.1"
 # torchrun's default when a launcher sets the world but not the port.
 TORCHRUN_DEFAULT_PORT = 29500
-# launch/templates/sbatch.sh derives its MASTER_PORT the same way: two jobs that share a first node differ.
-SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 20000
+# launch/templates/sbatch.sh derives its MASTER_PORT the same way: two jobs that share a first node differ, and
+# so do two runs of one requeued job (SLURM_RESTART_COUNT): a predecessor's rendezvous store still dying on that
+# node cannot capture its successor.
+SLURM_PORT_BASE, SLURM_PORT_SPAN, SLURM_PORT_RESTART_STRIDE = 15000, 20000, 10007
 # The step's nodes first: a step may run on part of the job's allocation.
 SLURM_NODELIST_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
 
@@ -80,8 +82,9 @@ def first_host(nodelist: str) -> str:
 
 
 def slurm_port(env: Mapping[str, str]) -> int:
-    """The rendezvous port every task of a Slurm job derives alike from the job id."""
-    return SLURM_PORT_BASE + _integer(env, "SLURM_JOB_ID") % SLURM_PORT_SPAN
+    """The rendezvous port every task of a Slurm job's run derives alike from the job id and restart count."""
+    offset = _integer(env, "SLURM_JOB_ID") + SLURM_PORT_RESTART_STRIDE * _integer(env, "SLURM_RESTART_COUNT", 0)
+    return SLURM_PORT_BASE + offset % SLURM_PORT_SPAN
 
 
 def _slurm_nodelist(env: Mapping[str, str]) -> str:

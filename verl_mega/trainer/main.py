@@ -113,6 +113,7 @@ def train(config, reward_fn=None) -> None:
             return
     layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed, cp=p.cp)
     run_dir = Path(config.trainer.run_dir)
+    stop = StopRequest(announce=layout.rank == 0)  # installed once the models are about to load
     # The lock and the process group are released on an error too, so that a script (the Python API) may fix
     # its mistake and train again in the same process.
     try:
@@ -120,7 +121,7 @@ def train(config, reward_fn=None) -> None:
         lock = claim_run_folder(run_dir, model_fingerprint(HFModelConfig.read_raw(config.model.hf_path)),
                                 layout.rank, config.model.family_spec or None)
         try:
-            finished = _run_job(with_quantization_tis(config), layout, run_dir, reward_fn, bridge, placement)
+            finished = _run_job(with_quantization_tis(config), layout, run_dir, stop, reward_fn, bridge, placement)
         finally:
             if lock is not None:
                 lock.release()
@@ -128,20 +129,24 @@ def train(config, reward_fn=None) -> None:
         if bridge is not None:
             bridge.close()
         destroy_parallel()
+        # The process's own handlers (the Python API caller's) only now: a launcher's SIGTERM, sent as soon as
+        # a peer rank died, must not kill this one while it tears down and before it has said why it failed.
+        stop.restore()
     if not finished and layout.rank == 0:
         requeue_slurm_job()
 
 
-def _run_job(config, layout, run_dir: Path, reward_fn, bridge=None, placement=None) -> bool:
+def _run_job(config, layout, run_dir: Path, stop: StopRequest, reward_fn, bridge=None, placement=None) -> bool:
     progress = Progress(layout.rank == 0, config.trainer.log_format, config.trainer.progress_bar)
     progress.start_heartbeat()
     try:
-        return _prepare_and_fit(config, layout, run_dir, reward_fn, bridge, placement, progress)
+        return _prepare_and_fit(config, layout, run_dir, stop, reward_fn, bridge, placement, progress)
     finally:
         progress.stop_heartbeat()
 
 
-def _prepare_and_fit(config, layout, run_dir: Path, reward_fn, bridge, placement, progress: Progress) -> bool:
+def _prepare_and_fit(config, layout, run_dir: Path, stop: StopRequest, reward_fn, bridge, placement,
+                     progress: Progress) -> bool:
     # Read once per run, by rank 0: the weights' checksums, for the provenance record and the conversion cache.
     with progress.phase(f"reading the checksum of {config.model.hf_path}", lines=False):
         checksums = [model_checksums(config) if layout.rank == 0 else None]
@@ -163,25 +168,24 @@ def _prepare_and_fit(config, layout, run_dir: Path, reward_fn, bridge, placement
         for role, ckpt in ckpts.items():
             if not role.startswith(TEACHER_OF):
                 setattr(*given_ckpt_key(config, role), str(ckpt))
-    stop = StopRequest(announce=layout.rank == 0).install()
-    try:
-        with progress.phase(f"loading the models from {ckpts['actor']}"):
-            if config.job == "rl":
-                critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt
-                                                      else None)
-                job = RLJob(config, layout, stop, checksums, progress, actor_ckpt=ckpts["actor"],
-                            critic_ckpt=critic_ckpt, reward_fn=reward_fn, bridge=bridge, placement=placement,
-                            teacher_ckpts=teacher_ckpts(config, ckpts))
-            else:
-                job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, progress, actor_ckpt=ckpts["actor"])
-        # Written once the job has been built and has resumed: a start refused on the way changes neither.
-        if layout.rank == 0:
-            atomic_write_text(folder.config, to_yaml(config))
-            write_provenance(run_dir, config, checksums, reward_fn)
-        finished = job.fit()
-        job.close()
-    finally:  # the process's own handlers again (the Python API's caller's)
-        stop.restore()
+    # Until here a stop signal stops at once (nothing to save); from here it asks for a saved stop (train()
+    # gives the handlers back).
+    stop.install()
+    with progress.phase(f"loading the models from {ckpts['actor']}"):
+        if config.job == "rl":
+            critic_ckpt = ckpts.get("critic") or (Path(config.model.critic_ckpt) if config.model.critic_ckpt
+                                                  else None)
+            job = RLJob(config, layout, stop, checksums, progress, actor_ckpt=ckpts["actor"],
+                        critic_ckpt=critic_ckpt, reward_fn=reward_fn, bridge=bridge, placement=placement,
+                        teacher_ckpts=teacher_ckpts(config, ckpts))
+        else:
+            job = OFFLINE_JOBS[config.job](config, layout, stop, checksums, progress, actor_ckpt=ckpts["actor"])
+    # Written once the job has been built and has resumed: a start refused on the way changes neither.
+    if layout.rank == 0:
+        atomic_write_text(folder.config, to_yaml(config))
+        write_provenance(run_dir, config, checksums, reward_fn)
+    finished = job.fit()
+    job.close()
     if not finished and layout.rank == 0:
         saved = complete_checkpoints(run_dir)
         checkpoint = saved[-1] if saved and checkpoint_step(saved[-1]) == job.step else None
