@@ -30,7 +30,7 @@ from verl_mega.parallel.state import destroy_parallel, init_parallel
 from verl_mega.parallel.world import read_world
 
 from .hf_to_mcore import check_hf_tensors
-from .parity import Parity, fp32_gemms_run_tf32, logit_parity
+from .parity import Parity, fp32_gemms_run_tf32, logit_parity, one_ulp_moved
 
 # Tokens a parity check runs: their logits are held in fp32 on both sides (8192 x a 152k vocabulary: 5 GB each).
 LARGEST_CHECK_TOKENS = 8192
@@ -138,9 +138,10 @@ def _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec, judge: boo
     if judge and outputs["fp32"][0] is not None:  # the last pipeline stage
         lines = {}
         for dtype, (logits, family, tf32) in outputs.items():
-            reference = _reference_logits(hf_dir, tokens, dtype, manifest.dtype)
+            reference, perturbed = _reference_logits(hf_dir, tokens, dtype, manifest.dtype, dtype == "fp32")
             lines[dtype] = logit_parity(logits, reference, dtype, num_layers=hf_config.num_layers, moe=family.moe,
-                                        tf32=tf32, reduction_length=max(hf_config.hidden_size, hf_config.ffn_hidden_size))
+                                        tf32=tf32, reduction_length=max(hf_config.hidden_size, hf_config.ffn_hidden_size),
+                                        perturbed=perturbed)
         parity = lines["fp32"] if manifest.dtype == "fp32" else lines["fp32"].with_native(manifest.dtype,
                                                                                           lines[manifest.dtype])
     # Every rank learns the last stage's figures.
@@ -149,15 +150,23 @@ def _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec, judge: boo
     return next(figures for figures in gathered if figures is not None), hf_config.model_type
 
 
-def _reference_logits(hf_dir, tokens: torch.Tensor, dtype: str, weights_dtype: str) -> torch.Tensor:
+def _reference_logits(hf_dir, tokens: torch.Tensor, dtype: str, weights_dtype: str, sensitivity: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' fp32 logits, computed in `dtype` from its weights rounded to `weights_dtype` (as the
-    converter rounds them); its buffers (RoPE frequencies) stay as transformers makes them."""
+    converter rounds them), and with `sensitivity`, again with those weights one fp32 ulp moved
+    (`parity.one_ulp_moved`: what a reordered fp32 sum changes in each GEMM, through this model's own gain; the
+    16-bit rule's rounding sites are the activations', which that does not mimic). Its buffers (RoPE
+    frequencies) stay as transformers makes them."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype])
     with torch.no_grad():
         if weights_dtype != dtype:
             for param in model.parameters():
                 param.copy_(param.to(DTYPES[weights_dtype]))
-        return model(tokens).logits.float()
+        reference = model(tokens).logits.float()
+        if not sensitivity:
+            return reference, None
+        one_ulp_moved(model)
+        return reference, model(tokens).logits.float()
 
 
 def _megatron_logits(ckpt_dir, dtype: str, tokens: torch.Tensor, family_spec):
