@@ -23,6 +23,7 @@ from verl_mega.demo_agent_http import AGENT, calculator_agent
 from verl_mega.rollout.agent_loop import AgentLoop
 from verl_mega.rollout.embedded import EmbeddedEngine
 from verl_mega.rollout.endpoint import EndpointRollout, load_agent
+from verl_mega.rollout.endpoint.rollout import shared_contexts
 from verl_mega.rollout.engine import SamplingParams
 from verl_mega.tools import ToolCall, ToolSet
 
@@ -457,3 +458,13 @@ def test_a_step_regenerates_a_group_that_lost_a_sample_and_stops_on_one_that_alw
     with pytest.raises(UserError, match=f"lost a sample in each of {ATTEMPTS} attempts; the last: sample 1 .*"
                                         "the agent's sandbox is down"):
         always.responses(engine, ROWS[:1], params)
+
+
+def test_a_round_of_each_prompt_s_n_sessions_is_prefilled_once_per_prompt():
+    """A first round holds each prompt's n sessions in a row: the engine gets each context once, with n (the
+    in-process loop's first turn); any other round (contexts differ, or runs of unequal length) goes as it is."""
+    a, b, c = [1, 2], [1, 3], [4]
+    assert shared_contexts([a, a, a, b, b, b]) == ([a, b], 3)
+    assert shared_contexts([a, b, c]) == ([a, b, c], 1)
+    assert shared_contexts([a, a, b]) == ([a, a, b], 1)  # a dropped session leaves runs of 2 and 1
+    assert shared_contexts([a, a, b, b, a, a]) == ([a, b, a], 2)  # equal contexts apart stay apart

@@ -3,11 +3,11 @@ the scoring worker's time limit."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 from typing import Any, Callable
 
 from verl_mega.config.errors import UserError
+from verl_mega.config.named_functions import import_function
 
 from .code_tests import code_tests_score
 from .final_number import number_score
@@ -40,15 +40,7 @@ def get_reward_fn(spec: str | RewardFn) -> RewardFn:
         raise UserError(f"reward function {spec!r} is neither a callable nor a name / 'module:function'")
     name = spec
     if ":" in name:
-        module_name, _, function_name = name.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise UserError(f"cannot import module {module_name!r} for reward function {name!r}: {error}") from error
-        function = getattr(module, function_name, None)
-        if not callable(function):
-            raise UserError(f"module {module_name!r} has no function {function_name!r} (reward function {name!r})")
-        return function
+        return import_function(name, "reward function")
     if name not in REWARD_FUNCTIONS:
         raise UserError(
             f"unknown reward function {name!r}; registered: {', '.join(sorted(REWARD_FUNCTIONS))} "

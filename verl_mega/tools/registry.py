@@ -2,18 +2,16 @@
 function defined elsewhere; and each tool's JSON schema, from its signature and docstring."""
 from __future__ import annotations
 
-import importlib
 import re
 from typing import Callable
 
 from transformers.utils import get_json_schema
 
+from verl_mega.config.named_functions import import_function
 from verl_mega.config.schema import ConfigError
 
 # OpenAI's function names: what every chat template can render.
 TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
-MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 TOOLS: dict[str, Callable] = {}
 
@@ -45,17 +43,8 @@ def resolve_tool(spec: str, built_in: tuple[str, ...] = ()) -> tuple[str, Callab
             raise ConfigError(f"unknown tool {spec[:80]!r}; registered: {', '.join(sorted([*TOOLS, *built_in]))} "
                               "(or give 'module:function')")
         return spec, TOOLS[spec]
-    module_name, _, function_name = spec.partition(":")
-    if not MODULE_PATH.fullmatch(module_name) or not IDENTIFIER.fullmatch(function_name):
-        raise ConfigError(f"tool {spec[:80]!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # an import runs the module's code: anything can come out of it
-        raise ConfigError(f"cannot import module {module_name!r} for tool {spec!r}: "
-                          f"{type(error).__name__}: {str(error)[:200]}") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise ConfigError(f"module {module_name!r} has no function {function_name!r} (tool {spec!r})")
+    function = import_function(spec, "tool", ConfigError)
+    function_name = spec.partition(":")[2]
     if not TOOL_NAME.fullmatch(function_name):
         raise ConfigError(f"tool {spec!r}: the name {function_name!r} is longer than 64 characters")
     return function_name, function

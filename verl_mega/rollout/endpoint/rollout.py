@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import importlib
 import inspect
+import itertools
 import math
 import re
 import threading
@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from verl_mega.config.named_functions import import_function
 from verl_mega.rollout.agent_loop import TURN_SEED_STRIDE, ChatRenderer, TurnRules, resolve_tool_call_format
 from verl_mega.rollout.engine import Response, RolloutEngine, SamplingParams
 
@@ -44,24 +45,12 @@ from .server import EndpointServer
 from .sessions import MODEL_NAME, Session, SessionLimits, Turn
 
 ROUTE = re.compile(r"/sessions/([^/]+)/v1/(chat/completions|completions|models)")
-AGENT_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 DROP_REASONS = ("raised", "timeout", "bad_reward", "no_turn")
 
 
 def load_agent(spec: str) -> Callable:
-    """The agent function named "package.module:function"; ValueError naming the problem."""
-    if not isinstance(spec, str) or not AGENT_SPEC.fullmatch(spec):
-        raise ValueError(f"the agent {spec!r} must look like 'package.module:function'")
-    module_name, _, name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # importing runs the module's code: anything can come out of it
-        raise ValueError(f"cannot import module {module_name!r} for the agent {spec!r}: {type(err).__name__}: "
-                         f"{str(err)[:200]}") from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ValueError(f"module {module_name!r} has no function {name!r} (the agent {spec!r})")
-    return function
+    """The agent function named "package.module:function"; UserError (a ValueError) naming the problem."""
+    return import_function(spec, "the agent")
 
 
 @dataclass
@@ -292,8 +281,9 @@ class _Run:
         seed = None if self.params.seed is None else self.params.seed + len(self.batches) * TURN_SEED_STRIDE
         params = dataclasses.replace(self.params, seed=seed, max_new_tokens=max(p.turn.max_new for p in batch))
         self.batches.append(len(batch))
+        contexts, n = shared_contexts([p.turn.context for p in batch])
         try:
-            responses = self.engine.generate([p.turn.context for p in batch], params)
+            responses = self.engine.generate(contexts, dataclasses.replace(params, n=n))
         except BaseException as err:
             for p in batch:
                 p.future.set_exception(EndpointError(500, "engine_error", f"the engine failed: {err}"))
@@ -344,6 +334,16 @@ class _Run:
                    "endpoint/rejected_requests": sum(self.rejected.values()),
                    **{f"endpoint/rejected/{code}": count for code, count in sorted(self.rejected.items())}}
         return EndpointResult(responses, problems, metrics)
+
+
+def shared_contexts(contexts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """(the distinct contexts, n) where `contexts` are runs of n equal ones in a row (a first round: each prompt's
+    n sessions, in sample order), which the engine then prefills once each and samples n times, as the in-process
+    loop's first turn does (both engines sample the same tokens either way); else (`contexts`, 1)."""
+    runs = [len(list(group)) for _, group in itertools.groupby(contexts)]
+    if len(set(runs)) != 1 or runs[0] == 1:
+        return contexts, 1
+    return contexts[::runs[0]], runs[0]
 
 
 async def _cancel_tasks() -> None:
