@@ -14,6 +14,7 @@ from pathlib import Path
 from verl_mega.config import JOB_ALIASES, JOBS, load_config
 from verl_mega.hub import resolve_inputs
 from verl_mega.trainer.preflight import preflight_check
+from verl_mega.trainer.rl.needs import model_keys
 
 TRAINER_MODULE = "verl_mega.trainer.main"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -83,7 +84,8 @@ def check_trainer_config(args: argparse.Namespace, passthrough: list[str], world
     if args.module != TRAINER_MODULE or args.config is None:
         return
     # Hub ids are resolved here, once on this node before the ranks start (they find the cache warm).
-    preflight_check(resolve_inputs(load_config(args.config, [*args.overrides, *passthrough])), world_size)
+    config = load_config(args.config, [*args.overrides, *passthrough])
+    preflight_check(resolve_inputs(config, model_keys(config)), world_size)
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

@@ -22,6 +22,7 @@ from verl_mega.launch import local
 from verl_mega.launch.payload import check_trainer_config
 from verl_mega.rollout import planner
 from verl_mega.trainer import plan
+from verl_mega.trainer.rl.needs import model_keys
 from verl_mega.hub import (HubError, dataset_ref, hub_origin, is_repo_id, model_ref, resolve_dataset, resolve_inputs,
                            resolve_model)
 
@@ -158,19 +159,33 @@ def test_dataset_splits_in_the_hub_parquet_layout(hub, home):
 
 def test_config_inputs_become_snapshots(hub, home, tiny_models):
     config = load_config(None, values={"model.hf_path": "org/tiny@v2", "reward.reward_model": "org/tiny",
-                                       "teacher.hf_path": "org/tiny@v2",
+                                       "algorithm.distill.loss": "reverse_kl", "teacher.hf_path": "org/tiny@v2",
+                                       "teacher.by_data_source": {"gsm8k": "org/tiny"},
                                        "data.train_files": ["hf://datasets/org/rows/train"],
                                        "data.val_files": ["hf://datasets/org/rows/test", "local.parquet"]})
-    resolve_inputs(config)
+    resolve_inputs(config, model_keys(config))
     assert hub_origin(config.model.hf_path)["commit"] == hub.commits["v2"]
     assert hub_origin(config.reward.reward_model)["commit"] == hub.commits["main"]
     assert hub_origin(config.teacher.hf_path)["commit"] == hub.commits["v2"]
+    assert hub_origin(config.teacher.by_data_source["gsm8k"])["commit"] == hub.commits["main"]
     assert [Path(file).name for file in config.data.train_files] == ["train-00000-of-00002.parquet",
                                                                      "train-00001-of-00002.parquet"]
     assert Path(config.data.val_files[0]).is_file() and config.data.val_files[1] == "local.parquet"
     bad = load_config(None, values={"model.hf_path": "org/tiny", "model.critic_hf_path": "org/missing"})
     with pytest.raises(HubError, match=r"^model\.critic_hf_path: Hub model org/missing is not on"):
-        resolve_inputs(bad)
+        resolve_inputs(bad, model_keys(bad))
+
+
+def test_keys_the_run_does_not_read_are_not_fetched(hub, home):
+    """GRPO runs no critic and a run without a distillation loss no teacher: ids left there (a missing one even)
+    are neither downloaded nor refused."""
+    config = load_config(None, values={"model.hf_path": "org/tiny", "algorithm.adv_estimator": "grpo",
+                                       "model.critic_hf_path": "org/missing", "teacher.hf_path": "org/missing",
+                                       "teacher.by_data_source": {"gsm8k": "org/missing"}})
+    resolve_inputs(config, model_keys(config))
+    assert hub_origin(config.model.hf_path)["commit"] == hub.commits["main"]
+    assert (config.model.critic_hf_path, config.teacher.hf_path) == ("org/missing", "org/missing")
+    assert config.teacher.by_data_source == {"gsm8k": "org/missing"}  # resolving any of them raises HubError
 
 
 def _resolver(env: dict, model: str) -> subprocess.Popen:

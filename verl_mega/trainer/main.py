@@ -45,7 +45,7 @@ from .preflight import preflight_check
 from .progress import Progress
 from .quantized_rollout import tis_note, with_quantization_tis
 from .rl import RLJob
-from .rl.needs import TEACHER_OF, role_layout, teacher_folders, uses_critic
+from .rl.needs import TEACHER_OF, model_keys, role_layout, teacher_folders, uses_critic
 from .rl.rollout_service import RolloutService
 from .sft import SFTJob
 
@@ -90,7 +90,7 @@ def preference_main(argv: list[str] | None = None) -> int:
 def run(config, reward_fn=None) -> None:
     """Validate `config` for this job's world size, then train. `reward_fn`: a callable scoring responses in
     place of `reward.function` (the RL job only)."""
-    preflight_check(resolve_inputs(config), read_world().size, reward_fn=reward_fn)
+    preflight_check(resolve_inputs(config, model_keys(config)), read_world().size, reward_fn=reward_fn)
     note = tis_note(config)
     if note and read_world().rank == 0:
         print_note(note, config.trainer.log_format)

@@ -19,7 +19,7 @@ from verl_mega.hub import resolve_inputs
 from verl_mega.planning.memory import ATTENTION_KERNELS, FLASH, Model, Roles, layout_of, plan_memory, suggest_layouts
 from verl_mega.rollout import planner
 
-from .rl.needs import teacher_folders, uses_critic, uses_reference, uses_teacher
+from .rl.needs import model_keys, teacher_folders, uses_critic, uses_reference, uses_teacher
 
 MEMORY_FLAG = "--memory"
 
@@ -61,7 +61,8 @@ def memory_main(argv: list[str]) -> int:
         if value is not None and not value > 0:
             parser.error(f"{flag} must be > 0, got {value}")
     try:
-        config = resolve_inputs(load_config(args.memory, args.overrides), model_configs_only=True)
+        config = load_config(args.memory, args.overrides)
+        config = resolve_inputs(config, model_keys(config), model_configs_only=True)
         model = Model(config)
         roles = roles_of(config)
         if args.suggest:

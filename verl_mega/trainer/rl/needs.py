@@ -47,6 +47,21 @@ def teacher_folders(config: TrainConfig) -> dict[str, str]:
     return {**folders, **{f"{TEACHER_OF}{source}": path for source, path in teacher.by_data_source.items()}}
 
 
+def model_keys(config: TrainConfig) -> list[tuple[str, ...]]:
+    """The paths of the keys naming a model folder (or a Hub id) that this run reads: the actor's, the critic's
+    where a critic runs from a folder of its own, an RL job's reward model, and the distillation teachers'.
+    What a key the run does not read names is never fetched (`hub.inputs.resolve_inputs`)."""
+    keys = [("model", "hf_path")]
+    if config.model.critic_hf_path and uses_critic(config):
+        keys.append(("model", "critic_hf_path"))
+    if config.job == "rl" and config.reward.reward_model:
+        keys.append(("reward", "reward_model"))
+    if uses_teacher(config):
+        keys += [("teacher", "hf_path")] * bool(config.teacher.hf_path)
+        keys += [("teacher", "by_data_source", source) for source in config.teacher.by_data_source]
+    return keys
+
+
 TEACHER_OF = "teacher:"  # the role name of a data source's teacher, before the source
 
 
