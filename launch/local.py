@@ -78,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
 def train_in_this_process(trainer_args: list[str], env: dict[str, str]) -> int:
     """`verl-mega train TRAINER_ARGS` as torchrun's only rank would run it, here, with the launcher's variables
     for its rank `env` (none of them given by --env); its exit code."""
-    with rank_environment(env), without_working_folder():
-        if "OMP_NUM_THREADS" not in os.environ:  # torch read the variable at import: set its pool as well
-            os.environ["OMP_NUM_THREADS"] = RANK_THREADS
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": RANK_THREADS}
+    pool = torch.get_num_threads()
+    with rank_environment({**threads, **env}), without_working_folder():
+        if threads:  # torch read the variable at import: set its pool as well
             torch.set_num_threads(int(RANK_THREADS))
-        return trainer_main(trainer_args)
+        try:
+            return trainer_main(trainer_args)
+        finally:  # the launcher's pool again, like its environment (a script may go on computing)
+            torch.set_num_threads(pool)
 
 
 @contextmanager

@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 import launch_payloads
 from verl_mega.data.synthetic import make_task_rows
@@ -62,8 +63,11 @@ def test_one_trainer_rank_trains_in_the_launchers_process_as_torchrun_s_only_ran
     for name, value in (("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("MASTER_ADDR", "192.0.2.1"),
                         ("MASTER_PORT", "9")):  # a world of 4 and an unreachable rendezvous, were they read
         monkeypatch.setenv(name, value)
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
+    pool, pool_sizes, set_pool = torch.get_num_threads(), [], torch.set_num_threads
+    set_pool(2)  # the launcher's pool, which is not the rank's
+    monkeypatch.setattr(local.torch, "set_num_threads", lambda size: (pool_sizes.append(size), set_pool(size)))
     config = tmp_path / "grpo.yaml"
     config.write_text(ONE_STEP_GRPO)
     model = make_tiny_hf_model(tmp_path / "hf", "qwen2")
@@ -78,6 +82,9 @@ def test_one_trainer_rank_trains_in_the_launchers_process_as_torchrun_s_only_ran
     assert status == 0
     assert [record["step"] for record in read_metrics(RunFolder(run_dir).metrics)] == [1]
     assert "WORLD_SIZE" not in os.environ and os.environ["MASTER_ADDR"] == "192.0.2.1"
+    # the rank's one thread (torchrun's default) while it trained; the launcher's variable and pool after
+    assert pool_sizes == [1, 2] and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() == 2
+    set_pool(pool)
 
 
 def test_a_trainer_launch_with_env_variables_keeps_the_torchrun_agent(tmp_path, monkeypatch):
