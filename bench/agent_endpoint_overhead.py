@@ -8,7 +8,8 @@ turns each), then each way runs `--repeats` times under the same seed; the faste
 episodes must be the same token for token (checked), so both ways decode the same tokens in the same rounds and
 the difference is the endpoint's: HTTP, JSON, the chat template on the agent's messages, the agents' threads.
 Goal: endpoint / in-process <= 1.2 at the same batch. A tiny model makes the engine's share small and the
-ratio the worst case; measure on an idle machine (other processes inflate the agents' threads most).
+ratio the worst case; measure on an idle machine (other processes inflate the agents' threads most). The last
+line is the floor: the agent's `openai` client and HTTP alone, against a server answering at once.
 """
 from __future__ import annotations
 
@@ -22,15 +23,19 @@ from transformers import AutoConfig
 
 from verl_mega.config import ToolsConfig
 from verl_mega.demo_agent import problems, save_tokenizer, sft_warmup
-from verl_mega.demo_agent_http import calculator_agent
+from verl_mega.demo_agent_http import calculator_agent, shared_client
 from verl_mega.models.tiny import make_tiny_hf_model
 from verl_mega.rollout.agent_loop import AgentLoop, ChatRenderer
 from verl_mega.rollout.embedded import EmbeddedEngine
 from verl_mega.rollout.endpoint import EndpointRollout
+from verl_mega.rollout.endpoint.server import EndpointServer
 from verl_mega.rollout.engine import SamplingParams
 from verl_mega.tools import ToolSet
 
 BUDGET, MAX_TURNS = 96, 3
+CANNED = {"id": "canned", "object": "chat.completion", "created": 0, "model": "policy",
+          "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "5"}}],
+          "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
 
 class TimedEngine:
@@ -71,6 +76,24 @@ def timed(label: str, run, engine: TimedEngine, repeats: int):
     return best
 
 
+def http_floor_ms(requests: int = 300) -> float:
+    """Milliseconds per request of the demo agent's own `openai` client against the endpoint's HTTP server
+    answering a canned completion at once, one request after another: what HTTP and the client cost a turn
+    before any session, template or engine work (the floor of the endpoint's own time)."""
+    server = EndpointServer(lambda method, path, body: (200, CANNED), lambda code: None).start()
+    try:
+        client = shared_client().with_options(base_url=f"{server.url}/v1")
+        messages = [{"role": "user", "content": "What is 2 + 3?"}]
+        for _ in range(20):
+            client.chat.completions.create(model="policy", messages=messages)
+        start = time.perf_counter()
+        for _ in range(requests):
+            client.chat.completions.create(model="policy", messages=messages)
+        return (time.perf_counter() - start) / requests * 1e3
+    finally:
+        server.close()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="bench.agent_endpoint_overhead")
     parser.add_argument("--batch", type=int, default=32, help="episodes per rollout (prompts x n)")
@@ -99,9 +122,16 @@ def main(argv=None) -> None:
     same = [a.token_ids for a in local] == [b.token_ids if b is not None else None for b in served]
     turns = sum(len(r.episode.turn_ends) for r in local) / len(local)
     print(f"batch {len(local)} episodes, {turns:.2f} turns each; the same trajectories token for token: {same}")
+    if not same:  # e.g. a call written as malformed JSON, which the loop and the demo's agent answer differently
+        raise SystemExit("the two ways sampled different episodes, so their times are not of the same work: no "
+                         "ratio (try more --warmup-steps, or another --hidden-size)")
     print(f"endpoint / in-process wall time: {served_wall / local_wall:.2f}x (goal <= 1.2x); engine time "
           f"{served_engine:.3f} s vs {local_engine:.3f} s; the endpoint's own time {served_wall - served_engine:.3f} s "
           f"vs the loop's {local_wall - local_engine:.3f} s")
+    requests, floor = round(turns * len(local)), http_floor_ms()
+    print(f"the floor: the openai client and HTTP alone take {floor:.2f} ms per request against a server answering "
+          f"at once, {requests * floor / 1e3:.3f} s for this run's {requests} requests; with nothing else the "
+          f"ratio would be {(local_wall + requests * floor / 1e3) / local_wall:.2f}x")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench import with_repo_on_path
 from bench.vs_trl import BUILDERS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, SCALES, SEQUENCES_PER_STEP, copy_rows
 
 BYTES_PER_FP32 = 4
@@ -272,7 +273,7 @@ def run_transition(hf_dir: Path, work: Path, threads: int) -> list[dict]:
     ckpt_dir, out = work / f"ckpt_tp{TRAIN_TP}", work / "transition.json"
     convert_hf_to_mcore(hf_dir, ckpt_dir, tp=TRAIN_TP, pp=1)
     run_torchrun(TRAIN_TP, "bench.limits", ["--transition-worker", str(hf_dir), str(ckpt_dir), str(out)],
-                 env={"OMP_NUM_THREADS": str(max(threads // TRAIN_TP, 1))})
+                 env=with_repo_on_path({"OMP_NUM_THREADS": str(max(threads // TRAIN_TP, 1))}))
     return json.loads(out.read_text())
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from bench import with_repo_on_path
+
 SIZES = {"tiny": dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
                       intermediate_size=128),
          "mid": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=8,
@@ -119,7 +121,7 @@ def main() -> None:
         folder = make_folders(Path(args.out).resolve(), size)
         for mode in ("merged", "lora"):
             result = run_torchrun(1, "bench.lora_rollout", ["--time", str(folder), mode, "--rounds", str(args.rounds)],
-                                  capture_output=True)
+                                  env=with_repo_on_path(), capture_output=True)
             line = next(line for line in result.stdout.splitlines() if line.startswith("{"))
             print(size, line, flush=True)
 

@@ -33,10 +33,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench import with_repo_on_path
+
 SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024)
 VOCAB = 1024
-REPO = Path(__file__).resolve().parent.parent  # the ranks import bench from here
 SEQ = 256  # tokens of the measured micro-batch: data.max_prompt_length + data.max_response_length
 
 
@@ -206,7 +207,7 @@ def run_grid(worlds: list[int], root: Path) -> list[dict]:
     for world in worlds:
         out = root / f"world{world}.json"
         run_torchrun(world, "bench.planner_grid", ["--worker", str(hf), str(ckpts), str(out), str(world)],
-                     env={"PYTHONPATH": str(REPO)})
+                     env=with_repo_on_path())
         rows += json.loads(out.read_text())
     return rows
 

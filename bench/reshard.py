@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from bench import with_repo_on_path
+
 TP, PP, DP = 2, 2, 2
 ROLLOUT_TPS = (1, 2)
 
@@ -129,7 +131,8 @@ def main(argv=None) -> None:
 
     hf_dir, ckpt_dir = prepare(Path(args.work), args.hidden, args.layers, args.ffn, args.vocab)
     run_torchrun(TP * PP * DP, "bench.reshard",
-                 ["--worker", str(hf_dir), str(ckpt_dir), "--out", str(Path(args.out).resolve())])
+                 ["--worker", str(hf_dir), str(ckpt_dir), "--out", str(Path(args.out).resolve())],
+                 env=with_repo_on_path())
 
 
 if __name__ == "__main__":

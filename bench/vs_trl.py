@@ -37,6 +37,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import statistics
 import string
 import subprocess
@@ -53,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TRL_RELEASE = "1.16.0"  # setup.py's [bench] extra
 # TRL's venv takes these releases from this one, so that both sides run the same torch and model code.
 SHARED_PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "tokenizers")
+STEP_END = re.compile(r"step \d+: .*\bstep_seconds=")  # verl_mega's line for a step that has ended
 STEP_BEGINS, STEP_ENDS = "vs_trl: a TRL step begins", "vs_trl: a TRL step ends"
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 8, 4
 SEQUENCES_PER_STEP = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
@@ -289,8 +291,9 @@ def run_verl_mega(hf_dir: Path, rows: list[dict], settings: dict, steps: int, th
     stage_seconds = [{"step": record["perf/step_seconds"], "step_cpu": record["perf/step_cpu_seconds"],
                       **{key[len("timing/"):]: value for key, value in record.items() if key.startswith("timing/")}}
                      for record in records]
-    # Each step's line is printed as it ends; the first began its step_seconds before its line.
-    step_lines = [at for at, line in lines if line.startswith("step ")]
+    # Each step's metrics line is printed as it ends (the first began its step_seconds before its line); the
+    # progress lines of the first step ("step 1, the first of this run ...") come before it ends and are not it.
+    step_lines = [at for at, line in lines if STEP_END.match(line)]
     return {**summarise(stage_seconds, [record["response/length_mean"] for record in records]),
             "whole_run": wall, "start_up": step_lines[0] - records[0]["perf/step_seconds"],
             "exit": wall - step_lines[-1]}

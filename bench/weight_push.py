@@ -14,6 +14,8 @@ import json
 import time
 from pathlib import Path
 
+from bench import with_repo_on_path
+
 BUCKETS_MB = (16, 256)
 
 
@@ -96,7 +98,8 @@ def main() -> None:
     from verl_mega.parallel.spawn import run_torchrun
 
     _, ckpt_dir = prepare(Path(args.work), args.hidden, args.layers, args.ffn, args.vocab)
-    run_torchrun(2, "bench.weight_push", ["--worker", str(ckpt_dir), str(Path(args.out).resolve())])
+    run_torchrun(2, "bench.weight_push", ["--worker", str(ckpt_dir), str(Path(args.out).resolve())],
+                 env=with_repo_on_path())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
 """bench/limits.py's accounting: FLOPs and bytes of a tiny shape, computed by hand here (no timing)."""
+import pytest
+
 from bench.limits import (Shape, StepTokens, attention_flops, body_params, decode_bytes, decode_step_flops,
                           decode_steps, forward_flops, gemm_work, kv_bytes_per_position, outside_seconds,
                           prefill_flops, step_tokens, transition_rows, update_flops, weight_bytes)
@@ -77,3 +79,19 @@ def test_a_transition_with_nothing_to_receive_has_no_byte_bound():
     assert gather[4] == "1.11x" and gather[5] == "PASS"
     assert local[2] == "0.000 s" and local[4] == "n/a"
     assert local[5] == "FAIL: transition: local layout copies, no bytes to receive"
+
+
+def test_a_bench_module_started_as_torchrun_ranks_imports_from_the_repository(tmp_path, monkeypatch):
+    """The ranks import nothing from the working folder (verl_mega.parallel.safe_path) and `bench` is not
+    installed: bench.limits' transition workers (and four other benches' ranks) failed with "No module named
+    'bench'" until the repository's root went on their PYTHONPATH."""
+    import subprocess
+
+    from bench import with_repo_on_path
+    from verl_mega.parallel.spawn import run_torchrun
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    with pytest.raises(subprocess.CalledProcessError):
+        run_torchrun(1, "bench.__init__", [], capture_output=True)
+    assert run_torchrun(1, "bench.__init__", [], env=with_repo_on_path(), capture_output=True).returncode == 0
