@@ -140,8 +140,8 @@ def _verify_pair(hf_dir, ckpt_dir, seq_len, batch, seed, family_spec, judge: boo
         for dtype, (logits, family, tf32) in outputs.items():
             reference, perturbed = _reference_logits(hf_dir, tokens, dtype, manifest.dtype, dtype == "fp32")
             lines[dtype] = logit_parity(logits, reference, dtype, num_layers=hf_config.num_layers, moe=family.moe,
-                                        tf32=tf32, reduction_length=max(hf_config.hidden_size, hf_config.ffn_hidden_size),
-                                        perturbed=perturbed)
+                                        tf32=tf32, perturbed=perturbed,
+                                        reduction_length=max(hf_config.hidden_size, hf_config.ffn_hidden_size))
         parity = lines["fp32"] if manifest.dtype == "fp32" else lines["fp32"].with_native(manifest.dtype,
                                                                                           lines[manifest.dtype])
     # Every rank learns the last stage's figures.
