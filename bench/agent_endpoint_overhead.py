@@ -2,10 +2,12 @@
 through the endpoint (an `openai` agent per sample, real HTTP), on the embedded engine, CPU.
 
     OMP_NUM_THREADS=1 python -m bench.agent_endpoint_overhead [--batch 32] [--repeats 3] [--hidden-size 64]
+    OMP_NUM_THREADS=1 python -m bench.agent_endpoint_overhead --body llama100m --warmup-steps 0
 
 A tiny model is warmed up on `make demo-agent`'s formatted episodes (so its episodes call the calculator, two
-turns each), then each way runs `--repeats` times under the same seed; the fastest of each is compared. The
-episodes must be the same token for token (checked), so both ways decode the same tokens in the same rounds and
+turns each; with `--warmup-steps 0` the random model writes no call, and each episode is one turn to the budget:
+with `--body llama100m`, a turn of a real model's length), then each way runs `--repeats` times under the same
+seed; the fastest of each is compared. The episodes must be the same token for token (checked), so both ways decode the same tokens in the same rounds and
 the difference is the endpoint's: HTTP, JSON, the chat template on the agent's messages, the agents' threads.
 Goal: endpoint / in-process <= 1.2 at the same batch. A tiny model makes the engine's share small and the
 ratio the worst case; measure on an idle machine (other processes inflate the agents' threads most). The last
@@ -33,6 +35,9 @@ from verl_mega.rollout.engine import SamplingParams
 from verl_mega.tools import ToolSet
 
 BUDGET, MAX_TURNS = 96, 3
+# The model's body: tiny (--hidden-size), or bench.vs_trl's ~100M Llama shape (its vocabulary the tiny one's).
+BODIES = {"tiny": {}, "llama100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                        num_attention_heads=12, num_key_value_heads=4)}
 CANNED = {"id": "canned", "object": "chat.completion", "created": 0, "model": "policy",
           "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "5"}}],
           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
@@ -52,10 +57,14 @@ class TimedEngine:
             self.seconds += time.perf_counter() - start
 
 
-def warm_model(workdir: Path, hidden_size: int, warmup_steps: int) -> Path:
-    hf = make_tiny_hf_model(workdir / "random", "qwen2", vocab_size=72, hidden_size=hidden_size,
-                            intermediate_size=2 * hidden_size)
+def warm_model(workdir: Path, body: str, hidden_size: int, warmup_steps: int) -> Path:
+    """The model the episodes run on: warmed up on formatted episodes for `warmup_steps` (0: its random weights,
+    which write no calls, so each episode is one turn to the budget)."""
+    sizes = BODIES[body] or dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size)
+    hf = make_tiny_hf_model(workdir / "random", "qwen2", vocab_size=72, **sizes)
     tokenizer = save_tokenizer(hf)
+    if warmup_steps == 0:
+        return hf
     with ToolSet(["calculator"], ToolsConfig()) as tools:
         return sft_warmup(hf, ChatRenderer(tokenizer, tools.schemas), problems(512, "warmup"), workdir / "warm",
                           warmup_steps)
@@ -99,11 +108,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=32, help="episodes per rollout (prompts x n)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--body", choices=list(BODIES), default="tiny", help="the model's shape (see BODIES)")
+    parser.add_argument("--hidden-size", type=int, default=64, help="the tiny body's width")
     parser.add_argument("--warmup-steps", type=int, default=150)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = warm_model(Path(tmp), args.hidden_size, args.warmup_steps)
+        hf = warm_model(Path(tmp), args.body, args.hidden_size, args.warmup_steps)
         tokenizer = save_tokenizer(hf)
         engine = EmbeddedEngine(AutoConfig.from_pretrained(hf).to_dict(), device="cpu")
         engine.load_weights(load_file(str(hf / "model.safetensors")).items())
