@@ -103,3 +103,37 @@ def test_packed_response_positions_read_the_response_window():
     valid = BATCH["response_mask"].bool()
     got = packed_values.t().flatten()[rows.response_positions]
     assert torch.equal(got[valid], window[valid])
+
+
+class OnDevice(torch.Tensor):
+    """A stand-in for a tensor on the accelerator, where the roles' forward-only passes leave their outputs
+    (`compute_per_token` puts them on `parallel.state.device()`): `.cpu()` gives the host copy, any other op
+    stays on the device."""
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_the_on_policy_batch_mean_pass_joins_the_batch_on_the_host(one_rank, tiny_models, tmp_path, monkeypatch):
+    """With rollout_is_batch_normalize and no old-log-prob pass, the actor's own log-prob pass joins the host
+    batch (as old_log_probs beside the rollout's) and is left for the mismatch metrics: on a GPU it came back
+    on the device, and the correction mixed CUDA and CPU tensors."""
+    from verl_mega.config import OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+    from verl_mega.roles.actor import Actor
+
+    convert_hf_to_mcore(tiny_models["llama"], tmp_path / "ckpt", tp=1, pp=1)
+    correction = RolloutCorrectionConfig(rollout_is="token", rollout_is_batch_normalize=True)
+    actor = Actor(tmp_path / "ckpt", OptimConfig(lr=1e-3), PolicyLossConfig(), schedule_steps=1,
+                  correction=correction)
+    forward_only = actor.compute_log_prob
+    monkeypatch.setattr(actor, "compute_log_prob", lambda *args, **kwargs: {
+        name: value.as_subclass(OnDevice) for name, value in forward_only(*args, **kwargs).items()})
+    batch_mean_weight, seen = actor._batch_mean_weight, []
+    monkeypatch.setattr(actor, "_batch_mean_weight",
+                        lambda batch: seen.append(type(batch["old_log_probs"])) or batch_mean_weight(batch))
+    mask = BATCH["response_mask"].float()
+    batch = {**BATCH, "response_mask": mask, "advantages": torch.ones_like(mask),
+             "rollout_log_probs": torch.full(mask.shape, -2.0)}
+    actor.update_policy(batch, ppo_epochs=1, mini_batch_size=3, micro_batch_size=3)
+    assert seen == [torch.Tensor]
+    assert type(actor.first_forward_log_probs) is torch.Tensor
