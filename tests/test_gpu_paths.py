@@ -137,3 +137,21 @@ def test_the_on_policy_batch_mean_pass_joins_the_batch_on_the_host(one_rank, tin
     actor.update_policy(batch, ppo_epochs=1, mini_batch_size=3, micro_batch_size=3)
     assert seen == [torch.Tensor]
     assert type(actor.first_forward_log_probs) is torch.Tensor
+
+
+def test_gemma2_with_transformer_engine_linears_packs_no_rows(one_rank, tiny_models, tmp_path, monkeypatch):
+    """Gemma-2's TE spec keeps megatron's local (soft-capped) attention beside TE's linears, and that attention
+    asserts it gets no packed_seq_params: a bf16 Gemma-2 on a GPU with transformer-engine must not pack its rows
+    under `auto`, and `true` is refused in one line."""
+    from verl_mega.config import ConfigError
+    from verl_mega.models import builder
+    from verl_mega.roles import megatron_step
+    from verl_mega.roles.megatron_step import resolve_sequence_packing
+
+    convert_hf_to_mcore(tiny_models["gemma2"], tmp_path / "ckpt", tp=1, pp=1)
+    model, *_ = build_model_from_checkpoint(tmp_path / "ckpt", implementation="local", dtype="bf16")
+    for module in (builder, megatron_step):  # its linears and norms are TE's
+        monkeypatch.setattr(module, "uses_transformer_engine", lambda model: True)
+    assert resolve_sequence_packing("auto", model, "actor.use_packed_sequences") is False
+    with pytest.raises(ConfigError, match="actor.use_packed_sequences=true needs"):
+        resolve_sequence_packing("true", model, "actor.use_packed_sequences")

@@ -164,6 +164,15 @@ def uses_transformer_engine(model) -> bool:
                for module in model.modules())
 
 
+def takes_packed_rows(model) -> bool:
+    """Whether the model's attention takes THD packed rows: transformer-engine's layers with none of megatron's
+    local core attention, which refuses them (Gemma-2 keeps its soft-capped local attention beside TE's linears)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return uses_transformer_engine(model) and not any(isinstance(module, DotProductAttention)
+                                                      for module in model.modules())
+
+
 def transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
