@@ -155,3 +155,20 @@ def test_gemma2_with_transformer_engine_linears_packs_no_rows(one_rank, tiny_mod
     assert resolve_sequence_packing("auto", model, "actor.use_packed_sequences") is False
     with pytest.raises(ConfigError, match="actor.use_packed_sequences=true needs"):
         resolve_sequence_packing("true", model, "actor.use_packed_sequences")
+
+
+@pytest.mark.parametrize("family_name", ["llama", "gemma2"])
+def test_every_tensor_of_a_built_model_is_on_the_ranks_device(one_rank, tiny_models, monkeypatch, family_name):
+    """On a GPU megatron builds its linears there, but the local spec's torch norms and Gemma-2's own norms
+    (its post norms under transformer-engine's spec too) on the default device, the CPU: the builder puts the
+    whole model on the rank's device (`parallel.state.device`; the meta device stands in for CUDA here)."""
+    from verl_mega.models import builder
+    from verl_mega.models.families import load_hf_model_config
+
+    hf_config, family = load_hf_model_config(tiny_models[family_name])
+    monkeypatch.setattr(builder, "device", lambda: torch.device("meta"), raising=False)
+    config = builder.transformer_config(hf_config, family)
+    model = builder.build_gpt_model(hf_config, family, config, implementation="local",
+                                    padded_vocab=builder.padded_vocab_size(hf_config.vocab_size, 1))
+    placed = {name: tensor.device.type for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
+    assert set(placed.values()) == {"meta"}, placed
