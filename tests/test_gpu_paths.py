@@ -103,3 +103,72 @@ def test_packed_response_positions_read_the_response_window():
     valid = BATCH["response_mask"].bool()
     got = packed_values.t().flatten()[rows.response_positions]
     assert torch.equal(got[valid], window[valid])
+
+
+class OnDevice(torch.Tensor):
+    """A stand-in for a tensor on the accelerator, where the roles' forward-only passes leave their outputs
+    (`compute_per_token` puts them on `parallel.state.device()`): `.cpu()` gives the host copy, any other op
+    stays on the device."""
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_the_on_policy_batch_mean_pass_joins_the_batch_on_the_host(one_rank, tiny_models, tmp_path, monkeypatch):
+    """With rollout_is_batch_normalize and no old-log-prob pass, the actor's own log-prob pass joins the host
+    batch (as old_log_probs beside the rollout's) and is left for the mismatch metrics: on a GPU it came back
+    on the device, and the correction mixed CUDA and CPU tensors."""
+    from verl_mega.config import OptimConfig, PolicyLossConfig, RolloutCorrectionConfig
+    from verl_mega.roles.actor import Actor
+
+    convert_hf_to_mcore(tiny_models["llama"], tmp_path / "ckpt", tp=1, pp=1)
+    correction = RolloutCorrectionConfig(rollout_is="token", rollout_is_batch_normalize=True)
+    actor = Actor(tmp_path / "ckpt", OptimConfig(lr=1e-3), PolicyLossConfig(), schedule_steps=1,
+                  correction=correction)
+    forward_only = actor.compute_log_prob
+    monkeypatch.setattr(actor, "compute_log_prob", lambda *args, **kwargs: {
+        name: value.as_subclass(OnDevice) for name, value in forward_only(*args, **kwargs).items()})
+    batch_mean_weight, seen = actor._batch_mean_weight, []
+    monkeypatch.setattr(actor, "_batch_mean_weight",
+                        lambda batch: seen.append(type(batch["old_log_probs"])) or batch_mean_weight(batch))
+    mask = BATCH["response_mask"].float()
+    batch = {**BATCH, "response_mask": mask, "advantages": torch.ones_like(mask),
+             "rollout_log_probs": torch.full(mask.shape, -2.0)}
+    actor.update_policy(batch, ppo_epochs=1, mini_batch_size=3, micro_batch_size=3)
+    assert seen == [torch.Tensor]
+    assert type(actor.first_forward_log_probs) is torch.Tensor
+
+
+def test_gemma2_with_transformer_engine_linears_packs_no_rows(one_rank, tiny_models, tmp_path, monkeypatch):
+    """Gemma-2's TE spec keeps megatron's local (soft-capped) attention beside TE's linears, and that attention
+    asserts it gets no packed_seq_params: a bf16 Gemma-2 on a GPU with transformer-engine must not pack its rows
+    under `auto`, and `true` is refused in one line."""
+    from verl_mega.config import ConfigError
+    from verl_mega.models import builder
+    from verl_mega.roles import megatron_step
+    from verl_mega.roles.megatron_step import resolve_sequence_packing
+
+    convert_hf_to_mcore(tiny_models["gemma2"], tmp_path / "ckpt", tp=1, pp=1)
+    model, *_ = build_model_from_checkpoint(tmp_path / "ckpt", implementation="local", dtype="bf16")
+    for module in (builder, megatron_step):  # its linears and norms are TE's
+        monkeypatch.setattr(module, "uses_transformer_engine", lambda model: True)
+    assert resolve_sequence_packing("auto", model, "actor.use_packed_sequences") is False
+    with pytest.raises(ConfigError, match="actor.use_packed_sequences=true needs"):
+        resolve_sequence_packing("true", model, "actor.use_packed_sequences")
+
+
+@pytest.mark.parametrize("family_name", ["llama", "gemma2"])
+def test_every_tensor_of_a_built_model_is_on_the_ranks_device(one_rank, tiny_models, monkeypatch, family_name):
+    """On a GPU megatron builds its linears there, but the local spec's torch norms and Gemma-2's own norms
+    (its post norms under transformer-engine's spec too) on the default device, the CPU: the builder puts the
+    whole model on the rank's device (`parallel.state.device`; the meta device stands in for CUDA here)."""
+    from verl_mega.models import builder
+    from verl_mega.models.families import load_hf_model_config
+
+    hf_config, family = load_hf_model_config(tiny_models[family_name])
+    monkeypatch.setattr(builder, "device", lambda: torch.device("meta"), raising=False)
+    config = builder.transformer_config(hf_config, family)
+    model = builder.build_gpt_model(hf_config, family, config, implementation="local",
+                                    padded_vocab=builder.padded_vocab_size(hf_config.vocab_size, 1))
+    placed = {name: tensor.device.type for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
+    assert set(placed.values()) == {"meta"}, placed

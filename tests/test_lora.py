@@ -121,6 +121,46 @@ def test_transformer_engines_norm_fused_linear_adapts_the_normalised_input(one_r
     torch.testing.assert_close(layer(x)[0], expected)
 
 
+class RowParallelLinearOfTE(torch.nn.Module):
+    """Stands in for transformer-engine's row-parallel linear (its class name and module) on a CPU."""
+
+
+RowParallelLinearOfTE.__name__ = "TERowParallelLinear"
+RowParallelLinearOfTE.__module__ = "megatron.core.extensions.transformer_engine"
+
+
+def test_a_post_normed_transformer_engine_linear_is_row_parallel():
+    """Gemma-2's TE spec subclasses TE's row-parallel linear (`gemma2_layers.PostNormed`): its o_proj and
+    down_proj take adapters as the local spec's do, where the exact class name was refused on a GPU."""
+    from verl_mega.models.gemma2_layers import PostNormed
+    from verl_mega.models.lora import parallel_kind
+
+    post_normed = PostNormed(RowParallelLinearOfTE)
+    assert parallel_kind(post_normed.__new__(post_normed)) == ROW
+
+
+def test_gemma2_post_normed_linears_adapt_before_their_norm(one_rank, tmp_path):
+    """Gemma-2's o_proj and down_proj normalise their output (sandwich norms): the adapters add to the linear's
+    own output, so the adapted layer computes what its merged weight does (the rollout's and the export's)."""
+    from verl_mega.checkpoint.model_io import build_model_from_checkpoint
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.models.tiny import make_tiny_hf_model
+
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", "gemma2", num_hidden_layers=1)
+    convert_hf_to_mcore(hf_dir, tmp_path / "ckpt")
+    model, *_ = build_model_from_checkpoint(tmp_path / "ckpt", implementation="local")
+    apply_lora(model, lora(targets=["linear_proj", "linear_fc2"]))
+    with_random_b(model)
+    infos = lora_modules(model)
+    assert len(infos) == 2
+    with torch.no_grad():
+        for info in infos:
+            layer = model.get_submodule(info.name)
+            x = torch.randn(3, 1, layer.weight.shape[1])
+            merged = merged_weight(layer.weight, layer.lora_a, layer.lora_b, info.scale)
+            torch.testing.assert_close(layer(x)[0], layer.post_layernorm(x @ merged.t()))
+
+
 def test_initialisation_follows_peft(one_rank):
     kaiming = initial_a(lora(rank=8), 400, "a")
     assert kaiming.abs().max() <= 1 / math.sqrt(400) and kaiming.abs().max() > 0.9 / math.sqrt(400)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from verl_mega.config import ConfigError
 from verl_mega.ops import FusedRMSNorm
+from verl_mega.parallel.state import device
 
 from .hf_config import HFModelConfig, rope_inv_freq
 from .spec import FamilySpec
@@ -164,6 +165,15 @@ def uses_transformer_engine(model) -> bool:
                for module in model.modules())
 
 
+def takes_packed_rows(model) -> bool:
+    """Whether the model's attention takes THD packed rows: transformer-engine's layers with none of megatron's
+    local core attention, which refuses them (Gemma-2 keeps its soft-capped local attention beside TE's linears)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return uses_transformer_engine(model) and not any(isinstance(module, DotProductAttention)
+                                                      for module in model.modules())
+
+
 def transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -200,7 +210,9 @@ def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, pad
     # We follow the latter, so both specs hold the same tensors: no parameter stays fp32. Precision comes from
     # the optimizer's fp32 main weights and from the norms computing in fp32 (torch's rms_norm upcasts).
     # The RoPE frequencies are a plain attribute, not a buffer, and stay fp32.
-    model.to(dtype=config.params_dtype)
+    # On the rank's device, as Megatron-LM's get_model puts it: megatron builds its linears there, but the local
+    # spec's torch norms and Gemma-2's own norms are built on the default device, the CPU.
+    model.to(device=device(), dtype=config.params_dtype)
     _keep_expert_bias_fp32(model)
     return model
 

@@ -41,13 +41,17 @@ def PostNormed(linear_cls: type) -> type:
         def __init__(self, input_size, output_size, *, config, **kwargs):
             super().__init__(input_size, output_size, config=config, **kwargs)
             self.post_layernorm = ZeroCenteredRMSNorm(config, output_size, config.layernorm_epsilon)
-
-        def forward(self, hidden, *args, **kwargs):
-            output, bias = super().forward(hidden, *args, **kwargs)
-            return self.post_layernorm(output), bias
+            # A forward hook, not part of forward: LoRA adapters (`models.lora`, hooks put first) then add to the
+            # linear's own output, before the norm, as the merged weight computes it.
+            self.register_forward_hook(_post_normed)
 
     PostNormedLinear.__name__ = PostNormedLinear.__qualname__ = f"PostNormed{linear_cls.__name__}"
     return PostNormedLinear
+
+
+def _post_normed(module, args, output):
+    output, bias = output
+    return module.post_layernorm(output), bias
 
 
 class _CappedMaskedSoftmax(torch.nn.Module):

@@ -119,9 +119,9 @@ def parallel_kind(module) -> str | None:
         return COLUMN
     if isinstance(module, RowParallelLinear):
         return ROW
-    if type(module).__module__.startswith(_TE_MODULE):
-        return _TE_KINDS.get(type(module).__name__)
-    return None
+    # A subclass of transformer-engine's (Gemma-2's post-normed row-parallel linear) is of its kind.
+    return next((_TE_KINDS[cls.__name__] for cls in type(module).__mro__
+                 if cls.__module__.startswith(_TE_MODULE) and cls.__name__ in _TE_KINDS), None)
 
 
 class _Adapter:
@@ -252,7 +252,9 @@ def apply_lora(model, config: LoraConfig) -> None:
         _add_adapters(module, kind, config, global_name(root, name))
         module._lora = _Adapter(kind, scale, config.dropout)
         module._lora_info = LoraModuleInfo(name, kind, scale)
-        module.register_forward_hook(module._lora, with_kwargs=True)
+        # First among the module's hooks: the update adds to the linear's own output (Gemma-2's post-normed
+        # linears normalise it in a hook of their own).
+        module.register_forward_hook(module._lora, with_kwargs=True, prepend=True)
 
 
 def _check_fit(name: str, module, config: LoraConfig) -> None:

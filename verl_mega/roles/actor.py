@@ -195,7 +195,9 @@ class Actor:
         pass_log_probs = None
         if self._normalises_weights(batch):
             if "old_log_probs" not in batch:  # on-policy: the mean needs every row's weight before any step
-                pass_log_probs = self.compute_log_prob(batch, micro_batch_size, max_tokens=max_tokens)["log_probs"]
+                # On the host like the batch it joins (the pass leaves it on the device: CUDA on a GPU).
+                pass_log_probs = self.compute_log_prob(batch, micro_batch_size,
+                                                       max_tokens=max_tokens)["log_probs"].cpu()
                 batch = {**batch, "old_log_probs": pass_log_probs}
             self._is_batch_mean = self._batch_mean_weight(batch)
         keeps_first_forward = "old_log_probs" not in batch and "rollout_log_probs" in batch and on_policy

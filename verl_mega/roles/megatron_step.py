@@ -17,7 +17,7 @@ import torch.distributed as dist
 from verl_mega.algorithms import agg_units
 from verl_mega.config import ConfigError
 from verl_mega.data.packing import PackedRows, pack, pack_layout
-from verl_mega.models.builder import unwrap_model, uses_transformer_engine
+from verl_mega.models.builder import takes_packed_rows, unwrap_model, uses_transformer_engine
 from verl_mega.parallel.context_parallel import gather_sequence, sequence_multiple, split_for_rank
 from verl_mega.parallel.pipeline import forward_only_outputs
 from verl_mega.parallel.shims import cuda_device_rewrite_paused
@@ -225,18 +225,19 @@ PACKING_SETTINGS = ("auto", "true", "false")
 
 def resolve_sequence_packing(setting: str, model, key: str) -> bool:
     """`setting` (auto | true | false, the config's `key`) -> whether this model's passes pack their rows.
-    auto: whenever the layers are transformer-engine's, micro-batches may vary in shape (packed rows differ in
-    length) and the model is bf16/fp16, the dtypes of the flash and cuDNN attention kernels that take THD
-    input (in fp32 only some transformer-engine releases can); true refuses a model without the first two."""
+    auto: whenever the layers are transformer-engine's, attention included (`takes_packed_rows`), micro-batches
+    may vary in shape (packed rows differ in length) and the model is bf16/fp16, the dtypes of the flash and
+    cuDNN attention kernels that take THD input (in fp32 only some transformer-engine releases can); true
+    refuses a model without the first two."""
     setting = str(setting).lower()
     if setting not in PACKING_SETTINGS:
         raise ConfigError(f"{key}={setting!r} must be one of {', '.join(PACKING_SETTINGS)}")
     if setting == "false":
         return False
-    possible = uses_transformer_engine(model)
+    possible = takes_packed_rows(model)
     if setting == "true" and not possible:
         raise ConfigError(f"{key}=true needs transformer-engine's layers (THD packed attention, on a GPU with "
-                          "transformer-engine installed); this model runs megatron's local layers: set it to "
+                          "transformer-engine installed); this model runs megatron's local attention: set it to "
                           "auto or false")
     if not possible:
         return False
