@@ -195,6 +195,29 @@ def test_preflight_refuses_cp_without_transformer_engine_in_one_line(tmp_path):
         "(`verl-mega plan --memory` models it)"]
 
 
+def test_preflight_refuses_cp_for_a_family_that_keeps_megatron_s_local_attention(tmp_path, monkeypatch):
+    """Gemma-2's soft-capped attention is megatron's local one even beside transformer-engine's linears, and it
+    asserts context_parallel_size 1 when built: refused before any process starts, where transformer-engine
+    would otherwise allow CP (stood in for here; a qwen2 at the same settings passes)."""
+    from verl_mega.config import ConfigError, load_config
+    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.trainer import preflight
+
+    monkeypatch.setattr(preflight, "transformer_engine_available", lambda: True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "copy: 1"}\n' * 8)
+    settings = [f"data.train_files=[{prompts}]", "data.batch_size=4", "actor.mini_batch_size=4",
+                "critic.mini_batch_size=4", "parallel.cp=2"]
+    qwen2 = load_config(None, [f"model.hf_path={make_tiny_hf_model(tmp_path / 'qwen2', 'qwen2')}", *settings])
+    preflight.preflight_check(qwen2, world_size=2)
+    gemma2 = load_config(None, [f"model.hf_path={make_tiny_hf_model(tmp_path / 'gemma2', 'gemma2')}", *settings])
+    with pytest.raises(ConfigError) as refused:
+        preflight.preflight_check(gemma2, world_size=2)
+    assert str(refused.value).splitlines()[1:] == [
+        "  - parallel.cp=2: gemma2's layers keep megatron's local attention (its soft cap), which runs no context "
+        "parallelism: set parallel.cp=1"]
+
+
 def test_the_local_layer_spec_refuses_context_parallelism(tmp_path):
     from verl_mega.config import ConfigError
     from verl_mega.models.builder import layer_spec, transformer_config

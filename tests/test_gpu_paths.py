@@ -172,3 +172,17 @@ def test_every_tensor_of_a_built_model_is_on_the_ranks_device(one_rank, tiny_mod
                                     padded_vocab=builder.padded_vocab_size(hf_config.vocab_size, 1))
     placed = {name: tensor.device.type for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
     assert set(placed.values()) == {"meta"}, placed
+
+
+@pytest.mark.parametrize("visible, local_rank, chosen", [(8, 5, 5), (1, 5, 0), (2, 3, 1)])
+def test_a_rank_bound_to_its_own_gpus_picks_among_those_it_sees(monkeypatch, visible, local_rank, chosen):
+    """srun --gpus-per-task gives each task its own GPU(s): a task of local rank 5 sees one, device 0. Setting
+    device 5 there fails with 'invalid device ordinal' before any work."""
+    from verl_mega.parallel import state
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    state.select_local_device(local_rank)
+    assert picked == [chosen]

@@ -272,6 +272,9 @@ class FamilySpec:
     # (DeepSeek-V3's multi-token-prediction layers): config -> count. None: none. Their tensors are carried beside a
     # converted checkpoint as they are and written back on export (`checkpoint.unread_tensors`).
     unread_layers: Callable[[HFModelConfig], int] | None = None
+    # Whether the layers keep megatron's local core attention under transformer-engine too (Gemma-2's soft cap),
+    # which takes neither packed rows nor context parallelism.
+    local_attention: bool = False
 
     def unread_layer_count(self, hf_config: HFModelConfig) -> int:
         return self.unread_layers(hf_config) if self.unread_layers is not None else 0

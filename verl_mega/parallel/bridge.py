@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import RolePlacement
-from .state import backend, device, export_world
+from .state import backend, device, export_world, select_local_device
 from .torchrun import exit_with_agent
 from .world import World, read_world
 
@@ -62,8 +62,7 @@ def init_placement(placement: RolePlacement, timeout_minutes: int = 30, bridge_t
     if (world.rank, world.size) != (placement.global_rank, placement.global_size):
         raise ValueError(f"the placement is for rank {placement.global_rank} of {placement.global_size} but this "
                          f"process is rank {world.rank} of {world.size}")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(world.local_rank)
+    select_local_device(world.local_rank)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store, _, _ = next(dist.rendezvous(world.init_method, world.rank, world.size, timeout=timeout))
     export_world(World(placement.rank_in_role, world.local_rank, placement.role_size, world.master_addr,

@@ -27,6 +27,14 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def select_local_device(local_rank: int) -> None:
+    """This rank's GPU, where there is one: its local rank among the GPUs it sees. A task the scheduler binds to
+    its own GPUs (`srun --gpus-per-task`, a per-task CUDA_VISIBLE_DEVICES) sees fewer than the node's ranks, so
+    the index wraps around what it sees instead of naming a device that does not exist there."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeout_minutes: int = 30,
                   cp: int = 1) -> ParallelLayout:
     """Initialise torch.distributed from the torchrun/Slurm environment (`world.read_world`) and megatron's
@@ -42,8 +50,7 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
         exit_with_agent()
         world = read_world()
         export_world(world)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(world.local_rank)
+        select_local_device(world.local_rank)
         dist.init_process_group(
             backend(), rank=world.rank, world_size=world.size, timeout=datetime.timedelta(minutes=timeout_minutes)
         )

@@ -467,6 +467,9 @@ def _check_model(config: TrainConfig, check, need, layout_in_range: bool) -> boo
             need(longest <= limit, f"data.max_prompt_length + data.max_response_length = {longest} tokens exceed "
                  f"model.hf_path's {why}: lower them")
             _check_lora_fit(config, model, loaded[1], need)
+            need(p.cp == 1 or not loaded[1].local_attention,
+                 f"parallel.cp={p.cp}: {model.model_type}'s layers keep megatron's local attention (its soft cap), "
+                 "which runs no context parallelism: set parallel.cp=1")
             need(config.actor.router_replay != "rollout" or model.num_experts is not None,
                  f"actor.router_replay=rollout replays the routing of MoE layers and model.hf_path {m.hf_path} is a "
                  f"dense {model.model_type} model: set actor.router_replay=off")

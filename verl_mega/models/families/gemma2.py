@@ -66,4 +66,5 @@ SPEC = FamilySpec(
     finish_model=finish_model,
     check_config=check_config,
     activations=("gelu_pytorch_tanh", "gelu_tanh"),  # the tanh GELU that `transformer_overrides` runs
+    local_attention=True,  # the soft-capped attention of `block_spec`
 )
