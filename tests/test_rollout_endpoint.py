@@ -462,9 +462,11 @@ def test_a_step_regenerates_a_group_that_lost_a_sample_and_stops_on_one_that_alw
 
 def test_a_round_of_each_prompt_s_n_sessions_is_prefilled_once_per_prompt():
     """A first round holds each prompt's n sessions in a row: the engine gets each context once, with n (the
-    in-process loop's first turn); any other round (contexts differ, or runs of unequal length) goes as it is."""
+    in-process loop's first turn); any other round (contexts differ, runs of unequal length, equal contexts of
+    different prompts) goes as it is."""
     a, b, c = [1, 2], [1, 3], [4]
-    assert shared_contexts([a, a, a, b, b, b]) == ([a, b], 3)
-    assert shared_contexts([a, b, c]) == ([a, b, c], 1)
-    assert shared_contexts([a, a, b]) == ([a, a, b], 1)  # a dropped session leaves runs of 2 and 1
-    assert shared_contexts([a, a, b, b, a, a]) == ([a, b, a], 2)  # equal contexts apart stay apart
+    assert shared_contexts([(0, a), (0, a), (0, a), (1, b), (1, b), (1, b)]) == ([a, b], 3)
+    assert shared_contexts([(0, a), (0, b), (1, c)]) == ([a, b, c], 1)
+    assert shared_contexts([(0, a), (0, a), (1, b)]) == ([a, a, b], 1)  # a dropped session: runs of 2 and 1
+    assert shared_contexts([(0, a), (1, a)]) == ([a, a], 1)  # two prompts alike: the loop's two rows, n=1
+    assert shared_contexts([(0, a), (0, a), (1, b), (1, b), (2, a), (2, a)]) == ([a, b, a], 2)

@@ -281,7 +281,7 @@ class _Run:
         seed = None if self.params.seed is None else self.params.seed + len(self.batches) * TURN_SEED_STRIDE
         params = dataclasses.replace(self.params, seed=seed, max_new_tokens=max(p.turn.max_new for p in batch))
         self.batches.append(len(batch))
-        contexts, n = shared_contexts([p.turn.context for p in batch])
+        contexts, n = shared_contexts([(p.slot.session.prompt_index, p.turn.context) for p in batch])
         try:
             responses = self.engine.generate(contexts, dataclasses.replace(params, n=n))
         except BaseException as err:
@@ -336,14 +336,15 @@ class _Run:
         return EndpointResult(responses, problems, metrics)
 
 
-def shared_contexts(contexts: list[list[int]]) -> tuple[list[list[int]], int]:
-    """(the distinct contexts, n) where `contexts` are runs of n equal ones in a row (a first round: each prompt's
-    n sessions, in sample order), which the engine then prefills once each and samples n times, as the in-process
-    loop's first turn does (both engines sample the same tokens either way); else (`contexts`, 1)."""
-    runs = [len(list(group)) for _, group in itertools.groupby(contexts)]
+def shared_contexts(turns: list[tuple[int, list[int]]]) -> tuple[list[list[int]], int]:
+    """(the distinct contexts, n) where `turns`, (prompt index, context) in sample order, are runs of n sessions of
+    one prompt asking with one context (a first round), which the engine then prefills once each and samples n
+    times, as the in-process loop's first turn does (both engines sample the same tokens either way); else (every
+    context, 1). Equal contexts of different prompts stay apart, as the loop keeps them."""
+    runs = [len(list(group)) for _, group in itertools.groupby(turns)]
     if len(set(runs)) != 1 or runs[0] == 1:
-        return contexts, 1
-    return contexts[::runs[0]], runs[0]
+        return [context for _, context in turns], 1
+    return [context for _, context in turns[::runs[0]]], runs[0]
 
 
 async def _cancel_tasks() -> None:
