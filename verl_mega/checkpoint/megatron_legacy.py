@@ -144,7 +144,7 @@ def read_shard(root: str | Path, iteration: int, **coords) -> dict:
         raise FileNotFoundError(f"shard file {path} is missing from the checkpoint at {root}")
     try:
         payload = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as err:  # a truncated zip under mmap: EINVAL
         raise ValueError(f"shard file {path} is unreadable (truncated, corrupt or not weights-only): "
                          f"{str(err).splitlines()[0]}") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict) or not all(
