@@ -185,6 +185,19 @@ def test_a_file_that_is_not_utf8_is_refused_with_the_file_named(tmp_path):
         load_config(garbled)
 
 
+@pytest.mark.parametrize("text", ["- trainer\n- actor\n", "3\n"])  # a list: omegaconf's ConfigTypeError traceback
+def test_a_file_that_is_not_a_mapping_is_refused_with_the_file_named(tmp_path, text):
+    listed = tmp_path / "a config #1.yaml"
+    listed.write_text(text)
+    with pytest.raises(ConfigError, match=f"^config file {listed} must hold a mapping of sections"):
+        load_config(listed)
+
+
+def test_a_folder_given_as_the_config_file_is_named_a_folder(tmp_path):
+    with pytest.raises(ConfigError, match=f"^config file {tmp_path} is a folder$"):
+        load_config(tmp_path)
+
+
 def test_every_key_of_a_verl_config_the_schema_lacks_is_named_at_once(tmp_path):
     verl = tmp_path / "verl.yaml"
     verl.write_text("data: {train_batch_size: 8, max_prompt_length: 64}\nactor_rollout_ref: {model: {path: m}}\n"
