@@ -284,3 +284,14 @@ def test_a_wandb_project_wandb_would_refuse_is_named_before_the_run(tiny_models,
     with pytest.raises(ConfigError) as err:
         preflight_check(config, world_size=4)
     assert "trainer.wandb_project='my runs #1': wandb project names may not hold #" in str(err.value)
+
+
+@pytest.mark.parametrize("off", ["algorithm.adv_estimator=grpo", "algorithm.adv_estimator=rloo"])
+def test_a_critic_that_is_off_is_not_refused_for_its_batch_sizes(tiny_models, prompt_file, off):
+    """GRPO (or RLOO) with a batch smaller than the critic's default mini-batch was refused with
+    'must be divisible by critic.mini_batch_size=8', a key of a role that does not run."""
+    overrides = good_overrides(tiny_models, prompt_file) + ["critic.mini_batch_size=8", "critic.micro_batch_size=3",
+                                                           off]
+    preflight_check(load_config(None, overrides), world_size=4)
+    with pytest.raises(ConfigError, match="must be divisible by critic.mini_batch_size=8"):  # still checked when on
+        preflight_check(load_config(None, overrides[:-1]), world_size=4)
