@@ -235,7 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     created = not options.run_dir.exists()
-    script = write_script(render_sbatch(options), options.run_dir)
+    try:
+        script = write_script(render_sbatch(options), options.run_dir)
+    except OSError as error:  # a file where the folder goes, a read-only or full disk: no traceback, no folder
+        if created:
+            shutil.rmtree(options.run_dir, ignore_errors=True)
+        parser.error(f"--run-dir {options.run_dir}: cannot write {SCRIPT_NAME} there ({error.strerror or error})")
     if args.dry_run:
         print(script.read_text(), end="")
         print(f"# written to {script}; not submitted (--dry-run)", file=sys.stderr)

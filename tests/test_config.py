@@ -185,6 +185,19 @@ def test_a_file_that_is_not_utf8_is_refused_with_the_file_named(tmp_path):
         load_config(garbled)
 
 
+@pytest.mark.parametrize("text", ["- trainer\n- actor\n", "3\n"])  # a list: omegaconf's ConfigTypeError traceback
+def test_a_file_that_is_not_a_mapping_is_refused_with_the_file_named(tmp_path, text):
+    listed = tmp_path / "a config #1.yaml"
+    listed.write_text(text)
+    with pytest.raises(ConfigError, match=f"^config file {listed} must hold a mapping of sections"):
+        load_config(listed)
+
+
+def test_a_folder_given_as_the_config_file_is_named_a_folder(tmp_path):
+    with pytest.raises(ConfigError, match=f"^config file {tmp_path} is a folder$"):
+        load_config(tmp_path)
+
+
 def test_every_key_of_a_verl_config_the_schema_lacks_is_named_at_once(tmp_path):
     verl = tmp_path / "verl.yaml"
     verl.write_text("data: {train_batch_size: 8, max_prompt_length: 64}\nactor_rollout_ref: {model: {path: m}}\n"
@@ -271,3 +284,14 @@ def test_a_wandb_project_wandb_would_refuse_is_named_before_the_run(tiny_models,
     with pytest.raises(ConfigError) as err:
         preflight_check(config, world_size=4)
     assert "trainer.wandb_project='my runs #1': wandb project names may not hold #" in str(err.value)
+
+
+@pytest.mark.parametrize("off", ["algorithm.adv_estimator=grpo", "algorithm.adv_estimator=rloo"])
+def test_a_critic_that_is_off_is_not_refused_for_its_batch_sizes(tiny_models, prompt_file, off):
+    """GRPO (or RLOO) with a batch smaller than the critic's default mini-batch was refused with
+    'must be divisible by critic.mini_batch_size=8', a key of a role that does not run."""
+    overrides = good_overrides(tiny_models, prompt_file) + ["critic.mini_batch_size=8", "critic.micro_batch_size=3",
+                                                           off]
+    preflight_check(load_config(None, overrides), world_size=4)
+    with pytest.raises(ConfigError, match="must be divisible by critic.mini_batch_size=8"):  # still checked when on
+        preflight_check(load_config(None, overrides[:-1]), world_size=4)

@@ -270,6 +270,15 @@ def test_missing_megatron_shard_on_export_is_refused(tiny_models, tmp_path, caps
              f"shard file {victim} is missing")
 
 
+def test_truncated_megatron_shard_on_export_is_refused(tiny_models, tmp_path, capsys):
+    convert_hf_to_mcore(tiny_models["llama"], tmp_path / "ckpt")
+    victim = tmp_path / "ckpt" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"
+    victim.write_bytes(victim.read_bytes()[:5000])  # torch.load under mmap: a bare OSError 'Invalid argument'
+    out = tmp_path / "hf"
+    _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(out)], out,
+             f"shard file {victim} is unreadable (truncated, corrupt or not weights-only)")
+
+
 @pytest.mark.slow
 def test_layout_mismatch_on_load_is_refused(tiny_models, tmp_path):
     import subprocess

@@ -182,6 +182,23 @@ def test_invalid_json_line_is_reported_with_its_line_number(tmp_path, chat_token
         PromptDataset(path, chat_tokenizer, 64)
 
 
+@pytest.mark.parametrize("second_line, message", [
+    (b"\xff\xfe not text\n", r"rows\.jsonl:2: not UTF-8 text \(byte 0xff\)"),  # was the codec's error, no file
+    (b'{"prompt": "half a pair \\ud800"}\n', r"rows\.jsonl:2: a string holds half of a UTF-16 surrogate pair"),
+])  # the lone surrogate was a TypeError traceback from the tokenizer
+def test_a_line_that_is_no_text_is_reported_with_its_line_number(tmp_path, chat_tokenizer, second_line, message):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b"\r\n" + second_line)
+    with pytest.raises(ValueError, match=message):
+        PromptDataset(path, chat_tokenizer, 64)
+
+
+def test_a_whole_surrogate_pair_and_crlf_lines_are_read(tmp_path, chat_tokenizer):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"prompt": "smile \\ud83d\\ude00"}\r\n{"prompt": "two"}\r')
+    assert [row["prompt"] for row in PromptDataset(path, chat_tokenizer, 64).rows] == ["smile \U0001f600", "two"]
+
+
 def test_left_padded_prompts_end_in_the_last_column(tmp_path, chat_tokenizer):
     dataset = PromptDataset(write_rows(ROWS, tmp_path / "rows.jsonl"), chat_tokenizer, 64)
     input_ids, _ = pad_rows([dataset[i]["input_ids"] for i in range(2)], chat_tokenizer.pad_token_id, side="left")

@@ -84,6 +84,20 @@ def test_an_unknown_engine_a_missing_vllm_and_a_too_long_sample_are_one_line(tmp
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "temperature must be a finite number >= 0 (0 is greedy), got nan"),  # sampled NaN
+    (["--temperature", "inf"], "temperature must be a finite number >= 0 (0 is greedy), got inf"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),  # range() arg 3 must not be zero
+    (["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),  # wrote a file of no rows
+])
+def test_sampling_numbers_out_of_range_are_one_line_and_write_nothing(tmp_path, inputs, capsys, flags, message):
+    model, data = inputs
+    out = tmp_path / "out.jsonl"
+    assert generate(model, data, out, *flags) == 2
+    assert capsys.readouterr().err == f"verl-mega generate: error: {message}\n"
+    assert not out.exists()
+
+
 def test_a_converted_checkpoint_samples_what_its_hf_folder_samples(tmp_path, inputs):
     from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
 

@@ -102,6 +102,17 @@ def test_bad_input_is_refused_and_writes_nothing(capsys, tmp_path, argv, message
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("where, reason", [("run", "File exists"), ("run/sub", "Not a directory")])
+def test_a_run_dir_that_cannot_hold_the_script_is_one_line(capsys, tmp_path, where, reason):
+    """A file where the folder goes was a FileExistsError traceback; the file is left as it was."""
+    (tmp_path / "run").write_text("kept")
+    with pytest.raises(SystemExit) as exit_info:
+        slurm.main(["--dry-run", "--run-dir", str(tmp_path / where), *CPU_NODE, *SOME_MODULE])
+    assert exit_info.value.code == 2
+    assert f"error: --run-dir {tmp_path / where}: cannot write sbatch.sh there ({reason})" in capsys.readouterr().err
+    assert (tmp_path / "run").read_text() == "kept" and sorted(tmp_path.iterdir()) == [tmp_path / "run"]
+
+
 FAKE_SRUN = """#!/bin/bash
 trap 'echo USR1 > "$FAKE_DIR/forwarded"; exit 0' USR1
 echo "${PYTHONSAFEPATH:-}" > "$FAKE_DIR/safe_path"

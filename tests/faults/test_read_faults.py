@@ -311,3 +311,27 @@ def test_planted_pickle_in_common_pt_is_refused_without_advice_to_unprotect(torc
     line = assert_refused(argv, capsys, ("common.pt", "system"), out, (ckpt,))
     assert "weights_only" not in line and "trusted source" not in line, line
     assert not marker.exists(), "the planted command ran"
+
+
+def _cut(name, keep):
+    def cut(folder):
+        path = folder / name if (folder / name).exists() else sorted(folder.glob(name))[0]
+        path.write_bytes(path.read_bytes()[:keep])
+    return cut
+
+
+def _remove_first_distcp(folder):
+    sorted(folder.glob("*.distcp"))[0].unlink()
+
+
+@pytest.mark.parametrize("damage, words", [
+    (_cut("*.distcp", 100), ("dist checkpoint", "iter_0000000", "unreadable")),  # torch's reader: a bare EOFError
+    (_remove_first_distcp, ("dist checkpoint", "iter_0000000", "No such file")),  # a bare FileNotFoundError
+    (_cut("metadata.json", 1), ("dist checkpoint", "iter_0000000", "unreadable")),  # megatron's json.load
+    (_cut("common.pt", 0), ("common.pt", "empty or truncated")),  # a bare EOFError(), then an IndexError
+], ids=["truncated-distcp", "missing-distcp", "garbled-metadata.json", "empty-common.pt"])
+def test_damaged_dist_checkpoint_is_refused_on_export(torch_dist_llama, tmp_path, capsys, damage, words):
+    ckpt = copy_model(torch_dist_llama, tmp_path / "ckpt")
+    damage(ckpt / "iter_0000000")
+    out = tmp_path / "out"
+    assert_refused(["convert", "mcore-to-hf", "--ckpt", ckpt, "--out", out], capsys, words, out, (ckpt,))

@@ -34,6 +34,20 @@ def test_the_preflight_check_names_the_model_folder_in_one_line(tiny_models, pro
     assert line.startswith(f"  - model.hf_path: {model}: its tokenizer files cannot be loaded (TypeError: ")
 
 
+@pytest.mark.parametrize("name, damage", [
+    ("tokenizer.json", b"{garbled"),  # transformers' JSONDecodeError named no file: '<folder>: Expecting ...'
+    ("tokenizer_config.json", b"\xff\xfe"),  # and its UnicodeDecodeError none either
+])
+def test_a_tokenizer_file_that_is_not_json_is_named(tiny_models, tmp_path, name, damage):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models["qwen2"], folder)
+    (folder / name).write_bytes(damage)
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(folder)
+    assert str(err.value).startswith(f"{folder / name}: not valid JSON text ("), err.value
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.slow
 def test_every_hostile_value_is_a_value_error_naming_the_folder(tiny_models, tmp_path):
     tracebacks = []

@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 from torch.utils.serialization import config as serialization_config
 
+from verl_mega.config.errors import first_line
+
 from .safetensors_io import pwrite_all
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -144,9 +146,9 @@ def read_shard(root: str | Path, iteration: int, **coords) -> dict:
         raise FileNotFoundError(f"shard file {path} is missing from the checkpoint at {root}")
     try:
         payload = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as err:  # a truncated zip under mmap: EINVAL
         raise ValueError(f"shard file {path} is unreadable (truncated, corrupt or not weights-only): "
-                         f"{str(err).splitlines()[0]}") from None
+                         f"{first_line(err)}") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict) or not all(
             isinstance(name, str) and isinstance(tensor, torch.Tensor) for name, tensor in payload["model"].items()):
         raise ValueError(f"shard file {path} does not hold a Megatron-LM model state dict")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from verl_mega.config.errors import first_line
 from verl_mega.parallel import megatron_versions
 
 # Modules whose own classes (dataclasses and enums, no behaviour on construction) make up the metadata.
@@ -117,8 +118,10 @@ def load_weights_only(source, what: str):
     and the object refused, without torch's advice to load it unsafely."""
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
+    except EOFError:
+        raise ValueError(f"{what} is empty or truncated: convert the model again") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
         refused = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line), None)
-        detail = refused or str(err).splitlines()[0]
+        detail = refused or first_line(err)
         raise ValueError(f"{what} holds objects a checkpoint is not made of, refused unread ({detail}): it was not "
                          "written by verl_mega or megatron-core; convert the model again") from None

@@ -9,12 +9,16 @@ one layout loads into a model at any other, and reads back to HF key by key with
 from __future__ import annotations
 
 import contextlib
+import json
+import pickle
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
+from verl_mega.config.errors import first_line
 from verl_mega.models import HFModelConfig, family_for
 from verl_mega.models.expected_shapes import mcore_shape
 from verl_mega.models.sharding import rank_slots, split_mcore_to_hf, strip_vocab_padding
@@ -36,7 +40,8 @@ def load_torch_dist(model, ckpt_dir: str | Path) -> None:
     path = Path(ckpt_dir) / DIST_DIR
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (metadata.json missing)")
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(path))
+    with _unreadable_is_refused(path):
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), str(path))
     model.load_state_dict(loaded, strict=False)
 
 
@@ -53,7 +58,8 @@ def _stacked_hf_tensors(path: str, manifest: Manifest) -> Iterator[tuple[str, to
 
     if not (Path(path) / "metadata.json").is_file() or not (Path(path) / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (metadata.json or .metadata missing)")
-    metadata = dist_checkpointing.load_tensors_metadata(path)
+    with _unreadable_is_refused(path):
+        metadata = dist_checkpointing.load_tensors_metadata(path)
     hf_config = HFModelConfig.from_dict(manifest.hf_config)
     family = family_for(hf_config, manifest.family_spec, Path(path).parent, recorded=True)  # never a spec from the checkpoint
     current_key, stacked = None, None
@@ -80,7 +86,8 @@ def read_adapter_tensors(dist_dir: str | Path, manifest: Manifest) -> dict[str, 
     family = family_for(hf_config, manifest.family_spec, Path(path).parent, recorded=True)
     adapters, stacks = {}, {}
     with _process_group():
-        metadata = dist_checkpointing.load_tensors_metadata(path)
+        with _unreadable_is_refused(path):
+            metadata = dist_checkpointing.load_tensors_metadata(path)
         for slot in rank_slots(hf_config, family, head_rules=head_rules(manifest.role)):
             if not slot.rule.mcore.endswith(".weight"):
                 continue
@@ -101,7 +108,21 @@ def _load_whole(key: str, meta, path: str) -> torch.Tensor:
     from megatron.core.dist_checkpointing import ShardedTensor
 
     request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))}
-    return dist_checkpointing.load(request, path)[key]
+    with _unreadable_is_refused(path):
+        return dist_checkpointing.load(request, path)[key]
+
+
+@contextlib.contextmanager
+def _unreadable_is_refused(path):
+    """A truncated, missing or garbled file of the dist checkpoint at `path` (megatron's and torch's readers raise
+    a bare EOFError, FileNotFoundError or JSON error naming no checkpoint) is a ValueError naming the folder."""
+    try:
+        yield
+    except (EOFError, OSError, RuntimeError, pickle.UnpicklingError, json.JSONDecodeError, CheckpointException) as err:
+        if isinstance(err, CheckpointException):  # torch's reader wraps each rank's error: name the first
+            err = next(iter(err.failures.values()))[0]
+        raise ValueError(f"dist checkpoint {path} is unreadable (a file truncated, missing or corrupt): "
+                         f"{first_line(err)}") from None
 
 
 def _entry(stored: torch.Tensor, index: tuple[int, ...], key: str, name: str, path: str) -> torch.Tensor:

@@ -18,6 +18,13 @@ class NonFiniteError(UserError):
     """A reward, advantage, loss or gradient turned NaN/inf; raised before any optimizer step applies it."""
 
 
+def first_line(err: BaseException) -> str:
+    """An exception's first line, for a one-line message; its type's name where it has no text (a truncated
+    pickle raises a bare EOFError())."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def report_to_launcher(message: str) -> None:
     """Leave `message` where torchrun's agent reads a failed rank's error (TORCHELASTIC_ERROR_FILE), so the
     launcher can show it instead of a bare exit code (torch.distributed.elastic's plain-message record)."""

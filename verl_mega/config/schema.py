@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from .errors import UserError
@@ -950,7 +950,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
     layers = [schema]
     if path is not None:
         if not Path(path).is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path} {'is a folder' if Path(path).is_dir() else 'does not exist'}")
         layers.append(_file_layer(Path(path)))
     for item in overrides:
         if "=" not in item or not item.partition("=")[0]:
@@ -1013,6 +1013,12 @@ def _file_layer(path: Path):
                           f"{err.start}): it is damaged or not a config") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from None
+    except OSError as err:
+        if err.errno is not None:  # a read that failed; without an errno, omegaconf's 'Invalid loaded object type'
+            raise
+        layer = None
+    if not isinstance(layer, DictConfig):  # a list or a number: merging it raised omegaconf's traceback
+        raise ConfigError(f"config file {path} must hold a mapping of sections (actor:, data:, trainer:, ...)")
     _drop_retired_keys(layer)
     unknown = unknown_keys(TrainConfig, layer)
     if unknown:

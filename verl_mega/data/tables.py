@@ -4,14 +4,17 @@ A folder written by HF datasets' `Dataset.save_to_disk` is read too, with pyarro
 lists the Arrow stream files of the split, each of which must lie inside the folder."""
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 
 from verl_mega.files.atomic import atomic_file
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 DATASET_STATE_FILE = "state.json"  # what `save_to_disk` writes beside the Arrow files of one split
 DATASET_DICT_FILE = "dataset_dict.json"  # a DatasetDict: one such folder per split
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # JSON's spelling of half a UTF-16 pair
 
 
 def _extension(path: str) -> str:
@@ -47,8 +50,10 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     if extension == ".parquet":
         rows = _import_pyarrow().parquet.read_table(path).to_pylist()
     else:
-        with open(path, encoding="utf-8") as file:
-            rows = [_parse_json_line(line, path, number) for number, line in enumerate(file, 1) if line.strip()]
+        with open(path, "rb") as file:
+            text = _utf8(file.read(), path)
+        rows = [_parse_json_line(line, path, number)
+                for number, line in enumerate(io.StringIO(text, newline=None), 1) if line.strip()]
     if not rows:
         raise ValueError(f"data file has no rows: {path}")
     return rows
@@ -115,6 +120,14 @@ def write_dataset_folder(rows: list[dict], folder: str | os.PathLike) -> str:
     return folder
 
 
+def _utf8(data: bytes, path: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_number = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"{path}:{line_number}: not UTF-8 text (byte {data[error.start]:#04x})") from None
+
+
 def _parse_json_line(line: str, path: str, line_number: int) -> dict:
     try:
         row = json.loads(line)
@@ -122,6 +135,13 @@ def _parse_json_line(line: str, path: str, line_number: int) -> dict:
         raise ValueError(f"{path}:{line_number}: invalid JSON: {error}") from error
     if not isinstance(row, dict):
         raise ValueError(f"{path}:{line_number}: expected a JSON object per line, got {type(row).__name__}")
+    # A lone \ud800..\udfff escape is valid JSON but no text: tokenizers and writers fail on it far from here.
+    if SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path}:{line_number}: a string holds half of a UTF-16 surrogate pair (a lone "
+                             "\\ud800-\\udfff escape), which is no text") from None
     return row
 
 

@@ -7,6 +7,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from verl_mega.config.ranges import at_least
 from verl_mega.parallel.layout import rollout_vocab_rows
 
 
@@ -34,8 +35,8 @@ class SamplingParams:
     routed_experts: bool = False
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not at_least(0).admits(self.temperature):  # NaN passed `< 0` and sampled from NaN probabilities
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:

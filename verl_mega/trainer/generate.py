@@ -75,6 +75,8 @@ def generate_file(model: str | Path, data: list[str], out: str | Path, *, step: 
         raise UserError(f"--out {out}: the file's suffix must be {' or '.join(OUTPUT_SUFFIXES)}")
     if out.exists() and not overwrite:
         raise UserError(f"--out {out} exists: pass --overwrite to replace it")
+    if batch_size < 1:  # 0 failed in range(); a negative size wrote a file of no rows
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     if engine not in ENGINES:
         raise UserError(f"--engine {engine}: must be one of {', '.join(ENGINES)}")
     if engine == "vllm":  # before any checkpoint is exported or prompt read

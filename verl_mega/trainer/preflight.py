@@ -377,7 +377,8 @@ def _check_batch_sizes(config: TrainConfig, rollout_world: int, dp: int, need) -
     """`rollout_world`: the processes that generate (all of them when colocated)."""
     d = config.data
     sequences = d.batch_size * config.rollout.n
-    for role, section in (("actor", config.actor), ("critic", config.critic)):
+    trained = [("actor", config.actor)] + ([("critic", config.critic)] if uses_critic(config) else [])
+    for role, section in trained:  # a critic that is off is not refused for its batch sizes
         need(section.mini_batch_size % (dp * max(section.micro_batch_size, 1)) == 0,
              f"{role}.mini_batch_size={section.mini_batch_size} must be divisible by data-parallel size {dp} x "
              f"{role}.micro_batch_size={section.micro_batch_size}")
