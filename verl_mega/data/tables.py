@@ -4,7 +4,6 @@ A folder written by HF datasets' `Dataset.save_to_disk` is read too, with pyarro
 lists the Arrow stream files of the split, each of which must lie inside the folder."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -50,10 +49,13 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     if extension == ".parquet":
         rows = _import_pyarrow().parquet.read_table(path).to_pylist()
     else:
-        with open(path, "rb") as file:
-            text = _utf8(file.read(), path)
-        rows = [_parse_json_line(line, path, number)
-                for number, line in enumerate(io.StringIO(text, newline=None), 1) if line.strip()]
+        try:  # streamed: a data file may be larger than memory allows twice over
+            with open(path, encoding="utf-8") as file:
+                rows = [_parse_json_line(line, path, number) for number, line in enumerate(file, 1) if line.strip()]
+        except UnicodeDecodeError:  # the codec's position is in a buffer: find the line in the bytes
+            with open(path, "rb") as file:
+                _utf8(file.read(), path)
+            raise
     if not rows:
         raise ValueError(f"data file has no rows: {path}")
     return rows
