@@ -61,16 +61,21 @@ class Handler(JsonHandler):
             mode, delay_s = STATE["mode"], STATE["delay_s"]
         try:
             time.sleep(delay_s)
-            if failing or mode == "http500":
-                return self.reply(503 if failing else 500, b'{"error": "down"}')
-            if mode == "garbage":
-                return self.reply(200, b"<html>Bad gateway</html>")
-            if self.path.endswith("/chat/completions"):
-                return self.reply(200, self.chat(body))
-            self.reply(200, scores_body(body["rows"], mode))
+            status, answer = self.answer(body, failing, mode)
         finally:
+            # Before the reply goes out: once a client has its answer, the next request must not find it in flight.
             with LOCK:
                 STATS["in_flight"] -= 1
+        self.reply(status, answer)
+
+    def answer(self, body: dict, failing: bool, mode: str) -> tuple[int, bytes]:
+        if failing or mode == "http500":
+            return 503 if failing else 500, b'{"error": "down"}'
+        if mode == "garbage":
+            return 200, b"<html>Bad gateway</html>"
+        if self.path.endswith("/chat/completions"):
+            return 200, self.chat(body)
+        return 200, scores_body(body["rows"], mode)
 
     def chat(self, body: dict) -> bytes:
         prompt = body["messages"][-1]["content"]
