@@ -315,8 +315,10 @@ def test_planted_pickle_in_common_pt_is_refused_without_advice_to_unprotect(torc
 
 def _cut(name, keep):
     def cut(folder):
-        path = folder / name if (folder / name).exists() else sorted(folder.glob(name))[0]
-        path.write_bytes(path.read_bytes()[:keep])
+        found = sorted(folder.glob(name))
+        if not found:  # common.pt: megatron-core 0.16 writes it, newer releases write no common state file
+            pytest.skip(f"this megatron-core release writes no {name}")
+        found[0].write_bytes(found[0].read_bytes()[:keep])
     return cut
 
 
