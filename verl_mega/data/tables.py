@@ -54,7 +54,7 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
                 rows = [_parse_json_line(line, path, number) for number, line in enumerate(file, 1) if line.strip()]
         except UnicodeDecodeError:  # the codec's position is in a buffer: find the line in the bytes
             with open(path, "rb") as file:
-                _utf8(file.read(), path)
+                _refuse_undecodable(file.read(), path)
             raise
     if not rows:
         raise ValueError(f"data file has no rows: {path}")
@@ -122,9 +122,10 @@ def write_dataset_folder(rows: list[dict], folder: str | os.PathLike) -> str:
     return folder
 
 
-def _utf8(data: bytes, path: str) -> str:
+def _refuse_undecodable(data: bytes, path: str) -> None:
+    """Raise ValueError naming the line of `data`'s first byte that is not UTF-8 (nothing where all of it is)."""
     try:
-        return data.decode("utf-8")
+        data.decode("utf-8")
     except UnicodeDecodeError as error:
         line_number = data.count(b"\n", 0, error.start) + 1
         raise ValueError(f"{path}:{line_number}: not UTF-8 text (byte {data[error.start]:#04x})") from None
