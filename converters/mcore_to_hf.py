@@ -99,7 +99,7 @@ def iter_legacy_hf_tensors(ckpt_dir: str | Path, manifest: Manifest) -> Iterator
                 for tp_rank in range(manifest.tp)
             ]
             slots = list(rank_slots(hf_config, family, pp_rank, manifest.pp, ep_rank, manifest.ep,
-                                    head_rules(manifest.role)))
+                                    head_rules(manifest.role), manifest.vpp))
             for tp_rank, shard in enumerate(shards):
                 where = f"the shard of tp_rank {tp_rank}, pp_rank {pp_rank}, ep_rank {ep_rank} in {ckpt_dir}"
                 _check_shard(shard, slots, hf_config, manifest, where)

@@ -187,7 +187,7 @@ def _megatron_logits(ckpt_dir, dtype: str, tokens: torch.Tensor, family_spec):
     def collect(output, micro_batch):
         return tensor_parallel.gather_from_tensor_model_parallel_region(output)[..., : hf_config.vocab_size].float().cpu()
 
-    outputs = forward_only_outputs(model, [{"input_ids": tokens, "position_ids": positions}], step, collect)
+    outputs = forward_only_outputs([model], [{"input_ids": tokens, "position_ids": positions}], step, collect)
     return (None if outputs is None else outputs[0]), family, tf32
 
 

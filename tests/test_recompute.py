@@ -129,19 +129,10 @@ def test_micro_batches_are_padded_to_a_multiple_of_the_sequence_split():
 def sequence_parallel_runs(tmp_path_factory):
     """The worker's results: a dense actor and critic, and a replayed MoE actor, at TP 2 with and without
     sequence parallelism."""
-    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
-    from verl_mega.models.tiny import make_tiny_hf_model
-    from verl_mega.parallel.spawn import run_torchrun
+    from tests.workers.sequence_parallel_worker import run_cases_on_two_ranks
 
-    root = tmp_path_factory.mktemp("sequence_parallel")
-    for model in ("qwen2", "mixtral"):
-        hf_dir = make_tiny_hf_model(root / "hf" / model, model, num_hidden_layers=2)
-        convert_hf_to_mcore(hf_dir, root / "ckpt" / model, tp=2, pp=1, ep=1)
-    (root / "out").mkdir()
-    tests_dir = Path(__file__).parent
-    env = {"PYTHONPATH": ":".join(filter(None, [str(tests_dir.parent), os.environ.get("PYTHONPATH", "")]))}
-    run_torchrun(2, "tests.workers.sequence_parallel_worker", [str(root), "qwen2", "mixtral:replay"], env=env)
-    return root / "out"
+    return run_cases_on_two_ranks(tmp_path_factory.mktemp("sequence_parallel"), "sequence_parallel_worker",
+                                  num_layers=2, tp=2, pp=1)
 
 
 def load_pair(runs: Path, case: str, rank: int) -> tuple[dict, dict]:
@@ -184,7 +175,7 @@ def test_sequence_parallel_replays_each_rank_s_part_of_the_routes(sequence_paral
     (["actor.recompute.granularity=some"], "actor.recompute.granularity 'some' is unknown"),
     (["actor.optim.cpu_offload=true", "actor.optim.use_distributed_optimizer=true"],
      "actor.optim.cpu_offload=true runs megatron's HybridDeviceOptimizer, which needs CUDA"),
-    (["parallel.vpp=2"], "parallel.vpp=2: virtual pipeline stages are not supported yet"),
+    (["parallel.vpp=2"], "parallel.vpp=2 interleaves model chunks over the pipeline ranks and parallel.pp=1 has one"),
 ])
 def test_preflight_refuses_memory_settings_it_cannot_run(tiny_models, prompt_file, overrides, problem):
     from verl_mega.config import ConfigError, load_config

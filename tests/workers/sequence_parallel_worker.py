@@ -30,6 +30,37 @@ def replayed_routes(batch: dict, moe_layers: int, top_k: int, experts: int) -> t
     return routes.masked_fill(~batch["attention_mask"].bool()[..., None, None], NOT_RECORDED).to(torch.int16)
 
 
+def run_cases_on_two_ranks(root: Path, worker: str, num_layers: int, tp: int, pp: int) -> Path:
+    """Convert a tiny Qwen2 and Mixtral of `num_layers` layers at (tp, pp) into ROOT/ckpt/MODEL, run `worker`
+    (a module of tests.workers) on 2 ranks for the cases `qwen2` and `mixtral:replay`; returns ROOT/out."""
+    import os
+
+    from verl_mega.converters.hf_to_mcore import convert_hf_to_mcore
+    from verl_mega.models.tiny import make_tiny_hf_model
+    from verl_mega.parallel.spawn import run_torchrun
+
+    for model in ("qwen2", "mixtral"):
+        hf_dir = make_tiny_hf_model(root / "hf" / model, model, num_hidden_layers=num_layers)
+        convert_hf_to_mcore(hf_dir, root / "ckpt" / model, tp=tp, pp=pp, ep=1)
+    (root / "out").mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": ":".join(filter(None, [str(repo), os.environ.get("PYTHONPATH", "")]))}
+    run_torchrun(2, f"tests.workers.{worker}", [str(root), "qwen2", "mixtral:replay"], env=env)
+    return root / "out"
+
+
+def case_roles(case: str) -> tuple[str, bool, tuple[str, ...]]:
+    """A worker's case, `MODEL` or `MODEL:replay` -> (model, whether routes are replayed, the roles it runs)."""
+    model, _, option = case.partition(":")
+    replay = option == "replay"
+    return model, replay, ("actor",) if replay else ("actor", "critic")
+
+
+def save_case(root: str | Path, case: str, role: str, setting: str, rank: int, result: dict) -> None:
+    """ROOT/out/{MODEL[_replay]}_{ROLE}_{SETTING}_rank{R}.pt."""
+    torch.save(result, Path(root) / "out" / f"{case.replace(':', '_')}_{role}_{setting}_rank{rank}.pt")
+
+
 def role_pass(role: str, ckpt: Path, replay: bool, train: bool, **overrides) -> dict:
     """The role's forward-only outputs, then (`train`) one forward-backward of the token-mean of its outputs on
     `fixed_batch`; the loss and this rank's gradients (DDP's main_grad, as the optimizer reads them)."""
@@ -78,14 +109,12 @@ def main(argv: list[str]) -> None:
     root, *cases = argv
     layout = init_parallel(2, 1)
     for case in cases:
-        model, _, option = case.partition(":")
-        for role in ("actor", "critic") if option != "replay" else ("actor",):
+        model, replay, roles = case_roles(case)
+        for role in roles:
             for sequence_parallel in (False, True):
-                replay = option == "replay"
                 result = role_pass(role, Path(root) / "ckpt" / model, replay, sequence_parallel or not replay,
                                    sequence_parallel=sequence_parallel)
-                name = f"{case.replace(':', '_')}_{role}_sp{int(sequence_parallel)}_rank{layout.rank}.pt"
-                torch.save(result, Path(root) / "out" / name)
+                save_case(root, case, role, f"sp{int(sequence_parallel)}", layout.rank, result)
     dist.barrier()
     destroy_parallel()
 

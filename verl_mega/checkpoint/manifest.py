@@ -34,6 +34,9 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     # HF tensors the model does not read, carried in hf_assets/ (`unread_tensors`); None: converted before they were.
     unread_tensors: list[str] | None = None
+    # Virtual pipeline stages of the ranks that wrote a legacy checkpoint: each rank's shard then holds its model
+    # chunks' tensors, named as `sharding.rank_slots` names them; absent from older manifests.
+    vpp: int = 1
 
     def write(self, ckpt_dir: str | Path) -> None:
         (Path(ckpt_dir) / MANIFEST_NAME).write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
@@ -91,8 +94,8 @@ def _checked_fields(data, ckpt_dir: Path, spec_named_by_user: bool = False) -> d
     if data["dtype"] not in DTYPES:
         raise ValueError(f"key 'dtype' must be one of {', '.join(DTYPES)}, got {data['dtype']!r}")
     check_role(data.get("role", "actor"))
-    for name in ("tp", "pp", "ep", "padded_vocab_size"):
-        if data[name] < 1:
+    for name in ("tp", "pp", "ep", "padded_vocab_size", "vpp"):
+        if data.get(name, 1) < 1:
             raise ValueError(f"key '{name}' must be >= 1, got {data[name]}")
     if data["tp"] * data["pp"] * data["ep"] > LARGEST_WORLD:  # its shards are looked up rank by rank: 2**40 hung
         raise ValueError(f"keys 'tp' x 'pp' x 'ep' = {data['tp'] * data['pp'] * data['ep']} ranks wrote it; a "
@@ -104,6 +107,10 @@ def _checked_fields(data, ckpt_dir: Path, spec_named_by_user: bool = False) -> d
         family = family_for(hf_config, data.get("family_spec"), ckpt_dir, recorded=not spec_named_by_user)
     except ValueError as err:
         raise ValueError(f"key 'hf_config': {str(err).removeprefix('config.json: ')}") from None
+    vpp = data.get("vpp", 1)
+    if vpp > 1 and (data["pp"] == 1 or hf_config.num_layers % (data["pp"] * vpp)):
+        raise ValueError(f"key 'vpp' {vpp} needs pp > 1 and pp x vpp dividing the model's {hf_config.num_layers} "
+                         f"layers (pp={data['pp']})")
     if data["family"] != family.name:
         raise ValueError(f"key 'family' says {data['family']!r} but hf_config is a {family.name} model")
     if data["padded_vocab_size"] < hf_config.vocab_size or data["padded_vocab_size"] % data["tp"]:

@@ -10,13 +10,14 @@ import torch
 
 from verl_mega.config.errors import UserError
 from verl_mega.models import HFModelConfig, family_for
-from verl_mega.models.builder import DTYPES, build_gpt_model, transformer_config
+from verl_mega.models.builder import DTYPES, build_rank_model, transformer_config
 from verl_mega.models.sharding import merge_hf_to_mcore, rank_slots, shard_pieces
 from verl_mega.models.spec import LAYER, FamilySpec, canonical_names
 from verl_mega.parallel.state import current_layout
 
 from . import megatron_legacy
 from .manifest import Manifest
+from .roles import head_rules
 from .safetensors_io import SafetensorsReader
 from .torch_dist import load_torch_dist
 
@@ -95,11 +96,10 @@ def build_model_from_checkpoint(ckpt_dir: str | Path, *, implementation: str = "
     hf_config = HFModelConfig.from_dict(manifest.hf_config)
     family = family_for(hf_config, manifest.family_spec, ckpt_dir, recorded=True)
     layout = current_layout()
-    config = transformer_config(hf_config, family, tp=layout.tp, pp=layout.pp, ep=layout.ep,
+    config = transformer_config(hf_config, family, tp=layout.tp, pp=layout.pp, ep=layout.ep, vpp=layout.vpp,
                                 dtype=dtype or manifest.dtype, context_parallel_size=layout.cp, **config_overrides)
-    model = build_gpt_model(hf_config, family, config, padded_vocab=manifest.padded_vocab_size,
-                            pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
-                            implementation=implementation)
+    model = build_rank_model(hf_config, family, config, layout, padded_vocab=manifest.padded_vocab_size,
+                             implementation=implementation)
     if manifest.format == "torch_dist":
         with _files_refused_in_one_line():
             load_torch_dist(model, ckpt_dir)
@@ -119,10 +119,31 @@ def load_legacy_shard(model, ckpt_dir: str | Path, manifest: Manifest) -> None:
     with _files_refused_in_one_line():
         iteration = megatron_legacy.checked_iteration(ckpt_dir, manifest.iteration, manifest.tp, manifest.pp,
                                                       manifest.ep)
-        shard = megatron_legacy.read_shard(ckpt_dir, iteration, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
-                                           pp=layout.pp, ep_rank=layout.ep_rank, ep=layout.ep)
+        read = functools.cache(lambda pp_rank: megatron_legacy.read_shard(
+            ckpt_dir, iteration, tp_rank=layout.tp_rank, pp_rank=pp_rank, pp=layout.pp, ep_rank=layout.ep_rank,
+            ep=layout.ep))
+        shard = read(layout.pp_rank) if manifest.vpp == layout.vpp else _regrouped_shard(read, manifest, layout)
     where = f"shard (tp_rank {layout.tp_rank}, pp_rank {layout.pp_rank}, ep_rank {layout.ep_rank}) of {ckpt_dir}"
     load_canonical_state_dict(model, shard, where)
+
+
+def _regrouped_shard(read, manifest: Manifest, layout) -> dict:
+    """This rank's tensors at its virtual pipeline stages, named as its model names them, taken from the shards of
+    the same pipeline size written at another number of virtual stages: the layers a rank runs then lie in
+    several of them (`read(pp_rank)` gives one)."""
+    hf_config = HFModelConfig.from_dict(manifest.hf_config)
+    family = family_for(hf_config, manifest.family_spec, recorded=True)
+    head = head_rules(manifest.role)
+    stored = {(slot.global_name, slot.is_tied_copy): (pp_rank, slot.local_name)
+              for pp_rank in range(manifest.pp)
+              for slot in rank_slots(hf_config, family, pp_rank, manifest.pp, layout.ep_rank, manifest.ep, head,
+                                     manifest.vpp)}
+    shard = {}
+    for slot in rank_slots(hf_config, family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep, head, layout.vpp):
+        pp_rank, name = stored[slot.global_name, slot.is_tied_copy]
+        if name in read(pp_rank):
+            shard[slot.local_name] = read(pp_rank)[name]
+    return shard
 
 
 @contextlib.contextmanager

@@ -198,9 +198,9 @@ class ParallelConfig:
     actor_rollout_ref.actor.megatron.context_parallel_size."""
     vpp: int = 1
     """Virtual pipeline stages per pipeline rank (megatron's interleaved 1F1B schedule,
-    virtual_pipeline_model_parallel_size). Only the memory planner takes it yet: the pre-flight check refuses it
-    (the roles hold one model chunk per rank). verl's
-    actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size."""
+    virtual_pipeline_model_parallel_size): each rank runs this many model chunks of num_layers / (pp x vpp)
+    layers, shrinking the pipeline bubble; needs pp > 1 and at least pp micro-batches per pass
+    (docs/memory.md). verl's actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size."""
     sequence_parallel: bool | None = None
     """Megatron's sequence parallelism: the activations outside attention and the MLP (norms, dropout,
     residuals) split along the sequence over the TP ranks instead of held whole by each. null: on when tp > 1

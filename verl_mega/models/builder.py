@@ -1,6 +1,8 @@
 """Build a megatron-core GPTModel (this rank's TP/PP part) from an HF config and its family spec."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -8,6 +10,7 @@ from verl_mega.config import ConfigError
 from verl_mega.ops import FusedRMSNorm
 from verl_mega.parallel.state import device
 
+from .chunks import StageChunks
 from .hf_config import HFModelConfig, rope_inv_freq
 from .spec import FamilySpec
 
@@ -59,7 +62,7 @@ def _mixes_dense_and_moe_layers(hf_config: HFModelConfig, family: FamilySpec) ->
 
 
 def transformer_config(hf_config: HFModelConfig, family: FamilySpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                       dtype: str = "fp32", **overrides):
+                       dtype: str = "fp32", vpp: int = 1, **overrides):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     params_dtype = DTYPES[dtype]
@@ -88,9 +91,15 @@ def transformer_config(hf_config: HFModelConfig, family: FamilySpec, *, tp: int 
     # Micro-batches are trimmed to their longest sequence (roles.batching.trim_padding), so pipeline stages
     # exchange each activation's shape first. Megatron refuses that with the all-gather token dispatcher, even
     # in a dense model that dispatches nothing (hence all-to-all there); the CPU MoE path needs all-gather and
-    # keeps full-width micro-batches.
-    if pp > 1 and (on_gpu or not family.moe):
+    # keeps full-width micro-batches, and so does the interleaved schedule (virtual pipeline stages): it exchanges
+    # both directions' shapes in one batch, which at pp = 2, where the previous and the next rank are one,
+    # delivers the gradient's shape as the activation's.
+    if pp > 1 and vpp == 1 and (on_gpu or not family.moe):
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    if vpp > 1:
+        # The interleaved schedule's sends and receives go one by one, as Megatron-LM's default for it
+        # (overlap_p2p_comm, which excludes batch_p2p_comm), without the overlap.
+        kwargs.update(virtual_pipeline_model_parallel_size=vpp, batch_p2p_comm=False)
     if family.moe:
         kwargs.update(
             moe_router_load_balancing_type="none",
@@ -182,10 +191,25 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
+def build_rank_model(hf_config: HFModelConfig, family: FamilySpec, config, layout, *, padded_vocab: int,
+                     implementation: str = "auto"):
+    """This pipeline rank's model at `layout`: its GPTModel, or under virtual pipeline stages the GPTModel of each
+    of its chunks (`chunks.StageChunks`; `config` built with `vpp=layout.vpp`)."""
+    build = functools.partial(build_gpt_model, hf_config, family, config, padded_vocab=padded_vocab,
+                              implementation=implementation)
+    if layout.vpp == 1:
+        return build(pre_process=layout.is_first_stage, post_process=layout.is_last_stage)
+    last = layout.vpp - 1
+    return StageChunks([build(pre_process=layout.is_first_stage and chunk == 0,
+                              post_process=layout.is_last_stage and chunk == last, vp_stage=chunk)
+                        for chunk in range(layout.vpp)])
+
+
 def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, padded_vocab: int,
-                    pre_process: bool = True, post_process: bool = True, implementation: str = "auto"):
-    """This rank's GPTModel; RoPE frequencies are HF's, so any supported scaling matches exactly (multi-latent
-    attention computes its own, YaRN included, in each layer)."""
+                    pre_process: bool = True, post_process: bool = True, implementation: str = "auto",
+                    vp_stage: int | None = None):
+    """One GPTModel (a rank's, or its chunk `vp_stage`); RoPE frequencies are HF's, so any supported scaling
+    matches exactly (multi-latent attention computes its own, YaRN included, in each layer)."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
@@ -199,6 +223,7 @@ def build_gpt_model(hf_config: HFModelConfig, family: FamilySpec, config, *, pad
         position_embedding_type="rope",
         rotary_percent=hf_config.rotary_percent,
         rotary_base=int(hf_config.rope_theta) if float(hf_config.rope_theta).is_integer() else hf_config.rope_theta,
+        vp_stage=vp_stage,
     )
     if not family.mla:
         model.rotary_pos_emb.inv_freq = rope_inv_freq(hf_config).to(model.rotary_pos_emb.inv_freq.device)

@@ -38,6 +38,7 @@ from verl_mega.config.ranges import out_of_range
 from verl_mega.config.schema import LORA_INITS, LORA_TARGETS, LoraConfig
 
 from .builder import unwrap_model
+from .chunks import StageChunks
 from .expected_shapes import mcore_shape
 from .hf_config import HFModelConfig
 from .spec import FamilySpec, TensorRule
@@ -287,8 +288,9 @@ def _targeted_modules(root, config: LoraConfig) -> list[tuple[str, torch.nn.Modu
 
 
 def global_name(root, name: str) -> str:
-    """`name` with its layer (and expert) index made global: the same module at every pipeline (and expert)
-    layout gets the same name, so its adapters start from the same draw."""
+    """`name` with its layer (and expert) index made global and without a model chunk's `chunks.C.`: the same
+    module at every pipeline (virtual stage and expert) layout gets the same name, so its adapters start from the
+    same draw."""
     parts, module, out = name.split("."), root, []
     for previous, part in zip([None, *parts], parts):
         module = module._modules[part]
@@ -297,7 +299,7 @@ def global_name(root, name: str) -> str:
         elif previous == "local_experts":
             part = str(_global_expert(root, int(part)))
         out.append(part)
-    return ".".join(out)
+    return ".".join(out[2:] if isinstance(root, StageChunks) else out)
 
 
 def _global_expert(root, local: int) -> int:

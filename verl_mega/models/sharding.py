@@ -10,6 +10,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .hf_config import HFModelConfig
+from .chunks import chunk_prefix
 from .spec import EXPERT, LAYER, LM_HEAD, FamilySpec, TensorRule
 
 
@@ -26,7 +27,7 @@ class TensorSlot:
     @property
     def is_tied_copy(self) -> bool:
         """The last stage's copy of the tied embedding; exports skip it."""
-        return self.local_name == LM_HEAD and self.rule.mcore != self.local_name
+        return self.local_name.endswith(LM_HEAD) and self.rule.mcore != LM_HEAD
 
     @property
     def global_name(self) -> str:
@@ -37,40 +38,46 @@ def _fill(template: str, layer: int | None, expert: int | None) -> str:
     return template.replace(LAYER, str(layer)).replace(EXPERT, str(expert))
 
 
-def stage_layers(hf_config: HFModelConfig, pp_rank: int, pp: int) -> range:
-    per_stage = hf_config.num_layers // pp
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+def stage_layers(hf_config: HFModelConfig, pp_rank: int, pp: int, vpp: int = 1, chunk: int = 0) -> range:
+    """The (global, 0-based) layers of pipeline rank `pp_rank`'s model chunk `chunk`: in megatron's interleaved
+    order, chunk c of rank r runs the (c x pp + r)-th of pp x vpp equal runs of layers (one chunk at vpp=1)."""
+    per_chunk = hf_config.num_layers // (pp * vpp)
+    first = (chunk * pp + pp_rank) * per_chunk
+    return range(first, first + per_chunk)
 
 
 def rank_slots(hf_config: HFModelConfig, family: FamilySpec, pp_rank: int = 0, pp: int = 1, ep_rank: int = 0,
-               ep: int = 1, head_rules: Sequence[TensorRule] | None = None) -> Iterator[TensorSlot]:
+               ep: int = 1, head_rules: Sequence[TensorRule] | None = None, vpp: int = 1) -> Iterator[TensorSlot]:
     """Every megatron tensor a rank at (pp_rank, ep_rank) holds, in a stable order; `head_rules` replace the
-    LM head (see `FamilySpec.active_rules`)."""
-    layers = stage_layers(hf_config, pp_rank, pp)
+    LM head (see `FamilySpec.active_rules`). Under `vpp` virtual pipeline stages the rank's model is its chunks
+    (`chunks.StageChunks`), each tensor named `chunks.C.` + its name in chunk C."""
     experts_per_rank = (hf_config.num_experts or 1) // ep
     experts = range(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
-    first, last = pp_rank == 0, pp_rank == pp - 1
     tied_copy = pp > 1 and hf_config.tie_word_embeddings and head_rules is None
-    for rule in family.active_rules(hf_config, head_rules):
-        if not rule.per_layer:
-            if rule.mcore.startswith("embedding."):
-                if first:
-                    yield TensorSlot(rule, None, None, rule.mcore, rule.hf)
-                if last and tied_copy:
-                    # The last stage keeps its own copy of the tied embedding as the output layer.
-                    yield TensorSlot(rule, None, None, LM_HEAD, rule.hf)
-            elif last:
-                yield TensorSlot(rule, None, None, rule.mcore, rule.hf)
-            continue
-        for layer in layers:
-            if not family.rule_in_layer(rule, hf_config, layer):
+    for chunk in range(vpp):
+        layers = stage_layers(hf_config, pp_rank, pp, vpp, chunk)
+        prefix = chunk_prefix(chunk) if vpp > 1 else ""
+        first, last = pp_rank == 0 and chunk == 0, pp_rank == pp - 1 and chunk == vpp - 1
+        for rule in family.active_rules(hf_config, head_rules):
+            if not rule.per_layer:
+                if rule.mcore.startswith("embedding."):
+                    if first:
+                        yield TensorSlot(rule, None, None, prefix + rule.mcore, rule.hf)
+                    if last and tied_copy:
+                        # The last stage keeps its own copy of the tied embedding as the output layer.
+                        yield TensorSlot(rule, None, None, prefix + LM_HEAD, rule.hf)
+                elif last:
+                    yield TensorSlot(rule, None, None, prefix + rule.mcore, rule.hf)
                 continue
-            for expert in (experts if rule.per_expert else [None]):
-                local_expert = None if expert is None else expert - experts.start
-                yield TensorSlot(
-                    rule, layer, expert, _fill(rule.mcore, layer - layers.start, local_expert),
-                    tuple(_fill(name, layer, expert) for name in rule.hf),
-                )
+            for layer in layers:
+                if not family.rule_in_layer(rule, hf_config, layer):
+                    continue
+                for expert in (experts if rule.per_expert else [None]):
+                    local_expert = None if expert is None else expert - experts.start
+                    yield TensorSlot(
+                        rule, layer, expert, prefix + _fill(rule.mcore, layer - layers.start, local_expert),
+                        tuple(_fill(name, layer, expert) for name in rule.hf),
+                    )
 
 
 def fp32_hf_names(hf_config: HFModelConfig, family: FamilySpec) -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .chunks import model_chunks
 from .spec import TensorRule
 
 VALUE_HEAD_RULES = (
@@ -37,13 +38,14 @@ class ValueHead(torch.nn.Module):
 
 
 def attach_value_head(model) -> None:
-    """Replace the LM head by a value head, untying it from the input embedding on every stage."""
+    """Replace the LM head by a value head, untying it from the input embedding on every stage (and chunk)."""
     # Untied everywhere, or the first stage would wait in finalize_model_grads for the embedding-grad
     # all-reduce with a last stage that no longer has an embedding copy.
-    model.share_embeddings_and_output_weights = False
-    if model.post_process:
-        model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype,
-                                       next(model.parameters()).device)
+    for chunk in model_chunks(model):
+        chunk.share_embeddings_and_output_weights = False
+        if chunk.post_process:
+            chunk.output_layer = ValueHead(chunk.config.hidden_size, chunk.config.params_dtype,
+                                           next(chunk.parameters()).device)
 
 
 def value_head_architecture(causal_lm_architecture: str) -> str:

@@ -101,6 +101,7 @@ class ParallelLayout(RankCoordinates):
     world_size: int
     cp: int = 1  # context parallelism: ranks that split each sequence of the same rows
     cp_rank: int = 0
+    vpp: int = 1  # virtual pipeline stages: the model chunks each pipeline rank runs (`models.chunks`)
 
     @property
     def is_first_stage(self) -> bool:

@@ -36,9 +36,10 @@ def select_local_device(local_rank: int) -> None:
 
 
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeout_minutes: int = 30,
-                  cp: int = 1) -> ParallelLayout:
+                  cp: int = 1, vpp: int = 1) -> ParallelLayout:
     """Initialise torch.distributed from the torchrun/Slurm environment (`world.read_world`) and megatron's
-    parallel groups (`cp`: context parallelism, megatron's context_parallel_size). The world is exported as
+    parallel groups (`cp`: context parallelism, megatron's context_parallel_size; `vpp`: virtual pipeline
+    stages, its virtual_pipeline_model_parallel_size). The world is exported as
     torchrun's variables for as long as the group lives: vLLM's external launcher reads RANK and LOCAL_RANK,
     which a plain process or an `srun` task would otherwise lack."""
     from megatron.core import parallel_state, tensor_parallel
@@ -64,6 +65,7 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -86,6 +88,7 @@ def current_layout() -> ParallelLayout:
         ep_rank=ps.get_expert_model_parallel_rank(),
         cp=ps.get_context_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
     )
 
 

@@ -664,7 +664,8 @@ def candidate_layouts(config: TrainConfig, gpus: int) -> list[Layout]:
     optimizer's CPU offload (the distributed optimizer's only, as the pre-flight check requires), then fewest
     model-parallel ranks (tp x pp; tp before pp), then the smallest rollout_tp (the config's where it divides tp,
     else tp), then without the distributed optimizer, then the largest micro-batch. Sizes are powers of two
-    dividing `gpus`; ep and actor.offload stay the config's; cp and vpp, which training refuses yet, are 1."""
+    dividing `gpus`; ep and actor.offload stay the config's; cp (which needs transformer-engine) and vpp (a
+    schedule, not a memory saving: it holds more in flight) are 1."""
     base = layout_of(config, gpus)
     sizes = [size for size in (2**k for k in range(int(math.log2(gpus)) + 1)) if gpus % size == 0]
     micro = []

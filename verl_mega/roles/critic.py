@@ -10,6 +10,7 @@ import torch
 
 from verl_mega.algorithms import compute_value_loss, masked_mean
 from verl_mega.config import LoraConfig, OptimConfig, ValueLossConfig
+from verl_mega.models.chunks import model_chunks
 from verl_mega.models.lora import apply_lora
 from verl_mega.models.value_head import attach_value_head
 
@@ -28,8 +29,9 @@ class Critic:
         module, _ = load_gpt_model(ckpt_dir, **config_overrides)
         attach_value_head(module)
         apply_lora(module, lora or LoraConfig())
-        if module.post_process:  # the head is new (zero-initialised): the backbone's adapters alone cannot fit it
-            module.output_layer.requires_grad_(True)
+        head = model_chunks(module)[-1]
+        if head.post_process:  # the head is new (zero-initialised): the backbone's adapters alone cannot fit it
+            head.output_layer.requires_grad_(True)
         packed = resolve_sequence_packing(packed_sequences, module, "critic.use_packed_sequences")
         self.trainable = TrainableModel(module, optim, schedule_steps, packed)
         self.loss = loss or ValueLossConfig()

@@ -18,8 +18,9 @@ from verl_mega.algorithms import agg_units
 from verl_mega.config import ConfigError
 from verl_mega.data.packing import PackedRows, pack, pack_layout
 from verl_mega.models.builder import takes_packed_rows, unwrap_model, uses_transformer_engine
+from verl_mega.models.chunks import schedule_chunks
 from verl_mega.parallel.context_parallel import gather_sequence, sequence_multiple, split_for_rank
-from verl_mega.parallel.pipeline import forward_only_outputs
+from verl_mega.parallel.pipeline import forward_only_outputs, run_schedule
 from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from verl_mega.parallel.state import current_layout, device
 
@@ -289,7 +290,7 @@ def compute_per_token(model, batch: Batch, micro_batch_size: int, output_names: 
     local = dp_slice(batch, layout.dp_rank, layout.dp)
     pieces = micro_batches(local, micro_batch_size, max_tokens, trim=shapes_may_vary(model),
                            columns_multiple_of=columns_multiple(model))
-    outputs = forward_only_outputs(model, pieces, partial(stage_forward, packed=packed), per_token)
+    outputs = forward_only_outputs(schedule_chunks(model), pieces, partial(stage_forward, packed=packed), per_token)
     rows, response_length = tuple(local["responses"].shape)
     results = {}
     for name in output_names:
@@ -341,7 +342,6 @@ def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_m
     of micro-batches. `packed`: see `stage_forward`. Returns the summed metrics on every rank.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     layout = current_layout()
     check_routed_experts(model, mini_batch)
@@ -374,16 +374,7 @@ def forward_backward(model, mini_batch: Batch, micro_batch_size: int, loss_agg_m
 
         return output, loss_func
 
-    first = pieces[0]["input_ids"]
-    per_micro_batch = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(pieces),
-        model=[model],
-        num_microbatches=len(pieces),
-        seq_length=first.shape[1],
-        micro_batch_size=first.shape[0],
-        forward_only=False,
-    )
+    per_micro_batch = run_schedule(schedule_chunks(model), pieces, forward_step, forward_only=False)
     sums = torch.zeros(len(metric_names), dtype=torch.float64, device=device())
     if ps.is_pipeline_last_stage():
         for metrics in per_micro_batch:

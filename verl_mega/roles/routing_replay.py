@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from verl_mega.config import ConfigError
 from verl_mega.models.builder import unwrap_model
+from verl_mega.models.chunks import model_chunks
 from verl_mega.parallel.state import device
 
 NOT_RECORDED = -1
@@ -103,7 +104,7 @@ def is_moe(model) -> bool:
 
 
 def attach_routing_replay(model, replay: bool) -> None:
-    """Give every MoE router of this rank's GPTModel `model` a `RolloutRoutes`: it replays the batch's
+    """Give every MoE router of this rank's model (`models.chunks`) a `RolloutRoutes`: it replays the batch's
     `routed_experts` when `replay` (actor.router_replay=rollout), else only counts the mismatch. A dense model
     is left alone; replay on one is refused."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -119,16 +120,18 @@ def attach_routing_replay(model, replay: bool) -> None:
         raise ConfigError("routing replay needs megatron's unfused top-k router: unset moe_router_fusion and sinkhorn "
                           "load balancing")
     numbers = moe_layer_numbers(config)
-    routes = []
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-            module.router_replay = RolloutRoutes(numbers.index(module.layer_number), replay)
-            routes.append(module.router_replay)
-    setattr(model, _ROUTES, routes)
+    for chunk in model_chunks(model):  # each model chunk knows its own: the schedules run one at a time
+        routes = []
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                module.router_replay = RolloutRoutes(numbers.index(module.layer_number), replay)
+                routes.append(module.router_replay)
+        setattr(chunk, _ROUTES, routes)
 
 
 def _routes_of(model) -> list[RolloutRoutes]:
-    return getattr(unwrap_model(model), _ROUTES, [])
+    """The routers' `RolloutRoutes` of a rank's model (all of its chunks), or of one model chunk."""
+    return [routes for chunk in model_chunks(unwrap_model(model)) for routes in getattr(chunk, _ROUTES, [])]
 
 
 def sequence_first(routes: torch.Tensor) -> torch.Tensor:

@@ -61,8 +61,11 @@ class TrainableModel:
         accumulate_weight_gradients_in_place(self.model)
         self.optimizer = get_megatron_optimizer(optimizer_config(optim, config), [self.model])
         use_fused_adam(self.optimizer)
-        # What megatron's training loop installs: the schedules call these after the last backward.
-        config.finalize_model_grads_func = finalize_model_grads
+        # What megatron's training loop installs: the schedules call these after the last backward. They pass the
+        # model list they ran, which under virtual pipeline stages is the chunks inside the one DDP that holds all
+        # of their gradients (`models.chunks.schedule_chunks`): the gradients are finalized on that DDP.
+        config.finalize_model_grads_func = lambda _ran, *args, **kwargs: finalize_model_grads([self.model], *args,
+                                                                                              **kwargs)
         config.grad_scale_func = self.optimizer.scale_loss
         decay_steps = optim.lr_decay_steps or max(schedule_steps, optim.lr_warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(

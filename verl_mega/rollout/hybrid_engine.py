@@ -43,12 +43,12 @@ from .live_bytes import LiveBytes
 from .quantization import quantized_stream
 
 
-def transfer_order(hf_config: HFModelConfig, family: FamilySpec, pp: int,
-                   ep: int) -> Iterator[tuple[int, int, TensorSlot]]:
+def transfer_order(hf_config: HFModelConfig, family: FamilySpec, pp: int, ep: int,
+                   vpp: int = 1) -> Iterator[tuple[int, int, TensorSlot]]:
     """(owning stage, owning EP rank, slot) of every tensor the rollout needs, in the order all ranks walk."""
     for stage in range(pp):
         for ep_rank in range(ep):
-            for slot in rank_slots(hf_config, family, stage, pp, ep_rank, ep):
+            for slot in rank_slots(hf_config, family, stage, pp, ep_rank, ep, vpp=vpp):
                 # The tied output layer is the embedding again; dense tensors are the same on every EP rank.
                 if slot.is_tied_copy or (ep_rank > 0 and not slot.rule.per_expert):
                     continue
@@ -131,14 +131,15 @@ class HybridEngine:
         scales = {info.name: info.scale for info in lora_modules(model)}
         layout = self.layout
         shards, adapters = {}, {}
-        for slot in rank_slots(self.hf_config, self.family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep):
+        for slot in rank_slots(self.hf_config, self.family, layout.pp_rank, layout.pp, layout.ep_rank, layout.ep,
+                               vpp=layout.vpp):
             if slot.is_tied_copy:
                 continue
             if slot.local_name not in by_local:
                 raise ValueError(
                     f"the actor model on rank {layout.rank} has no parameter '{slot.local_name}' that the "
                     f"{self.family.name} spec expects at pp_rank {layout.pp_rank}: was it built from this config "
-                    f"at tp={layout.tp}, pp={layout.pp}, ep={layout.ep}?"
+                    f"at tp={layout.tp}, pp={layout.pp}, vpp={layout.vpp}, ep={layout.ep}?"
                 )
             shards[slot.global_name] = by_local[slot.local_name].detach()
             module = slot.local_name.removesuffix(".weight")
@@ -196,7 +197,7 @@ class HybridEngine:
         tracking = self.tracker if self.tracker is not None else contextlib.nullcontext()
         if self.tracker is not None:
             self.tracker.reset_peak()
-        for stage, ep_rank, slot in transfer_order(self.hf_config, self.family, layout.pp, layout.ep):
+        for stage, ep_rank, slot in transfer_order(self.hf_config, self.family, layout.pp, layout.ep, layout.vpp):
             # Buffers follow the parameters' device, so the CPU shims' per-op hook has nothing to rewrite here.
             with tracking, cuda_device_rewrite_paused():
                 parts = [(name, self._real_vocab_rows(slot, tensor))
@@ -248,7 +249,8 @@ class HybridEngine:
     @property
     def feed(self) -> WeightFeed:
         """How `stream()` lays out its tensors on this rank, for the rollout engine that loads them."""
-        slots = transfer_order(self.hf_config, self.family, self.layout.pp, self.layout.ep)
+        slots = transfer_order(self.hf_config, self.family, self.layout.pp, self.layout.ep,
+                               self.layout.vpp)
         vocab_slot = next(slot for _, _, slot in slots if slot.rule.vocab)
         padded_vocab = self._shapes[vocab_slot.global_name][0][0] * self.layout.tp
         return WeightFeed(self.rollout_tp, self.rollout_tp_rank, padded_vocab, self.hf_config.vocab_size)

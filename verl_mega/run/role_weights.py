@@ -39,7 +39,7 @@ def save_role_weights(model, source_ckpt: Path, out: Path, layout: ParallelLayou
                           ep=layout.ep)
             megatron_legacy.write_shard(tmp, iteration, coords, state_dict, args={})
         if layout.rank == 0:
-            replace(source, format="megatron_legacy", iteration=iteration, role=role,
+            replace(source, format="megatron_legacy", iteration=iteration, role=role, vpp=layout.vpp,
                     dtype=dtype_name(model.config.params_dtype),
                     tied_embeddings=source.tied_embeddings and has_lm_head(role)).write(tmp)
             megatron_legacy.write_tracker(tmp, iteration)

@@ -111,7 +111,7 @@ def train(config, reward_fn=None) -> None:
                 bridge.close()
                 destroy_parallel()
             return
-    layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed, cp=p.cp)
+    layout = init_parallel(p.tp, p.pp, p.ep, seed=config.trainer.seed, cp=p.cp, vpp=p.vpp)
     run_dir = Path(config.trainer.run_dir)
     stop = StopRequest(announce=layout.rank == 0)  # installed once the models are about to load
     # The lock and the process group are released on an error too, so that a script (the Python API) may fix

@@ -389,6 +389,7 @@ def _check_batch_sizes(config: TrainConfig, rollout_world: int, dp: int, need) -
         need(sequences % max(section.mini_batch_size, 1) == 0,
              f"data.batch_size x rollout.n = {sequences} must be divisible by {role}.mini_batch_size="
              f"{section.mini_batch_size}")
+        _check_interleavable(config.parallel, role, section, dp, need)
     replicas = rollout_coordinates(0, rollout_world, config.parallel.tp, config.parallel.rollout_tp).replicas
     generators = "parallel.rollout_ranks" if config.parallel.rollout_ranks else "processes"
     need(d.batch_size % replicas == 0,
@@ -404,6 +405,23 @@ def _check_offline_batch_sizes(config: TrainConfig, dp: int, need) -> None:
          f"actor.micro_batch_size={a.micro_batch_size}")
     need(d.batch_size % max(a.mini_batch_size, 1) == 0,
          f"data.batch_size={d.batch_size} must be divisible by actor.mini_batch_size={a.mini_batch_size}")
+    _check_interleavable(config.parallel, "actor", a, dp, need)
+
+
+def _check_interleavable(p, role: str, section, dp: int, need) -> None:
+    """megatron's interleaved schedule (virtual pipeline stages) runs at least pp micro-batches per pass
+    (`parallel.pipeline.interleaved_group_size`): a mini-batch must hold them on each DP rank, and a token budget,
+    which may pack a pass into fewer, is refused."""
+    if p.vpp == 1:
+        return
+    need(section.max_tokens_per_micro_batch == 0, f"{role}.max_tokens_per_micro_batch="
+         f"{section.max_tokens_per_micro_batch} may pack a pass into fewer than parallel.pp={p.pp} micro-batches, "
+         f"which virtual pipeline stages (parallel.vpp={p.vpp}) cannot run: set it to 0 or parallel.vpp=1")
+    micro_batches = section.mini_batch_size // max(dp * max(section.micro_batch_size, 1), 1)
+    need(micro_batches >= p.pp, f"{role}.mini_batch_size={section.mini_batch_size} gives each of the {dp} "
+         f"data-parallel ranks {micro_batches} micro-batches of {role}.micro_batch_size={section.micro_batch_size}; "
+         f"virtual pipeline stages (parallel.vpp={p.vpp}) need at least parallel.pp={p.pp}: raise the mini-batch, "
+         "lower the micro-batch or set parallel.vpp=1")
 
 
 def _check_preference_knobs(config: TrainConfig, known, need) -> None:
@@ -480,8 +498,11 @@ def _check_model(config: TrainConfig, check, need, layout_in_range: bool) -> boo
                  f"parallel.tp={p.tp}: an MoE model ({model.model_type}) trains at TP > 1 only with sequence "
                  "parallelism, which parallel.sequence_parallel=false or LoRA adapters turn off; use parallel.tp=1 "
                  "and spread it with parallel.ep and parallel.pp")
-            if layout_in_range and p.pp >= 1 and model.num_layers % p.pp == 0:
-                _check_recompute_layers(config, model.num_layers // p.pp, need)
+            need(p.vpp == 1 or p.pp < 1 or model.num_layers % (p.pp * p.vpp) == 0,
+                 f"parallel.pp={p.pp} x parallel.vpp={p.vpp} must divide the model's {model.num_layers} layers (each "
+                 "pipeline rank runs vpp chunks of equal layers)")
+            if layout_in_range and p.pp >= 1 and model.num_layers % (p.pp * p.vpp) == 0:
+                _check_recompute_layers(config, model.num_layers // (p.pp * p.vpp), need)
             if m.actor_ckpt and Path(m.actor_ckpt, MANIFEST_NAME).is_file():
                 check(lambda: check_actor_checkpoint(m.actor_ckpt, model, config), "model.actor_ckpt: ")
     return has_model
@@ -506,9 +527,8 @@ def _check_unsupported_memory_settings(config: TrainConfig, need) -> None:
         need(p.cp == 1 or str(getattr(config, role).use_packed_sequences).lower() != "true",
              f"{role}.use_packed_sequences=true is not supported with parallel.cp={p.cp} (the packed row is not "
              "split over the context-parallel ranks): set it to auto or false")
-    need(p.vpp == 1, f"parallel.vpp={p.vpp}: virtual pipeline stages are not supported yet (the roles hold one "
-         "model chunk per pipeline rank, megatron's interleaved schedule needs several); set it to 1 "
-         "(`verl-mega plan --memory` models it)")
+    need(p.vpp == 1 or p.pp > 1, f"parallel.vpp={p.vpp} interleaves model chunks over the pipeline ranks and "
+         "parallel.pp=1 has one: set parallel.vpp=1 or raise parallel.pp")
     for role in lora_roles(config):
         optim = getattr(config, role).optim
         if optim.cpu_offload:
@@ -520,7 +540,7 @@ def _check_unsupported_memory_settings(config: TrainConfig, need) -> None:
 
 def _check_recompute_layers(config: TrainConfig, stage_layers: int, need) -> None:
     """megatron's full recompute runs chunks of num_layers layers (uniform) or the first num_layers (block) of
-    each pipeline stage's `stage_layers`."""
+    each pipeline stage's `stage_layers` (each model chunk's, under virtual pipeline stages)."""
     for role in lora_roles(config):
         recompute = getattr(config, role).recompute
         if recompute.granularity != "full":
