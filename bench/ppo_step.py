@@ -45,7 +45,7 @@ def main() -> None:
     for stage in stages:
         print(f"{stage[len('timing/'):]:<22}" + "".join(f"{r.get(stage, 0.0):>18.3f}" for r in results.values()))
     for key, label in (("perf/step_seconds", "step (s)"), ("perf/tokens_per_second", "tokens/s"),
-                       ("perf/peak_memory_gib", "peak RSS (GiB)")):
+                       ("perf/peak_rss_gib", "peak RSS (GiB)")):
         print(f"{label:<22}" + "".join(f"{r[key]:>18.3f}" for r in results.values()))
     for (layout, dtype), record in results.items():
         slowest = max(stages, key=lambda stage: record.get(stage, 0.0))

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from verl_mega.checkpoint import megatron_legacy
-from verl_mega.checkpoint.hf_assets import copy_hf_assets, without_remote_code
+from verl_mega.checkpoint.hf_assets import check_json_assets, copy_hf_assets, without_remote_code
 from verl_mega.checkpoint.manifest import HF_ASSETS_DIR, Manifest
 from verl_mega.checkpoint.model_io import hf_rank_shard_plan, open_hf_checkpoint
 from verl_mega.checkpoint.safetensors_io import SafetensorsReader
@@ -29,6 +29,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1,
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
     hf_config, family = load_hf_model_config(hf_dir, family_spec)
     check_model_fit(hf_config, tp, pp, ep, names={"tp": "--tp", "pp": "--pp", "ep": "--ep"})
+    check_json_assets(hf_dir)
     reader = open_hf_checkpoint(hf_dir, hf_config, family)
     carried = check_hf_tensors(reader, hf_config, family)
     padded_vocab = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)

@@ -1,5 +1,6 @@
 """Training config: YAML + dotted overrides onto typed defaults; every error names the key to fix."""
 import json
+import re
 
 import pytest
 
@@ -35,9 +36,11 @@ def test_yaml_and_overrides_merge_onto_defaults(tmp_path, tiny_models, prompt_fi
     ("model.nope=1", "config key 'model.nope'"),
     ("parallel.tp=two", "config key 'parallel.tp'"),
     ("parallel.tp", "must look like key.sub=value"),
+    ("actor=3", "config key 'actor' is a section (keys: ppo_epochs"),
+    ("actor.optim=fast", "config key 'actor.optim' is a section (keys: lr, min_lr"),
 ])
 def test_unknown_keys_and_bad_values_are_refused(override, message):
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, ["model.hf_path=x", override])
 
 
@@ -295,3 +298,9 @@ def test_a_critic_that_is_off_is_not_refused_for_its_batch_sizes(tiny_models, pr
     preflight_check(load_config(None, overrides), world_size=4)
     with pytest.raises(ConfigError, match="must be divisible by critic.mini_batch_size=8"):  # still checked when on
         preflight_check(load_config(None, overrides[:-1]), world_size=4)
+
+
+def test_a_section_given_a_value_in_the_file_is_named(tmp_path):
+    (tmp_path / "run.yaml").write_text("model: {hf_path: x}\nparallel: 2\n")
+    with pytest.raises(ConfigError, match=r"config key 'parallel' is a section \(keys: tp, pp"):
+        load_config(tmp_path / "run.yaml")

@@ -241,6 +241,16 @@ def test_missing_shard_file_is_refused(tiny_models, tmp_path, capsys):
              f"shard {shard} named in model.safetensors.index.json is missing")
 
 
+def test_a_tokenizer_file_that_is_not_json_is_refused_before_any_shard_is_written(tiny_models, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_models["llama"], hf)
+    tokenizer = hf / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text()[:-200])
+    out = tmp_path / "out"
+    _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)], out,
+             f"{tokenizer} is not valid JSON")
+
+
 def test_truncated_safetensors_is_refused(tiny_models, tmp_path, capsys):
     hf = tmp_path / "hf"
     shutil.copytree(tiny_models["llama"], hf)

@@ -1,6 +1,7 @@
 """Seams of the GPU training paths that run on one CPU rank: the log-prob path's memory at a real vocabulary
 and the attention inputs of the transformer-engine layers."""
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -186,3 +187,35 @@ def test_a_rank_bound_to_its_own_gpus_picks_among_those_it_sees(monkeypatch, vis
     monkeypatch.setattr(torch.cuda, "set_device", picked.append)
     state.select_local_device(local_rank)
     assert picked == [chosen]
+
+
+def test_the_connections_variable_is_set_before_the_first_cuda_call(monkeypatch):
+    """megatron reads CUDA_DEVICE_MAX_CONNECTIONS when the CUDA context is created: a disaggregated rollout rank's
+    bridge selects its device before init_parallel, so the variable is set where the device is selected."""
+    from verl_mega.parallel import state
+
+    seen = []
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda index: seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")))
+    state.select_local_device(0)
+    assert seen == ["1"]
+
+
+@pytest.mark.parametrize("before", [None, "5"])
+def test_vllm_reads_the_selected_gpu_as_its_local_rank_and_the_rank_s_comes_back(monkeypatch, before):
+    """vLLM's external launcher takes LOCAL_RANK as its device index; a task of local rank 5 bound to one GPU
+    selected device 0 (`select_local_device`), so vLLM must read 0 there, and LOCAL_RANK is the rank's again after."""
+    from verl_mega.rollout.vllm_engine import selected_device_as_local_rank
+
+    if before is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", before)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with selected_device_as_local_rank():
+        assert os.environ["LOCAL_RANK"] == "0"
+    assert os.environ.get("LOCAL_RANK") == before

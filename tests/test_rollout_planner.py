@@ -52,6 +52,15 @@ def test_cli_prints_every_rank(tiny_models, capsys):
     assert "impossible layout" in capsys.readouterr().err
 
 
+def test_cli_blames_a_broken_model_folder_not_the_layout(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--hf", str(tmp_path), "--train-tp", "1", "--train-pp", "1", "--dp", "1", "--rollout-tp", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "impossible layout" not in err
+    assert err.startswith(f"verl-mega plan: error: {tmp_path}/config.json is not valid JSON")
+
+
 def test_training_bytes_include_the_tied_output_copy(tiny_models):
     first, last = plan(tiny_models["qwen2"], 1, 2, 1, 1).ranks
     # Both stages hold the (padded) table, as embedding and as output layer; the last also the final norm.

@@ -53,7 +53,7 @@ def test_short_ppo_run_reward_rises_and_exports(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 17))
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "actor/entropy", "actor/lr",
-                "timing/rollout", "timing/update_actor", "perf/tokens_per_second", "perf/peak_memory_gib"):
+                "timing/rollout", "timing/update_actor", "perf/tokens_per_second", "perf/peak_rss_gib"):
         assert key in records[-1], key
     # The embedded engine samples in fp32 from the weights the trainer scores with: no mismatch but rounding.
     assert all(record["rollout_corr/kl_k3"] < 1e-9 and record["rollout_corr/kl_k3/copy"] < 1e-9

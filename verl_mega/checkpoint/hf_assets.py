@@ -38,6 +38,20 @@ def without_remote_code(config: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if key != REMOTE_CODE_KEY}
 
 
+def check_json_assets(src: str | Path) -> None:
+    """Refuse, naming it, a JSON file of the folder (tokenizer.json, tokenizer_config.json, ...) that does not
+    parse: transformers reads them, and carried unread into a conversion the file would fail the first run or
+    export that loads the tokenizer. Weight indexes are the weight readers' to check."""
+    for path in sorted(Path(src).iterdir()):
+        if not path.is_file() or path.suffix != ".json" or path.name.endswith(WEIGHT_SUFFIXES):
+            continue
+        try:
+            json.loads(path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err}): transformers reads the model folder's JSON files "
+                             "(the tokenizer's among them); fix or remove it") from None
+
+
 def copy_hf_assets(src: str | Path, dst: Path, *, keep_remote_code: bool = False, skip: tuple[str, ...] = (),
                    follow_symlinks: bool = True) -> None:
     """Copy every file of `src` but weights and `skip` into `dst` (created). `follow_symlinks=False` leaves

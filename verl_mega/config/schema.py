@@ -960,6 +960,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
         layers.append(_dotted_layer(values or {}))
         for layer in layers[1:]:
             _drop_retired_keys(layer)
+            _refuse_value_for_section(schema, OmegaConf.to_container(layer, resolve=False))
         loose = [key for layer in layers[1:] for key in loose_booleans(TrainConfig, layer)]
         if loose:
             raise ConfigError(f"{loose[0]}: a boolean key takes true or false")
@@ -975,6 +976,21 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
         raise ConfigError(f"config key '{key}' is required: set it in the YAML file or as {key}=...") from None
     config.job = JOB_ALIASES.get(config.job, config.job)
     return config
+
+
+def _refuse_value_for_section(schema, given: dict, prefix: str = "") -> None:
+    """A section (`actor`, `actor.optim`, ...) given a plain value, as `actor=3` gives it: named with its keys.
+    omegaconf's merge error names no key."""
+    for key, value in given.items():
+        node = schema._get_node(key) if OmegaConf.is_dict(schema) and key in schema else None
+        if node is None or not OmegaConf.is_dict(node):
+            continue
+        if isinstance(value, dict):
+            _refuse_value_for_section(node, value, f"{prefix}{key}.")
+        elif value is not None:
+            keys = ", ".join(list(node.keys())[:4])
+            raise ConfigError(f"config key '{prefix}{key}' is a section (keys: {keys}, ...), not a value: set one "
+                              f"of its keys, e.g. {prefix}{key}.{next(iter(node.keys()), 'KEY')}=...")
 
 
 def _drop_retired_keys(layer) -> None:

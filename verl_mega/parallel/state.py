@@ -30,7 +30,12 @@ def backend() -> str:
 def select_local_device(local_rank: int) -> None:
     """This rank's GPU, where there is one: its local rank among the GPUs it sees. A task the scheduler binds to
     its own GPUs (`srun --gpus-per-task`, a per-task CUDA_VISIBLE_DEVICES) sees fewer than the node's ranks, so
-    the index wraps around what it sees instead of naming a device that does not exist there."""
+    the index wraps around what it sees instead of naming a device that does not exist there.
+
+    Before it, the first CUDA call of every rank (training, or a disaggregated rollout rank's bridge), the variable
+    megatron's linear layers expect so that their async all-reduce overlaps with compute (it warns otherwise): it
+    must be set before the CUDA context exists."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
@@ -44,9 +49,6 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeo
     which a plain process or an `srun` task would otherwise lack."""
     from megatron.core import parallel_state, tensor_parallel
 
-    # What megatron's linear layers expect so that their async all-reduce overlaps with compute (it warns
-    # otherwise); it must be set before the CUDA context exists.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if not dist.is_initialized():
         exit_with_agent()
         world = read_world()

@@ -222,7 +222,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         hf_dir = resolve_model(model_ref(args.hf), weights=False).path if model_ref(args.hf) else args.hf
-    except HubError as err:
+        load_hf_model_config(hf_dir, args.family_spec)  # a broken model folder is the folder's fault, not the layout's
+    except (HubError, ValueError, OSError) as err:
         parser.exit(2, f"verl-mega plan: error: {err}\n")
     try:
         result = plan(hf_dir, args.train_tp, args.train_pp, args.dp, args.rollout_tp, ep=args.ep, dtype=args.dtype,

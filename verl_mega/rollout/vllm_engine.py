@@ -36,6 +36,7 @@ checkpoint's; the layerwise reload re-runs the FP8 layers' post-load processing 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -92,6 +93,25 @@ def kv_cache_bytes(hf_config: HFModelConfig, dtype: torch.dtype, tokens: int) ->
     return 2 * hf_config.num_layers * hf_config.num_kv_heads * hf_config.head_dim * dtype.itemsize * tokens
 
 
+@contextlib.contextmanager
+def selected_device_as_local_rank():
+    """LOCAL_RANK, while vLLM's external launcher reads it, as the GPU this rank selected: vLLM takes it as the
+    device's index among those the process sees, and a task bound to its own GPUs (`srun --gpus-per-task`) sees
+    fewer than its local rank (`parallel.state.select_local_device`). Without CUDA it is left as it is."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = before
+
+
 class VLLMEngine(RolloutEngine):
     # vLLM 0.32 captures routed experts (`enable_return_routed_experts`) in its GPU V2 model runner only; the CPU
     # build's runner (the V1 GPU runner's subclass) has no capture, and the V2 path is not wired here.
@@ -127,15 +147,17 @@ class VLLMEngine(RolloutEngine):
         keep_finalizers_at_exit(
             "vLLM's engine: its native exit handlers wait on objects left unfinalized (a one-process vLLM worker "
             "exited in 32.6 s against 26.0 s through sys.exit), and its CPU shared memory is freed in their teardown")
-        self.llm = vllm.LLM(
-            model=str(hf_dir), tensor_parallel_size=feed.rollout_tp, distributed_executor_backend="external_launcher",
-            enable_sleep_mode=self.sleeps, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            seed=seed, load_format=load_format, gpu_memory_utilization=gpu_memory_utilization,
-            # The sampled token's log-prob after temperature (and top-k / top-p), as `SamplingParams.logprobs`
-            # promises; vLLM's default (raw_logprobs) is before the temperature. On CUDA this makes vLLM sample
-            # with its PyTorch sampler: FlashInfer's cannot return processed log-probs.
-            logprobs_mode="processed_logprobs", **platform, **quantized,
-        )
+        with selected_device_as_local_rank():
+            self.llm = vllm.LLM(
+                model=str(hf_dir), tensor_parallel_size=feed.rollout_tp,
+                distributed_executor_backend="external_launcher", enable_sleep_mode=self.sleeps, dtype=dtype,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, load_format=load_format,
+                gpu_memory_utilization=gpu_memory_utilization,
+                # The sampled token's log-prob after temperature (and top-k / top-p), as `SamplingParams.logprobs`
+                # promises; vLLM's default (raw_logprobs) is before the temperature. On CUDA this makes vLLM
+                # sample with its PyTorch sampler: FlashInfer's cannot return processed log-probs.
+                logprobs_mode="processed_logprobs", **platform, **quantized,
+            )
         self._vllm = vllm
         self.feed = feed
         from vllm.distributed import get_tensor_model_parallel_rank

@@ -48,9 +48,9 @@ class StageTimer:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
 
-def peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
+def peak_rss_bytes() -> int:
+    """The process's peak resident host memory since it started, on CPU and GPU machines alike (a GPU's memory is
+    `PeakMemory`'s perf/max_memory_* metrics)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -113,10 +113,10 @@ def live_tensor_bytes() -> int:
 
 def step_performance(timer: StageTimer, tokens: int) -> dict[str, float]:
     """Every job's perf/ and timing/ metrics of a step: wall and CPU seconds since `timer` was made, `tokens`
-    (the batch's attended tokens) per second, peak memory, and each stage's seconds."""
+    (the batch's attended tokens) per second, the process's peak host memory, and each stage's seconds."""
     seconds, cpu_seconds = timer.elapsed()
     return {"perf/step_seconds": seconds, "perf/step_cpu_seconds": cpu_seconds,
-            "perf/tokens_per_second": tokens / seconds, "perf/peak_memory_gib": peak_memory_bytes() / 1024**3,
+            "perf/tokens_per_second": tokens / seconds, "perf/peak_rss_gib": peak_rss_bytes() / 1024**3,
             **{f"timing/{stage}": value for stage, value in timer.seconds.items()}}
 
 
