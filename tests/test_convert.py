@@ -241,23 +241,16 @@ def test_missing_shard_file_is_refused(tiny_models, tmp_path, capsys):
              f"shard {shard} named in model.safetensors.index.json is missing")
 
 
-def test_a_tokenizer_file_that_is_not_json_is_refused_before_any_shard_is_written(tiny_models, tmp_path, capsys):
+@pytest.mark.parametrize("name, cut, problem", [("model.safetensors", 1000, "is truncated"),
+                                                ("tokenizer.json", 200, "is not valid JSON")])
+def test_a_cut_file_of_the_hf_folder_is_refused_naming_it(tiny_models, tmp_path, capsys, name, cut, problem):
+    """The weights, and a tokenizer file transformers would read (refused before any shard is written)."""
     hf = tmp_path / "hf"
     shutil.copytree(tiny_models["llama"], hf)
-    tokenizer = hf / "tokenizer.json"
-    tokenizer.write_text(tokenizer.read_text()[:-200])
+    cut_file = hf / name
+    cut_file.write_bytes(cut_file.read_bytes()[:-cut])
     out = tmp_path / "out"
-    _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)], out,
-             f"{tokenizer} is not valid JSON")
-
-
-def test_truncated_safetensors_is_refused(tiny_models, tmp_path, capsys):
-    hf = tmp_path / "hf"
-    shutil.copytree(tiny_models["llama"], hf)
-    weights = hf / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-1000])
-    out = tmp_path / "out"
-    _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)], out, f"{weights} is truncated")
+    _refused(capsys, ["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(out)], out, f"{cut_file} {problem}")
 
 
 def test_existing_output_needs_overwrite(tiny_models, tmp_path, capsys):
