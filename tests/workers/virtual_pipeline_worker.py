@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from tests.workers.sequence_parallel_worker import case_roles, role_pass, save_case

@@ -9,8 +9,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .hf_config import HFModelConfig
 from .chunks import chunk_prefix
+from .hf_config import HFModelConfig
 from .spec import EXPERT, LAYER, LM_HEAD, FamilySpec, TensorRule
 
 
