@@ -82,6 +82,8 @@ def test_the_chunks_run_only_through_the_schedule():
     (["parallel.vpp=3"], "parallel.pp=2 x parallel.vpp=3 must divide the model's 4 layers"),
     (["parallel.vpp=2", "actor.max_tokens_per_micro_batch=4096"],
      "actor.max_tokens_per_micro_batch=4096 may pack a pass into fewer than parallel.pp=2 micro-batches"),
+    (["parallel.vpp=2", "actor.recompute.granularity=full", "actor.recompute.num_layers=2"],
+     "actor.recompute.num_layers=2 must divide the 1 layers of each model chunk (parallel.vpp)"),
     (["parallel.vpp=2", "actor.micro_batch_size=4"],
      "actor.mini_batch_size=4 gives each of the 1 data-parallel ranks 1 micro-batches of actor.micro_batch_size=4"),
 ])

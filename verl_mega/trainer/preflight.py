@@ -502,7 +502,8 @@ def _check_model(config: TrainConfig, check, need, layout_in_range: bool) -> boo
                  f"parallel.pp={p.pp} x parallel.vpp={p.vpp} must divide the model's {model.num_layers} layers (each "
                  "pipeline rank runs vpp chunks of equal layers)")
             if layout_in_range and p.pp >= 1 and model.num_layers % (p.pp * p.vpp) == 0:
-                _check_recompute_layers(config, model.num_layers // (p.pp * p.vpp), need)
+                _check_recompute_layers(config, model.num_layers // (p.pp * p.vpp),
+                                        "pipeline stage" if p.vpp == 1 else "model chunk (parallel.vpp)", need)
             if m.actor_ckpt and Path(m.actor_ckpt, MANIFEST_NAME).is_file():
                 check(lambda: check_actor_checkpoint(m.actor_ckpt, model, config), "model.actor_ckpt: ")
     return has_model
@@ -538,9 +539,9 @@ def _check_unsupported_memory_settings(config: TrainConfig, need) -> None:
                  f"{role}.optim.use_distributed_optimizer=true (megatron offloads the distributed optimizer's shards)")
 
 
-def _check_recompute_layers(config: TrainConfig, stage_layers: int, need) -> None:
+def _check_recompute_layers(config: TrainConfig, stage_layers: int, stage: str, need) -> None:
     """megatron's full recompute runs chunks of num_layers layers (uniform) or the first num_layers (block) of
-    each pipeline stage's `stage_layers` (each model chunk's, under virtual pipeline stages)."""
+    the `stage_layers` of each `stage` (a pipeline stage, or under virtual pipeline stages a model chunk)."""
     for role in lora_roles(config):
         recompute = getattr(config, role).recompute
         if recompute.granularity != "full":
@@ -548,10 +549,9 @@ def _check_recompute_layers(config: TrainConfig, stage_layers: int, need) -> Non
         key = f"{role}.recompute.num_layers={recompute.num_layers}"
         if recompute.method == "uniform":
             need(stage_layers % recompute.num_layers == 0, f"{key} must divide the {stage_layers} layers of each "
-                 "pipeline stage (method uniform recomputes chunks of that many)")
+                 f"{stage} (method uniform recomputes chunks of that many)")
         else:
-            need(recompute.num_layers <= stage_layers, f"{key} exceeds the {stage_layers} layers of each "
-                 "pipeline stage")
+            need(recompute.num_layers <= stage_layers, f"{key} exceeds the {stage_layers} layers of each {stage}")
 
 
 def lora_roles(config: TrainConfig) -> tuple[str, ...]:
