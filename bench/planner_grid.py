@@ -52,14 +52,17 @@ class GridLayout:
     recompute: str = "none"
     offload: tuple[bool, bool, bool] = (False, True, True)  # params, grads, optimizer
     rows: int = 1
+    vpp: int = 1
 
     @property
     def micro_batches(self) -> int:
-        """As many as pipeline stages: the first stage then holds all of them under 1F1B."""
-        return self.pp
+        """As many as pipeline stages: the first stage then holds all of them under 1F1B; with virtual stages,
+        times their number, so that the interleaved schedule's warm-up runs whole groups of them."""
+        return self.pp * self.vpp
 
     def name(self) -> str:
-        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.world // (self.tp * self.pp)}", self.dtype]
+        parts = [f"tp{self.tp}", f"pp{self.pp}", *[f"vpp{self.vpp}"] * (self.vpp > 1),
+                 f"dp{self.world // (self.tp * self.pp)}", self.dtype]
         parts += ["distopt"] * self.distributed + ["sp"] * self.sp + [f"rc-{self.recompute}"] * (self.recompute != "none")
         offloaded = [part for part, on in zip(("params", "grads", "optim"), self.offload) if on]
         parts.append("off-" + ("+".join(offloaded) or "none"))
@@ -71,6 +74,7 @@ class GridLayout:
         params, grads, optimizer = (str(on).lower() for on in self.offload)
         dp = self.world // (self.tp * self.pp)
         return [f"model.hf_path={hf}", f"model.dtype={self.dtype}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+                f"parallel.vpp={self.vpp}",
                 f"parallel.sequence_parallel={str(self.sp).lower()}", "rollout.engine=embedded",
                 f"actor.optim.use_distributed_optimizer={str(self.distributed).lower()}", *recompute,
                 f"actor.offload.params={params}", f"actor.offload.grads={grads}", f"actor.offload.optimizer={optimizer}",
@@ -86,6 +90,7 @@ GRID = [
     GridLayout(2, tp=2, sp=True),
     GridLayout(2, tp=2, recompute="selective", rows=2),
     GridLayout(2, pp=2, dtype="fp32", recompute="full"),
+    GridLayout(2, pp=2, vpp=2, dtype="fp32"),
     GridLayout(2, offload=(True, True, True)),
     GridLayout(2, dtype="fp32", distributed=True, offload=(True, True, True)),
     GridLayout(4, distributed=True, offload=(True, False, True)),
@@ -117,11 +122,11 @@ def storages_bytes(tensors) -> int:
 
 def measure(layout: GridLayout, ckpt: Path, hf: Path) -> dict[str, float]:
     """This rank's state, window and (one stage) activation bytes."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from verl_mega.config import load_config
     from verl_mega.checkpoint.model_io import build_model_from_checkpoint
     from verl_mega.models.builder import memory_overrides
+    from verl_mega.models.chunks import schedule_chunks
+    from verl_mega.parallel.pipeline import run_schedule
     from verl_mega.roles.batching import causal_padding_mask
     from verl_mega.roles.logprobs import vocab_parallel_logprobs
     from verl_mega.roles.trainable import TrainableModel
@@ -161,10 +166,9 @@ def measure(layout: GridLayout, ckpt: Path, hf: Path) -> dict[str, float]:
 
     trainable.model.train()
     resident = live_tensor_bytes()
-    with LiveBytes() as tracked:  # megatron's schedule, 1F1B over the pipeline stages
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(layout.micro_batches)),
-                                    model=[trainable.model], num_microbatches=layout.micro_batches, seq_length=SEQ,
-                                    micro_batch_size=layout.rows, forward_only=False)
+    with LiveBytes() as tracked:  # megatron's schedule, 1F1B over the pipeline stages (interleaved over chunks)
+        run_schedule(schedule_chunks(trainable.model), [{"input_ids": ids}] * layout.micro_batches, forward_step,
+                     forward_only=False)
     found["activations"] = tracked.peak
     found["peak"] = resident + tracked.peak  # as the trainer's perf/max_memory_allocated_gb counts it on CPU
     return found
@@ -175,7 +179,7 @@ def worker(hf: str, ckpts: str, out: str, world: int) -> None:
 
     rows = []
     for layout in (layout for layout in GRID if layout.world == world):
-        init_parallel(layout.tp, layout.pp)
+        init_parallel(layout.tp, layout.pp, vpp=layout.vpp)
         found = measure(layout, Path(ckpts) / f"tp{layout.tp}pp{layout.pp}", Path(hf))
         gc.collect()  # the layout's model and optimizer, in reference cycles, before the next layout counts
         gathered = [None] * world

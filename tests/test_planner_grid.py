@@ -24,6 +24,7 @@ def test_one_rank_matches_the_planner_within_10_percent(one_rank, tmp_path, layo
 def test_the_grid_spans_at_least_12_layouts_of_2_and_4_ranks():
     assert len(GRID) >= 12 and {layout.world for layout in GRID} == {2, 4}
     assert {(layout.tp, layout.pp) for layout in GRID} >= {(1, 1), (2, 1), (1, 2), (2, 2)}
+    assert any(layout.vpp > 1 for layout in GRID)
 
 
 @pytest.mark.slow
