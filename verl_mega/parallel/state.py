@@ -32,9 +32,9 @@ def select_local_device(local_rank: int) -> None:
     its own GPUs (`srun --gpus-per-task`, a per-task CUDA_VISIBLE_DEVICES) sees fewer than the node's ranks, so
     the index wraps around what it sees instead of naming a device that does not exist there.
 
-    Before it, the first CUDA call of every rank (training, or a disaggregated rollout rank's bridge), the variable
-    megatron's linear layers expect so that their async all-reduce overlaps with compute (it warns otherwise): it
-    must be set before the CUDA context exists."""
+    It first sets CUDA_DEVICE_MAX_CONNECTIONS, which megatron's linear layers expect so that their async all-reduce
+    overlaps with compute (they warn otherwise). The variable must exist before the CUDA context, and this is every
+    rank's first CUDA call (a training rank's, or a disaggregated rollout rank's bridge's)."""
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
