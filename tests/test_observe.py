@@ -61,6 +61,18 @@ def test_plot_writes_a_png_and_says_which_panels_a_run_does_not_log(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["run.png"]  # no temp file left behind
 
 
+def test_the_kl_panel_draws_the_kl_loss_of_verl_s_grpo_default():
+    """GRPO with use_kl_loss logs its KL to the reference as actor/kl_loss, and an on-policy update's ppo_kl is 0:
+    the panel drew only that zero line for a real model's run."""
+    from verl_mega.trainer.plot import panel_metrics
+
+    records = [{"step": step, "actor/kl_loss": 0.01 * step, "actor/ppo_kl": 0.0, "reward/mean": 0.5,
+                "timing/rollout": 1.0} for step in range(1, 4)]
+    panels = {title: drawn for title, drawn, _ in panel_metrics(records)}
+    assert panels == {"reward": ["reward/mean"], "KL": ["actor/kl_loss", "actor/ppo_kl"],
+                      "response length (tokens)": [], "time per stage (s)": ["timing/rollout"]}
+
+
 @pytest.mark.parametrize("value", ["1" + "0" * 400, "-1" + "0" * 400, "1e999", "NaN", "true", '"high"'])
 def test_plot_leaves_out_values_no_float_holds(tmp_path, capsys, value):
     """An integer too large for a float, an overflowing or NaN number, a bool or a string: not a point of the curve,

@@ -17,7 +17,9 @@ from verl_mega.run.folder import RunFolder
 # (title, metrics drawn as lines, a prefix whose every metric is drawn too); names as rl.py / actor.py log them.
 PANELS = (
     ("reward", ("reward/mean", "val/reward_mean"), "val/reward_mean/"),
-    ("KL", ("actor/kl", "actor/ppo_kl"), None),
+    # To the reference: in the reward (actor/kl) or in the loss (actor/kl_loss, verl's GRPO default); and to the
+    # policy that sampled (ppo_kl), zero when the update is on-policy.
+    ("KL", ("actor/kl", "actor/kl_loss", "actor/ppo_kl"), None),
     ("response length (tokens)", ("response/length_mean", "val/response_length_mean"), None),
     ("time per stage (s)", ("val/seconds",), "timing/"),
 )
@@ -67,6 +69,18 @@ def _finite(value) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def panel_metrics(records: list[dict]) -> list[tuple[str, list[str], str]]:
+    """For each panel: its title, the metrics of `PANELS` it draws that the run logs (a finite value at least
+    once), and what it would draw, for the panel that has none."""
+    keys = sorted({key for record in records for key in record})
+    panels = []
+    for title, names, prefix in PANELS:
+        candidates = [*names, *(key for key in keys if prefix and key.startswith(prefix) and key not in names)]
+        drawn = [key for key in candidates if series(records, key)[0]]
+        panels.append((title, drawn, ", ".join([*names, *([f"{prefix}*"] if prefix else [])])))
+    return panels
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's PNG to `out` (default RUN/metrics.png) and return its path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -79,25 +93,18 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     figure = Figure(figsize=(12, 8), layout="constrained")
     FigureCanvasAgg(figure)
     figure.suptitle(f"{run_dir} (steps {records[0]['step']}-{records[-1]['step']})")
-    keys = sorted({key for record in records for key in record})
-    for axes, (title, names, prefix) in zip(figure.subplots(2, 2).flat, PANELS):
-        drawn = [*names, *(key for key in keys if prefix and key.startswith(prefix) and key not in names)]
-        plotted = False
+    for axes, (title, drawn, wanted) in zip(figure.subplots(2, 2).flat, panel_metrics(records)):
         for key in drawn:
             steps, values = series(records, key)
-            if not steps:
-                continue
             validation = key.startswith("val/")  # a few points, at the validation steps
             axes.plot(steps, values, label=key, marker="o" if validation else None,
                       linestyle="--" if validation and key != "val/reward_mean" else "-")
-            plotted = True
         axes.set_title(title)
         axes.set_xlabel("step")
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if plotted:
+        if drawn:
             axes.legend(fontsize="small")
         else:
-            wanted = ", ".join([*names, *([f"{prefix}*"] if prefix else [])])
             axes.text(0.5, 0.5, f"not logged by this run\n({wanted})", ha="center", va="center",
                       transform=axes.transAxes, color="gray")
     try:
