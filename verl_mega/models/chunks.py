@@ -65,9 +65,7 @@ def model_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def schedule_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model list megatron's schedules take: a rank's chunks (inside DDP, which then wraps them all), or
-    `[model]` as it is."""
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
+    """The model list megatron's schedules take: a rank's chunks (inside the DDP that a trainable role wraps them
+    all in), or `[model]` as it is."""
+    inner = getattr(model, "module", model)
     return list(inner.chunks) if isinstance(inner, StageChunks) else [model]
