@@ -11,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .host_heap import keep_freed_host_memory
 from .layout import ParallelLayout, data_parallel_size
 from .shims import apply_shims
 from .torchrun import exit_with_agent
@@ -34,10 +35,13 @@ def select_local_device(local_rank: int) -> None:
 
     It first sets CUDA_DEVICE_MAX_CONNECTIONS, which megatron's linear layers expect so that their async all-reduce
     overlaps with compute (they warn otherwise). The variable must exist before the CUDA context, and this is every
-    rank's first CUDA call (a training rank's, or a disaggregated rollout rank's bridge's)."""
+    rank's first CUDA call (a training rank's, or a disaggregated rollout rank's bridge's). A rank without a GPU
+    keeps its freed tensors' memory for the next step instead (`host_heap`)."""
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    else:
+        keep_freed_host_memory()
 
 
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, timeout_minutes: int = 30,
