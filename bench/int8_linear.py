@@ -41,7 +41,6 @@ def int8_twin(linear: torch.nn.Linear) -> Int8Linear:
     q, scale = quantize_int8(linear.weight)
     layer.weight.copy_(q)
     layer.weight_scale.copy_(scale)
-    layer.pack()
     return layer
 
 

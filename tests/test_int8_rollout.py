@@ -27,7 +27,6 @@ def test_int8_linear_matches_the_dequantized_product():
     q, scale = quantize_int8(linear.weight)
     layer.weight.copy_(q)
     layer.weight_scale.copy_(scale)
-    layer.pack()
     x = torch.randn(3, 5, 96)
     # The reference: the dequantized weight times the per-token quantized activations, in fp32.
     qx, row_scale = quantize_int8(x.reshape(-1, 96))

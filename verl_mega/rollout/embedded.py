@@ -11,8 +11,8 @@ parameters is learned once, by running transformers' own reverse conversion on t
 so no family knowledge is repeated here.
 
 With `quantization="int8"` (`rollout.quantization`) the linear layers inside the transformer blocks become
-`Int8Linear`s (oneDNN int8 GEMMs), whose int8 weights and scales the stream fills under their checkpoint names
-and which are packed for oneDNN after each load. A quantized tensor aimed at a parameter kept in the engine's dtype
+`Int8Linear`s (oneDNN int8 GEMMs), whose int8 weights and scales the stream fills under their checkpoint names.
+A quantized tensor aimed at a parameter kept in the engine's dtype
 (transformers' fused MoE experts) is dequantized into it: the same values, run by an ordinary GEMM.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from verl_mega.parallel.shims import cuda_device_rewrite_paused
 from .decode_attention import use_decode_attention
 from .decoding import decode
 from .engine import Response, RolloutEngine, SamplingParams
-from .int8_linear import Int8Linear, int8_linears
+from .int8_linear import int8_linears
 from .quantization import SCALE_SUFFIX, dequantize_int8, is_quantized_linear
 from .routing import RouterRecorder
 
@@ -84,9 +84,6 @@ class EmbeddedEngine(RolloutEngine):
         missing = sorted(set(self._targets) - loaded) + sorted(f"{name}'s scales" for name in awaiting_scale)
         if missing:
             raise ValueError(f"the weight stream lacked {len(missing)} parameters, e.g. {missing[:3]}")
-        for module in self.model.modules():
-            if isinstance(module, Int8Linear):
-                module.pack()
         return len(loaded)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Response]:

@@ -1,16 +1,15 @@
 """int8 linear layers for the embedded engine's quantized rollouts (`rollout.quantization: int8`, CPU).
 
-The products run in oneDNN, the kernel library torch ships for x86 CPUs, through torch's own operators
-`onednn::qlinear_prepack` (the weight reordered once per load into oneDNN's blocked int8 layout) and
-`onednn::qlinear_pointwise` (an s8 x s8 -> s32 GEMM with the scales applied on the way out): the path
-torch.compile's x86 int8 quantization lowers to. They take plain int8 tensors and scale tensors; the older
-`quantized::linear_dynamic` (FBGEMM) route needs torch's quantized tensor types, whose constructors torch 2.13
-deprecates.
+Each product is one s8 x s8 -> s32 GEMM in oneDNN, the kernel library torch ships for x86 CPUs, through torch's
+own `torch._int_mm` (oneDNN's integer GEMM; torchao's int8 layers call the same operator). It reads the int8
+weight as loaded, [out, in], transposed by its strides: nothing is reordered when the weights change, which the
+HybridEngine's transition does every step. (oneDNN's `qlinear_prepack`, which its quantized-linear operators
+need, reorders each weight into a blocked layout through a generic scalar reorder: 0.14 s a step for the ~100M
+model's 84 linears, for GEMMs no faster than these.)
 
 Weights: per-output-channel symmetric int8 with fp32 scales, as the HybridEngine streams them
 (`quantization.quantize_int8`). Activations: quantized dynamically, per token (each row of the input its own
-symmetric scale, computed on the fly): the GEMM runs with an activation scale of 1 and each output row is
-multiplied by its input row's scale after it, which oneDNN's single activation scale could not express.
+symmetric scale, computed on the fly). The int32 products are scaled back by the row's and the channel's scale.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from .quantization import quantize_int8
 
 
 class Int8Linear(torch.nn.Module):
-    """A linear layer whose weight is int8 per output channel; `pack()` after the weight and scales are loaded.
+    """A linear layer whose weight is int8 per output channel.
 
     `weight` (int8 [out, in]) and `weight_scale` (fp32 [out]) are buffers under the checkpoint's names, so the
     engine loads the streamed tensors into them like any other; the bias, if any, stays a parameter in the
@@ -31,26 +30,16 @@ class Int8Linear(torch.nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(out_features))
-        self.register_buffer("_zero_points", torch.zeros(out_features, dtype=torch.int32), persistent=False)
         self.bias = bias
-        self._packed: torch.Tensor | None = None
 
     @classmethod
     def replacing(cls, linear: torch.nn.Linear) -> "Int8Linear":
         return cls(linear.in_features, linear.out_features, linear.bias)
 
-    def pack(self) -> None:
-        """Reorder the loaded int8 weight for oneDNN (once per weight load, not per call)."""
-        self._packed = torch.ops.onednn.qlinear_prepack(self.weight, None)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is None:
-            raise RuntimeError("Int8Linear runs before its weights were loaded (pack() after load)")
         rows = x.reshape(-1, self.in_features)
         q, row_scale = quantize_int8(rows)
-        out = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, self._packed, self.weight_scale, self._zero_points,
-                                                 None, 1.0, 0, torch.float32, "none", [], "")
-        out = out * row_scale[:, None]
+        out = torch._int_mm(q, self.weight.t()).float().mul_(row_scale[:, None]).mul_(self.weight_scale)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
