@@ -9,7 +9,7 @@ from verl_mega.checkpoint.safetensors_io import SafetensorsReader
 from verl_mega.models import HFModelConfig
 from verl_mega.rollout.embedded import EmbeddedEngine
 from verl_mega.rollout.engine import SamplingParams
-from verl_mega.rollout.int8_linear import Int8Linear
+from verl_mega.rollout.int8_linear import Int8Linear, QuantizedInput
 from verl_mega.rollout.quantization import quantize_int8, quantized_stream
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -36,6 +36,45 @@ def test_int8_linear_matches_the_dequantized_product():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # and close to the fp32 layer: the quantization error only
     assert (got - linear(x)).abs().max() < 0.02 * linear(x).abs().max()
+
+
+def _int8_twins(*shapes, inputs=None) -> list[Int8Linear]:
+    layers = []
+    for out_features, in_features in shapes:
+        linear = torch.nn.Linear(in_features, out_features, bias=False)
+        layer = Int8Linear.replacing(linear, inputs)
+        q, scale = quantize_int8(linear.weight)
+        layer.weight.copy_(q)
+        layer.weight_scale.copy_(scale)
+        layers.append(layer)
+    return layers
+
+
+def _quantizations(call) -> int:
+    """How many activation quantizations `call` ran (each rounds once)."""
+    with torch.profiler.profile() as profile:
+        call()
+    return sum(event.count for event in profile.key_averages() if event.key == "aten::round")
+
+
+def test_linears_reading_one_tensor_quantize_it_once():
+    torch.manual_seed(0)
+    shapes = [(64, 48), (16, 48), (16, 48)]  # q, k and v of one attention
+    shared = _int8_twins(*shapes, inputs=QuantizedInput())
+    torch.manual_seed(0)
+    alone = _int8_twins(*shapes)  # the same weights, each layer quantizing for itself
+    x = torch.randn(4, 3, 48)
+    with torch.no_grad():
+        assert _quantizations(lambda: [layer(x) for layer in shared]) == 1
+        for a, b in zip(shared, alone):
+            torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+        # A tensor changed in place since, or another tensor, is quantized anew.
+        x.mul_(3)
+        assert _quantizations(lambda: shared[1](x)) == 1
+        torch.testing.assert_close(shared[1](x), alone[1](x), rtol=0, atol=0)
+        y = torch.randn(4, 3, 48)
+        torch.testing.assert_close(shared[2](y), alone[2](y), rtol=0, atol=0)
+        torch.testing.assert_close(shared[0](x), alone[0](x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mixtral"])
