@@ -26,7 +26,8 @@ parts of the process's RSS high-water mark:
   (`/proc/self/clear_refs`), so the step peak is the steps' own;
 
 The runs' processes start with glibc's mmap threshold fixed at --mmap-threshold bytes (MALLOC_MMAP_THRESHOLD_;
-0 keeps glibc's default): by default glibc raises the threshold to the size of each large block freed (up to
+0 leaves the trainer's own settings, `verl_mega.parallel.host_heap`: no block mapped on its own, freed memory kept
+in the heap). By default glibc raises the threshold to the size of each large block freed (up to
 32 MiB), so that later tensors below it come from the heap, whose freed holes stay resident. The high-water mark
 then counts memory of tensors freed earlier: with 8-row micro-batches 0.6 to 1.1 GiB of `rest`, more with LoRA
 than without (docs/lora.md has the figures). A fixed threshold maps every tensor above it
@@ -36,7 +37,7 @@ Then LoRA's ratios to full-parameter: of the RSS peak, of the model state (weigh
 optimizer) and of the peak less the runtime (what the job allocates above the runtime's fixed footprint: the
 CPU counterpart of a GPU's `max_memory_allocated`, which leaves out the CUDA context).
 
-Step time is measured in other processes, with glibc's default allocator settings: the fixed threshold maps and
+Step time is measured in other processes, with the trainer's own allocator settings: the fixed threshold maps and
 unmaps every large tensor, so each step pays its page faults again (measured: 1.6x the step time of both modes).
 --rounds rounds each run full-parameter and LoRA in fresh processes, in alternating order, so a change of the
 machine's load falls on both; printed per round, the median step time (wall and CPU) over the steps after the
@@ -174,7 +175,7 @@ def measure(job: str, rank: int, ckpt: Path, steps: int, threads: int, micro: in
         "grad_bytes": tensor_bytes(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers),
         "optimizer_bytes": optimizer_state_bytes(actor.trainable.optimizer),
         "activation_bytes": activations.peak,
-        "micro": micro, "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's default"),
+        "micro": micro, "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "the trainer's own"),
         "logit_bytes": micro * (PROMPT + RESPONSE) * actor.vocab_size * 4,
         "build_peak_bytes": build_peak, "rss_peak_bytes": max(build_peak, resident_bytes()[1]),
         "step_wall_s": statistics.median(walls[1:] or walls), "step_cpu_s": statistics.median(cpus[1:] or cpus),
@@ -228,7 +229,7 @@ def report(runs: list[dict]) -> None:
 
 def report_times(rounds: list[dict]) -> None:
     """`rounds`: per round, (job, rank) -> a timing run's result."""
-    print("step time, glibc's default allocator: | job | round | full wall s | LoRA wall s | LoRA / full wall "
+    print("step time, the trainer's allocator settings: | job | round | full wall s | LoRA wall s | LoRA / full wall "
           "| full CPU s | LoRA CPU s | LoRA / full CPU |")
     ratios = {job: ([], []) for job in JOBS}
     for index, runs in enumerate(rounds):
@@ -251,7 +252,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--micro", type=int, default=8, help="rows per micro-batch (the activations scale with it)")
     parser.add_argument("--mmap-threshold", type=int, default=131072,
-                        help="glibc's M_MMAP_THRESHOLD in the runs' processes, bytes (0: glibc's dynamic default)")
+                        help="glibc's M_MMAP_THRESHOLD in the memory runs' processes, bytes (0: the trainer's own "
+                             "settings)")
     parser.add_argument("--rounds", type=int, default=2, help="step-time rounds (full and LoRA, alternating)")
     parser.add_argument("--run", nargs=3, metavar=("JOB", "RANK", "CKPT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -266,15 +268,16 @@ def main() -> None:
                              check=True, capture_output=True, text=True, env=env).stdout
         return json.loads(out.strip().splitlines()[-1])
 
-    default_env = {name: value for name, value in os.environ.items() if name != "MALLOC_MMAP_THRESHOLD_"}
-    memory_env = {**default_env, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {})}
+    trainer_env = {name: value for name, value in os.environ.items() if name != "MALLOC_MMAP_THRESHOLD_"}
+    memory_env = {**trainer_env,
+                  **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {})}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = prepare(Path(tmp))
         runs = [run(job, rank, memory_env) for job in JOBS for rank in (0, args.rank)]
         rounds = []
         for index in range(args.rounds):
             order = (0, args.rank) if index % 2 == 0 else (args.rank, 0)
-            rounds.append({(job, rank): run(job, rank, default_env) for job in JOBS for rank in order})
+            rounds.append({(job, rank): run(job, rank, trainer_env) for job in JOBS for rank in order})
     report(runs)
     report_times(rounds)
 
