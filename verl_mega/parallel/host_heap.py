@@ -12,8 +12,7 @@ gets the same from jemalloc or tcmalloc (`torch.backends.xeon.run_cpu --enable-j
 
 A rank on a GPU keeps glibc's defaults: its tensors live in CUDA's caching allocator. A process started with
 malloc settings of its own (`GLIBC_TUNABLES` naming `glibc.malloc.`, or a `MALLOC_...` variable: glibc's, or
-jemalloc's `MALLOC_CONF`) keeps them.
-Where the C library has no `mallopt` (not glibc), nothing changes.
+jemalloc's `MALLOC_CONF`) keeps them. Where the C library has no `mallopt` (not glibc), nothing changes.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ so no family knowledge is repeated here.
 
 With `quantization="int8"` (`rollout.quantization`) the linear layers inside the transformer blocks become
 `Int8Linear`s (oneDNN int8 GEMMs), whose int8 weights and scales the stream fills under their checkpoint names.
-A quantized tensor aimed at a parameter kept in the engine's dtype
-(transformers' fused MoE experts) is dequantized into it: the same values, run by an ordinary GEMM.
+A quantized tensor aimed at a parameter kept in the engine's dtype (transformers' fused MoE experts) is
+dequantized into it: the same values, run by an ordinary GEMM.
 """
 from __future__ import annotations
 
