@@ -20,22 +20,26 @@ def _weights(hf_dir, scale: float = 1.0):
     return [(name, reader.read(name) * scale) for name in reader.names()]
 
 
-def test_int8_linear_matches_the_dequantized_product():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_matches_the_dequantized_product(dtype):
     torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 80)
+    linear = torch.nn.Linear(96, 80).to(dtype)
     layer = Int8Linear.replacing(linear)
     q, scale = quantize_int8(linear.weight)
     layer.weight.copy_(q)
     layer.weight_scale.copy_(scale)
-    x = torch.randn(3, 5, 96)
-    # The reference: the dequantized weight times the per-token quantized activations, in fp32.
+    x = torch.randn(3, 5, 96).to(dtype)
+    # The reference: the dequantized weight times the per-token quantized activations, in fp32, rounded to the
+    # engine's dtype once at the end.
     qx, row_scale = quantize_int8(x.reshape(-1, 96))
-    want = ((qx.float() * row_scale[:, None]) @ (q.float() * scale[:, None]).T + linear.bias).view(3, 5, 80)
-    got = layer(x)
-    assert got.shape == (3, 5, 80)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    # and close to the fp32 layer: the quantization error only
-    assert (got - linear(x)).abs().max() < 0.02 * linear(x).abs().max()
+    want = ((qx.float() * row_scale[:, None]) @ (q.float() * scale[:, None]).T + linear.bias.float()).view(3, 5, 80)
+    with torch.no_grad():
+        got, full = layer(x), linear(x).float()
+    assert got.shape == (3, 5, 80) and got.dtype == dtype
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2  # bf16 keeps 8 bits of mantissa
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    # and close to the layer in its own dtype: the quantization error only
+    assert (got.float() - full).abs().max() < 0.02 * full.abs().max()
 
 
 def _int8_twins(*shapes, inputs=None) -> list[Int8Linear]:

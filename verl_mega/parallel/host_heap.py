@@ -32,15 +32,15 @@ def malloc_set_by_environment(environ=os.environ) -> bool:
             or any(name.startswith("MALLOC_") for name in environ))
 
 
-def keep_freed_host_memory() -> bool:
+def keep_freed_host_memory() -> None:
     """Serve every block from glibc's heap and keep what is freed there, unless the environment set malloc
-    up itself; whether the settings were applied."""
+    up itself."""
     if malloc_set_by_environment():
-        return False
+        return
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
-        return False
+        return
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    # mallopt answers 1 when it takes a setting.
-    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE) == 1
+    mallopt(M_MMAP_MAX, 0)
+    mallopt(M_TRIM_THRESHOLD, TRIM_ABOVE)
